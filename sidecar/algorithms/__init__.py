@@ -1,0 +1,1 @@
+"""Rate limiting algorithms: pure step functions, each mirrored by a Lua script in `lua/`."""

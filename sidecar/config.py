@@ -1,0 +1,393 @@
+"""Rules in envoyproxy/ratelimit's YAML format: `parse` one file's text, `load` files from disk.
+
+One file holds one domain: a tree of descriptors, each a `key` with an optional `value` (exact,
+or a pattern where `*` matches any run of characters) and an optional `rate_limit`.
+`parse` is pure; `load` is the only function here that touches the disk.
+Every error is a ConfigError naming the file, the path inside it and, where it helps, the fix,
+worded as the reference words it so existing runbooks still match.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from sidecar.errors import ConfigError
+from sidecar.model import Limit, Unit
+
+MAX_REQUESTS_PER_UNIT = 4_294_967_295
+
+_ROOT_KEYS = ("domain", "descriptors")
+_DESCRIPTOR_KEYS = (
+    "key",
+    "value",
+    "rate_limit",
+    "descriptors",
+    "shadow_mode",
+    "quota_mode",
+    "detailed_metric",
+    "value_to_metric",
+    "share_threshold",
+    "metadata",
+)
+_RATE_LIMIT_KEYS = ("unit", "requests_per_unit", "unlimited", "name", "replaces")
+_REPLACES_KEYS = ("name",)
+_UNITS = {unit.name.lower(): unit for unit in Unit}
+_UNIT_LIST = ", ".join(u.name.lower() for u in sorted(Unit, key=lambda u: u.seconds))
+
+
+@dataclass(slots=True)
+class Level:
+    """The descriptors declared side by side at one depth of the tree.
+
+    Lookup order, as in the reference: exact `key_value`, then wildcard patterns in declaration
+    order, then `key` alone.
+    """
+
+    exact: dict[tuple[str, str], Node] = field(default_factory=dict)
+    wildcards: list[tuple[str, re.Pattern[str], Node]] = field(default_factory=list)
+    keys: dict[str, Node] = field(default_factory=dict)
+    declared: list[Node] = field(default_factory=list)
+
+    def nodes(self) -> Iterable[Node]:
+        """The level's descriptors in declaration order."""
+        return iter(self.declared)
+
+
+@dataclass(slots=True)
+class Node:
+    """One descriptor of the rules: what it matches, its limit and the level below it.
+
+    `label` is this node's part of the rule key (`key`, `key_value` or `key_pattern`);
+    `rule_key` is the whole path from the domain, as metrics and `/rlconfig` name the rule.
+    """
+
+    key: str
+    value: str | None
+    label: str
+    rule_key: str
+    limit: Limit | None
+    children: Level
+    detailed_metric: bool = False
+    value_to_metric: bool = False
+    share_threshold: bool = False
+    metadata: Mapping[str, Any] | None = None
+
+
+@dataclass(slots=True)
+class Domain:
+    """The rules of one domain, from one file."""
+
+    name: str
+    source: str
+    root: Level
+
+    def limits(self) -> Iterable[Limit]:
+        """Every limit of the domain, depth first in declaration order."""
+        stack = list(reversed(list(self.root.nodes())))
+        while stack:
+            node = stack.pop()
+            if node.limit is not None:
+                yield node.limit
+            stack.extend(reversed(list(node.children.nodes())))
+
+    def summary(self) -> str:
+        limits = list(self.limits())
+        return f"{self.source}: domain '{self.name}': {len(limits)} rate limits"
+
+
+@dataclass(slots=True)
+class Rules:
+    """Every loaded domain, by name."""
+
+    domains: dict[str, Domain] = field(default_factory=dict)
+
+    def dump(self) -> list[str]:
+        """One line per rule, in the reference's `/rlconfig` format."""
+        return [describe(limit) for domain in self.domains.values() for limit in domain.limits()]
+
+
+def describe(limit: Limit) -> str:
+    """A rule as `/rlconfig` prints it."""
+    if limit.unlimited:
+        head = f"{limit.rule_key}: unlimited"
+    else:
+        head = (
+            f"{limit.rule_key}: unit={limit.unit.name} "
+            f"requests_per_unit={limit.requests_per_unit}"
+        )
+    line = f"{head}, shadow_mode: {_yaml_bool(limit.shadow_mode)}, quota_mode: {_yaml_bool(limit.quota_mode)}"
+    if limit.name:
+        line += f", name: {limit.name}"
+    if limit.replaces:
+        line += f", replaces: {','.join(limit.replaces)}"
+    return line
+
+
+def _yaml_bool(value: bool) -> str:
+    return "true" if value else "false"
+
+
+def load(paths: Sequence[str | Path]) -> Rules:
+    """Load every rules file named by `paths` (files, or directories of `*.yaml` / `*.yml`).
+
+    Raises ConfigError on the first bad file, or when two files declare the same domain.
+    """
+    rules = Rules()
+    for file in _files(paths):
+        try:
+            text = file.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(str(file), "", f"error loading config file: {exc}") from exc
+        domain = parse(text, str(file))
+        if domain.name in rules.domains:
+            other = rules.domains[domain.name].source
+            raise ConfigError(
+                str(file),
+                "domain",
+                f"duplicate domain '{domain.name}' in config file (already declared in {other})",
+            )
+        rules.domains[domain.name] = domain
+    return rules
+
+
+def _files(paths: Sequence[str | Path]) -> list[Path]:
+    files: list[Path] = []
+    for raw in paths:
+        path = Path(raw)
+        if path.is_dir():
+            found = sorted(p for p in path.iterdir() if p.suffix in (".yaml", ".yml") and p.is_file())
+            files.extend(p for p in found if not p.name.startswith("."))
+        elif path.is_file():
+            files.append(path)
+        else:
+            raise ConfigError(str(path), "", "error loading config file: no such file or directory")
+    return files
+
+
+def parse(text: str, source: str) -> Domain:
+    """Parse one rules file's text; `source` names it in errors."""
+    try:
+        document = yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.YAMLError as exc:
+        raise ConfigError(source, "", f"error loading config file: {_yaml_problem(exc)}") from exc
+    return _Parser(source).root(document)
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """A SafeLoader that refuses a key repeated in one map, which YAML would silently overwrite."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)  # type: ignore[no-untyped-call]
+            if isinstance(key, str) and key in seen:
+                raise yaml.constructor.ConstructorError(
+                    "while constructing a mapping",
+                    node.start_mark,
+                    f"found duplicate key '{key}'",
+                    key_node.start_mark,
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    mark = getattr(exc, "problem_mark", None)
+    problem = getattr(exc, "problem", None) or str(exc)
+    if mark is not None:
+        return f"yaml: line {mark.line + 1}: {problem}"
+    return f"yaml: {problem}"
+
+
+class _Parser:
+    """Walks one YAML document, keeping the file name for errors."""
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+
+    def error(self, path: str, message: str) -> ConfigError:
+        return ConfigError(self.source, path, message)
+
+    def root(self, document: object) -> Domain:
+        if document is None:
+            document = {}
+        if not isinstance(document, dict):
+            raise self.error("", "config error, the file must be a map with 'domain' and 'descriptors'")
+        self.check_keys(document, _ROOT_KEYS, "")
+        domain = document.get("domain")
+        if domain is None or domain == "":
+            raise self.error("domain", "config file cannot have empty domain (add a top-level 'domain: NAME')")
+        if not isinstance(domain, str):
+            raise self.error("domain", f"domain must be a string, got {domain!r}")
+        root = self.level(document.get("descriptors"), "descriptors", domain)
+        return Domain(name=domain, source=self.source, root=root)
+
+    def check_keys(self, mapping: dict[Any, Any], allowed: Sequence[str], path: str) -> None:
+        for key in mapping:
+            if not isinstance(key, str):
+                raise self.error(path, f"config error, key is not of type string: {key} (quote it)")
+            if key not in allowed:
+                hint = difflib.get_close_matches(key, allowed, n=1, cutoff=0.6)
+                fix = f" (did you mean '{hint[0]}'?)" if hint else f" (allowed: {', '.join(allowed)})"
+                raise self.error(path, f"config error, unknown key '{key}'{fix}")
+
+    def level(self, items: object, path: str, parent_key: str) -> Level:
+        level = Level()
+        if items is None:
+            return level
+        if not isinstance(items, list):
+            raise self.error(path, "descriptors must be a list of maps")
+        for index, item in enumerate(items):
+            here = f"{path}[{index}]"
+            if not isinstance(item, dict):
+                raise self.error(
+                    here,
+                    f"config error, yaml file contains list of type other than map: {item} "
+                    "(each descriptor is a map with at least 'key')",
+                )
+            self.descriptor(item, here, parent_key, level)
+        return level
+
+    def descriptor(self, item: dict[Any, Any], path: str, parent_key: str, level: Level) -> None:
+        self.check_keys(item, _DESCRIPTOR_KEYS, path)
+        key = self.scalar(item.get("key"), f"{path}.key")
+        if not key:
+            raise self.error(path, "descriptor has empty key (add 'key: NAME')")
+        raw_value = item.get("value")
+        value = None if raw_value is None else self.scalar(raw_value, f"{path}.value")
+        label = key if value is None else f"{key}_{value}"
+        rule_key = f"{parent_key}.{label}"
+        if (value is None and key in level.keys) or (
+            value is not None and ((key, value) in level.exact or _has_pattern(level, key, value))
+        ):
+            raise self.error(path, f"duplicate descriptor composite key '{rule_key}' (merge the two descriptors)")
+
+        flags = {
+            name: self.flag(item, name, path)
+            for name in ("shadow_mode", "quota_mode", "detailed_metric", "value_to_metric", "share_threshold")
+        }
+        wildcard = value is not None and "*" in value
+        if flags["share_threshold"] and not wildcard:
+            raise self.error(
+                f"{path}.share_threshold",
+                "share_threshold can only be used with wildcard values (containing '*'), "
+                f"but found key '{label}'",
+            )
+        metadata = item.get("metadata")
+        if metadata is not None and not isinstance(metadata, dict):
+            raise self.error(f"{path}.metadata", "metadata must be a map")
+
+        limit = None
+        if "rate_limit" in item:
+            limit = self.rate_limit(
+                item["rate_limit"], f"{path}.rate_limit", rule_key, flags["shadow_mode"], flags["quota_mode"]
+            )
+        node = Node(
+            key=key,
+            value=value,
+            label=label,
+            rule_key=rule_key,
+            limit=limit,
+            children=self.level(item.get("descriptors"), f"{path}.descriptors", rule_key),
+            detailed_metric=flags["detailed_metric"],
+            value_to_metric=flags["value_to_metric"],
+            share_threshold=flags["share_threshold"],
+            metadata=metadata,
+        )
+        level.declared.append(node)
+        if value is None:
+            level.keys[key] = node
+        elif wildcard:
+            level.wildcards.append((key, _compile_pattern(value), node))
+        else:
+            level.exact[(key, value)] = node
+
+    def scalar(self, raw: object, path: str) -> str:
+        """A key or value: strings as they are; numbers and booleans as YAML wrote them."""
+        if raw is None:
+            return ""
+        if isinstance(raw, bool):
+            return _yaml_bool(raw)
+        if isinstance(raw, str | int | float):
+            return str(raw)
+        raise self.error(path, f"must be a string, got {type(raw).__name__} {raw!r}")
+
+    def flag(self, mapping: dict[Any, Any], name: str, path: str) -> bool:
+        raw = mapping.get(name, False)
+        if not isinstance(raw, bool):
+            raise self.error(f"{path}.{name}", f"{name} must be true or false, got {raw!r}")
+        return raw
+
+    def rate_limit(self, raw: object, path: str, rule_key: str, shadow: bool, quota: bool) -> Limit:
+        if not isinstance(raw, dict):
+            raise self.error(path, "rate_limit must be a map with unit and requests_per_unit")
+        self.check_keys(raw, _RATE_LIMIT_KEYS, path)
+        unlimited = self.flag(raw, "unlimited", path)
+        name = self.scalar(raw.get("name"), f"{path}.name")
+        replaces = self.replaces(raw.get("replaces"), f"{path}.replaces", name)
+        unit_text = self.scalar(raw.get("unit"), f"{path}.unit")
+        if unlimited:
+            if unit_text:
+                raise self.error(f"{path}.unit", "should not specify rate limit unit when unlimited (remove 'unit' or 'unlimited')")
+            unit = Unit.SECOND
+        else:
+            found = _UNITS.get(unit_text.lower())
+            if found is None:
+                raise self.error(
+                    f"{path}.unit",
+                    f"invalid rate limit unit '{unit_text}' (expected one of: {_UNIT_LIST})",
+                )
+            unit = found
+        requests = raw.get("requests_per_unit", 0)
+        if isinstance(requests, bool) or not isinstance(requests, int) or not 0 <= requests <= MAX_REQUESTS_PER_UNIT:
+            raise self.error(
+                f"{path}.requests_per_unit",
+                f"requests_per_unit must be a whole number from 0 to {MAX_REQUESTS_PER_UNIT}, got {requests!r}",
+            )
+        return Limit(
+            requests_per_unit=requests,
+            unit=unit,
+            name=name,
+            unlimited=unlimited,
+            replaces=replaces,
+            shadow_mode=shadow,
+            quota_mode=quota,
+            rule_key=rule_key,
+        )
+
+    def replaces(self, raw: object, path: str, own_name: str) -> tuple[str, ...]:
+        if raw is None:
+            return ()
+        if not isinstance(raw, list):
+            raise self.error(path, "replaces must be a list of maps with a name")
+        names = []
+        for index, item in enumerate(raw):
+            here = f"{path}[{index}]"
+            if not isinstance(item, dict):
+                raise self.error(here, f"config error, yaml file contains list of type other than map: {item}")
+            self.check_keys(item, _REPLACES_KEYS, here)
+            name = self.scalar(item.get("name"), f"{here}.name")
+            if not name:
+                raise self.error(here, "should not have an empty replaces entry (name another rule's limit)")
+            if name == own_name:
+                raise self.error(
+                    here, "replaces should not contain name of same descriptor (name another rule's limit)"
+                )
+            names.append(name)
+        return tuple(names)
+
+
+def _has_pattern(level: Level, key: str, value: str) -> bool:
+    return any(k == key and node.value == value for k, _, node in level.wildcards)
+
+
+def _compile_pattern(value: str) -> re.Pattern[str]:
+    """A wildcard value as a regex: each `*` matches zero or more characters, anything else itself."""
+    return re.compile(".*".join(re.escape(part) for part in value.split("*")), re.DOTALL)

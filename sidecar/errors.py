@@ -1,0 +1,44 @@
+"""The sidecar's errors, one small hierarchy::
+
+    SidecarError
+    ├── ConfigError        a rules file is wrong: names the file, the path inside it and the fix
+    ├── InvalidRequest     a request Envoy (or a client) sent cannot be answered: INVALID_ARGUMENT
+    └── StorageError       a backend call failed or timed out; transient, the failure mode decides
+
+Callers chain with ``raise ... from exc`` so the cause stays visible in logs.
+"""
+
+from __future__ import annotations
+
+
+class SidecarError(Exception):
+    """Base of every error the sidecar raises on purpose."""
+
+
+class ConfigError(SidecarError):
+    """A rules file cannot be loaded.
+
+    ``str(err)`` reads ``FILE: PATH: message``, for example
+    ``rules.yaml: descriptors[0]: unknown key 'ratelimit' (did you mean 'rate_limit'?)``.
+    """
+
+    def __init__(self, source: str, path: str, message: str) -> None:
+        self.source = source
+        self.path = path
+        self.message = message
+        where = f"{source}: {path}: " if path else f"{source}: "
+        super().__init__(where + message)
+
+
+class InvalidRequest(SidecarError):
+    """A request that breaks the protocol's rules (empty domain, no descriptors, absurd hits_addend)."""
+
+
+class StorageError(SidecarError):
+    """A backend call failed or missed its deadline.
+
+    Always transient from the service's point of view: the request is answered by the failure
+    mode, and the next request tries the backend again.
+    """
+
+    transient = True

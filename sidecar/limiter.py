@@ -1,0 +1,228 @@
+"""The use case: decide one ShouldRateLimit request.
+
+match each descriptor to a rule → drop replaced and unlimited rules → one `backend.apply` for all
+remaining counters → per-descriptor statuses → `overall_code` (shadow and quota modes) → stats.
+The clock is injected; nothing here knows about protobuf, gRPC or Redis.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import structlog
+
+from sidecar.algorithms import fixed_window
+from sidecar.config import Rules
+from sidecar.errors import InvalidRequest, StorageError
+from sidecar.matching import Match, match, sanitize
+from sidecar.model import (
+    UNLIMITED_REMAINING,
+    Code,
+    Decision,
+    Descriptor,
+    DescriptorStatus,
+    Hit,
+    Limit,
+    Request,
+    Role,
+)
+from sidecar.stats import Stats
+from sidecar.storage import Backend
+from sidecar.storage.keys import descriptor_prefix, fixed_window_key
+
+FailureMode = Literal["allow", "deny"]
+RejectedHits = Literal["count", "skip"]
+
+#: Bounds on what one request may carry; beyond them it is refused with INVALID_ARGUMENT.
+MAX_HITS_ADDEND = 4_294_967_295
+MAX_DESCRIPTORS = 128
+MAX_ENTRIES = 32
+MAX_KEY_LENGTH = 256
+MAX_VALUE_LENGTH = 8_192
+
+_OK = DescriptorStatus(Code.OK)
+_UNLIMITED = DescriptorStatus(Code.OK, limit_remaining=UNLIMITED_REMAINING)
+
+log = structlog.get_logger("sidecar.limiter")
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """How the limiter treats over-limit results and backend failures.
+
+    shadow_mode: global shadow mode, an OVER_LIMIT request is answered OK (statuses unchanged).
+    rejected_hits: "count" adds rejected hits like the reference; "skip" makes a request that
+    ends OVER_LIMIT add nothing to any counter.
+    failure_mode: on a backend error, "allow" answers OK with no limit; "deny" answers
+    OVER_LIMIT for every limited descriptor.
+    """
+
+    shadow_mode: bool = False
+    rejected_hits: RejectedHits = "count"
+    failure_mode: FailureMode = "allow"
+
+
+class Limiter:
+    def __init__(
+        self,
+        rules: Rules,
+        backend: Backend,
+        *,
+        settings: Settings | None = None,
+        stats: Stats | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.rules = rules
+        self.backend = backend
+        self.settings = settings or Settings()
+        self.stats = stats or Stats()
+        self._clock = clock
+        self._backend_failing = False
+
+    async def should_rate_limit(self, request: Request) -> Decision:
+        """Decide `request`; raises InvalidRequest for a request that breaks the protocol."""
+        stats = self.stats
+        stats.total_requests += 1
+        descriptors = request.descriptors
+        try:
+            _validate(request)
+        except InvalidRequest:
+            stats.service_error += 1
+            raise
+        domain = self.rules.domains.get(request.domain)
+        if domain is None:
+            stats.domain_not_found[request.domain] += len(descriptors)
+            return Decision(Code.OK, (_OK,) * len(descriptors))
+
+        default_hits = request.hits_addend or 1
+        matches: list[Match | None] = [
+            _override(request.domain, d) if d.override is not None and d.entries else match(domain, d.entries)
+            for d in descriptors
+        ]
+        replaced = {name for m in matches if m is not None for name in m.limit.replaces}
+
+        now = self._clock()
+        statuses: list[DescriptorStatus] = [_OK] * len(descriptors)
+        hits: list[Hit] = []
+        counted: list[tuple[int, Match, int]] = []  # (descriptor index, match, hits)
+        for index, (descriptor, found) in enumerate(zip(descriptors, matches, strict=True)):
+            if found is None:
+                continue
+            limit = found.limit
+            if limit.unlimited:
+                statuses[index] = _UNLIMITED
+                continue
+            if limit.name and limit.name in replaced:
+                continue
+            cost = descriptor.hits_addend if descriptor.hits_addend is not None else default_hits
+            seconds = limit.unit.seconds
+            key = fixed_window_key(
+                descriptor_prefix(request.domain, found.counter_parts),
+                seconds,
+                fixed_window.window_start(now, seconds),
+            )
+            hits.append(Hit(key, cost, limit.requests_per_unit, seconds, limit.role))
+            counted.append((index, found, cost))
+
+        if not hits:
+            return Decision(Code.OK, tuple(statuses))
+
+        settings = self.settings
+        all_or_nothing = settings.rejected_hits == "skip" and not settings.shadow_mode
+        try:
+            counts = await self.backend.apply(hits, all_or_nothing)
+        except StorageError as exc:
+            return self._on_backend_failure(exc, statuses, counted, now)
+        if self._backend_failing:
+            self._backend_failing = False
+            log.info("backend_recovered", backend=self.backend.name)
+
+        over_flags: list[bool] = []
+        for (index, found, cost), count in zip(counted, counts, strict=True):
+            limit = found.limit
+            allowed = limit.requests_per_unit
+            over = fixed_window.is_over(count.before, cost, allowed)
+            over_flags.append(over)
+            stats.rules[found.metric_key].record(allowed, count.before, cost, over, limit.shadow_mode)
+            statuses[index] = DescriptorStatus(
+                Code.OVER_LIMIT if over and not limit.shadow_mode else Code.OK,
+                limit,
+                fixed_window.remaining(count, cost, allowed),
+                fixed_window.duration_until_reset(now, limit.unit.seconds),
+            )
+        overall = Code.OK
+        if fixed_window.request_is_over(over_flags, [h.role for h in hits]):
+            if settings.shadow_mode:
+                stats.global_shadow_mode += 1
+            else:
+                overall = Code.OVER_LIMIT
+        return Decision(overall, tuple(statuses))
+
+    def _on_backend_failure(
+        self,
+        exc: StorageError,
+        statuses: list[DescriptorStatus],
+        counted: list[tuple[int, Match, int]],
+        now: float,
+    ) -> Decision:
+        """Answer by the failure mode; log the first failure of a run, not every request."""
+        self.stats.backend_error += 1
+        if not self._backend_failing:
+            self._backend_failing = True
+            log.warning(
+                "backend_failure",
+                backend=self.backend.name,
+                error=str(exc),
+                failure_mode=self.settings.failure_mode,
+            )
+        if self.settings.failure_mode == "allow" or self.settings.shadow_mode:
+            return Decision(Code.OK, tuple(statuses))
+        denied = False
+        for index, found, _ in counted:
+            limit = found.limit
+            if limit.role is Role.SHADOW:
+                continue
+            denied = True
+            statuses[index] = DescriptorStatus(
+                Code.OVER_LIMIT, limit, 0, fixed_window.duration_until_reset(now, limit.unit.seconds)
+            )
+        return Decision(Code.OVER_LIMIT if denied else Code.OK, tuple(statuses))
+
+
+def _override(domain: str, descriptor: Descriptor) -> Match:
+    """A rule from Envoy's per-descriptor `limit`, named by every entry as the reference does."""
+    override = descriptor.override
+    assert override is not None
+    metric_key = domain + "".join(f".{e.key}_{sanitize(e.value)}" for e in descriptor.entries)
+    limit = Limit(override.requests_per_unit, override.unit, rule_key=metric_key)
+    parts = tuple((e.key, e.value) for e in descriptor.entries)
+    return Match(limit, parts, metric_key)
+
+
+def _validate(request: Request) -> None:
+    if not request.domain:
+        raise InvalidRequest("rate limit domain must not be empty")
+    descriptors = request.descriptors
+    if not descriptors:
+        raise InvalidRequest("rate limit descriptor list must not be empty")
+    if len(descriptors) > MAX_DESCRIPTORS:
+        raise InvalidRequest(f"too many descriptors: {len(descriptors)} (at most {MAX_DESCRIPTORS})")
+    for index, descriptor in enumerate(descriptors):
+        if descriptor.hits_addend is not None and descriptor.hits_addend > MAX_HITS_ADDEND:
+            raise InvalidRequest(
+                f"descriptors[{index}].hits_addend {descriptor.hits_addend} exceeds {MAX_HITS_ADDEND}"
+            )
+        entries = descriptor.entries
+        if len(entries) > MAX_ENTRIES:
+            raise InvalidRequest(
+                f"descriptors[{index}] has {len(entries)} entries (at most {MAX_ENTRIES})"
+            )
+        for entry in entries:
+            if len(entry.key) > MAX_KEY_LENGTH or len(entry.value) > MAX_VALUE_LENGTH:
+                raise InvalidRequest(
+                    f"descriptors[{index}]: entry too long (keys at most {MAX_KEY_LENGTH} "
+                    f"characters, values at most {MAX_VALUE_LENGTH})"
+                )

@@ -1,0 +1,92 @@
+"""Finds the rule that applies to one descriptor, exactly as envoyproxy/ratelimit does.
+
+The request's entries walk the domain's tree from the root. At each level the lookup tries the
+exact `key_value`, then the wildcard patterns in declaration order, then the `key` alone; a miss
+ends the walk with no limit, and a hit is never revisited (no backtracking). The limit is the one
+on the node matched by the last entry; a request deeper than the rules gets none.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from sidecar.config import Domain, Level, Node
+from sidecar.model import Entry, Limit
+
+
+@dataclass(frozen=True, slots=True)
+class Match:
+    """A rule that applies to a descriptor.
+
+    `counter_parts` are the `(key, value)` pairs that name its counter: the request's values,
+    except where a `share_threshold` wildcard makes every matching value share the pattern's.
+    `metric_key` names its statistics, as in the reference (`domain.key_value.subkey`).
+    """
+
+    limit: Limit
+    counter_parts: tuple[tuple[str, str], ...]
+    metric_key: str
+
+
+def match(domain: Domain, entries: Sequence[Entry]) -> Match | None:
+    """The rule for `entries` in `domain`, or None when no rule applies."""
+    if not entries:
+        return None
+    level = domain.root
+    path: list[Node] = []
+    for entry in entries:
+        node = _lookup(level, entry)
+        if node is None:
+            return None
+        path.append(node)
+        level = node.children
+    leaf = path[-1]
+    if leaf.limit is None:
+        return None
+    return Match(leaf.limit, _counter_parts(path, entries), _metric_key(domain.name, path, entries))
+
+
+def _lookup(level: Level, entry: Entry) -> Node | None:
+    node = level.exact.get((entry.key, entry.value))
+    if node is not None:
+        return node
+    for key, pattern, candidate in level.wildcards:
+        if key == entry.key and pattern.fullmatch(entry.value):
+            return candidate
+    return level.keys.get(entry.key)
+
+
+def _counter_parts(path: Sequence[Node], entries: Sequence[Entry]) -> tuple[tuple[str, str], ...]:
+    return tuple(
+        (entry.key, node.value if node.share_threshold and node.value is not None else entry.value)
+        for node, entry in zip(path, entries, strict=True)
+    )
+
+
+def _metric_key(domain: str, path: Sequence[Node], entries: Sequence[Entry]) -> str:
+    """The reference's stats key: the rule key, with request values where the rules ask for them.
+
+    `detailed_metric` on the matched rule names every level by its request value;
+    `value_to_metric` names its own level by the request value (except under share_threshold).
+    """
+    leaf = path[-1]
+    if leaf.detailed_metric:
+        return domain + "".join(f".{e.key}_{sanitize(e.value)}" for e in entries)
+    if not any(node.value_to_metric for node in path):
+        return leaf.rule_key
+    parts = [domain]
+    for node, entry in zip(path, entries, strict=True):
+        if node.value_to_metric and not node.share_threshold:
+            parts.append(f"{entry.key}_{sanitize(entry.value)}")
+        else:
+            parts.append(node.label)
+    return ".".join(parts)
+
+
+_STAT_UNSAFE = str.maketrans({".": "_", ":": "_", "|": "_"})
+
+
+def sanitize(value: str) -> str:
+    """A request value made safe inside a dotted stats name (dots, ':' and '|' become '_')."""
+    return value.translate(_STAT_UNSAFE)

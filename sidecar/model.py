@@ -1,0 +1,162 @@
+"""The values that travel through the pipeline, from Envoy's descriptors to a decision.
+
+Everything here is pure and frozen: no protobuf, no Redis, no clock.
+Names follow Envoy's vocabulary (`domain`, `descriptor`, `entry`, `hits_addend`, `unit`).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+#: `limit_remaining` reported for an `unlimited` rule (the reference's MaxUint32).
+UNLIMITED_REMAINING = 4_294_967_295
+
+
+class Unit(enum.IntEnum):
+    """A rate limit unit, numbered as in `envoy.service.ratelimit.v3.RateLimitResponse.RateLimit.Unit`."""
+
+    SECOND = 1
+    MINUTE = 2
+    HOUR = 3
+    DAY = 4
+    MONTH = 5
+    YEAR = 6
+    WEEK = 7
+
+    @property
+    def seconds(self) -> int:
+        """Length of one epoch-aligned window: months are 30 days and years 365, as in the reference."""
+        return _UNIT_SECONDS[self]
+
+
+_UNIT_SECONDS = {
+    Unit.SECOND: 1,
+    Unit.MINUTE: 60,
+    Unit.HOUR: 3_600,
+    Unit.DAY: 86_400,
+    Unit.WEEK: 604_800,
+    Unit.MONTH: 2_592_000,
+    Unit.YEAR: 31_536_000,
+}
+
+
+class Code(enum.IntEnum):
+    """A response code, numbered as in `RateLimitResponse.Code`."""
+
+    UNKNOWN = 0
+    OK = 1
+    OVER_LIMIT = 2
+
+
+class Role(enum.IntEnum):
+    """How one counter's over-limit result weighs on the request's `overall_code`.
+
+    BLOCKING: over limit makes the request OVER_LIMIT.
+    SHADOW: never does (`shadow_mode` rule).
+    QUOTA: only when every quota counter of the request is over limit (`quota_mode`).
+    """
+
+    BLOCKING = 0
+    SHADOW = 1
+    QUOTA = 2
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """One `(key, value)` pair of a descriptor."""
+
+    key: str
+    value: str
+
+
+@dataclass(frozen=True, slots=True)
+class Override:
+    """A per-descriptor `limit` sent by Envoy (RateLimitOverride)."""
+
+    requests_per_unit: int
+    unit: Unit
+
+
+@dataclass(frozen=True, slots=True)
+class Descriptor:
+    """A request descriptor: its entries and, when Envoy set them, its own `hits_addend` and `limit`."""
+
+    entries: tuple[Entry, ...]
+    hits_addend: int | None = None
+    override: Override | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """A ShouldRateLimit call. `hits_addend` is the request-level value as sent (0 means 1)."""
+
+    domain: str
+    descriptors: tuple[Descriptor, ...]
+    hits_addend: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Limit:
+    """A `rate_limit` from the rules, with the descriptor flags that shape its outcome.
+
+    `rule_key` is the rule's place in the tree (`domain.key_value.subkey`), shown by `/rlconfig`.
+    """
+
+    requests_per_unit: int
+    unit: Unit
+    name: str = ""
+    unlimited: bool = False
+    replaces: tuple[str, ...] = ()
+    shadow_mode: bool = False
+    quota_mode: bool = False
+    rule_key: str = ""
+
+    @property
+    def role(self) -> Role:
+        if self.shadow_mode:
+            return Role.SHADOW
+        if self.quota_mode:
+            return Role.QUOTA
+        return Role.BLOCKING
+
+
+@dataclass(frozen=True, slots=True)
+class Hit:
+    """What one descriptor asks of a backend: add `hits` to the fixed-window counter `key`.
+
+    `hits == 0` is a check: it reads the counter and consumes nothing.
+    `ttl` is how long the counter must live after its first hit, in seconds.
+    """
+
+    key: bytes
+    hits: int
+    limit: int
+    ttl: int
+    role: Role = Role.BLOCKING
+
+
+@dataclass(frozen=True, slots=True)
+class Count:
+    """A backend's answer for one Hit: the counter before this request, and whether the hits were added."""
+
+    before: int
+    applied: bool
+
+
+@dataclass(frozen=True, slots=True)
+class DescriptorStatus:
+    """The answer for one descriptor, in Envoy's terms. `limit` is None when no rule applies."""
+
+    code: Code
+    limit: Limit | None = None
+    limit_remaining: int = 0
+    duration_until_reset: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """The answer for a whole request: `overall_code` and one status per descriptor, in request order."""
+
+    overall_code: Code
+    statuses: tuple[DescriptorStatus, ...] = field(default_factory=tuple)

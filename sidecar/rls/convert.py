@@ -1,0 +1,133 @@
+"""Convert between RLS v3 protobuf and `sidecar.model`, once, at the edge.
+
+`request` turns a parsed `RateLimitRequest` into a `model.Request`, refusing what the model
+cannot carry (an override with an unknown unit) with InvalidRequest.
+`response_bytes` writes a `model.Decision` straight to the wire bytes of a `RateLimitResponse`:
+it is the hot path, and encoding the few fields by hand, with each limit's `current_limit`
+encoded once and reused, costs a fraction of building the protobuf message field by field.
+`response` parses those bytes back for callers that need a message (the JSON endpoint).
+"""
+
+from __future__ import annotations
+
+from envoy.extensions.common.ratelimit.v3.ratelimit_pb2 import (  # type: ignore[import-untyped]
+    RateLimitDescriptor,
+)
+from envoy.service.ratelimit.v3.rls_pb2 import (  # type: ignore[import-untyped]
+    RateLimitRequest,
+    RateLimitResponse,
+)
+from envoy.type.v3.ratelimit_unit_pb2 import RateLimitUnit  # type: ignore[import-untyped]
+
+from sidecar.errors import InvalidRequest
+from sidecar.model import Code, Decision, Descriptor, DescriptorStatus, Entry, Limit, Override, Request, Unit
+
+#: `RateLimitOverride.unit` (envoy.type.v3.RateLimitUnit) numbers the model's units; WEEK has none.
+_OVERRIDE_UNITS: dict[int, Unit] = {
+    number: Unit[name] for name, number in RateLimitUnit.items() if name != "UNKNOWN"
+}
+_OVERRIDE_UNIT_NAMES = ", ".join(unit.name for unit in _OVERRIDE_UNITS.values())
+
+
+def request(message: RateLimitRequest) -> Request:
+    """The model of a parsed request; raises InvalidRequest for an override it cannot honour.
+
+    A per-descriptor `hits_addend` keeps its presence: absent is None, an explicit 0 stays 0.
+    """
+    descriptors = []
+    for index, descriptor in enumerate(message.descriptors):
+        entries = tuple([Entry(entry.key, entry.value) for entry in descriptor.entries])
+        hits_addend = descriptor.hits_addend.value if descriptor.HasField("hits_addend") else None
+        override = _override(descriptor.limit, index) if descriptor.HasField("limit") else None
+        descriptors.append(Descriptor(entries, hits_addend, override))
+    return Request(message.domain, tuple(descriptors), message.hits_addend)
+
+
+def _override(limit: RateLimitDescriptor.RateLimitOverride, index: int) -> Override:
+    unit = _OVERRIDE_UNITS.get(limit.unit)
+    if unit is None:
+        got = "UNKNOWN (0)" if limit.unit == 0 else str(limit.unit)
+        raise InvalidRequest(
+            f"descriptors[{index}].limit.unit must be one of {_OVERRIDE_UNIT_NAMES}, got {got}"
+        )
+    return Override(limit.requests_per_unit, unit)
+
+
+def response(decision: Decision) -> RateLimitResponse:
+    """The decision as a protobuf message (parsed from `response_bytes`, so both always agree)."""
+    return RateLimitResponse.FromString(response_bytes(decision))
+
+
+# Wire format of the fields written below (field number << 3 | wire type):
+#   RateLimitResponse: 1 overall_code (varint), 2 statuses (length-delimited, repeated)
+#   DescriptorStatus: 1 code (varint), 2 current_limit (message), 3 limit_remaining (varint),
+#                     4 duration_until_reset (google.protobuf.Duration: 1 seconds, varint)
+#   RateLimit: 1 requests_per_unit (varint), 2 unit (varint), 3 name (string)
+# proto3 leaves fields at their default (0, "") off the wire, and so do we.
+_SMALL_VARINTS = tuple(bytes((n,)) for n in range(0x80))
+_CODE_FIELD = {code: (b"\x08" + _SMALL_VARINTS[code] if code else b"") for code in Code}
+_BARE_STATUS = {code: b"\x12" + _SMALL_VARINTS[len(body)] + body for code, body in _CODE_FIELD.items()}
+_DURATION_ZERO = b"\x22\x00"
+
+#: Encoded `current_limit` fields by (requests_per_unit, unit, name). Rules give a handful;
+#: overrides sent by clients could give many, so the cache is emptied when it grows past this.
+_CURRENT_LIMIT_CACHE_SIZE = 4_096
+_current_limits: dict[tuple[int, int, str], bytes] = {}
+
+
+def response_bytes(decision: Decision) -> bytes:
+    """The wire bytes of the `RateLimitResponse` for `decision`."""
+    parts = [_CODE_FIELD[decision.overall_code]]
+    bare = _BARE_STATUS
+    for status in decision.statuses:
+        if status.limit is None and not status.limit_remaining and status.duration_until_reset is None:
+            parts.append(bare[status.code])
+        else:
+            parts.append(_status(status))
+    return b"".join(parts)
+
+
+def _status(status: DescriptorStatus) -> bytes:
+    body = _CODE_FIELD[status.code]
+    limit = status.limit
+    if limit is not None and not limit.unlimited:
+        body += _current_limit(limit)
+    if status.limit_remaining:
+        body += b"\x18" + _varint(status.limit_remaining)
+    seconds = status.duration_until_reset
+    if seconds is not None:
+        if seconds:
+            duration = b"\x08" + _varint(seconds)
+            body += b"\x22" + _SMALL_VARINTS[len(duration)] + duration
+        else:
+            body += _DURATION_ZERO
+    return b"\x12" + _varint(len(body)) + body
+
+
+def _current_limit(limit: Limit) -> bytes:
+    key = (limit.requests_per_unit, limit.unit, limit.name)
+    encoded = _current_limits.get(key)
+    if encoded is None:
+        body = b""
+        if limit.requests_per_unit:
+            body += b"\x08" + _varint(limit.requests_per_unit)
+        body += b"\x10" + _varint(limit.unit)
+        if limit.name:
+            name = limit.name.encode()
+            body += b"\x1a" + _varint(len(name)) + name
+        encoded = b"\x12" + _varint(len(body)) + body
+        if len(_current_limits) >= _CURRENT_LIMIT_CACHE_SIZE:
+            _current_limits.clear()
+        _current_limits[key] = encoded
+    return encoded
+
+
+def _varint(value: int) -> bytes:
+    if value < 0x80:
+        return _SMALL_VARINTS[value]
+    out = bytearray()
+    while value > 0x7F:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)

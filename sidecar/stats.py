@@ -1,0 +1,56 @@
+"""Counters the limiter keeps, named and accounted as the reference's statistics.
+
+Per rule (`ratelimit.service.rate_limit.<metric key>.<stat>`): total_hits, over_limit,
+near_limit, within_limit, shadow_mode. Per service: config loads, global shadow mode, backend
+errors, service errors, and unknown domains. Plain integers on the hot path; `sidecar.metrics`
+turns them into Prometheus series at scrape time, so a decision pays no exporter cost.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+#: Share of a limit above which hits count as near the limit (the reference's NEAR_LIMIT_RATIO).
+NEAR_LIMIT_RATIO = 0.8
+
+
+@dataclass(slots=True)
+class RuleStats:
+    total_hits: int = 0
+    over_limit: int = 0
+    near_limit: int = 0
+    within_limit: int = 0
+    shadow_mode: int = 0
+
+    def record(self, limit: int, before: int, hits: int, over: bool, shadow: bool) -> None:
+        """Account one descriptor's outcome the way the reference does (its near/over split)."""
+        self.total_hits += hits
+        near_threshold = int(limit * NEAR_LIMIT_RATIO)
+        after = before + hits
+        if over:
+            if before >= limit:
+                self.over_limit += hits
+            else:
+                self.over_limit += after - limit
+                self.near_limit += limit - max(near_threshold, before)
+            if shadow:
+                self.shadow_mode += hits
+            return
+        self.within_limit += hits
+        if after > near_threshold:
+            self.near_limit += hits if before >= near_threshold else after - near_threshold
+
+
+@dataclass(slots=True)
+class Stats:
+    """Every counter of one running sidecar."""
+
+    rules: defaultdict[str, RuleStats] = field(default_factory=lambda: defaultdict(RuleStats))
+    domain_not_found: defaultdict[str, int] = field(default_factory=lambda: defaultdict(int))
+    config_load_success: int = 0
+    config_load_error: int = 0
+    global_shadow_mode: int = 0
+    backend_error: int = 0
+    service_error: int = 0
+    total_requests: int = 0

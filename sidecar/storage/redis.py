@@ -1,0 +1,370 @@
+"""Counters in Redis and Redis Cluster: one `fixed_window.lua` call per hash slot per request.
+
+The script decides and increments atomically on the server, so any number of sidecars can share
+the counters. A request whose hits share a hash slot costs one EVALSHA; on a cluster, hits are
+grouped by slot and the groups run concurrently. Every call has a deadline: whatever goes wrong
+(refused connection, a server that never answers, a full connection pool, an error reply)
+surfaces as StorageError by then, so the service answers with its failure mode instead of
+making Envoy wait.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import ssl
+from collections.abc import Sequence
+from importlib.resources import files
+from typing import Any, Self
+from urllib.parse import parse_qsl, unquote, urlsplit
+
+from redis.asyncio import BlockingConnectionPool, Redis
+from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.asyncio.connection import Connection, SSLConnection
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.crc import key_slot
+from redis.exceptions import NoScriptError, RedisClusterException, RedisError
+
+from sidecar.algorithms import fixed_window
+from sidecar.errors import StorageError
+from sidecar.model import Count, Hit, Role
+
+_SCRIPT = (files("sidecar.algorithms") / "lua" / "fixed_window.lua").read_text(encoding="utf-8")
+_SHA = hashlib.sha1(_SCRIPT.encode()).hexdigest()
+
+# ARGV[1] of the script.
+MODE_ADD = 0
+MODE_ALL_OR_NOTHING = 1
+MODE_READ = 2
+
+#: Connections per Redis node. Concurrent calls beyond it wait for a free one (until their
+#: deadline) rather than opening a socket each.
+POOL_SIZE = 64
+
+DEFAULT_PORT = 6379
+
+# redis-py raises RedisError subclasses, but the cluster client also raises the unrelated
+# RedisClusterException (no reachable node), and OSError covers socket errors and the
+# TimeoutError of `asyncio.timeout`.
+_FAILURES = (RedisError, RedisClusterException, OSError)
+
+_TLS_OPTIONS = {"ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs"}
+_CERT_REQS = {"none": ssl.CERT_NONE, "optional": ssl.CERT_OPTIONAL, "required": ssl.CERT_REQUIRED}
+
+# A connection is never retried inside redis-py: a retried EVALSHA may count its hits twice,
+# and the deadline leaves no room for backoff. Stale pooled connections (say, after a Redis
+# restart) are still replaced, because the pool checks a connection before lending it.
+_NO_RETRY = Retry(NoBackoff(), 0)
+
+Reply = list[int]
+
+
+def _command(hits: Sequence[Hit], mode: int, quota_as_shadow: bool = False) -> list[Any]:
+    """The EVALSHA arguments that run the script on `hits`, as its header lays them out."""
+    args: list[Any] = ["EVALSHA", _SHA, len(hits)]
+    args.extend([hit.key for hit in hits])
+    args.append(mode)
+    for hit in hits:
+        role = hit.role
+        if quota_as_shadow and role is Role.QUOTA:
+            role = Role.SHADOW
+        # int(): redis-py would encode an IntEnum by its repr.
+        args += (hit.hits, hit.limit, hit.ttl, int(role))
+    return args
+
+
+async def _run(client: Redis | RedisCluster, command: list[Any]) -> Reply:
+    """Run the script, sending its text only when the node has lost it."""
+    try:
+        reply: Reply = await client.execute_command(*command)
+    except NoScriptError:
+        # The node's script cache is empty (restart, failover, SCRIPT FLUSH, a new node). EVAL
+        # runs the text and caches it there in one round trip, where SCRIPT LOAD + EVALSHA
+        # would take two and, on a cluster, need the node picked by hand.
+        command[0:2] = ["EVAL", _SCRIPT]
+        reply = await client.execute_command(*command)
+    return reply
+
+
+def _failure(backend: str, timeout_ms: int, exc: BaseException) -> StorageError:
+    if isinstance(exc, TimeoutError) and not isinstance(exc, RedisError):
+        return StorageError(f"{backend}: no answer within {timeout_ms} ms")
+    return StorageError(f"{backend}: {type(exc).__name__}: {exc}")
+
+
+class RedisBackend:
+    """A standalone Redis (or any single endpoint: a proxy, a managed primary)."""
+
+    name = "redis"
+
+    def __init__(self, client: Redis, timeout_ms: int) -> None:
+        self._client = client
+        self._timeout_ms = timeout_ms
+        self._timeout = timeout_ms / 1000
+
+    @classmethod
+    def from_url(cls, url: str, timeout_ms: int = 50) -> Self:
+        """A backend for ``redis://[user:password@]host[:port][/db]`` or ``rediss://`` (TLS).
+
+        TLS URLs accept ``ssl_ca_certs``, ``ssl_certfile``, ``ssl_keyfile`` and
+        ``ssl_cert_reqs`` (none, optional, required) as query parameters. Nothing connects yet.
+        """
+        parts = urlsplit(url)
+        if parts.scheme not in ("redis", "rediss"):
+            raise ValueError(f"{_redact(url)}: scheme must be redis:// or rediss://")
+        timeout = _timeout_seconds(url, timeout_ms)
+        host, port = _address(url, parts.netloc.rpartition("@")[2])
+        tls = parts.scheme == "rediss"
+        kwargs: dict[str, Any] = {
+            "host": host,
+            "port": port,
+            "db": _database(url, parts.path),
+            "username": unquote(parts.username) if parts.username else None,
+            "password": unquote(parts.password) if parts.password is not None else None,
+            **_tls_options(url, parts.query, tls),
+        }
+        if parts.fragment:
+            raise ValueError(f"{_redact(url)}: unexpected fragment '#{parts.fragment}'")
+        pool = BlockingConnectionPool(
+            max_connections=POOL_SIZE,
+            timeout=timeout,
+            connection_class=SSLConnection if tls else Connection,
+            socket_timeout=timeout,
+            socket_connect_timeout=timeout,
+            retry=_NO_RETRY,
+            # RESP2: every Redis and proxy speaks it, and a new connection needs no HELLO.
+            protocol=2,
+            **kwargs,
+        )
+        return cls(Redis.from_pool(pool), timeout_ms)
+
+    async def apply(self, hits: Sequence[Hit], all_or_nothing: bool) -> list[Count]:
+        if not hits:
+            return []
+        command = _command(hits, MODE_ALL_OR_NOTHING if all_or_nothing else MODE_ADD)
+        try:
+            async with asyncio.timeout(self._timeout):
+                reply = await _run(self._client, command)
+        except _FAILURES as exc:
+            raise _failure(self.name, self._timeout_ms, exc) from exc
+        applied = reply[0] == 1
+        return [Count(before, applied) for before in reply[1:]]
+
+    async def ping(self) -> bool:
+        try:
+            async with asyncio.timeout(self._timeout):
+                return bool(await self._client.ping())
+        except _FAILURES:
+            return False
+
+    async def close(self) -> None:
+        await self._client.aclose()
+
+
+class RedisClusterBackend:
+    """A Redis Cluster: hits are grouped by hash slot, one script call per slot.
+
+    Counters whose keys share a hash tag (see `keys.py`) share a slot, so a typical request
+    still costs one call. A request over several slots is atomic per slot only: with
+    all-or-nothing it is decided in two phases, see `_apply_across_slots`.
+    """
+
+    name = "redis-cluster"
+
+    def __init__(self, client: RedisCluster, timeout_ms: int) -> None:
+        self._client = client
+        self._timeout_ms = timeout_ms
+        self._timeout = timeout_ms / 1000
+        # The cluster client opens connections up to `max_connections` per node and then fails
+        # at once; this bound makes excess calls wait (until their deadline) instead.
+        self._slots_in_flight = asyncio.Semaphore(POOL_SIZE)
+
+    @classmethod
+    def from_url(cls, url: str, timeout_ms: int = 50) -> Self:
+        """A backend for ``redis+cluster://[user:password@]host:port[,host:port...]``.
+
+        The nodes listed are only where discovery starts; the client learns the others.
+        Nothing connects yet.
+        """
+        parts = urlsplit(url)
+        if parts.scheme != "redis+cluster":
+            raise ValueError(f"{_redact(url)}: scheme must be redis+cluster://")
+        timeout = _timeout_seconds(url, timeout_ms)
+        userinfo, _, hosts = parts.netloc.rpartition("@")
+        if not hosts:
+            raise ValueError(f"{_redact(url)}: no host:port to start cluster discovery from")
+        nodes = [ClusterNode(*_address(url, address)) for address in hosts.split(",")]
+        if parts.path not in ("", "/", "/0"):
+            raise ValueError(
+                f"{_redact(url)}: Redis Cluster has only database 0, not {parts.path!r}"
+            )
+        if parts.query or parts.fragment:
+            raise ValueError(f"{_redact(url)}: redis+cluster:// takes no query or fragment")
+        username, has_password, password = userinfo.partition(":")
+        client = RedisCluster(
+            startup_nodes=nodes,
+            username=unquote(username) or None,
+            password=unquote(password) if has_password else None,
+            max_connections=POOL_SIZE,
+            socket_timeout=timeout,
+            socket_connect_timeout=timeout,
+            # One retry, no backoff: enough to follow a topology change (the client then
+            # reloads the slot map); anything longer would outlast the deadline anyway.
+            retry=Retry(NoBackoff(), 1),
+            protocol=2,
+        )
+        return cls(client, timeout_ms)
+
+    async def apply(self, hits: Sequence[Hit], all_or_nothing: bool) -> list[Count]:
+        if not hits:
+            return []
+        slots: dict[int, list[int]] = {}
+        for index, hit in enumerate(hits):
+            slots.setdefault(key_slot(hit.key), []).append(index)
+        try:
+            async with asyncio.timeout(self._timeout):
+                if len(slots) == 1:
+                    mode = MODE_ALL_OR_NOTHING if all_or_nothing else MODE_ADD
+                    reply = await self._run(_command(hits, mode))
+                    applied = reply[0] == 1
+                    return [Count(before, applied) for before in reply[1:]]
+                if all_or_nothing:
+                    return await self._apply_across_slots(hits, list(slots.values()))
+                return await self._apply_per_slot(hits, list(slots.values()), MODE_ADD)
+        except _FAILURES as exc:
+            raise _failure(self.name, self._timeout_ms, exc) from exc
+
+    async def _apply_across_slots(
+        self, hits: Sequence[Hit], groups: list[list[int]]
+    ) -> list[Count]:
+        """All-or-nothing over several slots: read every slot, decide, then add slot by slot.
+
+        Phase 1 reads every counter (mode 2, nothing written) and decides the whole request
+        with `fixed_window.request_is_over`, exactly as a single script would. When it is
+        OVER_LIMIT, nothing is written anywhere. Otherwise phase 2 runs mode 1 on every slot.
+
+        The race this leaves: between the phases another request may consume a counter, and
+        then the slot holding it refuses its part in phase 2 while the other slots add theirs.
+        The request's Counts then say, slot by slot, what was really added (applied False where
+        refused), so its outcome is OVER_LIMIT and only its admitted slots were charged; a
+        counter never passes its limit because of this. Quota counters are judged across
+        slots in phase 1; in phase 2 they only block when they all live in one slot, since a
+        slot cannot see the others' quota counters.
+        """
+        phase1 = await self._apply_per_slot(hits, groups, MODE_READ)
+        over = [
+            fixed_window.is_over(count.before, hit.hits, hit.limit)
+            for count, hit in zip(phase1, hits, strict=True)
+        ]
+        if fixed_window.request_is_over(over, [hit.role for hit in hits]):
+            return phase1
+        quota_slots = {
+            n for n, group in enumerate(groups) for i in group if hits[i].role is Role.QUOTA
+        }
+        return await self._apply_per_slot(
+            hits, groups, MODE_ALL_OR_NOTHING, quota_as_shadow=len(quota_slots) > 1
+        )
+
+    async def _apply_per_slot(
+        self,
+        hits: Sequence[Hit],
+        groups: list[list[int]],
+        mode: int,
+        quota_as_shadow: bool = False,
+    ) -> list[Count]:
+        """Run the script on every slot's hits concurrently; Counts in the hits' order."""
+        commands = [_command([hits[i] for i in group], mode, quota_as_shadow) for group in groups]
+        # return_exceptions: wait for every slot before raising, so no call is left running
+        # unobserved after apply returns (the deadline still bounds the wait).
+        replies = await asyncio.gather(
+            *(self._run(command) for command in commands), return_exceptions=True
+        )
+        counts: list[Count] = [Count(0, False)] * len(hits)
+        for group, reply in zip(groups, replies, strict=True):
+            if isinstance(reply, BaseException):
+                raise reply
+            applied = reply[0] == 1
+            for index, before in zip(group, reply[1:], strict=True):
+                counts[index] = Count(before, applied)
+        return counts
+
+    async def _run(self, command: list[Any]) -> Reply:
+        async with self._slots_in_flight:
+            return await _run(self._client, command)
+
+    async def ping(self) -> bool:
+        """Whether every master answers PING."""
+        try:
+            async with asyncio.timeout(self._timeout):
+                await self._client.ping(target_nodes=RedisCluster.PRIMARIES)
+        except _FAILURES:
+            return False
+        return True
+
+    async def close(self) -> None:
+        await self._client.aclose()
+
+
+def _timeout_seconds(url: str, timeout_ms: int) -> float:
+    if timeout_ms <= 0:
+        raise ValueError(
+            f"{_redact(url)}: timeout must be a positive number of ms, not {timeout_ms}"
+        )
+    return timeout_ms / 1000
+
+
+def _address(url: str, address: str) -> tuple[str, int]:
+    """``host[:port]`` (IPv6 in brackets) to a host and a port, 6379 when none is given."""
+    parts = urlsplit(f"//{address}")
+    host = parts.hostname
+    if not host:
+        raise ValueError(f"{_redact(url)}: missing host in {address!r}")
+    try:
+        port = parts.port
+    except ValueError:
+        raise ValueError(
+            f"{_redact(url)}: bad port in {address!r} (want a number from 1 to 65535)"
+        ) from None
+    if port == 0:
+        raise ValueError(f"{_redact(url)}: bad port in {address!r} (want a number from 1 to 65535)")
+    return host, port if port is not None else DEFAULT_PORT
+
+
+def _database(url: str, path: str) -> int:
+    name = path.lstrip("/")
+    if not name:
+        return 0
+    if not name.isdigit():
+        raise ValueError(f"{_redact(url)}: database must be a number like /0, not {path!r}")
+    return int(name)
+
+
+def _tls_options(url: str, query: str, tls: bool) -> dict[str, Any]:
+    options: dict[str, Any] = {}
+    for name, value in parse_qsl(query, keep_blank_values=True, strict_parsing=False):
+        if not tls or name not in _TLS_OPTIONS:
+            allowed = ", ".join(sorted(_TLS_OPTIONS)) if tls else "none"
+            raise ValueError(
+                f"{_redact(url)}: unknown query parameter {name!r} (allowed: {allowed})"
+            )
+        if name == "ssl_cert_reqs":
+            if value not in _CERT_REQS:
+                raise ValueError(
+                    f"{_redact(url)}: ssl_cert_reqs must be none, optional or required, "
+                    f"not {value!r}"
+                )
+            options[name] = _CERT_REQS[value]
+        else:
+            options[name] = value
+    return options
+
+
+def _redact(url: str) -> str:
+    """The URL with its password hidden, for error messages that end up in logs."""
+    parts = urlsplit(url)
+    userinfo, at, hosts = parts.netloc.rpartition("@")
+    if not at or ":" not in userinfo:
+        return url
+    user = userinfo.partition(":")[0]
+    return parts._replace(netloc=f"{user}:***@{hosts}").geturl()

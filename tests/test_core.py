@@ -1,0 +1,223 @@
+"""Unit tests of the pure core: counter keys, fixed windows, stats accounting, the memory backend
+and the limiter's validation and failure modes."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from sidecar import config
+from sidecar.algorithms import fixed_window
+from sidecar.errors import InvalidRequest, StorageError
+from sidecar.limiter import Limiter, Settings
+from sidecar.model import Code, Count, Descriptor, Entry, Hit, Request, Role
+from sidecar.stats import RuleStats
+from sidecar.storage.keys import descriptor_prefix, fixed_window_key, hash_tag
+from sidecar.storage.memory import MemoryBackend
+
+parts_strategy = st.lists(st.tuples(st.text(max_size=6), st.text(max_size=6)), min_size=1, max_size=3)
+
+
+@given(st.text(max_size=5), parts_strategy, st.text(max_size=5), parts_strategy)
+def test_counter_keys_never_collide(
+    domain_a: str, parts_a: list[tuple[str, str]], domain_b: str, parts_b: list[tuple[str, str]]
+) -> None:
+    """Different (domain, entries) always give different keys, whatever characters values hold."""
+    key_a = fixed_window_key(descriptor_prefix(domain_a, parts_a), 60, 120)
+    key_b = fixed_window_key(descriptor_prefix(domain_b, parts_b), 60, 120)
+    assert (key_a == key_b) == ((domain_a, parts_a) == (domain_b, parts_b))
+
+
+@given(st.text(max_size=5), parts_strategy, parts_strategy)
+def test_hash_tag_is_domain_and_first_entry(
+    domain: str, parts: list[tuple[str, str]], tail: list[tuple[str, str]]
+) -> None:
+    """Counters sharing a domain and first entry share a hash tag (one cluster slot), even when
+    values contain braces."""
+    one = fixed_window_key(descriptor_prefix(domain, parts[:1]), 1, 0)
+    more = fixed_window_key(descriptor_prefix(domain, parts[:1] + tail), 3600, 7200)
+    assert hash_tag(one) == hash_tag(more)
+
+
+def test_key_reads_well() -> None:
+    """The key layout is documented: tag on domain and first entry, window length and start last."""
+    key = fixed_window_key(descriptor_prefix("d", [("a", "x}|y"), ("b", "2")]), 60, 1200)
+    assert key == b"rl{d|a|x%7D%7Cy}|b|2|60|1200"
+
+
+def test_windows_align_to_the_epoch() -> None:
+    """A window starts at floor(now / W) * W, and resets W - now % W seconds later."""
+    assert fixed_window.window_start(1234.9, 60) == 1200
+    assert fixed_window.duration_until_reset(1234.9, 60) == 26
+    assert fixed_window.window_start(1_000_000, 3600) == 997_200
+
+
+@pytest.mark.parametrize(
+    ("before", "hits", "limit", "over"),
+    [(0, 1, 1, False), (1, 1, 1, True), (0, 3, 2, True), (1, 0, 2, False), (2, 0, 2, True), (0, 0, 0, True)],
+)
+def test_is_over(before: int, hits: int, limit: int, over: bool) -> None:
+    """A hit is over when it would pass the limit; a check is over once the limit is reached."""
+    assert fixed_window.is_over(before, hits, limit) is over
+
+
+def test_request_is_over_follows_roles() -> None:
+    """Blocking counters block alone; quota counters only all together; shadow never."""
+    B, S, Q = Role.BLOCKING, Role.SHADOW, Role.QUOTA
+    assert fixed_window.request_is_over([True, False], [B, B])
+    assert not fixed_window.request_is_over([True], [S])
+    assert not fixed_window.request_is_over([True, False], [Q, Q])
+    assert fixed_window.request_is_over([True, True], [Q, Q])
+    assert not fixed_window.request_is_over([False, True], [B, S])
+
+
+def test_step_sees_earlier_hits_on_the_same_key() -> None:
+    """A key repeated in one request: the second hit sees the first as added."""
+    hits = [Hit(b"k", 2, 3, 60), Hit(b"k", 2, 3, 60)]
+    assert fixed_window.step([0, 0], hits, all_or_nothing=False) == [Count(0, True), Count(2, True)]
+    assert fixed_window.step([0, 0], hits, all_or_nothing=True) == [Count(0, False), Count(2, False)]
+
+
+# (limit, before, hits, after, over, over_limit, near_limit, within_limit): the reference's vectors.
+NEAR_LIMIT_VECTORS = [
+    (15, 10, 1, False, 0, 0, 1),
+    (15, 12, 1, False, 0, 1, 1),
+    (15, 15, 1, True, 1, 0, 0),
+    (20, 2, 3, False, 0, 0, 3),
+    (8, 5, 2, False, 0, 1, 2),
+    (20, 16, 3, False, 0, 3, 3),
+    (20, 19, 3, True, 2, 1, 0),
+    (20, 15, 7, True, 2, 4, 0),
+    (10, 27, 3, True, 3, 0, 0),
+]
+
+
+@pytest.mark.parametrize(("limit", "before", "hits", "over", "o", "n", "w"), NEAR_LIMIT_VECTORS)
+def test_stats_accounting_matches_the_reference(
+    limit: int, before: int, hits: int, over: bool, o: int, n: int, w: int
+) -> None:
+    """over_limit / near_limit / within_limit split hits exactly as the reference does."""
+    stats = RuleStats()
+    stats.record(limit, before, hits, over, shadow=False)
+    assert (stats.total_hits, stats.over_limit, stats.near_limit, stats.within_limit) == (hits, o, n, w)
+
+
+class Clock:
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def test_memory_backend_evicts_expired_windows() -> None:
+    """Counters of ended windows are dropped, so memory stays bounded by live windows."""
+    clock = Clock(1000.0)
+    backend = MemoryBackend(clock=clock)
+    for i in range(1000):
+        await backend.apply([Hit(f"k{i}".encode(), 1, 5, 60)], all_or_nothing=False)
+    assert len(backend) == 1000
+    clock.now += 61
+    await backend.apply([Hit(b"fresh", 1, 5, 60)], all_or_nothing=False)
+    assert len(backend) == 1
+
+
+async def test_memory_check_creates_nothing() -> None:
+    """A check (0 hits) on an absent counter leaves no counter behind."""
+    backend = MemoryBackend(clock=Clock(0))
+    assert await backend.apply([Hit(b"k", 0, 5, 60)], all_or_nothing=False) == [Count(0, True)]
+    assert len(backend) == 0
+
+
+RULES = config.Rules(
+    {
+        "d": config.parse(
+            """
+domain: d
+descriptors:
+  - key: k
+    rate_limit: {unit: minute, requests_per_unit: 1}
+  - key: s
+    shadow_mode: true
+    rate_limit: {unit: minute, requests_per_unit: 1}
+""",
+            "d.yaml",
+        )
+    }
+)
+
+
+class FailingBackend:
+    """A store that is down: every call fails as a real backend's timeout would."""
+
+    name = "failing"
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def apply(self, hits: Sequence[Hit], all_or_nothing: bool) -> list[Count]:
+        self.calls += 1
+        raise StorageError("timed out after 50 ms")
+
+    async def ping(self) -> bool:
+        return False
+
+    async def close(self) -> None:
+        return None
+
+
+def one(*pairs: tuple[str, str], hits: int | None = None) -> Descriptor:
+    return Descriptor(tuple(Entry(k, v) for k, v in pairs), hits)
+
+
+@pytest.mark.parametrize(
+    ("request_", "message"),
+    [
+        (Request("", (one(("k", "v")),)), "rate limit domain must not be empty"),
+        (Request("d", ()), "rate limit descriptor list must not be empty"),
+        (Request("d", (one(("k", "v"), hits=2**64 - 1),)), "descriptors[0].hits_addend 18446744073709551615 exceeds 4294967295"),
+        (Request("d", (one(("k", "v" * 9000)),)), "descriptors[0]: entry too long (keys at most 256 characters, values at most 8192)"),
+        (Request("d", (one(("k", "v")),) * 129), "too many descriptors: 129 (at most 128)"),
+    ],
+)
+async def test_invalid_requests_are_refused_and_change_nothing(request_: Request, message: str) -> None:
+    """Protocol violations raise InvalidRequest with a clear message and never reach the store."""
+    backend = FailingBackend()
+    limiter = Limiter(RULES, backend)
+    with pytest.raises(InvalidRequest) as info:
+        await limiter.should_rate_limit(request_)
+    assert str(info.value) == message
+    assert backend.calls == 0
+    assert limiter.stats.service_error == 1
+
+
+async def test_failure_mode_allow() -> None:
+    """With the store down, failure mode allow answers OK with no limit and counts the error."""
+    limiter = Limiter(RULES, FailingBackend())
+    decision = await limiter.should_rate_limit(Request("d", (one(("k", "v")),)))
+    assert decision.overall_code is Code.OK
+    assert decision.statuses[0].limit is None
+    assert limiter.stats.backend_error == 1
+
+
+async def test_failure_mode_deny() -> None:
+    """With the store down, failure mode deny answers OVER_LIMIT for limited descriptors, but a
+    shadow rule still never denies."""
+    limiter = Limiter(RULES, FailingBackend(), settings=Settings(failure_mode="deny"))
+    decision = await limiter.should_rate_limit(Request("d", (one(("k", "v")), one(("x", "y")))))
+    assert decision.overall_code is Code.OVER_LIMIT
+    assert [s.code for s in decision.statuses] == [Code.OVER_LIMIT, Code.OK]
+    shadow = await limiter.should_rate_limit(Request("d", (one(("s", "v")),)))
+    assert shadow.overall_code is Code.OK
+
+
+async def test_unlimited_and_unmatched_never_call_the_store() -> None:
+    """Requests with no limited descriptor are answered without a backend call."""
+    backend = FailingBackend()
+    limiter = Limiter(RULES, backend)
+    decision = await limiter.should_rate_limit(Request("d", (one(("none", "v")),)))
+    assert decision.overall_code is Code.OK
+    assert backend.calls == 0
