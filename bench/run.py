@@ -80,7 +80,11 @@ def main(argv: list[str] | None = None) -> int:
             for scenario in selected:
                 _progress(f"{scenario.name}: {scenario.description}")
                 result = measure(scenario, settings, services, Path(workdir))
-                outcome = f"FAILED: {result.error.splitlines()[0]}" if result.error else "measured"
+                outcome = (
+                    f"FAILED: {result.error.splitlines()[0]}"
+                    if result.error
+                    else f"measured; answered {result.response}"
+                )
                 _progress(f"{scenario.name}: {outcome}")
                 results.append(result)
     except KeyboardInterrupt:

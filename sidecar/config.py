@@ -18,8 +18,9 @@ from typing import Any
 
 import yaml
 
+from sidecar.algorithms.windows import check_zone, is_calendar_unit
 from sidecar.errors import ConfigError
-from sidecar.model import Limit, Unit
+from sidecar.model import Algorithm, Limit, Unit, Window
 
 MAX_REQUESTS_PER_UNIT = 4_294_967_295
 
@@ -28,6 +29,7 @@ _DESCRIPTOR_KEYS = (
     "key",
     "value",
     "rate_limit",
+    "rate_limits",
     "descriptors",
     "shadow_mode",
     "quota_mode",
@@ -36,7 +38,22 @@ _DESCRIPTOR_KEYS = (
     "share_threshold",
     "metadata",
 )
-_RATE_LIMIT_KEYS = ("unit", "requests_per_unit", "unlimited", "name", "replaces")
+_RATE_LIMIT_KEYS = (
+    "unit",
+    "requests_per_unit",
+    "unlimited",
+    "name",
+    "replaces",
+    "algorithm",
+    "unit_multiplier",
+    "burst",
+    "borrow",
+    "calendar",
+    "timezone",
+    "week_start",
+)
+_ALGORITHMS = {a.value: a for a in Algorithm}
+_WEEK_STARTS = {"monday": 0, "sunday": 6}
 _REPLACES_KEYS = ("name",)
 _UNITS = {unit.name.lower(): unit for unit in Unit}
 _UNIT_LIST = ", ".join(u.name.lower() for u in sorted(Unit, key=lambda u: u.seconds))
@@ -114,20 +131,34 @@ class Rules:
 
 
 def describe(limit: Limit) -> str:
-    """A rule as `/rlconfig` prints it."""
+    """A rule as `/rlconfig` prints it: the reference's line, plus any extension in use."""
     if limit.unlimited:
         head = f"{limit.rule_key}: unlimited"
     else:
-        head = (
-            f"{limit.rule_key}: unit={limit.unit.name} "
-            f"requests_per_unit={limit.requests_per_unit}"
-        )
+        head = f"{limit.rule_key}: " + "; ".join(_describe_window(w) for w in limit.windows)
     line = f"{head}, shadow_mode: {_yaml_bool(limit.shadow_mode)}, quota_mode: {_yaml_bool(limit.quota_mode)}"
     if limit.name:
         line += f", name: {limit.name}"
     if limit.replaces:
         line += f", replaces: {','.join(limit.replaces)}"
     return line
+
+
+def _describe_window(window: Window) -> str:
+    text = f"unit={window.unit.name} requests_per_unit={window.requests_per_unit}"
+    if window.algorithm is not Algorithm.FIXED_WINDOW:
+        text += f" algorithm={window.algorithm.value}"
+    if window.unit_multiplier != 1:
+        text += f" unit_multiplier={window.unit_multiplier}"
+    if window.burst is not None:
+        text += f" burst={window.burst}"
+    if window.borrow:
+        text += f" borrow={window.borrow}"
+    if window.calendar:
+        text += f" calendar timezone={window.timezone}"
+        if window.unit is Unit.WEEK:
+            text += f" week_start={'sunday' if window.week_start == 6 else 'monday'}"
+    return text
 
 
 def _yaml_bool(value: bool) -> str:
@@ -162,7 +193,9 @@ def _files(paths: Sequence[str | Path]) -> list[Path]:
     for raw in paths:
         path = Path(raw)
         if path.is_dir():
-            found = sorted(p for p in path.iterdir() if p.suffix in (".yaml", ".yml") and p.is_file())
+            found = sorted(
+                p for p in path.iterdir() if p.suffix in (".yaml", ".yml") and p.is_file()
+            )
             files.extend(p for p in found if not p.name.startswith("."))
         elif path.is_file():
             files.append(path)
@@ -174,7 +207,7 @@ def _files(paths: Sequence[str | Path]) -> list[Path]:
 def parse(text: str, source: str) -> Domain:
     """Parse one rules file's text; `source` names it in errors."""
     try:
-        document = yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
+        document = yaml.load(text, Loader=_StrictLoader)
     except yaml.YAMLError as exc:
         raise ConfigError(source, "", f"error loading config file: {_yaml_problem(exc)}") from exc
     return _Parser(source).root(document)
@@ -186,7 +219,7 @@ class _StrictLoader(yaml.SafeLoader):
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         seen: set[Any] = set()
         for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=deep)  # type: ignore[no-untyped-call]
+            key = self.construct_object(key_node, deep=deep)
             if isinstance(key, str) and key in seen:
                 raise yaml.constructor.ConstructorError(
                     "while constructing a mapping",
@@ -219,11 +252,15 @@ class _Parser:
         if document is None:
             document = {}
         if not isinstance(document, dict):
-            raise self.error("", "config error, the file must be a map with 'domain' and 'descriptors'")
+            raise self.error(
+                "", "config error, the file must be a map with 'domain' and 'descriptors'"
+            )
         self.check_keys(document, _ROOT_KEYS, "")
         domain = document.get("domain")
         if domain is None or domain == "":
-            raise self.error("domain", "config file cannot have empty domain (add a top-level 'domain: NAME')")
+            raise self.error(
+                "domain", "config file cannot have empty domain (add a top-level 'domain: NAME')"
+            )
         if not isinstance(domain, str):
             raise self.error("domain", f"domain must be a string, got {domain!r}")
         root = self.level(document.get("descriptors"), "descriptors", domain)
@@ -235,7 +272,9 @@ class _Parser:
                 raise self.error(path, f"config error, key is not of type string: {key} (quote it)")
             if key not in allowed:
                 hint = difflib.get_close_matches(key, allowed, n=1, cutoff=0.6)
-                fix = f" (did you mean '{hint[0]}'?)" if hint else f" (allowed: {', '.join(allowed)})"
+                fix = (
+                    f" (did you mean '{hint[0]}'?)" if hint else f" (allowed: {', '.join(allowed)})"
+                )
                 raise self.error(path, f"config error, unknown key '{key}'{fix}")
 
     def level(self, items: object, path: str, parent_key: str) -> Level:
@@ -267,11 +306,19 @@ class _Parser:
         if (value is None and key in level.keys) or (
             value is not None and ((key, value) in level.exact or _has_pattern(level, key, value))
         ):
-            raise self.error(path, f"duplicate descriptor composite key '{rule_key}' (merge the two descriptors)")
+            raise self.error(
+                path, f"duplicate descriptor composite key '{rule_key}' (merge the two descriptors)"
+            )
 
         flags = {
             name: self.flag(item, name, path)
-            for name in ("shadow_mode", "quota_mode", "detailed_metric", "value_to_metric", "share_threshold")
+            for name in (
+                "shadow_mode",
+                "quota_mode",
+                "detailed_metric",
+                "value_to_metric",
+                "share_threshold",
+            )
         }
         wildcard = value is not None and "*" in value
         if flags["share_threshold"] and not wildcard:
@@ -284,11 +331,7 @@ class _Parser:
         if metadata is not None and not isinstance(metadata, dict):
             raise self.error(f"{path}.metadata", "metadata must be a map")
 
-        limit = None
-        if "rate_limit" in item:
-            limit = self.rate_limit(
-                item["rate_limit"], f"{path}.rate_limit", rule_key, flags["shadow_mode"], flags["quota_mode"]
-            )
+        limit = self.limit(item, path, rule_key, flags["shadow_mode"], flags["quota_mode"])
         node = Node(
             key=key,
             value=value,
@@ -325,9 +368,55 @@ class _Parser:
             raise self.error(f"{path}.{name}", f"{name} must be true or false, got {raw!r}")
         return raw
 
-    def rate_limit(self, raw: object, path: str, rule_key: str, shadow: bool, quota: bool) -> Limit:
+    def limit(
+        self, item: dict[Any, Any], path: str, rule_key: str, shadow: bool, quota: bool
+    ) -> Limit | None:
+        """The descriptor's `rate_limit` (one window) or `rate_limits` (several), if any."""
+        if "rate_limit" in item and "rate_limits" in item:
+            raise self.error(
+                path,
+                "rate_limit and rate_limits are mutually exclusive (put every window in rate_limits)",
+            )
+        if "rate_limits" in item:
+            raw_list = item["rate_limits"]
+            here = f"{path}.rate_limits"
+            if not isinstance(raw_list, list) or not raw_list:
+                raise self.error(here, "rate_limits must be a non-empty list of windows")
+            windows: list[Window] = []
+            replaced: list[str] = []
+            for index, raw in enumerate(raw_list):
+                window, unlimited, names = self.window(raw, f"{here}[{index}]")
+                if unlimited:
+                    raise self.error(
+                        f"{here}[{index}].unlimited",
+                        "unlimited belongs in rate_limit, not rate_limits",
+                    )
+                windows.append(window)
+                replaced.extend(names)
+            return Limit(
+                windows=tuple(windows),
+                replaces=tuple(replaced),
+                shadow_mode=shadow,
+                quota_mode=quota,
+                rule_key=rule_key,
+            )
+        if "rate_limit" not in item:
+            return None
+        window, unlimited, replaces = self.window(item["rate_limit"], f"{path}.rate_limit")
+        return Limit(
+            windows=(window,),
+            name=window.name,
+            unlimited=unlimited,
+            replaces=replaces,
+            shadow_mode=shadow,
+            quota_mode=quota,
+            rule_key=rule_key,
+        )
+
+    def window(self, raw: object, path: str) -> tuple[Window, bool, tuple[str, ...]]:
+        """One window: (window, unlimited, names it replaces)."""
         if not isinstance(raw, dict):
-            raise self.error(path, "rate_limit must be a map with unit and requests_per_unit")
+            raise self.error(path, "a rate limit must be a map with unit and requests_per_unit")
         self.check_keys(raw, _RATE_LIMIT_KEYS, path)
         unlimited = self.flag(raw, "unlimited", path)
         name = self.scalar(raw.get("name"), f"{path}.name")
@@ -335,32 +424,121 @@ class _Parser:
         unit_text = self.scalar(raw.get("unit"), f"{path}.unit")
         if unlimited:
             if unit_text:
-                raise self.error(f"{path}.unit", "should not specify rate limit unit when unlimited (remove 'unit' or 'unlimited')")
-            unit = Unit.SECOND
-        else:
-            found = _UNITS.get(unit_text.lower())
-            if found is None:
                 raise self.error(
                     f"{path}.unit",
-                    f"invalid rate limit unit '{unit_text}' (expected one of: {_UNIT_LIST})",
+                    "should not specify rate limit unit when unlimited (remove 'unit' or 'unlimited')",
                 )
-            unit = found
-        requests = raw.get("requests_per_unit", 0)
-        if isinstance(requests, bool) or not isinstance(requests, int) or not 0 <= requests <= MAX_REQUESTS_PER_UNIT:
+            return Window(0, Unit.SECOND, name=name), True, replaces
+        unit = _UNITS.get(unit_text.lower())
+        if unit is None:
+            raise self.error(
+                f"{path}.unit",
+                f"invalid rate limit unit '{unit_text}' (expected one of: {_UNIT_LIST})",
+            )
+        requests = self.count(raw, "requests_per_unit", path, 0, default=0)
+        algorithm_text = self.scalar(raw.get("algorithm", "fixed_window"), f"{path}.algorithm")
+        algorithm = _ALGORITHMS.get(algorithm_text)
+        if algorithm is None:
+            hint = difflib.get_close_matches(algorithm_text, list(_ALGORITHMS), n=1, cutoff=0.5)
+            fix = (
+                f"did you mean '{hint[0]}'?"
+                if hint
+                else f"expected one of: {', '.join(_ALGORITHMS)}"
+            )
+            raise self.error(f"{path}.algorithm", f"unknown algorithm '{algorithm_text}' ({fix})")
+        multiplier = self.count(raw, "unit_multiplier", path, 1, default=1)
+        borrow = self.count(raw, "borrow", path, 0, default=0)
+        calendar = self.flag(raw, "calendar", path)
+        burst: int | None = None
+        if "burst" in raw:
+            if algorithm is not Algorithm.TOKEN_BUCKET:
+                raise self.error(
+                    f"{path}.burst",
+                    "burst applies to token buckets (add 'algorithm: token_bucket')",
+                )
+            burst = self.count(raw, "burst", path, 1, default=1)
+        if algorithm is Algorithm.TOKEN_BUCKET and requests < 1:
             raise self.error(
                 f"{path}.requests_per_unit",
-                f"requests_per_unit must be a whole number from 0 to {MAX_REQUESTS_PER_UNIT}, got {requests!r}",
+                "a token bucket needs requests_per_unit of at least 1 (its refill rate)",
             )
-        return Limit(
+        if borrow:
+            if algorithm is Algorithm.SLIDING_WINDOW:
+                raise self.error(
+                    f"{path}.borrow",
+                    "borrow applies to fixed windows and token buckets, not sliding windows",
+                )
+            if algorithm is Algorithm.FIXED_WINDOW and borrow > requests:
+                raise self.error(
+                    f"{path}.borrow",
+                    f"borrow {borrow} exceeds requests_per_unit {requests}: the next window alone repays "
+                    "the debt (lower borrow, or use a token bucket)",
+                )
+        timezone, week_start = "UTC", 0
+        if calendar:
+            if algorithm is not Algorithm.FIXED_WINDOW:
+                raise self.error(
+                    f"{path}.calendar", "calendar windows are fixed windows (remove 'algorithm')"
+                )
+            if not is_calendar_unit(unit):
+                raise self.error(
+                    f"{path}.calendar",
+                    "calendar windows are days, weeks, months or years (remove 'calendar')",
+                )
+            if multiplier != 1:
+                raise self.error(
+                    f"{path}.unit_multiplier",
+                    "calendar windows are one unit long (remove 'unit_multiplier')",
+                )
+            timezone = self.scalar(raw.get("timezone", "UTC"), f"{path}.timezone")
+            try:
+                check_zone(timezone)
+            except ValueError as exc:
+                raise self.error(
+                    f"{path}.timezone", f"{exc} (use an IANA name such as 'Asia/Shanghai')"
+                ) from exc
+            week_text = self.scalar(raw.get("week_start", "monday"), f"{path}.week_start")
+            if week_text not in _WEEK_STARTS:
+                raise self.error(
+                    f"{path}.week_start", f"week_start must be monday or sunday, got '{week_text}'"
+                )
+            if "week_start" in raw and unit is not Unit.WEEK:
+                raise self.error(
+                    f"{path}.week_start", "week_start applies to calendar weeks (unit: week)"
+                )
+            week_start = _WEEK_STARTS[week_text]
+        else:
+            for key in ("timezone", "week_start"):
+                if key in raw:
+                    raise self.error(
+                        f"{path}.{key}", f"{key} applies to calendar windows (add 'calendar: true')"
+                    )
+        window = Window(
             requests_per_unit=requests,
             unit=unit,
+            algorithm=algorithm,
+            unit_multiplier=multiplier,
+            burst=burst,
+            borrow=borrow,
+            calendar=calendar,
+            timezone=timezone,
+            week_start=week_start,
             name=name,
-            unlimited=unlimited,
-            replaces=replaces,
-            shadow_mode=shadow,
-            quota_mode=quota,
-            rule_key=rule_key,
         )
+        return window, False, replaces
+
+    def count(self, raw: dict[Any, Any], key: str, path: str, minimum: int, default: int) -> int:
+        value = raw.get(key, default)
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int)
+            or not minimum <= value <= MAX_REQUESTS_PER_UNIT
+        ):
+            raise self.error(
+                f"{path}.{key}",
+                f"{key} must be a whole number from {minimum} to {MAX_REQUESTS_PER_UNIT}, got {value!r}",
+            )
+        return value
 
     def replaces(self, raw: object, path: str, own_name: str) -> tuple[str, ...]:
         if raw is None:
@@ -371,14 +549,19 @@ class _Parser:
         for index, item in enumerate(raw):
             here = f"{path}[{index}]"
             if not isinstance(item, dict):
-                raise self.error(here, f"config error, yaml file contains list of type other than map: {item}")
+                raise self.error(
+                    here, f"config error, yaml file contains list of type other than map: {item}"
+                )
             self.check_keys(item, _REPLACES_KEYS, here)
             name = self.scalar(item.get("name"), f"{here}.name")
             if not name:
-                raise self.error(here, "should not have an empty replaces entry (name another rule's limit)")
+                raise self.error(
+                    here, "should not have an empty replaces entry (name another rule's limit)"
+                )
             if name == own_name:
                 raise self.error(
-                    here, "replaces should not contain name of same descriptor (name another rule's limit)"
+                    here,
+                    "replaces should not contain name of same descriptor (name another rule's limit)",
                 )
             names.append(name)
         return tuple(names)

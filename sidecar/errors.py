@@ -3,7 +3,8 @@
     SidecarError
     ├── ConfigError        a rules file is wrong: names the file, the path inside it and the fix
     ├── InvalidRequest     a request Envoy (or a client) sent cannot be answered: INVALID_ARGUMENT
-    └── StorageError       a backend call failed or timed out; transient, the failure mode decides
+    ├── StorageError       a backend call failed or timed out; transient, the failure mode decides
+    └── InjectionError     a pod (or manifest) cannot get a working sidecar from its annotations
 
 Callers chain with ``raise ... from exc`` so the cause stays visible in logs.
 """
@@ -42,3 +43,12 @@ class StorageError(SidecarError):
     """
 
     transient = True
+
+
+class InjectionError(SidecarError):
+    """A workload asks for the sidecar with annotations that cannot make a working one.
+
+    ``str(err)`` names the annotation and the fix, for example
+    ``ratelimit-sidecar/failure-mode: must be 'allow' or 'deny', not 'open'``; the webhook
+    returns it as the admission message, so `kubectl` shows it to whoever applied the workload.
+    """

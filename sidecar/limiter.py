@@ -25,9 +25,9 @@ from sidecar.model import (
     Descriptor,
     DescriptorStatus,
     Hit,
-    Limit,
     Request,
     Role,
+    single,
 )
 from sidecar.stats import Stats
 from sidecar.storage import Backend
@@ -99,7 +99,9 @@ class Limiter:
 
         default_hits = request.hits_addend or 1
         matches: list[Match | None] = [
-            _override(request.domain, d) if d.override is not None and d.entries else match(domain, d.entries)
+            _override(request.domain, d)
+            if d.override is not None and d.entries
+            else match(domain, d.entries)
             for d in descriptors
         ]
         replaced = {name for m in matches if m is not None for name in m.limit.replaces}
@@ -115,7 +117,7 @@ class Limiter:
             if limit.unlimited:
                 statuses[index] = _UNLIMITED
                 continue
-            if limit.name and limit.name in replaced:
+            if replaced and any(n in replaced for n in limit.names):
                 continue
             cost = descriptor.hits_addend if descriptor.hits_addend is not None else default_hits
             seconds = limit.unit.seconds
@@ -146,7 +148,9 @@ class Limiter:
             allowed = limit.requests_per_unit
             over = fixed_window.is_over(count.before, cost, allowed)
             over_flags.append(over)
-            stats.rules[found.metric_key].record(allowed, count.before, cost, over, limit.shadow_mode)
+            stats.rules[found.metric_key].record(
+                allowed, count.before, cost, over, limit.shadow_mode
+            )
             statuses[index] = DescriptorStatus(
                 Code.OVER_LIMIT if over and not limit.shadow_mode else Code.OK,
                 limit,
@@ -187,7 +191,10 @@ class Limiter:
                 continue
             denied = True
             statuses[index] = DescriptorStatus(
-                Code.OVER_LIMIT, limit, 0, fixed_window.duration_until_reset(now, limit.unit.seconds)
+                Code.OVER_LIMIT,
+                limit,
+                0,
+                fixed_window.duration_until_reset(now, limit.unit.seconds),
             )
         return Decision(Code.OVER_LIMIT if denied else Code.OK, tuple(statuses))
 
@@ -197,7 +204,7 @@ def _override(domain: str, descriptor: Descriptor) -> Match:
     override = descriptor.override
     assert override is not None
     metric_key = domain + "".join(f".{e.key}_{sanitize(e.value)}" for e in descriptor.entries)
-    limit = Limit(override.requests_per_unit, override.unit, rule_key=metric_key)
+    limit = single(override.requests_per_unit, override.unit, rule_key=metric_key)
     parts = tuple((e.key, e.value) for e in descriptor.entries)
     return Match(limit, parts, metric_key)
 
@@ -209,7 +216,9 @@ def _validate(request: Request) -> None:
     if not descriptors:
         raise InvalidRequest("rate limit descriptor list must not be empty")
     if len(descriptors) > MAX_DESCRIPTORS:
-        raise InvalidRequest(f"too many descriptors: {len(descriptors)} (at most {MAX_DESCRIPTORS})")
+        raise InvalidRequest(
+            f"too many descriptors: {len(descriptors)} (at most {MAX_DESCRIPTORS})"
+        )
     for index, descriptor in enumerate(descriptors):
         if descriptor.hits_addend is not None and descriptor.hits_addend > MAX_HITS_ADDEND:
             raise InvalidRequest(

@@ -96,15 +96,58 @@ class Request:
     hits_addend: int = 0
 
 
-@dataclass(frozen=True, slots=True)
-class Limit:
-    """A `rate_limit` from the rules, with the descriptor flags that shape its outcome.
+class Algorithm(enum.Enum):
+    """How a window counts: see the module docstrings in `sidecar.algorithms`."""
 
-    `rule_key` is the rule's place in the tree (`domain.key_value.subkey`), shown by `/rlconfig`.
+    FIXED_WINDOW = "fixed_window"
+    TOKEN_BUCKET = "token_bucket"
+    SLIDING_WINDOW = "sliding_window"
+
+
+@dataclass(frozen=True, slots=True)
+class Window:
+    """One window of a rule: `requests_per_unit` per `unit` × `unit_multiplier`, counted by `algorithm`.
+
+    `burst` is a token bucket's capacity (default `requests_per_unit`); `borrow` lets a fixed
+    window or a token bucket run a debt; `calendar` windows follow the wall clock of `timezone`,
+    weeks starting on `week_start` (0 Monday … 6 Sunday).
     """
 
     requests_per_unit: int
     unit: Unit
+    algorithm: Algorithm = Algorithm.FIXED_WINDOW
+    unit_multiplier: int = 1
+    burst: int | None = None
+    borrow: int = 0
+    calendar: bool = False
+    timezone: str = "UTC"
+    week_start: int = 0
+    name: str = ""
+
+    @property
+    def seconds(self) -> int:
+        """Length of an epoch-aligned window (calendar windows vary and are computed from the date)."""
+        return self.unit.seconds * self.unit_multiplier
+
+    @property
+    def plain(self) -> bool:
+        """The reference's algorithm: a fixed window that does not borrow (it counts rejected hits)."""
+        return self.algorithm is Algorithm.FIXED_WINDOW and self.borrow == 0
+
+    @property
+    def capacity(self) -> int:
+        return self.requests_per_unit if self.burst is None else self.burst
+
+
+@dataclass(frozen=True, slots=True)
+class Limit:
+    """A rule's limit (`rate_limit`, or every window of `rate_limits`), with the descriptor flags that
+    shape its outcome.
+
+    `rule_key` is the rule's place in the tree (`domain.key_value.subkey`), shown by `/rlconfig`.
+    """
+
+    windows: tuple[Window, ...]
     name: str = ""
     unlimited: bool = False
     replaces: tuple[str, ...] = ()
@@ -113,12 +156,30 @@ class Limit:
     rule_key: str = ""
 
     @property
+    def requests_per_unit(self) -> int:
+        return self.windows[0].requests_per_unit
+
+    @property
+    def unit(self) -> Unit:
+        return self.windows[0].unit
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The names `replaces` can target: the limit's and its windows'."""
+        return tuple(n for n in (self.name, *(w.name for w in self.windows)) if n)
+
+    @property
     def role(self) -> Role:
         if self.shadow_mode:
             return Role.SHADOW
         if self.quota_mode:
             return Role.QUOTA
         return Role.BLOCKING
+
+
+def single(requests_per_unit: int, unit: Unit, **flags: object) -> Limit:
+    """A plain one-window limit (the reference's only kind), for overrides and tests."""
+    return Limit((Window(requests_per_unit, unit),), **flags)  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True, slots=True)

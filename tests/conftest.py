@@ -7,7 +7,6 @@ import shutil
 from collections.abc import Iterator
 
 import pytest
-
 from servers import RedisCluster, RedisServer, ServerError, start_cluster, start_server
 
 # ---------------------------------------------------------------------------------------------

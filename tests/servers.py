@@ -76,6 +76,11 @@ class RedisServer:
         return f"redis://{HOST}:{self.port}"
 
     @property
+    def nodes(self) -> list[RedisServer]:
+        """The servers holding data: just this one (a cluster lists its masters)."""
+        return [self]
+
+    @property
     def pid(self) -> int | None:
         return self._process.pid if self._process is not None else None
 
@@ -265,8 +270,7 @@ def _create_cluster(nodes: list[RedisServer]) -> None:
 def _cluster_state_ok(node: RedisServer) -> bool:
     try:
         with node.client() as client:
-            info = client.execute_command("CLUSTER", "INFO")
+            info = client.cluster("INFO")
     except redis.RedisError:
         return False
-    text = info.decode() if isinstance(info, bytes) else str(info)
-    return "cluster_state:ok" in text
+    return bool(info.get("cluster_state") == "ok")

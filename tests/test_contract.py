@@ -12,7 +12,16 @@ import pytest
 
 from sidecar import config
 from sidecar.limiter import Limiter, Settings
-from sidecar.model import UNLIMITED_REMAINING, Code, Decision, Descriptor, Entry, Override, Request, Unit
+from sidecar.model import (
+    UNLIMITED_REMAINING,
+    Code,
+    Decision,
+    Descriptor,
+    Entry,
+    Override,
+    Request,
+    Unit,
+)
 from sidecar.storage import Backend, open_backend
 
 RULES = """
@@ -78,8 +87,11 @@ class Clock:
         return self.now
 
 
-BACKENDS = ["memory", pytest.param("redis", marks=pytest.mark.redis),
-            pytest.param("cluster", marks=pytest.mark.cluster)]
+BACKENDS = [
+    "memory",
+    pytest.param("redis", marks=pytest.mark.redis),
+    pytest.param("cluster", marks=pytest.mark.cluster),
+]
 
 
 @pytest.fixture(params=BACKENDS)
@@ -135,9 +147,11 @@ async def test_25_hits_on_20_per_minute(make_limiter: Callable[..., Limiter], cl
         assert status.limit is not None and status.limit.requests_per_unit == 20
         assert status.limit.unit is Unit.MINUTE
         assert status.duration_until_reset == 60 - int(clock.now) % 60
-    assert seen == [(Code.OK, Code.OK, 19 - i) for i in range(20)] + [
-        (Code.OVER_LIMIT, Code.OVER_LIMIT, 0)
-    ] * 5
+    assert (
+        seen
+        == [(Code.OK, Code.OK, 19 - i) for i in range(20)]
+        + [(Code.OVER_LIMIT, Code.OVER_LIMIT, 0)] * 5
+    )
     clock.now += 60
     assert (await ask(limiter, d("user=alice"))).statuses[0].limit_remaining == 19
 

@@ -18,7 +18,9 @@ from sidecar.stats import RuleStats
 from sidecar.storage.keys import descriptor_prefix, fixed_window_key, hash_tag
 from sidecar.storage.memory import MemoryBackend
 
-parts_strategy = st.lists(st.tuples(st.text(max_size=6), st.text(max_size=6)), min_size=1, max_size=3)
+parts_strategy = st.lists(
+    st.tuples(st.text(max_size=6), st.text(max_size=6)), min_size=1, max_size=3
+)
 
 
 @given(st.text(max_size=5), parts_strategy, st.text(max_size=5), parts_strategy)
@@ -57,7 +59,14 @@ def test_windows_align_to_the_epoch() -> None:
 
 @pytest.mark.parametrize(
     ("before", "hits", "limit", "over"),
-    [(0, 1, 1, False), (1, 1, 1, True), (0, 3, 2, True), (1, 0, 2, False), (2, 0, 2, True), (0, 0, 0, True)],
+    [
+        (0, 1, 1, False),
+        (1, 1, 1, True),
+        (0, 3, 2, True),
+        (1, 0, 2, False),
+        (2, 0, 2, True),
+        (0, 0, 0, True),
+    ],
 )
 def test_is_over(before: int, hits: int, limit: int, over: bool) -> None:
     """A hit is over when it would pass the limit; a check is over once the limit is reached."""
@@ -78,7 +87,10 @@ def test_step_sees_earlier_hits_on_the_same_key() -> None:
     """A key repeated in one request: the second hit sees the first as added."""
     hits = [Hit(b"k", 2, 3, 60), Hit(b"k", 2, 3, 60)]
     assert fixed_window.step([0, 0], hits, all_or_nothing=False) == [Count(0, True), Count(2, True)]
-    assert fixed_window.step([0, 0], hits, all_or_nothing=True) == [Count(0, False), Count(2, False)]
+    assert fixed_window.step([0, 0], hits, all_or_nothing=True) == [
+        Count(0, False),
+        Count(2, False),
+    ]
 
 
 # (limit, before, hits, after, over, over_limit, near_limit, within_limit): the reference's vectors.
@@ -102,7 +114,12 @@ def test_stats_accounting_matches_the_reference(
     """over_limit / near_limit / within_limit split hits exactly as the reference does."""
     stats = RuleStats()
     stats.record(limit, before, hits, over, shadow=False)
-    assert (stats.total_hits, stats.over_limit, stats.near_limit, stats.within_limit) == (hits, o, n, w)
+    assert (stats.total_hits, stats.over_limit, stats.near_limit, stats.within_limit) == (
+        hits,
+        o,
+        n,
+        w,
+    )
 
 
 class Clock:
@@ -178,12 +195,20 @@ def one(*pairs: tuple[str, str], hits: int | None = None) -> Descriptor:
     [
         (Request("", (one(("k", "v")),)), "rate limit domain must not be empty"),
         (Request("d", ()), "rate limit descriptor list must not be empty"),
-        (Request("d", (one(("k", "v"), hits=2**64 - 1),)), "descriptors[0].hits_addend 18446744073709551615 exceeds 4294967295"),
-        (Request("d", (one(("k", "v" * 9000)),)), "descriptors[0]: entry too long (keys at most 256 characters, values at most 8192)"),
+        (
+            Request("d", (one(("k", "v"), hits=2**64 - 1),)),
+            "descriptors[0].hits_addend 18446744073709551615 exceeds 4294967295",
+        ),
+        (
+            Request("d", (one(("k", "v" * 9000)),)),
+            "descriptors[0]: entry too long (keys at most 256 characters, values at most 8192)",
+        ),
         (Request("d", (one(("k", "v")),) * 129), "too many descriptors: 129 (at most 128)"),
     ],
 )
-async def test_invalid_requests_are_refused_and_change_nothing(request_: Request, message: str) -> None:
+async def test_invalid_requests_are_refused_and_change_nothing(
+    request_: Request, message: str
+) -> None:
     """Protocol violations raise InvalidRequest with a clear message and never reach the store."""
     backend = FailingBackend()
     limiter = Limiter(RULES, backend)

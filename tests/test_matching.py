@@ -149,7 +149,9 @@ def test_counter_uses_request_values_except_with_share_threshold() -> None:
         ((("detailed", "1.2.3.4"),), "d.detailed_1_2_3_4"),
     ],
 )
-def test_metric_keys_follow_the_reference(pairs: tuple[tuple[str, str], ...], metric_key: str) -> None:
+def test_metric_keys_follow_the_reference(
+    pairs: tuple[tuple[str, str], ...], metric_key: str
+) -> None:
     """Stats keys: rule path, with request values under value_to_metric and detailed_metric."""
     found = match(RULES, [Entry(k, v) for k, v in pairs])
     assert found is not None

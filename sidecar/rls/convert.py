@@ -20,7 +20,7 @@ from envoy.service.ratelimit.v3.rls_pb2 import (  # type: ignore[import-untyped]
 from envoy.type.v3.ratelimit_unit_pb2 import RateLimitUnit  # type: ignore[import-untyped]
 
 from sidecar.errors import InvalidRequest
-from sidecar.model import Code, Decision, Descriptor, DescriptorStatus, Entry, Limit, Override, Request, Unit
+from sidecar.model import Code, Decision, Descriptor, Entry, Limit, Override, Request, Unit
 
 #: `RateLimitOverride.unit` (envoy.type.v3.RateLimitUnit) numbers the model's units; WEEK has none.
 _OVERRIDE_UNITS: dict[int, Unit] = {
@@ -65,60 +65,59 @@ def response(decision: Decision) -> RateLimitResponse:
 #   RateLimit: 1 requests_per_unit (varint), 2 unit (varint), 3 name (string)
 # proto3 leaves fields at their default (0, "") off the wire, and so do we.
 _SMALL_VARINTS = tuple(bytes((n,)) for n in range(0x80))
-_CODE_FIELD = {code: (b"\x08" + _SMALL_VARINTS[code] if code else b"") for code in Code}
-_BARE_STATUS = {code: b"\x12" + _SMALL_VARINTS[len(body)] + body for code, body in _CODE_FIELD.items()}
-_DURATION_ZERO = b"\x22\x00"
+#: The `code` field by Code number (UNKNOWN, 0, stays off the wire).
+_CODE_FIELD = tuple(
+    b"\x08" + _SMALL_VARINTS[code] if code else b"" for code in range(max(Code) + 1)
+)
+#: A whole status holding only its code, by Code number.
+_BARE_STATUS = tuple(b"\x12" + _SMALL_VARINTS[len(body)] + body for body in _CODE_FIELD)
 
-#: Encoded `current_limit` fields by (requests_per_unit, unit, name). Rules give a handful;
-#: overrides sent by clients could give many, so the cache is emptied when it grows past this.
+#: Encoded `current_limit` fields by the identity of their Limit, which the entry keeps alive so
+#: the id cannot be reused. Rules give a handful of limits; overrides give one per request, so
+#: the cache is emptied whenever it grows past this size.
 _CURRENT_LIMIT_CACHE_SIZE = 4_096
-_current_limits: dict[tuple[int, int, str], bytes] = {}
+_current_limits: dict[int, tuple[Limit, bytes]] = {}
 
 
 def response_bytes(decision: Decision) -> bytes:
     """The wire bytes of the `RateLimitResponse` for `decision`."""
     parts = [_CODE_FIELD[decision.overall_code]]
-    bare = _BARE_STATUS
     for status in decision.statuses:
-        if status.limit is None and not status.limit_remaining and status.duration_until_reset is None:
-            parts.append(bare[status.code])
-        else:
-            parts.append(_status(status))
+        limit = status.limit
+        remaining = status.limit_remaining
+        seconds = status.duration_until_reset
+        if limit is None and not remaining and seconds is None:
+            parts.append(_BARE_STATUS[status.code])
+            continue
+        body = _CODE_FIELD[status.code]
+        if limit is not None and not limit.unlimited:
+            cached = _current_limits.get(id(limit))
+            body += cached[1] if cached is not None else _current_limit(limit)
+        if remaining:
+            body += b"\x18" + _varint(remaining)
+        if seconds is not None:
+            if seconds:
+                duration = b"\x08" + _varint(seconds)
+                body += b"\x22" + _SMALL_VARINTS[len(duration)] + duration
+            else:
+                body += b"\x22\x00"
+        parts.append(b"\x12" + _varint(len(body)) + body)
     return b"".join(parts)
 
 
-def _status(status: DescriptorStatus) -> bytes:
-    body = _CODE_FIELD[status.code]
-    limit = status.limit
-    if limit is not None and not limit.unlimited:
-        body += _current_limit(limit)
-    if status.limit_remaining:
-        body += b"\x18" + _varint(status.limit_remaining)
-    seconds = status.duration_until_reset
-    if seconds is not None:
-        if seconds:
-            duration = b"\x08" + _varint(seconds)
-            body += b"\x22" + _SMALL_VARINTS[len(duration)] + duration
-        else:
-            body += _DURATION_ZERO
-    return b"\x12" + _varint(len(body)) + body
-
-
 def _current_limit(limit: Limit) -> bytes:
-    key = (limit.requests_per_unit, limit.unit, limit.name)
-    encoded = _current_limits.get(key)
-    if encoded is None:
-        body = b""
-        if limit.requests_per_unit:
-            body += b"\x08" + _varint(limit.requests_per_unit)
-        body += b"\x10" + _varint(limit.unit)
-        if limit.name:
-            name = limit.name.encode()
-            body += b"\x1a" + _varint(len(name)) + name
-        encoded = b"\x12" + _varint(len(body)) + body
-        if len(_current_limits) >= _CURRENT_LIMIT_CACHE_SIZE:
-            _current_limits.clear()
-        _current_limits[key] = encoded
+    """Encode a limit's `current_limit` field and remember it."""
+    body = b""
+    if limit.requests_per_unit:
+        body += b"\x08" + _varint(limit.requests_per_unit)
+    body += b"\x10" + _varint(limit.unit)
+    if limit.name:
+        name = limit.name.encode()
+        body += b"\x1a" + _varint(len(name)) + name
+    encoded = b"\x12" + _varint(len(body)) + body
+    if len(_current_limits) >= _CURRENT_LIMIT_CACHE_SIZE:
+        _current_limits.clear()
+    _current_limits[id(limit)] = (limit, encoded)
     return encoded
 
 

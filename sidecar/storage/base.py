@@ -33,7 +33,9 @@ class Backend(Protocol):
     async def close(self) -> None: ...
 
 
-def open_backend(url: str, timeout_ms: int = 50, clock: Callable[[], float] | None = None) -> Backend:
+def open_backend(
+    url: str, timeout_ms: int = 50, clock: Callable[[], float] | None = None
+) -> Backend:
     """The backend a URL names; raises ValueError with the reason for a URL it cannot use."""
     scheme = urlsplit(url).scheme
     if scheme == "memory":

@@ -52,7 +52,7 @@ class MemoryBackend:
         expiries = self._expiries
         counters = self._counters
         while expiries and expiries[0][0] <= now:
-            expires_at, key = heapq.heappop(expiries)
+            _, key = heapq.heappop(expiries)
             entry = counters.get(key)
             if entry is not None and entry[1] <= now:
                 del counters[key]

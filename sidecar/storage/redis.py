@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import ssl
+import sys
 from collections.abc import Sequence
 from importlib.resources import files
 from typing import Any, Self
@@ -24,7 +25,7 @@ from redis.asyncio.connection import Connection, SSLConnection
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.crc import key_slot
-from redis.exceptions import NoScriptError, RedisClusterException, RedisError
+from redis.exceptions import NoScriptError, RedisError
 
 from sidecar.algorithms import fixed_window
 from sidecar.errors import StorageError
@@ -44,18 +45,30 @@ POOL_SIZE = 64
 
 DEFAULT_PORT = 6379
 
-# redis-py raises RedisError subclasses, but the cluster client also raises the unrelated
-# RedisClusterException (no reachable node), and OSError covers socket errors and the
-# TimeoutError of `asyncio.timeout`.
-_FAILURES = (RedisError, RedisClusterException, OSError)
 
 _TLS_OPTIONS = {"ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs"}
 _CERT_REQS = {"none": ssl.CERT_NONE, "optional": ssl.CERT_OPTIONAL, "required": ssl.CERT_REQUIRED}
 
-# A connection is never retried inside redis-py: a retried EVALSHA may count its hits twice,
-# and the deadline leaves no room for backoff. Stale pooled connections (say, after a Redis
-# restart) are still replaced, because the pool checks a connection before lending it.
-_NO_RETRY = Retry(NoBackoff(), 0)
+
+def _connection_options(timeout: float) -> dict[str, Any]:
+    """Socket settings both clients share; `timeout` is the call deadline, in seconds."""
+    return {
+        "socket_connect_timeout": timeout,
+        # A read/write timeout makes redis-py wrap every send in asyncio.wait_for, which on
+        # Python 3.11 swallows a cancellation that lands as the send completes: the deadline's
+        # cancellation is lost and the call runs on to a second full timeout. From 3.12 on it
+        # is safe, and the socket timeout backs up the deadline; on 3.11 the deadline alone
+        # bounds a call, and TCP keepalive eventually drops a dead peer's idle connections.
+        "socket_timeout": timeout if sys.version_info >= (3, 12) else None,
+        "socket_keepalive": True,
+        # Never retried inside redis-py: a retried EVALSHA may count its hits twice, and the
+        # deadline leaves no room for backoff. Stale pooled connections (after a Redis restart,
+        # say) are still replaced, because the pool checks a connection before lending it.
+        "retry": Retry(NoBackoff(), 0),
+        # RESP2: every Redis and proxy speaks it, and a new connection needs no HELLO.
+        "protocol": 2,
+    }
+
 
 Reply = list[int]
 
@@ -87,7 +100,16 @@ async def _run(client: Redis | RedisCluster, command: list[Any]) -> Reply:
     return reply
 
 
-def _failure(backend: str, timeout_ms: int, exc: BaseException) -> StorageError:
+def _failure(backend: str, timeout_ms: int, exc: Exception) -> StorageError:
+    """The StorageError for whatever a call raised.
+
+    Mostly a RedisError, but the cluster client also raises the unrelated
+    RedisClusterException (no reachable node), `asyncio.timeout` raises TimeoutError, and under
+    concurrent reconnects redis-py has been seen to leak an AttributeError from a connection
+    closed under a call. The Backend contract promises StorageError only, so that the service
+    answers with its failure mode rather than an internal error: callers catch every Exception
+    and the original type stays in the message for the logs.
+    """
     if isinstance(exc, TimeoutError) and not isinstance(exc, RedisError):
         return StorageError(f"{backend}: no answer within {timeout_ms} ms")
     return StorageError(f"{backend}: {type(exc).__name__}: {exc}")
@@ -130,11 +152,7 @@ class RedisBackend:
             max_connections=POOL_SIZE,
             timeout=timeout,
             connection_class=SSLConnection if tls else Connection,
-            socket_timeout=timeout,
-            socket_connect_timeout=timeout,
-            retry=_NO_RETRY,
-            # RESP2: every Redis and proxy speaks it, and a new connection needs no HELLO.
-            protocol=2,
+            **_connection_options(timeout),
             **kwargs,
         )
         return cls(Redis.from_pool(pool), timeout_ms)
@@ -146,7 +164,7 @@ class RedisBackend:
         try:
             async with asyncio.timeout(self._timeout):
                 reply = await _run(self._client, command)
-        except _FAILURES as exc:
+        except Exception as exc:  # every failure, see _failure
             raise _failure(self.name, self._timeout_ms, exc) from exc
         applied = reply[0] == 1
         return [Count(before, applied) for before in reply[1:]]
@@ -155,7 +173,7 @@ class RedisBackend:
         try:
             async with asyncio.timeout(self._timeout):
                 return bool(await self._client.ping())
-        except _FAILURES:
+        except Exception:  # ping never raises
             return False
 
     async def close(self) -> None:
@@ -207,12 +225,9 @@ class RedisClusterBackend:
             username=unquote(username) or None,
             password=unquote(password) if has_password else None,
             max_connections=POOL_SIZE,
-            socket_timeout=timeout,
-            socket_connect_timeout=timeout,
-            # One retry, no backoff: enough to follow a topology change (the client then
-            # reloads the slot map); anything longer would outlast the deadline anyway.
-            retry=Retry(NoBackoff(), 1),
-            protocol=2,
+            # MOVED and ASK are still followed without a retry; after a connection error the
+            # client reloads the slot map on the next call.
+            **_connection_options(timeout),
         )
         return cls(client, timeout_ms)
 
@@ -232,7 +247,7 @@ class RedisClusterBackend:
                 if all_or_nothing:
                     return await self._apply_across_slots(hits, list(slots.values()))
                 return await self._apply_per_slot(hits, list(slots.values()), MODE_ADD)
-        except _FAILURES as exc:
+        except Exception as exc:  # every failure, see _failure
             raise _failure(self.name, self._timeout_ms, exc) from exc
 
     async def _apply_across_slots(
@@ -247,10 +262,10 @@ class RedisClusterBackend:
         The race this leaves: between the phases another request may consume a counter, and
         then the slot holding it refuses its part in phase 2 while the other slots add theirs.
         The request's Counts then say, slot by slot, what was really added (applied False where
-        refused), so its outcome is OVER_LIMIT and only its admitted slots were charged; a
-        counter never passes its limit because of this. Quota counters are judged across
-        slots in phase 1; in phase 2 they only block when they all live in one slot, since a
-        slot cannot see the others' quota counters.
+        refused, with the counters' fresh values, so the request comes out OVER_LIMIT), but
+        the slots that accepted keep their hits. A blocking counter never passes its limit
+        because of this. Quota counters are judged across slots in phase 1; in phase 2 they
+        block only when they all live in one slot, since a slot cannot see the others'.
         """
         phase1 = await self._apply_per_slot(hits, groups, MODE_READ)
         over = [
@@ -291,6 +306,11 @@ class RedisClusterBackend:
 
     async def _run(self, command: list[Any]) -> Reply:
         async with self._slots_in_flight:
+            # redis-py sends a script to an arbitrary node while it has no slot map (on the first
+            # calls, and after it dropped the map on an error); the MOVED replies that follow
+            # make it close connections other calls are using. Loading the map first avoids
+            # both; once it is loaded this returns at once.
+            await self._client.initialize()
             return await _run(self._client, command)
 
     async def ping(self) -> bool:
@@ -298,7 +318,7 @@ class RedisClusterBackend:
         try:
             async with asyncio.timeout(self._timeout):
                 await self._client.ping(target_nodes=RedisCluster.PRIMARIES)
-        except _FAILURES:
+        except Exception:  # ping never raises
             return False
         return True
 
@@ -320,14 +340,13 @@ def _address(url: str, address: str) -> tuple[str, int]:
     host = parts.hostname
     if not host:
         raise ValueError(f"{_redact(url)}: missing host in {address!r}")
+    bad_port = f"{_redact(url)}: bad port in {address!r} (want a number from 1 to 65535)"
     try:
         port = parts.port
     except ValueError:
-        raise ValueError(
-            f"{_redact(url)}: bad port in {address!r} (want a number from 1 to 65535)"
-        ) from None
+        raise ValueError(bad_port) from None
     if port == 0:
-        raise ValueError(f"{_redact(url)}: bad port in {address!r} (want a number from 1 to 65535)")
+        raise ValueError(bad_port)
     return host, port if port is not None else DEFAULT_PORT
 
 
@@ -335,7 +354,7 @@ def _database(url: str, path: str) -> int:
     name = path.lstrip("/")
     if not name:
         return 0
-    if not name.isdigit():
+    if not (name.isascii() and name.isdigit()):
         raise ValueError(f"{_redact(url)}: database must be a number like /0, not {path!r}")
     return int(name)
 

@@ -1,0 +1,36 @@
+# The ratelimit-sidecar image: the sidecar (`serve`) and its injector (`webhook`, `inject`).
+#   docker build -t ratelimit-sidecar:0.1.0 .
+# Two stages: the build stage installs the package and its wheels into a virtualenv; the final
+# stage copies only that virtualenv onto a fresh slim Python, with no compiler, no pip and no
+# package lists, and runs as an unprivileged numeric user (so runAsNonRoot can verify it).
+
+ARG PYTHON_VERSION=3.11
+
+FROM python:${PYTHON_VERSION}-slim AS build
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+WORKDIR /src
+RUN python -m venv /opt/ratelimit-sidecar
+COPY pyproject.toml README.md ./
+COPY sidecar ./sidecar
+# Every dependency ships manylinux wheels (grpcio, hiredis), so nothing is compiled here.
+RUN /opt/ratelimit-sidecar/bin/pip install . \
+ && /opt/ratelimit-sidecar/bin/pip uninstall --yes pip setuptools \
+ && find /opt/ratelimit-sidecar -name '__pycache__' -prune -exec rm -rf {} +
+
+FROM python:${PYTHON_VERSION}-slim
+LABEL org.opencontainers.image.title="ratelimit-sidecar" \
+      org.opencontainers.image.description="Envoy global rate limit service (RLS v3) sidecar" \
+      org.opencontainers.image.licenses="Apache-2.0"
+# The root filesystem is read-only in the pods: never try to write bytecode.
+ENV PATH=/opt/ratelimit-sidecar/bin:$PATH \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1
+COPY --from=build /opt/ratelimit-sidecar /opt/ratelimit-sidecar
+RUN python -m compileall -q /opt/ratelimit-sidecar/lib \
+ && groupadd --system --gid 65532 ratelimit \
+ && useradd --system --uid 65532 --gid 65532 --no-create-home --shell /usr/sbin/nologin ratelimit
+USER 65532:65532
+# 8081: gRPC ShouldRateLimit; 8080: /healthcheck, /json, /rlconfig, /metrics; 8443: webhook.
+EXPOSE 8080 8081 8443
+ENTRYPOINT ["ratelimit-sidecar"]
+CMD ["--help"]

@@ -1,0 +1,119 @@
+"""The HTTP side, on the same event loop as gRPC, answering as the reference's endpoints do.
+
+- `POST /json`: a `RateLimitRequest` in proto3 JSON; the response JSON with status 200 (OK),
+  429 (OVER_LIMIT) or 500 (UNKNOWN); 400 with the reason for bad JSON or an invalid request;
+  413 for a body over 1 MiB.
+- `GET /healthcheck`: 200 `OK`, or 500 after SIGTERM or while the backend fails its ping.
+- `GET /rlconfig`: the loaded rules, one line per rule (the reference's format).
+- `GET /metrics`: Prometheus text format.
+"""
+
+from __future__ import annotations
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry
+
+from sidecar import metrics
+from sidecar.config import Rules
+from sidecar.errors import InvalidRequest
+from sidecar.health import Health
+from sidecar.model import Code
+from sidecar.rls.service import RateLimitService
+
+MAX_BODY_BYTES = 1 << 20
+
+_JSON_STATUS = {Code.OK: 200, Code.OVER_LIMIT: 429, Code.UNKNOWN: 500}
+_INDEX = """ratelimit-sidecar
+  POST /json          RateLimitRequest in proto3 JSON -> RateLimitResponse JSON
+                      (200 OK, 429 OVER_LIMIT, 400 bad request)
+  GET  /healthcheck   200 OK when healthy, else 500
+  GET  /rlconfig      loaded rules, one line per rule
+  GET  /metrics       Prometheus metrics
+"""
+
+
+class AdminServer:
+    """An aiohttp server for one sidecar; `start` returns the bound port."""
+
+    def __init__(
+        self,
+        service: RateLimitService,
+        rules: Rules,
+        health: Health,
+        registry: CollectorRegistry,
+        host: str,
+        port: int,
+        shutdown_timeout: float = 5.0,
+    ) -> None:
+        self.service = service
+        self.rules = rules
+        self.health = health
+        self.registry = registry
+        self.host = host
+        self.port = port
+        self._runner: web.AppRunner | None = None
+        self._shutdown_timeout = shutdown_timeout
+
+    def application(self) -> web.Application:
+        app = web.Application(client_max_size=MAX_BODY_BYTES)
+        app.router.add_get("/", self._index)
+        app.router.add_post("/json", self._json)
+        app.router.add_get("/healthcheck", self._healthcheck)
+        app.router.add_get("/rlconfig", self._rlconfig)
+        app.router.add_get("/metrics", self._metrics)
+        return app
+
+    async def start(self) -> int:
+        runner = web.AppRunner(
+            self.application(),
+            handle_signals=False,
+            access_log=None,
+            shutdown_timeout=self._shutdown_timeout,
+        )
+        await runner.setup()
+        try:
+            site = web.TCPSite(runner, self.host, self.port, reuse_port=False)
+            await site.start()
+        except OSError as exc:
+            await runner.cleanup()
+            raise OSError(f"cannot listen for HTTP on {self.host}:{self.port}: {exc}") from exc
+        self._runner = runner
+        port: int = runner.addresses[0][1]
+        return port
+
+    async def stop(self) -> None:
+        """Stop listening and let requests in flight finish (up to the shutdown timeout)."""
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    async def _index(self, request: web.Request) -> web.Response:
+        return web.Response(text=_INDEX)
+
+    async def _json(self, request: web.Request) -> web.Response:
+        try:
+            body = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            return web.Response(
+                status=413, text=f"Request Entity Too Large: at most {MAX_BODY_BYTES} bytes\n"
+            )
+        try:
+            code, text = await self.service.should_rate_limit_json(body)
+        except InvalidRequest as exc:
+            return web.Response(status=400, text=f"Bad Request: {exc}\n")
+        return web.Response(status=_JSON_STATUS[code], text=text, content_type="application/json")
+
+    async def _healthcheck(self, request: web.Request) -> web.Response:
+        if await self.health.check():
+            return web.Response(text="OK")
+        reason = "shutting down" if self.health.draining else "backend unavailable"
+        return web.Response(status=500, text=f"Internal Server Error: {reason}\n")
+
+    async def _rlconfig(self, request: web.Request) -> web.Response:
+        lines = self.rules.dump()
+        return web.Response(text="".join(f"{line}\n" for line in lines))
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        response = web.Response(body=metrics.render(self.registry))
+        response.headers["Content-Type"] = metrics.CONTENT_TYPE
+        return response

@@ -1,0 +1,77 @@
+"""Token buckets that may borrow: a steady refill, a burst capacity, and an optional credit line.
+
+A bucket holds up to `capacity` tokens (`burst`, default `requests_per_unit`) and refills
+continuously at `requests_per_unit` tokens per window (`unit` × `unit_multiplier`).
+A hit of cost `c` is admitted when the bucket holds `c` tokens, or when the missing tokens fit in
+the credit still available: between two moments the bucket is full, it may lend at most `borrow`
+tokens in all. Lending drives the balance below zero (a debt); refills repay the debt before any
+token can be spent again, and the credit line reopens only once the bucket is full again.
+
+So with 10/second, burst 20 and borrow 5: 25 hits at once are admitted (20 tokens and 5 on
+credit), the 26th is not; 0.5 s later the debt is repaid but the balance is 0 and the credit is
+spent, so nothing is admitted until the first whole token at 0.6 s; after 2.5 s idle the bucket
+is full and may lend 5 again.
+
+A cost above `capacity + borrow` is never admitted. A check (cost 0) asks whether one more hit
+would be, and changes nothing. A rejected hit never consumes (a bucket that charged rejections
+would never refill for a client that keeps knocking).
+`limit_remaining` is the whole tokens available now (0 while in debt); `duration_until_reset` is
+the time until the bucket is full again, debt included. The state is kept until then: a full
+bucket and no state are the same thing. `lua/decide.lua` mirrors this arithmetic operation for
+operation, so Redis and memory agree to the last bit.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Bucket:
+    """A bucket's state at `stamp_ms`: its balance (negative in debt) and the credit drawn since it
+    was last full."""
+
+    tokens: float
+    stamp_ms: int
+    drawn: float
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    over: bool
+    remaining: int
+    reset_ms: int
+    state: Bucket | None  # the state to keep if the hit is applied; None: full, keep nothing
+
+
+def refill(state: Bucket | None, now_ms: int, rate: int, period_ms: int, capacity: int) -> Bucket:
+    """The bucket at `now_ms`: refilled since its stamp, credit reopened if it is full again."""
+    if state is None:
+        return Bucket(float(capacity), now_ms, 0.0)
+    elapsed = max(0, now_ms - state.stamp_ms)
+    tokens = min(float(capacity), state.tokens + elapsed * rate / period_ms)
+    drawn = 0.0 if tokens >= capacity else state.drawn
+    return Bucket(tokens, now_ms, drawn)
+
+
+def decide(
+    state: Bucket | None,
+    now_ms: int,
+    cost: int,
+    rate: int,
+    period_ms: int,
+    capacity: int,
+    borrow: int,
+) -> Outcome:
+    bucket = refill(state, now_ms, rate, period_ms, capacity)
+    need = cost if cost > 0 else 1
+    tokens = bucket.tokens
+    credit = max(0.0, need - max(tokens, 0.0))
+    over = bucket.drawn + credit > borrow
+    if not over and cost > 0:
+        tokens = tokens - cost
+        bucket = Bucket(tokens, now_ms, bucket.drawn + credit)
+    reset_ms = math.ceil((capacity - tokens) * period_ms / rate)
+    remaining = max(0, math.floor(tokens))
+    return Outcome(over, remaining, reset_ms, None if tokens >= capacity else bucket)

@@ -1,0 +1,78 @@
+"""Where a window starts and ends: epoch blocks, or calendar periods in a time zone.
+
+Epoch blocks (the reference's windows) are ``unit seconds × unit_multiplier`` long and aligned to
+the Unix epoch: days reset at 00:00 UTC, a "month" is a 30-day block, a "year" 365 days.
+
+Calendar windows (`calendar: true`) follow the wall clock of an IANA time zone: a day runs from
+local midnight to the next local midnight (23 or 25 hours on a DST change), a week from midnight
+of its first day (`week_start`, Monday by default), a month from the 1st to the 1st, a year from
+1 January. A midnight that a DST change skips starts the day at the first instant that exists.
+Seconds, minutes and hours are epoch blocks in any zone (every zone in use is offset by whole
+minutes, and an hour must stay 3600 s across DST changes), so `calendar` only changes day, week,
+month and year.
+"""
+
+from __future__ import annotations
+
+from datetime import date, datetime, timedelta
+from functools import lru_cache
+from zoneinfo import ZoneInfo
+
+from sidecar.model import Unit
+
+_CALENDAR_UNITS = frozenset({Unit.DAY, Unit.WEEK, Unit.MONTH, Unit.YEAR})
+
+
+def is_calendar_unit(unit: Unit) -> bool:
+    return unit in _CALENDAR_UNITS
+
+
+def epoch_window(now: float, seconds: int) -> tuple[int, int]:
+    """(start, end) in Unix seconds of the epoch-aligned block of `seconds` holding `now`."""
+    second = int(now)
+    start = second - second % seconds
+    return start, start + seconds
+
+
+def calendar_window(now: float, unit: Unit, zone: str, week_start: int = 0) -> tuple[int, int]:
+    """(start, end) in Unix seconds of the calendar `unit` holding `now` in time zone `zone`.
+
+    `week_start` is the first day of a week, 0 for Monday to 6 for Sunday.
+    """
+    tz = _zone(zone)
+    local = datetime.fromtimestamp(int(now), tz).date()
+    if unit is Unit.DAY:
+        first, following = local, local + timedelta(days=1)
+    elif unit is Unit.WEEK:
+        first = local - timedelta(days=(local.weekday() - week_start) % 7)
+        following = first + timedelta(days=7)
+    elif unit is Unit.MONTH:
+        first = local.replace(day=1)
+        following = date(first.year + first.month // 12, first.month % 12 + 1, 1)
+    elif unit is Unit.YEAR:
+        first, following = date(local.year, 1, 1), date(local.year + 1, 1, 1)
+    else:
+        raise ValueError(f"{unit.name.lower()} has no calendar window")
+    return _midnight(first, zone), _midnight(following, zone)
+
+
+def _midnight(day: date, zone: str) -> int:
+    """The first instant of `day` in `zone`.
+
+    For a midnight skipped by DST, the naive local time with fold=0 uses the offset in force
+    before the change, which lands exactly on the change: the first instant of that day.
+    """
+    return int(datetime(day.year, day.month, day.day, tzinfo=_zone(zone)).timestamp())
+
+
+@lru_cache(maxsize=256)
+def _zone(name: str) -> ZoneInfo:
+    return ZoneInfo(name)
+
+
+def check_zone(name: str) -> None:
+    """Raise ValueError when `name` is not an IANA time zone this machine knows."""
+    try:
+        _zone(name)
+    except (ValueError, KeyError) as exc:  # ZoneInfoNotFoundError is a KeyError
+        raise ValueError(f"unknown time zone '{name}'") from exc

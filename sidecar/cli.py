@@ -1,0 +1,419 @@
+"""The command line, `serve`, `check` and `query`: a thin layer over `app`, `config`, `rls.client`.
+
+Every flag can also come from the environment as `RLS_<FLAG>` (upper case, dashes as
+underscores); a flag on the command line wins over its variable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import re
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from sidecar import __version__, config, logs
+from sidecar.errors import ConfigError
+from sidecar.injector.commands import register as register_injector
+
+# grpc's C core writes its own lines to stderr; keep them to errors so the log stays one format.
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+
+PROG = "ratelimit-sidecar"
+ENV_PREFIX = "RLS_"
+
+_DESCRIPTION = """\
+An Envoy global rate limit service (envoy.service.ratelimit.v3.RateLimitService), a drop-in
+for envoyproxy/ratelimit: the same YAML rules, the same gRPC and HTTP endpoints, with counters
+in memory, Redis or Redis Cluster.
+
+Every flag can also be set in the environment as RLS_<FLAG> (upper case, dashes as
+underscores: --grpc-address is RLS_GRPC_ADDRESS). A flag on the command line wins."""
+
+_EPILOG = """\
+examples:
+  ratelimit-sidecar check rules/
+  ratelimit-sidecar serve --config rules/ --backend redis://127.0.0.1:6379
+  RLS_CONFIG=/etc/ratelimit RLS_BACKEND=redis://redis:6379 ratelimit-sidecar serve
+  ratelimit-sidecar query --domain edge --descriptor remote_address=10.0.0.1
+
+Run 'ratelimit-sidecar COMMAND --help' for the flags of a command."""
+
+_SERVE_DESCRIPTION = """\
+Serve ShouldRateLimit over gRPC and, over HTTP: POST /json (the same call in proto3 JSON;
+200 OK, 429 OVER_LIMIT, 400 bad request), GET /healthcheck, GET /rlconfig (the loaded
+rules) and GET /metrics (Prometheus). The gRPC health service reports SERVING for "" and
+"ratelimit" once the backend answers.
+
+Rules are envoyproxy/ratelimit YAML files, one domain per file. A bad file stops the start
+with 'FILE: PATH: message' and exit status 1; a backend URL that cannot be used exits with 2.
+SIGTERM or SIGINT: report unhealthy, refuse new calls, let calls in flight finish (5 s),
+then exit 0."""
+
+_CHECK_DESCRIPTION = """\
+Validate rules files without starting anything: print one summary line per domain and exit
+0, or print the first error as 'FILE: PATH-IN-FILE: message' and exit 1."""
+
+_QUERY_DESCRIPTION = """\
+Send one ShouldRateLimit call to a running service and print the response.
+Exit status: 0 when overall_code is OK, 1 when OVER_LIMIT, 2 on error."""
+
+
+@dataclass(frozen=True)
+class _EnvFlag:
+    """A flag that may also come from RLS_<DEST>, with the default applied when neither is set."""
+
+    dest: str
+    option: str
+    default: Any
+    from_env: Callable[[str], Any]
+    required: bool
+
+
+class _Flags:
+    """Adds flags to one subcommand and remembers how to read each from the environment."""
+
+    def __init__(self, parser: argparse.ArgumentParser) -> None:
+        self.parser = parser
+        self.flags: list[_EnvFlag] = []
+
+    def add(
+        self,
+        option: str,
+        help: str,
+        *,
+        default: Any = None,
+        required: bool = False,
+        separators: str = "",
+        **kwargs: Any,
+    ) -> None:
+        dest = option.lstrip("-").replace("-", "_")
+        var = ENV_PREFIX + dest.upper()
+        shown = f"default: {default}; " if default not in (None, False) else ""
+        where = "required; " if required else ""
+        action = self.parser.add_argument(
+            option, default=None, help=f"{help} ({where}{shown}env {var})", **kwargs
+        )
+        reader = _env_reader(action, kwargs.get("action"), separators)
+        self.flags.append(_EnvFlag(dest, option, default, reader, required))
+
+    def resolve(self, args: argparse.Namespace, environ: Mapping[str, str]) -> None:
+        """Fill every flag the command line left out from its variable, else its default."""
+        for flag in self.flags:
+            if getattr(args, flag.dest) is not None:
+                continue
+            var = ENV_PREFIX + flag.dest.upper()
+            raw = environ.get(var, "")
+            value = flag.default
+            if raw:
+                try:
+                    value = flag.from_env(raw)
+                except (ValueError, argparse.ArgumentTypeError) as exc:
+                    self.parser.error(f"{var}={raw!r}: {exc}")
+            if value is None and flag.required:
+                self.parser.error(f"the following arguments are required: {flag.option} (or {var})")
+            setattr(args, flag.dest, value)
+
+
+def _env_reader(action: argparse.Action, kind: str | None, separators: str) -> Callable[[str], Any]:
+    """How to read an environment value for `action`: its type, its choices, one value or many."""
+    convert: Callable[[str], Any] = action.type if callable(action.type) else str
+
+    def one(raw: str) -> Any:
+        value = convert(raw.strip())
+        if action.choices is not None and value not in action.choices:
+            choices = ", ".join(map(str, action.choices))
+            raise ValueError(f"invalid choice {value!r} (choose from {choices})")
+        return value
+
+    if kind == "store_true":
+        return _boolean
+    if kind == "append":
+        pattern = f"[{re.escape(separators)}]"
+        return lambda raw: [one(part) for part in re.split(pattern, raw) if part.strip()]
+    return one
+
+
+def _boolean(raw: str) -> bool:
+    text = raw.strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ValueError("expected true or false")
+
+
+def _address(text: str) -> str:
+    from sidecar.app import InvalidOption, split_address
+
+    try:
+        split_address(text)
+    except InvalidOption as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+    return text
+
+
+def _log_level(text: str) -> str:
+    level = text.strip().lower()
+    return "warning" if level == "warn" else level
+
+
+def _count(minimum: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+
+    return parse
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0, got {text}")
+    return value
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, dict[str, _Flags]]:
+    """The parser, and per subcommand the flags that read RLS_* variables."""
+    formatter = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(
+        prog=PROG, description=_DESCRIPTION, epilog=_EPILOG, formatter_class=formatter
+    )
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    serve = _Flags(
+        commands.add_parser(
+            "serve",
+            help="run the rate limit service (gRPC and HTTP)",
+            description=_SERVE_DESCRIPTION,
+            formatter_class=formatter,
+        )
+    )
+    serve.add(
+        "--config",
+        "a rules file, or a directory of *.yaml/*.yml files; repeat for more. "
+        "In RLS_CONFIG, separate several paths with ':' or ','",
+        required=True,
+        action="append",
+        metavar="PATH",
+        separators=":,",
+    )
+    serve.add(
+        "--backend",
+        "where counters live: memory://, redis://[user:password@]host:port[/db], "
+        "rediss://... (TLS) or redis+cluster://host:port[,host:port...]",
+        default="memory://",
+        metavar="URL",
+    )
+    serve.add(
+        "--grpc-address",
+        "listen address for ShouldRateLimit and gRPC health; port 0 picks a free port",
+        default="0.0.0.0:8081",
+        type=_address,
+        metavar="HOST:PORT",
+    )
+    serve.add(
+        "--http-address",
+        "listen address for /json, /healthcheck, /rlconfig and /metrics",
+        default="0.0.0.0:8080",
+        type=_address,
+        metavar="HOST:PORT",
+    )
+    serve.add(
+        "--redis-timeout-ms",
+        "deadline for one backend call; past it the failure mode answers",
+        default=50,
+        type=_count(1),
+        metavar="N",
+    )
+    serve.add(
+        "--failure-mode",
+        "answer when the backend fails: allow (OK, no limit) or deny (OVER_LIMIT for every "
+        "limited descriptor)",
+        default="allow",
+        choices=("allow", "deny"),
+    )
+    serve.add(
+        "--rejected-hits",
+        "count: rejected hits still add to counters, as the reference does; skip: a request "
+        "answered OVER_LIMIT adds nothing",
+        default="count",
+        choices=("count", "skip"),
+    )
+    serve.add(
+        "--shadow-mode",
+        "global shadow mode: count as usual but answer OK where the answer would be OVER_LIMIT",
+        action="store_true",
+        default=False,
+    )
+    serve.add(
+        "--log-format",
+        "json: one JSON object per line; console: for people",
+        default="json",
+        choices=("json", "console"),
+    )
+    serve.add(
+        "--log-level",
+        "the least severe level logged (any case; WARN is warning, as the reference spells it)",
+        default="info",
+        choices=logs.LEVELS,
+        type=_log_level,
+    )
+
+    check = commands.add_parser(
+        "check",
+        help="validate rules files and summarise them",
+        description=_CHECK_DESCRIPTION,
+        formatter_class=formatter,
+    )
+    check.add_argument(
+        "paths", nargs="+", metavar="PATH", help="a rules file or a directory of them"
+    )
+
+    query = _Flags(
+        commands.add_parser(
+            "query",
+            help="send one ShouldRateLimit call to a running service",
+            description=_QUERY_DESCRIPTION,
+            formatter_class=formatter,
+        )
+    )
+    query.add(
+        "--address",
+        "the service's gRPC address",
+        default="127.0.0.1:8081",
+        type=_address,
+        metavar="HOST:PORT",
+    )
+    query.add("--domain", "the rate limit domain", required=True, metavar="DOMAIN")
+    query.add(
+        "--descriptor",
+        "one descriptor as key=value[,key2=value2]; repeat for more. "
+        "In RLS_DESCRIPTOR, separate descriptors with ';'",
+        required=True,
+        action="append",
+        metavar="K=V[,K=V]",
+        separators=";",
+    )
+    query.add(
+        "--hits",
+        "the request's hits_addend (0 counts as 1)",
+        default=0,
+        type=_count(0),
+        metavar="N",
+    )
+    query.add(
+        "--format",
+        "print the response as protobuf text or JSON",
+        default="text",
+        choices=("text", "json"),
+    )
+    query.add(
+        "--timeout", "seconds to wait for the answer", default=5.0, type=_seconds, metavar="SECONDS"
+    )
+    register_injector(commands)
+    return parser, {"serve": serve, "query": query}
+
+
+def parse_args(
+    argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
+) -> argparse.Namespace:
+    """Flags, then RLS_* variables from `environ` (default os.environ), then defaults.
+
+    Exits with status 2 and a usage message when something is missing or malformed.
+    """
+    parser, env_flags = build_parser()
+    args = parser.parse_args(argv)
+    flags = env_flags.get(args.command)
+    if flags is not None:
+        flags.resolve(args, os.environ if environ is None else environ)
+    return args
+
+
+def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> int:
+    """Run the command line; returns the exit status."""
+    args = parse_args(argv, environ)
+    try:
+        if hasattr(args, "func"):
+            return int(args.func(args))
+        if args.command == "serve":
+            return _serve(args)
+        if args.command == "check":
+            return _check(args)
+        return _query(args)
+    except KeyboardInterrupt:
+        return 130
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from sidecar.app import App, InvalidOption, Options
+
+    logs.configure(args.log_level, args.log_format)
+    options = Options(
+        config=args.config,
+        backend=args.backend,
+        grpc_address=args.grpc_address,
+        http_address=args.http_address,
+        redis_timeout_ms=args.redis_timeout_ms,
+        failure_mode=args.failure_mode,
+        rejected_hits=args.rejected_hits,
+        shadow_mode=args.shadow_mode,
+    )
+    try:
+        return asyncio.run(App(options).run())
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return 1
+    except InvalidOption as exc:
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        return 1
+
+
+def _check(args: argparse.Namespace) -> int:
+    try:
+        rules = config.load(args.paths)
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return 1
+    if not rules.domains:
+        print(f"{PROG}: no rules files (*.yaml, *.yml) in {', '.join(args.paths)}", file=sys.stderr)
+        return 1
+    for domain in rules.domains.values():
+        print(domain.summary())
+    return 0
+
+
+def _query(args: argparse.Namespace) -> int:
+    from sidecar.model import Code
+    from sidecar.rls import client
+
+    try:
+        descriptors = [client.parse_descriptor(text) for text in args.descriptor]
+    except ValueError as exc:
+        print(f"{PROG} query: {exc}", file=sys.stderr)
+        return 2
+    try:
+        response = client.query(args.address, args.domain, descriptors, args.hits, args.timeout)
+    except client.QueryError as exc:
+        print(f"{PROG} query: {args.address}: {exc}", file=sys.stderr)
+        return 2
+    print(client.render(response, args.format))
+    code = client.overall_code(response)
+    if code is Code.OK:
+        return 0
+    return 1 if code is Code.OVER_LIMIT else 2

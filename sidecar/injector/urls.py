@@ -1,0 +1,108 @@
+"""Backend URLs checked without opening anything, so a bad one is refused at admission time.
+
+The rules mirror what `sidecar.storage` accepts when the sidecar starts (``memory://``,
+``redis://[user:password@]host[:port][/db]``, ``rediss://...`` with its TLS query parameters,
+``redis+cluster://host:port[,host:port...]``): a URL that passes here starts a sidecar, so a
+typo becomes an admission error instead of a pod in CrashLoopBackOff. Messages never show a
+password, because they end up in events and `kubectl` output.
+"""
+
+from __future__ import annotations
+
+from urllib.parse import parse_qsl, urlsplit
+
+#: Longer than any real backend URL, short enough that an error message stays readable.
+MAX_URL_LENGTH = 2048
+
+_TLS_OPTIONS = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs")
+_CERT_REQS = ("none", "optional", "required")
+_SCHEMES = (
+    "use memory://, redis://host:port, rediss://host:port "
+    "or redis+cluster://host:port[,host:port...]"
+)
+
+
+def validate_url(url: str) -> None:
+    """Raise ValueError, naming the fault, for a backend URL the sidecar would refuse."""
+    if len(url) > MAX_URL_LENGTH:
+        raise ValueError(
+            f"backend URL is {len(url)} characters long; the limit is {MAX_URL_LENGTH}"
+        )
+    if any(char.isspace() or not char.isprintable() for char in url):
+        raise ValueError(f"{redact(url)!r}: backend URL contains whitespace or control characters")
+    try:
+        parts = urlsplit(url)
+    except ValueError as exc:  # urlsplit refuses an unbalanced IPv6 bracket
+        raise ValueError(f"{redact(url)!r}: {exc}") from None
+    if parts.scheme == "memory":
+        if parts.netloc or parts.path or parts.query or parts.fragment:
+            raise ValueError(f"{redact(url)!r}: memory:// takes no host, path or query")
+    elif parts.scheme in ("redis", "rediss"):
+        _check_redis(url, parts.scheme == "rediss")
+    elif parts.scheme == "redis+cluster":
+        _check_cluster(url)
+    else:
+        raise ValueError(f"unsupported backend URL {redact(url)!r}: {_SCHEMES}")
+
+
+def redact(url: str) -> str:
+    """The URL with its password replaced by ``***``."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url
+    netloc, slash, tail = rest.partition("/")
+    userinfo, at, hosts = netloc.rpartition("@")
+    if not at or ":" not in userinfo:
+        return url
+    user = userinfo.partition(":")[0]
+    return f"{scheme}://{user}:***@{hosts}{slash}{tail}"
+
+
+def _check_redis(url: str, tls: bool) -> None:
+    parts = urlsplit(url)
+    _check_address(url, parts.netloc.rpartition("@")[2])
+    database = parts.path.lstrip("/")
+    if database and not database.isdigit():
+        raise ValueError(f"{redact(url)!r}: database must be a number like /0, not {parts.path!r}")
+    for name, value in parse_qsl(parts.query, keep_blank_values=True):
+        if not tls or name not in _TLS_OPTIONS:
+            allowed = ", ".join(sorted(_TLS_OPTIONS)) if tls else "none"
+            raise ValueError(
+                f"{redact(url)!r}: unknown query parameter {name!r} (allowed: {allowed})"
+            )
+        if name == "ssl_cert_reqs" and value not in _CERT_REQS:
+            raise ValueError(
+                f"{redact(url)!r}: ssl_cert_reqs must be none, optional or required, not {value!r}"
+            )
+    if parts.fragment:
+        raise ValueError(f"{redact(url)!r}: unexpected fragment '#{parts.fragment}'")
+
+
+def _check_cluster(url: str) -> None:
+    parts = urlsplit(url)
+    hosts = parts.netloc.rpartition("@")[2]
+    if not hosts:
+        raise ValueError(f"{redact(url)!r}: no host:port to start cluster discovery from")
+    for address in hosts.split(","):
+        _check_address(url, address)
+    if parts.path not in ("", "/", "/0"):
+        raise ValueError(f"{redact(url)!r}: Redis Cluster has only database 0, not {parts.path!r}")
+    if parts.query or parts.fragment:
+        raise ValueError(f"{redact(url)!r}: redis+cluster:// takes no query or fragment")
+
+
+def _check_address(url: str, address: str) -> None:
+    """``host[:port]``, IPv6 in brackets; the port, when given, from 1 to 65535."""
+    try:
+        parts = urlsplit(f"//{address}")
+        host, port = parts.hostname, parts.port
+    except ValueError:
+        raise ValueError(
+            f"{redact(url)!r}: bad address {address!r} (want host:port, port from 1 to 65535)"
+        ) from None
+    if not host:
+        raise ValueError(f"{redact(url)!r}: missing host in {address!r}")
+    if port == 0:
+        raise ValueError(
+            f"{redact(url)!r}: bad port in {address!r} (want a number from 1 to 65535)"
+        )

@@ -1,0 +1,202 @@
+"""Prometheus metrics, named and labelled as the reference's statsd_exporter mapping names them.
+
+Nothing is counted here: a `StatsCollector` reads `sidecar.stats.Stats` (and the transport's
+`Latency`) when Prometheus scrapes, so a decision pays no exporter cost.
+Names follow envoyproxy/ratelimit's `src/stats/prom/default_mapper.yaml`, so dashboards built for
+the reference keep working:
+
+- per rule, `ratelimit_service_rate_limit_<stat>{domain, key1[, key2]}` for total_hits,
+  over_limit, near_limit, within_limit and shadow_mode. The labels are the rule's metric key
+  split on '.': `domain.key1` gives {domain, key1}; three or more parts give {domain, key1,
+  key2}, and, as in the mapper, every level after the third folds into the same series.
+- `ratelimit_service_should_rate_limit_error{err_type="redis_error"|"service_error"}`
+  (a failing backend counts as `redis_error`, whatever the backend).
+- `ratelimit_service_total_requests{grpc_method="ShouldRateLimit"}` and the call latency
+  histogram `ratelimit_service_response_time_seconds{grpc_method="ShouldRateLimit"}`.
+- `ratelimit_service_config_load_success`, `ratelimit_service_config_load_error`,
+  `ratelimit_service_global_shadow_mode` and
+  `ratelimit_service_rate_limit_domain_not_found{domain}`.
+
+Counters are exposed under exactly these names, without the `_total` suffix prometheus_client
+would add, because that is what the reference's exporter serves (`render`).
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections import defaultdict
+from collections.abc import Iterable, Iterator
+
+from prometheus_client import CollectorRegistry, Metric
+from prometheus_client.core import HistogramMetricFamily
+from prometheus_client.registry import Collector
+
+from sidecar.stats import RuleStats, Stats
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_RULE_STATS = {
+    "total_hits": "Hits on the rule: the hits_addend of every descriptor it limited.",
+    "over_limit": "Hits on the rule beyond its limit.",
+    "near_limit": "Hits on the rule above 80% of its limit (NEAR_LIMIT_RATIO) but within it.",
+    "within_limit": "Hits on the rule within its limit.",
+    "shadow_mode": "Hits over the rule's limit answered OK because the rule is in shadow_mode.",
+}
+_METHOD = {"grpc_method": "ShouldRateLimit"}
+
+
+class Latency:
+    """ShouldRateLimit call durations in seconds; `observe` costs a bisect and two additions."""
+
+    #: Upper bounds in seconds: a decision takes tens of microseconds to a few milliseconds.
+    BUCKETS = (
+        0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
+        0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+    )  # fmt: skip
+
+    def __init__(self) -> None:
+        self.counts = [0] * (len(self.BUCKETS) + 1)
+        self.sum = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self.counts[bisect.bisect_left(self.BUCKETS, seconds)] += 1
+        self.sum += seconds
+
+    def cumulative(self) -> list[tuple[str, float]]:
+        """`(le, count)` pairs as Prometheus wants them, ending with `+Inf`."""
+        buckets = []
+        total = 0
+        for bound, count in zip((*self.BUCKETS, float("inf")), self.counts, strict=True):
+            total += count
+            buckets.append((_number(bound), float(total)))
+        return buckets
+
+
+class StatsCollector(Collector):
+    """Reads one sidecar's Stats at scrape time."""
+
+    def __init__(self, stats: Stats, latency: Latency | None = None) -> None:
+        self.stats = stats
+        self.latency = latency
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.stats
+        yield from _rule_metrics(stats.rules.items())
+        yield _counter(
+            "ratelimit_service_should_rate_limit_error",
+            "ShouldRateLimit calls that failed, by cause (redis_error: the backend failed).",
+            [
+                ({"err_type": "redis_error"}, stats.backend_error),
+                ({"err_type": "service_error"}, stats.service_error),
+            ],
+        )
+        yield _counter(
+            "ratelimit_service_total_requests",
+            "ShouldRateLimit calls received.",
+            [(_METHOD, stats.total_requests)],
+        )
+        yield _counter(
+            "ratelimit_service_config_load_success",
+            "Rules loaded successfully.",
+            [({}, stats.config_load_success)],
+        )
+        yield _counter(
+            "ratelimit_service_config_load_error",
+            "Rules that failed to load.",
+            [({}, stats.config_load_error)],
+        )
+        yield _counter(
+            "ratelimit_service_global_shadow_mode",
+            "OVER_LIMIT requests answered OK by the global shadow mode.",
+            [({}, stats.global_shadow_mode)],
+        )
+        yield _counter(
+            "ratelimit_service_rate_limit_domain_not_found",
+            "Descriptors sent for a domain no rules file declares.",
+            [({"domain": domain}, count) for domain, count in stats.domain_not_found.items()],
+        )
+        if self.latency is not None:
+            histogram = HistogramMetricFamily(
+                "ratelimit_service_response_time_seconds",
+                "ShouldRateLimit call duration, from request bytes to response bytes.",
+                labels=list(_METHOD),
+            )
+            histogram.add_metric(
+                list(_METHOD.values()), self.latency.cumulative(), self.latency.sum
+            )
+            yield histogram
+
+
+def _rule_metrics(rules: Iterable[tuple[str, RuleStats]]) -> Iterator[Metric]:
+    """One family per rule stat; rules whose keys fold into the same labels are summed."""
+    folded: defaultdict[tuple[str, ...], list[int]] = defaultdict(lambda: [0] * len(_RULE_STATS))
+    for metric_key, rule in rules:
+        totals = folded[_rule_labels(metric_key)]
+        for index, name in enumerate(_RULE_STATS):
+            totals[index] += getattr(rule, name)
+    for index, (name, documentation) in enumerate(_RULE_STATS.items()):
+        samples = []
+        for labels, totals in folded.items():
+            names = ("domain", "key1", "key2")[: len(labels)]
+            samples.append((dict(zip(names, labels, strict=True)), totals[index]))
+        yield _counter(f"ratelimit_service_rate_limit_{name}", documentation, samples)
+
+
+def _rule_labels(metric_key: str) -> tuple[str, ...]:
+    parts = metric_key.split(".", 3)
+    if len(parts) == 1:
+        return (parts[0], "")
+    return tuple(parts[:3])
+
+
+def _counter(
+    name: str, documentation: str, samples: Iterable[tuple[dict[str, str], int]]
+) -> Metric:
+    # A plain Metric keeps the name as given; CounterMetricFamily would expose `<name>_total`.
+    metric = Metric(name, documentation, "counter")
+    for labels, value in samples:
+        metric.add_sample(name, labels, float(value))
+    return metric
+
+
+def registry(stats: Stats, latency: Latency | None = None) -> CollectorRegistry:
+    """A registry of its own for one sidecar (tests run many side by side in one process)."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(StatsCollector(stats, latency))
+    return registry
+
+
+def render(registry: CollectorRegistry) -> bytes:
+    """The Prometheus text format (0.0.4), with every family under the name it was given."""
+    lines: list[str] = []
+    for metric in registry.collect():
+        kind = "untyped" if metric.type == "unknown" else metric.type
+        lines.append(f"# HELP {metric.name} {_escape_help(metric.documentation)}")
+        lines.append(f"# TYPE {metric.name} {kind}")
+        for sample in metric.samples:
+            if sample.labels:
+                labels = ",".join(f'{k}="{_escape_label(v)}"' for k, v in sample.labels.items())
+                lines.append(f"{sample.name}{{{labels}}} {_number(sample.value)}")
+            else:
+                lines.append(f"{sample.name} {_number(sample.value)}")
+    lines.append("")
+    return "\n".join(lines).encode("utf-8")
+
+
+def _number(value: float) -> str:
+    if math.isinf(value):
+        return "+Inf" if value > 0 else "-Inf"
+    if math.isnan(value):
+        return "NaN"
+    if value.is_integer():
+        return str(int(value))
+    return repr(float(value))
+
+
+def _escape_help(text: str) -> str:
+    return text.replace("\\", "\\\\").replace("\n", "\\n")
+
+
+def _escape_label(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')

@@ -1,0 +1,97 @@
+"""The decision path as a transport sees it: request bytes (or proto3 JSON) in, response out.
+
+Nothing here knows about gRPC or HTTP, so a faster transport can replace grpc.aio without
+touching the limiter. A request that cannot be answered raises InvalidRequest, which a gRPC
+transport reports as INVALID_ARGUMENT and the HTTP `/json` endpoint as 400.
+"""
+
+from __future__ import annotations
+
+import json
+
+from envoy.service.ratelimit.v3.rls_pb2 import (  # type: ignore[import-untyped]
+    RateLimitRequest,
+)
+from google.protobuf import json_format  # type: ignore[import-untyped]
+from google.protobuf.message import DecodeError  # type: ignore[import-untyped]
+
+from sidecar.errors import InvalidRequest
+from sidecar.limiter import Limiter
+from sidecar.model import Code, Request
+from sidecar.rls import convert
+from sidecar.stats import Stats
+
+#: Parsed requests are kept by their bytes: Envoy sends the same bodies again and again (same
+#: route, same client), and parsing one costs more than deciding it. Bodies up to this size are
+#: kept, up to this many; the cache is emptied when full, so its memory stays bounded.
+PARSED_BODY_MAX_BYTES = 1_024
+PARSED_CACHE_SIZE = 4_096
+
+
+class RateLimitService:
+    """`envoy.service.ratelimit.v3.RateLimitService`, independent of its transport."""
+
+    def __init__(self, limiter: Limiter) -> None:
+        self.limiter = limiter
+        self._parsed: dict[bytes, Request] = {}
+
+    @property
+    def stats(self) -> Stats:
+        return self.limiter.stats
+
+    async def should_rate_limit(self, body: bytes) -> bytes:
+        """Decide one serialized `RateLimitRequest`; returns the serialized `RateLimitResponse`."""
+        request = self._parsed.get(body)
+        if request is None:
+            request = self._parse(body)
+        decision = await self.limiter.should_rate_limit(request)
+        return convert.response_bytes(decision)
+
+    def _parse(self, body: bytes) -> Request:
+        try:
+            message = RateLimitRequest.FromString(body)
+        except DecodeError as exc:
+            raise self._refuse(f"malformed RateLimitRequest: {exc}") from exc
+        request = self._convert(message)
+        if len(body) <= PARSED_BODY_MAX_BYTES:
+            parsed = self._parsed
+            if len(parsed) >= PARSED_CACHE_SIZE:
+                parsed.clear()
+            parsed[bytes(body)] = request
+        return request
+
+    async def should_rate_limit_json(self, body: bytes) -> tuple[Code, str]:
+        """Decide a `RateLimitRequest` in proto3 JSON; returns `overall_code` and the response JSON.
+
+        The JSON is what the reference's `/json` endpoint answers: camelCase field names,
+        enums by name, `durationUntilReset` as `"30s"`.
+        """
+        message = RateLimitRequest()
+        try:
+            json_format.Parse(body.decode("utf-8"), message)
+        except UnicodeDecodeError as exc:
+            raise self._refuse(
+                f"malformed RateLimitRequest JSON: not UTF-8 ({exc.reason})"
+            ) from exc
+        except json_format.ParseError as exc:
+            raise self._refuse(f"malformed RateLimitRequest JSON: {exc}") from exc
+        decision = await self.limiter.should_rate_limit(self._convert(message))
+        fields = json_format.MessageToDict(convert.response(decision))
+        return decision.overall_code, json.dumps(fields, separators=(",", ":"))
+
+    def _convert(self, message: RateLimitRequest) -> Request:
+        try:
+            return convert.request(message)
+        except InvalidRequest:
+            self._count_refusal()
+            raise
+
+    def _refuse(self, message: str) -> InvalidRequest:
+        """An InvalidRequest for a request the limiter never saw, counted as the limiter would."""
+        self._count_refusal()
+        return InvalidRequest(message)
+
+    def _count_refusal(self) -> None:
+        stats = self.limiter.stats
+        stats.total_requests += 1
+        stats.service_error += 1

@@ -1,0 +1,221 @@
+"""The command line: `check`, RLS_* variables, `serve` start-up failures, `query`, and help."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+from pathlib import Path
+
+import pytest
+from sidecars import RULES, serve_process, write_rules
+
+from sidecar import cli, config
+from sidecar.errors import ConfigError
+
+BAD_RULES = """\
+domain: test
+descriptors:
+  - key: user
+    ratelimit:
+      unit: second
+      requests_per_unit: 1
+"""
+
+
+def test_check_prints_one_summary_line_per_domain(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Valid rules: one line per domain, exit 0."""
+    write_rules(tmp_path, RULES, "a.yaml")
+    write_rules(tmp_path, "domain: other\ndescriptors: []\n", "b.yaml")
+
+    status = cli.main(["check", str(tmp_path)])
+
+    out = capsys.readouterr().out.splitlines()
+    assert status == 0
+    assert out == [domain.summary() for domain in config.load([tmp_path]).domains.values()]
+    assert len(out) == 2
+
+
+def test_check_reports_the_first_error_with_file_and_path(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A bad file: exit 1 and `FILE: PATH-IN-FILE: message` on stderr."""
+    bad = write_rules(tmp_path, BAD_RULES)
+    with pytest.raises(ConfigError) as expected:
+        config.load([bad])
+
+    status = cli.main(["check", str(bad)])
+
+    err = capsys.readouterr().err
+    assert status == 1
+    assert err == f"{expected.value}\n"
+    assert err.startswith(f"{bad}: descriptors[0]")
+    assert "ratelimit" in err
+
+
+def test_check_refuses_a_directory_without_rules(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Nothing to check is an error: the path is probably wrong."""
+    assert cli.main(["check", str(tmp_path)]) == 1
+    assert "no rules files" in capsys.readouterr().err
+
+
+def test_serve_flags_come_from_rls_variables() -> None:
+    """Each flag has an RLS_<FLAG> variable; RLS_CONFIG holds several paths split on ':' or ','."""
+    env = {
+        "RLS_CONFIG": "a.yaml:b.yaml,rules/",
+        "RLS_BACKEND": "redis://redis:6379",
+        "RLS_GRPC_ADDRESS": "127.0.0.1:9081",
+        "RLS_HTTP_ADDRESS": "127.0.0.1:9080",
+        "RLS_REDIS_TIMEOUT_MS": "20",
+        "RLS_FAILURE_MODE": "deny",
+        "RLS_REJECTED_HITS": "skip",
+        "RLS_SHADOW_MODE": "true",
+        "RLS_LOG_FORMAT": "console",
+        "RLS_LOG_LEVEL": "warning",
+    }
+
+    args = cli.parse_args(["serve"], env)
+
+    assert args.config == ["a.yaml", "b.yaml", "rules/"]
+    assert args.backend == "redis://redis:6379"
+    assert (args.grpc_address, args.http_address) == ("127.0.0.1:9081", "127.0.0.1:9080")
+    assert args.redis_timeout_ms == 20
+    assert (args.failure_mode, args.rejected_hits, args.shadow_mode) == ("deny", "skip", True)
+    assert (args.log_format, args.log_level) == ("console", "warning")
+
+
+def test_flags_win_over_variables_and_defaults_fill_the_rest() -> None:
+    """A flag on the command line replaces its variable (lists too); unset flags get defaults."""
+    env = {"RLS_CONFIG": "from-env.yaml", "RLS_BACKEND": "redis://redis:6379"}
+
+    args = cli.parse_args(
+        ["serve", "--config", "a.yaml", "--config", "b.yaml", "--backend", "memory://"], env
+    )
+
+    assert args.config == ["a.yaml", "b.yaml"]
+    assert args.backend == "memory://"
+    assert (args.grpc_address, args.http_address) == ("0.0.0.0:8081", "0.0.0.0:8080")
+    assert (args.redis_timeout_ms, args.failure_mode, args.rejected_hits) == (50, "allow", "count")
+    assert args.shadow_mode is False
+    assert (args.log_format, args.log_level) == ("json", "info")
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        (
+            {"RLS_CONFIG": "a.yaml", "RLS_FAILURE_MODE": "maybe"},
+            "RLS_FAILURE_MODE='maybe': invalid choice",
+        ),
+        ({"RLS_CONFIG": "a.yaml", "RLS_SHADOW_MODE": "perhaps"}, "RLS_SHADOW_MODE='perhaps'"),
+        ({"RLS_CONFIG": "a.yaml", "RLS_GRPC_ADDRESS": "nowhere"}, "RLS_GRPC_ADDRESS='nowhere'"),
+        ({}, "--config (or RLS_CONFIG)"),
+    ],
+    ids=["bad-choice", "bad-boolean", "bad-address", "missing-config"],
+)
+def test_bad_or_missing_settings_are_usage_errors(
+    env: dict[str, str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A variable that does not parse, or a required flag set nowhere, exits 2 naming it."""
+    with pytest.raises(SystemExit) as exited:
+        cli.parse_args(["serve"], env)
+
+    assert exited.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_help_documents_every_command_and_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    """`--help` and `serve --help` list the commands, every flag, its default and its variable."""
+    with pytest.raises(SystemExit) as top:
+        cli.main(["--help"])
+    top_help = capsys.readouterr().out
+    with pytest.raises(SystemExit) as serve:
+        cli.main(["serve", "--help"])
+    serve_help = capsys.readouterr().out
+
+    assert top.value.code == serve.value.code == 0
+    for command in ("serve", "check", "query", "RLS_"):
+        assert command in top_help
+    for flag in (
+        "--config", "--backend", "--grpc-address", "--http-address", "--redis-timeout-ms",
+        "--failure-mode", "--rejected-hits", "--shadow-mode", "--log-format", "--log-level",
+    ):  # fmt: skip
+        assert flag in serve_help
+        assert "RLS_" + flag[2:].upper().replace("-", "_") in serve_help
+    assert "default: memory://" in serve_help
+
+
+async def test_serve_exits_1_on_a_config_error(tmp_path: Path) -> None:
+    """A bad rules file stops the start: `FILE: PATH: message` on stderr, exit 1."""
+    bad = write_rules(tmp_path, BAD_RULES)
+    args = ["--config", str(bad), "--grpc-address", "127.0.0.1:0", "--http-address", "127.0.0.1:0"]
+    async with serve_process(args, wait=False) as served:
+        status = await asyncio.wait_for(served.process.wait(), 20)
+
+    assert status == 1
+    assert f"{bad}: descriptors[0]: " in served.output()
+
+
+async def test_serve_exits_2_on_a_backend_url_it_cannot_use(tmp_path: Path) -> None:
+    """An unknown backend scheme is named with the schemes that work, exit 2."""
+    rules = write_rules(tmp_path)
+    args = ["--config", str(rules), "--backend", "postgres://db", "--grpc-address", "127.0.0.1:0"]
+    async with serve_process(args, wait=False) as served:
+        status = await asyncio.wait_for(served.process.wait(), 20)
+
+    assert status == 2
+    assert "unsupported backend URL 'postgres://db'" in served.output()
+
+
+def _closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+    return port
+
+
+async def test_query_prints_the_answer_and_exits_by_overall_code(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`query` against `serve` (configured from RLS_* variables): exit 0 while OK, 1 once
+    OVER_LIMIT, 2 when nothing answers."""
+    rules = write_rules(tmp_path)
+    env = {
+        "RLS_CONFIG": str(rules),
+        "RLS_GRPC_ADDRESS": "127.0.0.1:0",
+        "RLS_HTTP_ADDRESS": "127.0.0.1:0",
+    }
+    async with serve_process([], env=env) as served:
+        query_env = {"RLS_ADDRESS": f"127.0.0.1:{served.grpc_port}", "RLS_DOMAIN": "test"}
+        argv = ["query", "--descriptor", "user=alice"]
+        first = await asyncio.to_thread(cli.main, argv, query_env)
+        first_out = capsys.readouterr().out
+        await asyncio.to_thread(cli.main, [*argv, "--hits", "2"], query_env)
+        capsys.readouterr()
+        over = await asyncio.to_thread(cli.main, [*argv, "--format", "json"], query_env)
+        over_out = capsys.readouterr().out
+
+    nowhere = ["query", "--address", f"127.0.0.1:{_closed_port()}", "--domain", "test",
+               "--descriptor", "user=alice", "--timeout", "2"]  # fmt: skip
+    unreachable = await asyncio.to_thread(cli.main, nowhere, {})
+    unreachable_err = capsys.readouterr().err
+
+    assert first == 0
+    assert "overall_code: OK" in first_out
+    assert "requests_per_unit: 3" in first_out
+    assert over == 1
+    assert json.loads(over_out)["overallCode"] == "OVER_LIMIT"
+    assert unreachable == 2
+    assert "UNAVAILABLE" in unreachable_err
+
+
+def test_query_refuses_a_malformed_descriptor(capsys: pytest.CaptureFixture[str]) -> None:
+    """A descriptor that is not key=value[,key=value] is an error before any call (exit 2)."""
+    status = cli.main(["query", "--domain", "test", "--descriptor", "user"], {})
+
+    assert status == 2
+    assert "expected key=value" in capsys.readouterr().err

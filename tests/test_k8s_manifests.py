@@ -1,0 +1,307 @@
+"""The manifests in k8s/: each kustomization builds, every object fits the Kubernetes API's
+schema, and the pieces agree with each other and with the sidecar (ports, names, flags, rules).
+
+Builds use tests/kube.py's kustomize, which always runs, and also `kubectl kustomize` where
+kubectl is installed; both must print the same objects.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from kube import K8S, assert_valid, build, by_id, find, kubectl_build
+
+from sidecar import config
+from sidecar.cli import parse_args
+from sidecar.injector import patch
+from sidecar.injector.commands import register
+from sidecar.injector.manifests import inject_yaml
+from sidecar.injector.urls import validate_url
+from sidecar.injector.webhook import review
+
+ROOT = K8S.parent
+KUSTOMIZATIONS = sorted(
+    p.parent.relative_to(K8S).as_posix() for p in K8S.rglob("kustomization.yaml")
+)
+# Built with both where kubectl exists; with the Python kustomize alone where it does not.
+BUILDERS = ["python", "kubectl"] if shutil.which("kubectl") else ["python"]
+
+
+def objects_of(name: str, builder: str = "python") -> list[dict[str, Any]]:
+    directory = K8S / name
+    return kubectl_build(directory) if builder == "kubectl" else build(directory)
+
+
+def containers(workload: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {c["name"]: c for c in workload["spec"]["template"]["spec"]["containers"]}
+
+
+def test_the_layout_has_a_base_and_an_overlay() -> None:
+    """k8s/base and at least one overlay are kustomizations."""
+    assert "base" in KUSTOMIZATIONS
+    assert any(name.startswith("overlays/") for name in KUSTOMIZATIONS)
+
+
+@pytest.mark.parametrize("builder", BUILDERS)
+@pytest.mark.parametrize("name", KUSTOMIZATIONS)
+def test_every_object_is_valid_for_the_kubernetes_api(name: str, builder: str) -> None:
+    """Every object every kustomization builds passes the API's strict schema; kubectl
+    kustomize, where it runs, builds exactly the objects tests/kube.py builds."""
+    objects = objects_of(name, builder)
+    assert objects
+    for obj in objects:
+        assert_valid(obj)
+    if builder == "kubectl":
+        assert by_id(objects) == by_id(build(K8S / name))
+
+
+def test_base_has_every_part() -> None:
+    """The base has the webhook, its Service and configuration, rules, Redis and a gateway."""
+    ids = set(by_id(build(K8S / "base")))
+    assert {
+        "Namespace ratelimit-sidecar",
+        "ServiceAccount ratelimit-sidecar/ratelimit-sidecar-webhook",
+        "Deployment ratelimit-sidecar/ratelimit-sidecar-webhook",
+        "PodDisruptionBudget ratelimit-sidecar/ratelimit-sidecar-webhook",
+        "Service ratelimit-sidecar/ratelimit-sidecar-webhook",
+        "MutatingWebhookConfiguration ratelimit-sidecar",
+        "Namespace gateway",
+        "ConfigMap gateway/ratelimit-rules",
+        "ConfigMap gateway/envoy-gateway",
+        "Deployment gateway/gateway",
+        "Service gateway/gateway",
+        "StatefulSet gateway/redis",
+        "Service gateway/redis",
+    } <= ids
+
+
+def test_the_webhook_configuration_reaches_the_webhook() -> None:
+    """The MutatingWebhookConfiguration calls the Service, which reaches the container's port."""
+    objects = build(K8S / "base")
+    (hook,) = find(objects, "MutatingWebhookConfiguration", "ratelimit-sidecar")["webhooks"]
+    service = find(objects, "Service", "ratelimit-sidecar-webhook")
+    deployment = find(objects, "Deployment", "ratelimit-sidecar-webhook")
+    target = hook["clientConfig"]["service"]
+    assert (target["namespace"], target["name"]) == (
+        service["metadata"]["namespace"],
+        service["metadata"]["name"],
+    )
+    assert target["path"] == "/mutate"
+    (port,) = service["spec"]["ports"]
+    assert port["port"] == target["port"]
+    webhook = containers(deployment)["webhook"]
+    assert port["targetPort"] in {p["name"] for p in webhook["ports"]}
+    assert (
+        service["spec"]["selector"].items()
+        <= deployment["spec"]["template"]["metadata"]["labels"].items()
+    )
+
+
+def test_the_webhook_fails_closed_only_where_namespaces_opted_in() -> None:
+    """failurePolicy Fail, v1 reviews, no side effects, pods on CREATE, labelled namespaces."""
+    objects = build(K8S / "base")
+    (hook,) = find(objects, "MutatingWebhookConfiguration", "ratelimit-sidecar")["webhooks"]
+    assert hook["failurePolicy"] == "Fail"
+    assert hook["admissionReviewVersions"] == ["v1"]
+    assert hook["sideEffects"] == "None"
+    assert hook["rules"] == [
+        {
+            "operations": ["CREATE"],
+            "apiGroups": [""],
+            "apiVersions": ["v1"],
+            "resources": ["pods"],
+            "scope": "Namespaced",
+        }
+    ]
+    selector = hook["namespaceSelector"]["matchLabels"]
+    labels = {
+        ns["metadata"]["name"]: ns["metadata"].get("labels", {})
+        for ns in objects
+        if ns["kind"] == "Namespace"
+    }
+    # The webhook's own namespace must never need the webhook to start its pods.
+    assert not selector.items() <= labels["ratelimit-sidecar"].items()
+    assert selector.items() <= labels["gateway"].items()
+    assert find(objects, "Deployment", "ratelimit-sidecar-webhook")["spec"]["replicas"] >= 2
+
+
+def test_the_webhook_container_args_are_the_webhook_command() -> None:
+    """The webhook Deployment's args parse as `ratelimit-sidecar webhook`, image included."""
+    deployment = find(build(K8S / "base"), "Deployment", "ratelimit-sidecar-webhook")
+    webhook = containers(deployment)["webhook"]
+    parser = argparse.ArgumentParser(prog="ratelimit-sidecar")
+    register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(webhook["args"])
+    assert args.command == "webhook"
+    assert args.address == ("0.0.0.0", 8443)
+    assert args.image == webhook["image"] == patch.DEFAULT_IMAGE
+    mount = webhook["volumeMounts"][0]["mountPath"]
+    assert Path(args.tls_cert).parent == Path(args.tls_key).parent == Path(mount)
+
+
+@pytest.mark.parametrize("name", ["base", "overlays/redis-cluster"])
+def test_the_gateway_asks_for_a_working_sidecar(name: str) -> None:
+    """The sample gateway is annotated for injection, and its annotations pass the injector."""
+    objects = build(K8S / name)
+    gateway = find(objects, "Deployment", "gateway")
+    annotations = gateway["spec"]["template"]["metadata"]["annotations"]
+    assert annotations[patch.INJECT] == "true"
+    validate_url(annotations[patch.BACKEND])
+    assert find(objects, "ConfigMap", annotations[patch.RULES_CONFIGMAP])
+    injected = patch.inject(gateway, patch.Settings())
+    assert set(containers(injected)) == {"envoy", patch.CONTAINER_NAME}
+    assert_valid(injected)
+
+
+def test_the_injected_gateway_pod_is_valid_and_starts_the_sidecar_as_the_cli_expects() -> None:
+    """A gateway pod through the webhook: valid, and its sidecar args parse as `serve`."""
+    import base64
+    import json
+
+    import jsonpatch
+
+    gateway = find(build(K8S / "base"), "Deployment", "gateway")
+    pod = {"apiVersion": "v1", "kind": "Pod", **gateway["spec"]["template"]}
+    pod["metadata"] = {**pod["metadata"], "generateName": "gateway-", "namespace": "gateway"}
+    body = {
+        "apiVersion": "admission.k8s.io/v1",
+        "kind": "AdmissionReview",
+        "request": {
+            "uid": "5f1c0b5e-2a3d-4c44-9f4b-0d8a8f6f1a11",
+            "kind": {"group": "", "version": "v1", "kind": "Pod"},
+            "operation": "CREATE",
+            "namespace": "gateway",
+            "object": pod,
+        },
+    }
+    reply = review(json.dumps(body).encode(), patch.Settings())
+    ops = json.loads(base64.b64decode(reply.body["response"]["patch"]))
+    injected = jsonpatch.apply_patch(pod, ops)
+    assert_valid(injected)
+    sidecar = {c["name"]: c for c in injected["spec"]["containers"]}[patch.CONTAINER_NAME]
+    assert sidecar["command"] == ["ratelimit-sidecar"]
+    args = parse_args(sidecar["args"], environ={})
+    assert args.command == "serve"
+    assert args.config == [patch.RULES_PATH]
+    assert args.backend == "redis://redis:6379"
+    assert args.failure_mode == "allow"
+
+
+def test_the_rules_configmap_holds_valid_rules_for_the_envoy_domain() -> None:
+    """Every key of the rules ConfigMap is a *.yaml rules file; its domain is Envoy's."""
+    objects = build(K8S / "base")
+    rules = find(objects, "ConfigMap", "ratelimit-rules")["data"]
+    assert rules
+    domains = set()
+    for key, text in rules.items():
+        assert key.endswith((".yaml", ".yml")), f"{key}: the sidecar loads only *.yaml, *.yml"
+        domains.add(config.parse(text, key).name)
+    envoy = yaml.safe_load(find(objects, "ConfigMap", "envoy-gateway")["data"]["envoy.yaml"])
+    assert ratelimit_filter(envoy)["domain"] in domains
+
+
+def test_envoy_calls_the_sidecar_where_it_listens() -> None:
+    """Envoy's rate limit cluster is 127.0.0.1 at the injected gRPC port, over HTTP/2."""
+    objects = build(K8S / "base")
+    envoy = yaml.safe_load(find(objects, "ConfigMap", "envoy-gateway")["data"]["envoy.yaml"])
+    service = ratelimit_filter(envoy)["rate_limit_service"]
+    assert service["transport_api_version"] == "V3"
+    name = service["grpc_service"]["envoy_grpc"]["cluster_name"]
+    (cluster,) = [c for c in envoy["static_resources"]["clusters"] if c["name"] == name]
+    (endpoint,) = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"]
+    address = endpoint["endpoint"]["address"]["socket_address"]
+    assert (address["address"], address["port_value"]) == ("127.0.0.1", patch.DEFAULT_GRPC_PORT)
+    options = cluster["typed_extension_protocol_options"]
+    assert "http2_protocol_options" in str(options)
+    gateway = find(objects, "Deployment", "gateway")
+    envoy_ports = {p["containerPort"] for p in containers(gateway)["envoy"]["ports"]}
+    listeners = {
+        listener["address"]["socket_address"]["port_value"]
+        for listener in envoy["static_resources"]["listeners"]
+        if listener["address"]["socket_address"]["address"] == "0.0.0.0"
+    }
+    assert listeners == envoy_ports
+    assert patch.DEFAULT_HTTP_PORT not in envoy_ports | listeners
+
+
+def test_the_sidecar_outlives_envoy_when_the_pod_stops() -> None:
+    """Envoy's preStop is shorter than the sidecar's; the grace period covers the sidecar."""
+    gateway = find(build(K8S / "base"), "Deployment", "gateway")
+    envoy = containers(gateway)["envoy"]
+    envoy_sleep = int(envoy["lifecycle"]["preStop"]["exec"]["command"][-1])
+    settings = patch.Settings()
+    assert envoy_sleep < settings.pre_stop_seconds
+    assert gateway["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] >= (
+        settings.grace_seconds
+    )
+
+
+def test_the_overlay_uses_an_external_redis_cluster_and_no_development_redis() -> None:
+    """overlays/redis-cluster points the sidecars at a Redis Cluster and drops the dev Redis."""
+    objects = build(K8S / "overlays/redis-cluster")
+    gateway = find(objects, "Deployment", "gateway")
+    backend = gateway["spec"]["template"]["metadata"]["annotations"][patch.BACKEND]
+    assert backend.startswith("redis+cluster://")
+    assert len(backend.removeprefix("redis+cluster://").split(",")) >= 3
+    validate_url(backend)
+    assert not [o for o in objects if o["metadata"]["name"] == "redis"]
+    (injected,) = yaml.safe_load_all(inject_yaml(yaml.safe_dump(gateway), patch.Settings()))
+    args = containers(injected)[patch.CONTAINER_NAME]["args"]
+    assert args[args.index("--backend") + 1] == backend
+
+
+def test_every_container_runs_as_non_root_with_a_read_only_root() -> None:
+    """Every container the manifests (and the injector) run is locked down the same way."""
+    for name in KUSTOMIZATIONS:
+        for obj in build(K8S / name):
+            if obj["kind"] not in patch.WORKLOAD_KINDS:
+                continue
+            pod = patch.inject(obj, patch.Settings())["spec"]["template"]["spec"]
+            for container in pod["containers"]:
+                security = container["securityContext"]
+                label = f"{name}: {obj['metadata']['name']}/{container['name']}"
+                assert security["readOnlyRootFilesystem"] is True, label
+                assert security["allowPrivilegeEscalation"] is False, label
+                assert security["capabilities"] == {"drop": ["ALL"]}, label
+                assert container.get("securityContext", {}).get("runAsNonRoot", True), label
+                assert pod["securityContext"]["runAsNonRoot"] is True, label
+                assert "limits" in container["resources"], label
+                assert "requests" in container["resources"], label
+
+
+def test_the_dockerfile_builds_the_image_the_manifests_use() -> None:
+    """The Dockerfile: slim Python, a build stage, a final stage with no compilers, user 65532."""
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    stages = re.split(r"^FROM ", dockerfile, flags=re.MULTILINE)[1:]
+    assert len(stages) >= 2, "a build stage and a final stage"
+    final = stages[-1]
+    assert re.match(r"python:\$\{PYTHON_VERSION\}-slim\n", final)
+    assert re.search(r"^ARG PYTHON_VERSION=3\.1[1-9]$", dockerfile, re.MULTILINE)
+    assert not re.search(r"\b(gcc|g\+\+|build-essential|apt-get install)\b", final)
+    assert re.search(rf"^USER {patch.SIDECAR_UID}(:{patch.SIDECAR_UID})?$", final, re.MULTILINE)
+    assert re.search(r'^ENTRYPOINT \["ratelimit-sidecar"\]', final, re.MULTILINE)
+    assert (ROOT / ".dockerignore").read_text().count(".venv")
+    images = {
+        c["image"]
+        for obj in build(K8S / "base")
+        if obj["metadata"]["name"] == "ratelimit-sidecar-webhook" and obj["kind"] == "Deployment"
+        for c in obj["spec"]["template"]["spec"]["containers"]
+    }
+    assert images == {patch.DEFAULT_IMAGE}
+
+
+def ratelimit_filter(envoy: dict[str, Any]) -> dict[str, Any]:
+    for listener in envoy["static_resources"]["listeners"]:
+        for chain in listener["filter_chains"]:
+            for network_filter in chain["filters"]:
+                for http_filter in network_filter["typed_config"].get("http_filters", []):
+                    if http_filter["name"] == "envoy.filters.http.ratelimit":
+                        typed: dict[str, Any] = http_filter["typed_config"]
+                        return typed
+    raise AssertionError("no envoy.filters.http.ratelimit filter in the Envoy config")

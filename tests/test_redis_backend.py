@@ -1,0 +1,544 @@
+"""The Redis and Redis Cluster backends against real servers, held to the memory backend's rules.
+
+Contract tests run on every backend (memory, Redis, Redis Cluster); the rest exercise what only a
+network store has: TTLs, round trips, the script cache, dead and silent servers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import socket
+import time
+from collections.abc import AsyncIterator, Sequence
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from redis.crc import key_slot
+from servers import HOST, RedisCluster, RedisServer, free_port
+
+from sidecar.errors import StorageError
+from sidecar.model import Count, Hit, Role
+from sidecar.storage import Backend, open_backend
+from sidecar.storage.memory import MemoryBackend
+from sidecar.storage.redis import _SCRIPT, _SHA, RedisBackend, RedisClusterBackend
+
+# Generous, so a loaded machine does not turn contract tests into timing tests.
+TIMEOUT_MS = 2_000
+# The production default, for the tests of failing calls.
+DEADLINE_MS = 50
+# For tests that also need a call to succeed on fresh connections (and a resumed server working
+# off its backlog) on a possibly loaded machine.
+RECOVERY_DEADLINE_MS = 250
+SLACK = 0.1
+
+# Hash tags whose slots lie on three different masters of a 3-node cluster (3300, 7365, 15495).
+A = b"rl{b}|a|60|0"
+B = b"rl{c}|b|60|0"
+C = b"rl{a}|c|60|0"
+
+Request = tuple[Sequence[Hit], bool]
+
+
+def hit(key: bytes, hits: int, limit: int, role: Role = Role.BLOCKING, ttl: int = 60) -> Hit:
+    return Hit(key=key, hits=hits, limit=limit, ttl=ttl, role=role)
+
+
+async def run(backend: Backend, requests: Sequence[Request]) -> list[list[Count]]:
+    return [await backend.apply(hits, all_or_nothing) for hits, all_or_nothing in requests]
+
+
+async def reference(requests: Sequence[Request]) -> list[list[Count]]:
+    memory = MemoryBackend()
+    try:
+        return await run(memory, requests)
+    finally:
+        await memory.close()
+
+
+@pytest.fixture(
+    params=[
+        pytest.param("memory"),
+        pytest.param("redis", marks=pytest.mark.redis),
+        pytest.param("cluster", marks=pytest.mark.cluster),
+    ]
+)
+def backend_url(request: pytest.FixtureRequest) -> str:
+    if request.param == "memory":
+        return "memory://"
+    fixture = "redis_url" if request.param == "redis" else "cluster_url"
+    url: str = request.getfixturevalue(fixture)
+    return url
+
+
+@pytest.fixture
+async def backend(backend_url: str) -> AsyncIterator[Backend]:
+    backend = open_backend(backend_url, timeout_ms=TIMEOUT_MS)
+    yield backend
+    await backend.close()
+
+
+@pytest.fixture(
+    params=[
+        pytest.param("redis", marks=pytest.mark.redis),
+        pytest.param("cluster", marks=pytest.mark.cluster),
+    ]
+)
+def store(request: pytest.FixtureRequest) -> RedisServer | RedisCluster:
+    """An emptied Redis or Redis Cluster, for tests that inspect the server itself."""
+    if request.param == "redis":
+        request.getfixturevalue("redis_url")
+        server: RedisServer = request.getfixturevalue("redis_server")
+        return server
+    request.getfixturevalue("cluster_url")
+    cluster: RedisCluster = request.getfixturevalue("redis_cluster")
+    return cluster
+
+
+@pytest.fixture
+async def store_backend(store: RedisServer | RedisCluster) -> AsyncIterator[Backend]:
+    backend = open_backend(store.url, timeout_ms=TIMEOUT_MS)
+    yield backend
+    await backend.close()
+
+
+def evalsha_calls(store: RedisServer | RedisCluster) -> int:
+    """EVALSHA calls since the last CONFIG RESETSTAT, over every master."""
+    calls = 0
+    for node in store.nodes:
+        with node.client() as client:
+            stats = client.info("commandstats")
+        calls += int(stats.get("cmdstat_evalsha", {}).get("calls", 0))
+        assert "cmdstat_eval" not in stats, "the script text was sent: the script cache was cold"
+    return calls
+
+
+def reset_stats(store: RedisServer | RedisCluster) -> None:
+    for node in store.nodes:
+        with node.client() as client:
+            client.config_resetstat()
+
+
+# --- the contract: every backend counts alike -------------------------------------------------
+
+SCENARIOS: dict[str, list[Request]] = {
+    "hits past the limit are still added": [([hit(A, 1, 3)], False)] * 5,
+    "a cost above the limit": [
+        ([hit(A, 5, 3)], True),
+        ([hit(A, 5, 3)], False),
+        ([hit(A, 0, 3)], False),
+    ],
+    "checks consume nothing and are over at the limit": [
+        ([hit(A, 0, 2)], True),
+        ([hit(A, 1, 2)], True),
+        ([hit(A, 0, 2)], True),
+        ([hit(A, 1, 2)], True),
+        ([hit(A, 0, 2)], True),
+        ([hit(A, 1, 2)], True),
+        ([hit(A, 0, 2)], False),
+    ],
+    "a key twice in one request sees its earlier hits": [
+        ([hit(A, 2, 5), hit(A, 3, 5), hit(A, 1, 5)], True),
+        ([hit(A, 2, 5), hit(A, 3, 5)], True),
+        ([hit(A, 2, 5), hit(A, 0, 5)], False),
+        ([hit(A, 0, 5)], False),
+    ],
+    "a limit of 0 rejects every hit": [
+        ([hit(A, 1, 0)], True),
+        ([hit(A, 0, 0)], True),
+        ([hit(A, 1, 0)], False),
+        ([hit(A, 0, 0)], False),
+    ],
+    "shadow counters never block": [
+        ([hit(A, 1, 1), hit(B, 1, 0, Role.SHADOW)], True),
+        ([hit(A, 1, 1), hit(B, 1, 0, Role.SHADOW)], True),
+        ([hit(A, 0, 9), hit(B, 0, 9)], False),
+    ],
+    "quota counters block only when all are over, across slots": [
+        ([hit(A, 1, 0, Role.QUOTA), hit(B, 1, 1, Role.QUOTA)], True),
+        ([hit(A, 1, 0, Role.QUOTA), hit(B, 1, 1, Role.QUOTA)], True),
+        ([hit(A, 1, 0, Role.QUOTA), hit(B, 1, 1, Role.QUOTA), hit(C, 1, 5)], True),
+        ([hit(A, 0, 9), hit(B, 0, 9), hit(C, 0, 9)], False),
+    ],
+    "quota counters in one slot": [
+        ([hit(A, 1, 1, Role.QUOTA), hit(b"rl{b}|q", 1, 0, Role.QUOTA), hit(C, 1, 5)], True),
+        ([hit(A, 1, 1, Role.QUOTA), hit(b"rl{b}|q", 1, 0, Role.QUOTA), hit(C, 1, 5)], True),
+        ([hit(A, 0, 9), hit(b"rl{b}|q", 0, 9), hit(C, 0, 9)], False),
+    ],
+    "one blocking counter over rejects the whole request, across slots": [
+        ([hit(C, 2, 2)], False),
+        ([hit(A, 1, 5), hit(B, 1, 5, Role.SHADOW), hit(C, 1, 2)], True),
+        ([hit(A, 1, 5), hit(B, 1, 5), hit(C, 0, 9)], True),
+        ([hit(A, 0, 9), hit(B, 0, 9), hit(C, 0, 9)], False),
+    ],
+    "without all-or-nothing every hit is added, across slots": [
+        ([hit(A, 3, 2), hit(B, 1, 5), hit(C, 1, 0)], False),
+        ([hit(A, 3, 2), hit(B, 1, 5), hit(C, 1, 0)], False),
+    ],
+    "an empty request": [([], True), ([], False)],
+}
+
+
+@pytest.mark.parametrize("requests", list(SCENARIOS.values()), ids=list(SCENARIOS))
+async def test_backends_count_like_memory(backend: Backend, requests: list[Request]) -> None:
+    """The same hit sequence gives the same Counts on memory, Redis and Redis Cluster."""
+    assert await run(backend, requests) == await reference(requests)
+
+
+async def test_duplicate_keys_and_roles_give_the_documented_counts(backend: Backend) -> None:
+    """A key's later hits see its earlier ones; shadow never blocks; over-limit adds nothing."""
+    assert await backend.apply([hit(A, 2, 5), hit(A, 3, 5)], True) == [
+        Count(0, True),
+        Count(2, True),
+    ]
+    # A is at 5: one more blocking hit is over, so nothing is added anywhere.
+    assert await backend.apply([hit(B, 1, 5), hit(A, 1, 5)], True) == [
+        Count(0, False),
+        Count(5, False),
+    ]
+    # The same over-limit counter as shadow does not block.
+    assert await backend.apply([hit(B, 1, 5), hit(A, 1, 5, Role.SHADOW)], True) == [
+        Count(0, True),
+        Count(5, True),
+    ]
+    assert await backend.apply([hit(A, 0, 5), hit(B, 0, 5)], False) == [
+        Count(6, True),
+        Count(1, True),
+    ]
+
+
+_keys = st.sampled_from([A, B, C, b"rl{b}|other", b"rl{c}|other"])
+_hits = st.builds(
+    hit,
+    key=_keys,
+    hits=st.integers(0, 4),
+    limit=st.integers(0, 6),
+    role=st.sampled_from(Role),
+)
+_requests = st.lists(st.tuples(st.lists(_hits, max_size=5), st.booleans()), max_size=8)
+_example_ids = itertools.count()
+
+
+@pytest.mark.parametrize(
+    "backend_url",
+    [
+        pytest.param("redis", marks=pytest.mark.redis),
+        pytest.param("cluster", marks=pytest.mark.cluster),
+    ],
+    indirect=True,
+)
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(requests=_requests)
+async def test_random_requests_count_like_memory(backend: Backend, requests: list[Request]) -> None:
+    """Any sequence of requests gives the memory backend's Counts on Redis and Redis Cluster."""
+    # Examples share the server: a fresh key suffix per example keeps them apart (and keeps the
+    # hash tags, so the slots stay the same).
+    suffix = b"|example%d" % next(_example_ids)
+    requests = [
+        ([Hit(h.key + suffix, h.hits, h.limit, h.ttl, h.role) for h in hits], all_or_nothing)
+        for hits, all_or_nothing in requests
+    ]
+    assert await run(backend, requests) == await reference(requests)
+
+
+@pytest.mark.parametrize("all_or_nothing", [False, True])
+async def test_concurrent_hits_admit_exactly_the_limit(
+    backend: Backend, all_or_nothing: bool
+) -> None:
+    """200 concurrent single hits on a 50-limit counter: exactly 50 see room under the limit."""
+    results = await asyncio.gather(
+        *(backend.apply([hit(A, 1, 50)], all_or_nothing) for _ in range(200))
+    )
+    befores = sorted(counts[0].before for counts in results)
+    assert sum(before < 50 for before in befores) == 50
+    if all_or_nothing:
+        assert sum(counts[0].applied for counts in results) == 50
+        assert befores.count(50) == 150
+    else:
+        assert befores == list(range(200))
+
+
+# --- what only Redis has: TTLs, round trips, the script cache ----------------------------------
+
+
+async def test_ping_is_true_on_a_live_store(store_backend: Backend) -> None:
+    """ping answers True while Redis (every master of a cluster) answers."""
+    assert await store_backend.ping() is True
+
+
+async def test_ttl_is_set_when_a_counter_is_created(
+    store: RedisServer | RedisCluster, store_backend: Backend
+) -> None:
+    """A new counter expires after its ttl; later hits do not extend it; checks create nothing."""
+    await store_backend.apply([hit(A, 1, 10, ttl=30)], False)
+    with store.client() as client:
+        first = client.pttl(A)
+        assert 0 < first <= 30_000
+        await store_backend.apply([hit(A, 1, 10, ttl=1_000)], False)
+        assert 0 < client.pttl(A) <= first
+
+        await store_backend.apply([hit(B, 0, 10)], False)
+        await store_backend.apply([hit(C, 0, 10), hit(b"rl{a}|other", 5, 3)], True)
+        assert client.exists(B, C, b"rl{a}|other") == 0
+
+
+async def test_one_script_call_per_hash_slot(
+    store: RedisServer | RedisCluster, store_backend: Backend
+) -> None:
+    """Hits sharing a hash tag cost one EVALSHA; on a cluster, one per slot touched."""
+    for node in store.nodes:
+        with node.client() as client:
+            client.script_load(_SCRIPT)
+    same_tag = [hit(b"rl{b}|%d" % i, 1, 10) for i in range(5)]
+    reset_stats(store)
+    await store_backend.apply(same_tag, False)
+    await store_backend.apply(same_tag, True)
+    assert evalsha_calls(store) == 2
+
+    three_slots = [hit(A, 1, 10), hit(B, 1, 10), hit(C, 1, 10), hit(b"rl{b}|x", 1, 10)]
+    reset_stats(store)
+    await store_backend.apply(three_slots, False)
+    assert evalsha_calls(store) == (3 if isinstance(store, RedisCluster) else 1)
+
+
+async def test_script_cache_loss_is_recovered(
+    store: RedisServer | RedisCluster, store_backend: Backend
+) -> None:
+    """After SCRIPT FLUSH (as after a restart or a failover) apply works and reloads the script."""
+    assert await store_backend.apply([hit(A, 1, 10), hit(B, 1, 10)], False) == [
+        Count(0, True),
+        Count(0, True),
+    ]
+    for node in store.nodes:
+        with node.client() as client:
+            client.script_flush()
+    assert await store_backend.apply([hit(A, 1, 10), hit(B, 1, 10)], False) == [
+        Count(1, True),
+        Count(1, True),
+    ]
+    cached = []
+    for node in store.nodes:
+        with node.client() as client:
+            cached += client.script_exists(_SHA)
+    assert any(cached)
+
+
+@pytest.mark.cluster
+async def test_cluster_rejection_across_slots_writes_nothing(
+    redis_cluster: RedisCluster, cluster_url: str
+) -> None:
+    """An all-or-nothing request over three slots that is over its limit adds to no slot."""
+    backend = RedisClusterBackend.from_url(cluster_url, timeout_ms=TIMEOUT_MS)
+    try:
+        await backend.apply([hit(C, 2, 2)], False)
+        counts = await backend.apply([hit(A, 1, 5), hit(B, 1, 5), hit(C, 1, 2)], True)
+        assert counts == [Count(0, False), Count(0, False), Count(2, False)]
+        with redis_cluster.client() as client:
+            assert client.exists(A) == 0
+            assert client.exists(B) == 0
+            assert client.get(C) == b"2"
+
+        counts = await backend.apply([hit(A, 1, 5), hit(B, 1, 5), hit(C, 0, 3)], True)
+        assert counts == [Count(0, True), Count(0, True), Count(2, True)]
+        with redis_cluster.client() as client:
+            assert [client.get(A), client.get(B), client.get(C)] == [b"1", b"1", b"2"]
+    finally:
+        await backend.close()
+
+
+def test_test_keys_span_three_masters() -> None:
+    """The keys A, B and C above fall in slot ranges of three different masters."""
+    slots = sorted(key_slot(key) for key in (A, B, C))
+    assert slots[0] <= 5460 < slots[1] <= 10922 < slots[2]
+
+
+# --- deadlines: a dead or silent Redis is a StorageError, in time ------------------------------
+
+
+async def timed_apply(backend: Backend) -> tuple[float, BaseException | None]:
+    """How long one apply took, and what it raised."""
+    started = time.monotonic()
+    try:
+        await backend.apply([hit(A, 1, 10)], False)
+    except Exception as exc:
+        return time.monotonic() - started, exc
+    return time.monotonic() - started, None
+
+
+async def expect_storage_error(backend: Backend, deadline_ms: int = DEADLINE_MS) -> None:
+    elapsed, error = await timed_apply(backend)
+    assert isinstance(error, StorageError)
+    assert elapsed < deadline_ms / 1000 + SLACK
+
+
+@pytest.mark.redis
+async def test_stopped_redis_fails_in_time_and_recovers(restartable_redis: RedisServer) -> None:
+    """With Redis down apply raises StorageError by the deadline; once it is back, apply works."""
+    backend = RedisBackend.from_url(restartable_redis.url, timeout_ms=RECOVERY_DEADLINE_MS)
+    try:
+        assert await backend.apply([hit(A, 1, 10)], False) == [Count(0, True)]
+        await asyncio.to_thread(restartable_redis.stop)
+        await expect_storage_error(backend, RECOVERY_DEADLINE_MS)
+        await expect_storage_error(backend, RECOVERY_DEADLINE_MS)
+        assert await backend.ping() is False
+
+        await asyncio.to_thread(restartable_redis.start)
+        # The restarted server has lost the counters and the script, not the backend.
+        assert await backend.apply([hit(A, 1, 10)], False) == [Count(0, True)]
+        assert await backend.ping() is True
+    finally:
+        await backend.close()
+
+
+@pytest.mark.redis
+async def test_restarted_redis_is_used_without_error(restartable_redis: RedisServer) -> None:
+    """Pooled connections to a Redis that restarted are replaced, not failed on."""
+    backend = RedisBackend.from_url(restartable_redis.url, timeout_ms=TIMEOUT_MS)
+    try:
+        await asyncio.gather(*(backend.apply([hit(A, 1, 100)], False) for _ in range(10)))
+        await asyncio.to_thread(restartable_redis.restart)
+        # Give the event loop a moment to see the old connections close, as a live service would.
+        await asyncio.sleep(0.05)
+        results = await asyncio.gather(*(backend.apply([hit(A, 1, 100)], False) for _ in range(10)))
+        assert sorted(counts[0].before for counts in results) == list(range(10))
+    finally:
+        await backend.close()
+
+
+@pytest.mark.redis
+async def test_paused_redis_fails_in_time_and_recovers(restartable_redis: RedisServer) -> None:
+    """A Redis that holds connections open but never answers is a StorageError by the deadline."""
+    backend = RedisBackend.from_url(restartable_redis.url, timeout_ms=RECOVERY_DEADLINE_MS)
+    try:
+        await backend.apply([hit(A, 1, 10)], False)
+        restartable_redis.pause()
+        await expect_storage_error(backend, RECOVERY_DEADLINE_MS)
+        assert await backend.ping() is False
+
+        restartable_redis.resume()
+        counts = await backend.apply([hit(A, 0, 10)], False)
+        # Commands sent while it was paused may have run once it resumed.
+        assert counts[0].before >= 1
+        assert await backend.ping() is True
+    finally:
+        restartable_redis.resume()
+        await backend.close()
+
+
+@pytest.mark.redis
+async def test_callers_beyond_the_pool_give_up_by_their_deadline(
+    restartable_redis: RedisServer,
+) -> None:
+    """200 callers on a silent Redis, more than the pool holds: none waits past its deadline.
+
+    A caller waiting for a pooled connection would otherwise wait for the first ones to time
+    out, twice the deadline or more. The allowance is wider than elsewhere because 200 timeouts
+    firing together keep one event loop busy, on a loaded machine noticeably so.
+    """
+    deadline_ms = 300
+    backend = RedisBackend.from_url(restartable_redis.url, timeout_ms=deadline_ms)
+    try:
+        restartable_redis.pause()
+        results = await asyncio.gather(*(timed_apply(backend) for _ in range(200)))
+        assert all(isinstance(error, StorageError) for _, error in results)
+        assert max(elapsed for elapsed, _ in results) < deadline_ms / 1000 + 0.25
+    finally:
+        restartable_redis.resume()
+        await backend.close()
+
+
+@pytest.mark.parametrize("scheme", ["redis", "redis+cluster"])
+async def test_silent_listener_fails_in_time(scheme: str) -> None:
+    """A port that accepts TCP but never replies gives StorageError by the deadline, ping False."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
+        listener.bind((HOST, 0))
+        # Never accepted: the kernel completes handshakes into the backlog, nobody reads.
+        listener.listen(512)
+        port = listener.getsockname()[1]
+        backend = open_backend(f"{scheme}://{HOST}:{port}", timeout_ms=DEADLINE_MS)
+        try:
+            await expect_storage_error(backend)
+            assert await backend.ping() is False
+        finally:
+            await backend.close()
+
+
+@pytest.mark.parametrize("scheme", ["redis", "redis+cluster"])
+async def test_closed_port_fails_in_time(scheme: str) -> None:
+    """Nothing listening is a StorageError (not a redis-py error), well within the deadline."""
+    backend = open_backend(f"{scheme}://{HOST}:{free_port()}", timeout_ms=DEADLINE_MS)
+    try:
+        await expect_storage_error(backend)
+        with pytest.raises(StorageError) as caught:
+            await backend.apply([hit(A, 1, 10)], True)
+        assert caught.value.__cause__ is not None
+        assert await backend.ping() is False
+    finally:
+        await backend.close()
+
+
+# --- URLs ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("url", "reason"),
+    [
+        ("redis://", "missing host"),
+        ("redis://:secret@:6379", "missing host"),
+        ("redis://localhost:http", "bad port"),
+        ("redis://localhost:70000", "bad port"),
+        ("redis://localhost:0", "bad port"),
+        ("redis://localhost:6379/cache", "database must be a number"),
+        ("redis://localhost:6379?ssl_cert_reqs=none", "unknown query parameter 'ssl_cert_reqs'"),
+        ("rediss://localhost:6379?ssl_cert_reqs=maybe", "ssl_cert_reqs must be none"),
+        ("rediss://localhost:6379?verify=no", "unknown query parameter 'verify'"),
+        ("redis+cluster://", "no host:port"),
+        ("redis+cluster://user:pw@", "no host:port"),
+        ("redis+cluster://a:7000,:7001", "missing host"),
+        ("redis+cluster://a:7000,b:port", "bad port"),
+        ("redis+cluster://a:7000/2", "only database 0"),
+        ("redis+cluster://a:7000?read_from_replicas=yes", "takes no query"),
+        ("rediss+cluster://a:7000", "unsupported backend URL"),
+    ],
+)
+def test_bad_urls_are_refused_with_a_reason(url: str, reason: str) -> None:
+    """A URL the backends cannot use is a ValueError that says what is wrong with it."""
+    with pytest.raises(ValueError, match=reason):
+        open_backend(url)
+
+
+def test_password_stays_out_of_url_errors() -> None:
+    """A refused URL is quoted in the error without its password."""
+    with pytest.raises(ValueError) as caught:
+        open_backend("redis://user:hunter2@localhost:99999")
+    assert "hunter2" not in str(caught.value)
+    assert "user:***@localhost" in str(caught.value)
+
+
+def test_timeout_must_be_positive() -> None:
+    """A deadline of zero or less is refused."""
+    with pytest.raises(ValueError, match="timeout must be a positive"):
+        open_backend("redis://localhost:6379", timeout_ms=0)
+
+
+@pytest.mark.parametrize(
+    ("url", "kind"),
+    [
+        ("redis://localhost", RedisBackend),
+        ("redis://user:p%40ss@127.0.0.1:6380/2", RedisBackend),
+        ("redis://[::1]:6379/0", RedisBackend),
+        ("rediss://localhost:6380?ssl_cert_reqs=none", RedisBackend),
+        ("redis+cluster://127.0.0.1:7000,127.0.0.1:7001", RedisClusterBackend),
+        ("redis+cluster://user:pw@[::1]:7000/", RedisClusterBackend),
+    ],
+)
+async def test_good_urls_open_without_connecting(url: str, kind: type) -> None:
+    """Well-formed URLs give the matching backend; nothing connects until the first call."""
+    backend = open_backend(url)
+    try:
+        assert isinstance(backend, kind)
+    finally:
+        await backend.close()

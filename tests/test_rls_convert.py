@@ -1,0 +1,124 @@
+"""The Envoy edge's conversions: requests to the model, decisions to the exact protobuf bytes."""
+
+from __future__ import annotations
+
+import pytest
+from envoy.service.ratelimit.v3.rls_pb2 import RateLimitRequest, RateLimitResponse
+
+from sidecar.errors import InvalidRequest
+from sidecar.model import (
+    UNLIMITED_REMAINING,
+    Code,
+    Decision,
+    DescriptorStatus,
+    Entry,
+    Override,
+    Unit,
+    single,
+)
+from sidecar.rls import convert
+
+
+def _protobuf(decision: Decision) -> bytes:
+    """The same response built field by field with the protobuf API, as a reference encoding."""
+    response = RateLimitResponse(overall_code=decision.overall_code)
+    for status in decision.statuses:
+        built = response.statuses.add(code=status.code, limit_remaining=status.limit_remaining)
+        limit = status.limit
+        if limit is not None and not limit.unlimited:
+            built.current_limit.requests_per_unit = limit.requests_per_unit
+            built.current_limit.unit = limit.unit
+            built.current_limit.name = limit.name
+        if status.duration_until_reset is not None:
+            built.duration_until_reset.SetInParent()
+            built.duration_until_reset.seconds = status.duration_until_reset
+    encoded: bytes = response.SerializeToString()
+    return encoded
+
+
+MINUTE = single(3, Unit.MINUTE, name="per-user", rule_key="d.user")
+BIG = single(4_294_967_295, Unit.YEAR, name="n" * 300, rule_key="d.big")
+ZERO = single(0, Unit.SECOND, rule_key="d.blocked")
+WEEK = single(7, Unit.WEEK, rule_key="d.week")
+UNLIMITED = single(0, Unit.SECOND, unlimited=True, rule_key="d.free")
+
+DECISIONS = {
+    "bare-ok": Decision(Code.OK, (DescriptorStatus(Code.OK),)),
+    "no-statuses": Decision(Code.OK, ()),
+    "unknown-overall": Decision(Code.UNKNOWN, (DescriptorStatus(Code.UNKNOWN),)),
+    "within": Decision(Code.OK, (DescriptorStatus(Code.OK, MINUTE, 2, 30),)),
+    "over": Decision(Code.OVER_LIMIT, (DescriptorStatus(Code.OVER_LIMIT, MINUTE, 0, 30),)),
+    "large-numbers": Decision(
+        Code.OK, (DescriptorStatus(Code.OK, BIG, 4_294_967_295, 31_536_000),)
+    ),
+    "zero-limit-and-reset": Decision(
+        Code.OVER_LIMIT, (DescriptorStatus(Code.OVER_LIMIT, ZERO, 0, 0),)
+    ),
+    "week": Decision(Code.OK, (DescriptorStatus(Code.OK, WEEK, 6, 604_800),)),
+    "unlimited": Decision(Code.OK, (DescriptorStatus(Code.OK, UNLIMITED, UNLIMITED_REMAINING),)),
+    "mixed": Decision(
+        Code.OVER_LIMIT,
+        (
+            DescriptorStatus(Code.OK),
+            DescriptorStatus(Code.OVER_LIMIT, MINUTE, 0, 1),
+            DescriptorStatus(Code.OK, None, UNLIMITED_REMAINING),
+            DescriptorStatus(Code.OK, BIG, 128, 127),
+        ),
+    ),
+}
+
+
+@pytest.mark.parametrize("decision", DECISIONS.values(), ids=DECISIONS.keys())
+def test_response_bytes_equal_the_protobuf_encoding(decision: Decision) -> None:
+    """The hand-written wire bytes are byte for byte what protobuf itself would send."""
+    assert convert.response_bytes(decision) == _protobuf(decision)
+    # Twice: the second time the cached current_limit is used.
+    assert convert.response_bytes(decision) == _protobuf(decision)
+
+
+def test_request_keeps_entries_hits_addend_presence_and_overrides() -> None:
+    """An absent per-descriptor hits_addend is None, an explicit 0 stays 0; overrides convert."""
+    message = RateLimitRequest(domain="d", hits_addend=2)
+    plain = message.descriptors.add()
+    plain.entries.add(key="k", value="v")
+    checked = message.descriptors.add()
+    checked.entries.add(key="k", value="w")
+    checked.hits_addend.value = 0
+    overridden = message.descriptors.add()
+    overridden.entries.add(key="k", value="x")
+    overridden.hits_addend.value = 5
+    overridden.limit.requests_per_unit = 9
+    overridden.limit.unit = 6  # YEAR
+
+    request = convert.request(message)
+
+    assert request.domain == "d"
+    assert request.hits_addend == 2
+    first, second, third = request.descriptors
+    assert first.entries == (Entry("k", "v"),)
+    assert (first.hits_addend, first.override) == (None, None)
+    assert second.hits_addend == 0
+    assert third.hits_addend == 5
+    assert third.override == Override(9, Unit.YEAR)
+
+
+@pytest.mark.parametrize("unit", [0, 7, 99])
+def test_an_override_unit_outside_rate_limit_unit_is_invalid(unit: int) -> None:
+    """RateLimitOverride's unit has SECOND..YEAR only: UNKNOWN and unknown numbers are refused."""
+    message = RateLimitRequest(domain="d")
+    descriptor = message.descriptors.add()
+    descriptor.entries.add(key="k", value="v")
+    descriptor.limit.requests_per_unit = 1
+    descriptor.limit.unit = unit
+
+    with pytest.raises(InvalidRequest, match=r"descriptors\[0\]\.limit\.unit must be one of"):
+        convert.request(message)
+
+
+def test_a_limit_object_is_never_confused_with_another() -> None:
+    """The current_limit cache is keyed by identity and keeps its limits alive, so a new limit
+    with other values is never answered with a stale encoding."""
+    for requests in range(1, 50):
+        limit = single(requests, Unit.HOUR)
+        decision = Decision(Code.OK, (DescriptorStatus(Code.OK, limit, 0, 1),))
+        assert convert.response_bytes(decision) == _protobuf(decision)
