@@ -494,9 +494,7 @@ class _Parser:
             try:
                 check_zone(timezone)
             except ValueError as exc:
-                raise self.error(
-                    f"{path}.timezone", f"{exc} (use an IANA name such as 'Asia/Shanghai')"
-                ) from exc
+                raise self.error(f"{path}.timezone", str(exc)) from exc
             week_text = self.scalar(raw.get("week_start", "monday"), f"{path}.week_start")
             if week_text not in _WEEK_STARTS:
                 raise self.error(

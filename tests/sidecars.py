@@ -89,11 +89,11 @@ async def running_app(
     clock: Clock | None = None,
     **options: Any,
 ) -> AsyncIterator[App]:
-    """The app in this process on free loopback ports, with a memory backend on `clock`."""
+    """The app in this process on free loopback ports, with a memory backend, on `clock`."""
     clock = clock or Clock()
     app = App(
         Options(config=[rules], grpc_address="127.0.0.1:0", http_address="127.0.0.1:0", **options),
-        backend=MemoryBackend(clock=clock) if backend is None else backend,
+        backend=MemoryBackend() if backend is None else backend,
         clock=clock,
     )
     await app.start()

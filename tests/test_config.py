@@ -67,6 +67,70 @@ ERRORS = {
     ),
     "bad_flag.yaml": "descriptors[0].shadow_mode: shadow_mode must be true or false, got 'sometimes'",
     "not_a_map.yaml": "config error, the file must be a map with 'domain' and 'descriptors'",
+    # The extensions beyond the reference's format (issue 3).
+    "both_rate_limit_and_rate_limits.yaml": (
+        "descriptors[0]: rate_limit and rate_limits are mutually exclusive "
+        "(put every window in rate_limits)"
+    ),
+    "empty_rate_limits.yaml": (
+        "descriptors[0].rate_limits: rate_limits must be a non-empty list of windows"
+    ),
+    "misspelled_rate_limits.yaml": (
+        "descriptors[0]: config error, unknown key 'ratelimits' (did you mean 'rate_limits'?)"
+    ),
+    "unknown_algorithm.yaml": (
+        "descriptors[0].rate_limit.algorithm: unknown algorithm 'token_bucked' "
+        "(did you mean 'token_bucket'?)"
+    ),
+    "burst_without_token_bucket.yaml": (
+        "descriptors[0].rate_limit.burst: burst applies to token buckets "
+        "(add 'algorithm: token_bucket')"
+    ),
+    "borrow_on_sliding_window.yaml": (
+        "descriptors[0].rate_limit.borrow: borrow applies to fixed windows and token buckets, "
+        "not sliding windows"
+    ),
+    "borrow_exceeds_limit.yaml": (
+        "descriptors[0].rate_limit.borrow: borrow 300 exceeds requests_per_unit 100: the next "
+        "window alone repays the debt (lower borrow, or use a token bucket)"
+    ),
+    "calendar_minute.yaml": (
+        "descriptors[0].rate_limit.calendar: calendar windows are days, weeks, months or years "
+        "(remove 'calendar')"
+    ),
+    "calendar_token_bucket.yaml": (
+        "descriptors[0].rate_limit.calendar: calendar windows are fixed windows "
+        "(remove 'algorithm')"
+    ),
+    "calendar_unit_multiplier.yaml": (
+        "descriptors[0].rate_limit.unit_multiplier: calendar windows are one unit long "
+        "(remove 'unit_multiplier')"
+    ),
+    "unknown_timezone.yaml": (
+        "descriptors[0].rate_limit.timezone: unknown time zone 'Asia/Shangai' "
+        "(did you mean 'Asia/Shanghai'?)"
+    ),
+    "timezone_without_calendar.yaml": (
+        "descriptors[0].rate_limit.timezone: timezone applies to calendar windows "
+        "(add 'calendar: true')"
+    ),
+    "bad_week_start.yaml": (
+        "descriptors[0].rate_limit.week_start: week_start must be monday or sunday, got 'friday'"
+    ),
+    "week_start_not_week.yaml": (
+        "descriptors[0].rate_limit.week_start: week_start applies to calendar weeks (unit: week)"
+    ),
+    "token_bucket_zero_rate.yaml": (
+        "descriptors[0].rate_limit.requests_per_unit: a token bucket needs requests_per_unit "
+        "of at least 1 (its refill rate)"
+    ),
+    "unlimited_in_rate_limits.yaml": (
+        "descriptors[0].rate_limits[0].unlimited: unlimited belongs in rate_limit, not rate_limits"
+    ),
+    "bad_unit_multiplier.yaml": (
+        "descriptors[0].rate_limit.unit_multiplier: unit_multiplier must be a whole number "
+        "from 1 to 4294967295, got 0"
+    ),
 }
 
 
@@ -183,3 +247,45 @@ def test_empty_file_is_an_empty_domain_error() -> None:
     """An empty file has no domain, and says so."""
     with pytest.raises(ConfigError, match="cannot have empty domain"):
         config.parse("", "empty.yaml")
+
+
+def test_extensions_show_in_rlconfig() -> None:
+    """`/rlconfig` and `check` show the new fields; reference-format rules print as before."""
+    rules = config.Rules(
+        {
+            "d": config.parse(
+                """
+domain: d
+descriptors:
+  - key: user
+    descriptors:
+      - key: ad
+        rate_limits:
+          - {unit: day, requests_per_unit: 5, calendar: true, timezone: Asia/Shanghai}
+          - {unit: week, requests_per_unit: 9, calendar: true, week_start: sunday}
+  - key: api_key
+    rate_limit:
+      algorithm: token_bucket
+      unit: second
+      requests_per_unit: 10
+      burst: 20
+      borrow: 5
+  - key: ip
+    rate_limit: {algorithm: sliding_window, unit: minute, unit_multiplier: 5, requests_per_unit: 100}
+  - key: app
+    rate_limit: {unit: hour, requests_per_unit: 1000, borrow: 300}
+""",
+                "rules.yaml",
+            )
+        }
+    )
+    assert rules.dump() == [
+        "d.user.ad: unit=DAY requests_per_unit=5 calendar timezone=Asia/Shanghai; "
+        "unit=WEEK requests_per_unit=9 calendar timezone=UTC week_start=sunday, "
+        "shadow_mode: false, quota_mode: false",
+        "d.api_key: unit=SECOND requests_per_unit=10 algorithm=token_bucket burst=20 borrow=5, "
+        "shadow_mode: false, quota_mode: false",
+        "d.ip: unit=MINUTE requests_per_unit=100 algorithm=sliding_window unit_multiplier=5, "
+        "shadow_mode: false, quota_mode: false",
+        "d.app: unit=HOUR requests_per_unit=1000 borrow=300, shadow_mode: false, quota_mode: false",
+    ]

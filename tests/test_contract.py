@@ -4,14 +4,12 @@ and Redis Cluster (real servers, started by the fixtures)."""
 from __future__ import annotations
 
 import asyncio
-import math
-import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 
 import pytest
+from clock import Clock
 
-from sidecar import config
-from sidecar.limiter import Limiter, Settings
+from sidecar.limiter import Limiter
 from sidecar.model import (
     UNLIMITED_REMAINING,
     Code,
@@ -22,7 +20,6 @@ from sidecar.model import (
     Request,
     Unit,
 )
-from sidecar.storage import Backend, open_backend
 
 RULES = """
 domain: contract
@@ -77,50 +74,10 @@ descriptors:
 """
 
 
-class Clock:
-    """A settable clock, 5 s into the current real minute (Redis TTLs run on real time)."""
-
-    def __init__(self) -> None:
-        self.now = math.floor(time.time() / 60) * 60 + 5.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-BACKENDS = [
-    "memory",
-    pytest.param("redis", marks=pytest.mark.redis),
-    pytest.param("cluster", marks=pytest.mark.cluster),
-]
-
-
-@pytest.fixture(params=BACKENDS)
-def backend_url(request: pytest.FixtureRequest) -> str:
-    if request.param == "memory":
-        return "memory://"
-    if request.param == "redis":
-        return str(request.getfixturevalue("redis_url"))
-    return str(request.getfixturevalue("cluster_url"))
-
-
 @pytest.fixture
-def clock() -> Clock:
-    return Clock()
-
-
-@pytest.fixture
-async def make_limiter(backend_url: str, clock: Clock) -> AsyncIterator[Callable[..., Limiter]]:
-    backends: list[Backend] = []
-    rules = config.Rules({"contract": config.parse(RULES, "contract.yaml")})
-
-    def make(**settings: object) -> Limiter:
-        backend = open_backend(backend_url, timeout_ms=1000, clock=clock)
-        backends.append(backend)
-        return Limiter(rules, backend, settings=Settings(**settings), clock=clock)  # type: ignore[arg-type]
-
-    yield make
-    for backend in backends:
-        await backend.close()
+def contract(make_limiter: Callable[..., Limiter]) -> Callable[..., Limiter]:
+    """Limiters over the contract rules on the backend under test."""
+    return lambda **settings: make_limiter(RULES, **settings)
 
 
 def req(*descriptors: Descriptor, hits: int = 0) -> Request:
@@ -136,9 +93,9 @@ async def ask(limiter: Limiter, *descriptors: Descriptor, hits: int = 0) -> Deci
     return await limiter.should_rate_limit(req(*descriptors, hits=hits))
 
 
-async def test_25_hits_on_20_per_minute(make_limiter: Callable[..., Limiter], clock: Clock) -> None:
+async def test_25_hits_on_20_per_minute(contract: Callable[..., Limiter], clock: Clock) -> None:
     """Remaining counts 19 down to 0, then five OVER_LIMIT; the next minute starts afresh."""
-    limiter = make_limiter()
+    limiter = contract()
     seen = []
     for _ in range(25):
         decision = await ask(limiter, d("user=alice"))
@@ -156,9 +113,9 @@ async def test_25_hits_on_20_per_minute(make_limiter: Callable[..., Limiter], cl
     assert (await ask(limiter, d("user=alice"))).statuses[0].limit_remaining == 19
 
 
-async def test_two_descriptors_one_over(make_limiter: Callable[..., Limiter]) -> None:
+async def test_two_descriptors_one_over(contract: Callable[..., Limiter]) -> None:
     """The request is OVER_LIMIT when any descriptor is; each status is its own."""
-    limiter = make_limiter()
+    limiter = contract()
     for _ in range(3):
         await ask(limiter, d("api=k"))
     decision = await ask(limiter, d("user=bob"), d("api=k"))
@@ -167,9 +124,9 @@ async def test_two_descriptors_one_over(make_limiter: Callable[..., Limiter]) ->
     assert decision.statuses[0].limit_remaining == 19
 
 
-async def test_check_without_consuming(make_limiter: Callable[..., Limiter]) -> None:
+async def test_check_without_consuming(contract: Callable[..., Limiter]) -> None:
     """hits_addend 0 consumes nothing: OK below the limit, OVER_LIMIT once the count reaches it."""
-    limiter = make_limiter()
+    limiter = contract()
     check = d("check=c", hits=0)
     first = await ask(limiter, check)
     assert (first.overall_code, first.statuses[0].limit_remaining) == (Code.OK, 2)
@@ -186,9 +143,9 @@ async def test_check_without_consuming(make_limiter: Callable[..., Limiter]) -> 
     assert (await ask(limiter, d("check=other", hits=0))).statuses[0].limit_remaining == 2
 
 
-async def test_request_hits_addend_and_zero_means_one(make_limiter: Callable[..., Limiter]) -> None:
+async def test_request_hits_addend_and_zero_means_one(contract: Callable[..., Limiter]) -> None:
     """Request-level hits_addend counts N; 0 or unset counts 1; a descriptor's own value wins."""
-    limiter = make_limiter()
+    limiter = contract()
     assert (await ask(limiter, d("user=h"), hits=5)).statuses[0].limit_remaining == 15
     assert (await ask(limiter, d("user=h"), hits=0)).statuses[0].limit_remaining == 14
     decision = await ask(limiter, d("user=h", hits=4), hits=9)
@@ -197,9 +154,9 @@ async def test_request_hits_addend_and_zero_means_one(make_limiter: Callable[...
     assert over.overall_code is Code.OVER_LIMIT
 
 
-async def test_replaces(make_limiter: Callable[..., Limiter]) -> None:
+async def test_replaces(contract: Callable[..., Limiter]) -> None:
     """A replaced limit is neither evaluated nor counted; its status is a bare OK."""
-    limiter = make_limiter()
+    limiter = contract()
     for _ in range(3):
         decision = await ask(limiter, d("category=account"), d("name=bkthomps"))
         assert decision.overall_code is Code.OK
@@ -210,9 +167,9 @@ async def test_replaces(make_limiter: Callable[..., Limiter]) -> None:
     assert (await ask(limiter, d("name=bkthomps"))).overall_code is Code.OVER_LIMIT
 
 
-async def test_unlimited(make_limiter: Callable[..., Limiter]) -> None:
+async def test_unlimited(contract: Callable[..., Limiter]) -> None:
     """An unlimited rule answers OK with remaining 4294967295 and no current_limit."""
-    limiter = make_limiter()
+    limiter = contract()
     for _ in range(3):
         status = (await ask(limiter, d("free=x"))).statuses[0]
         assert (status.code, status.limit, status.limit_remaining) == (
@@ -222,9 +179,9 @@ async def test_unlimited(make_limiter: Callable[..., Limiter]) -> None:
         )
 
 
-async def test_rule_shadow_mode(make_limiter: Callable[..., Limiter]) -> None:
+async def test_rule_shadow_mode(contract: Callable[..., Limiter]) -> None:
     """A shadow rule is counted but never makes a request OVER_LIMIT."""
-    limiter = make_limiter()
+    limiter = contract()
     for _ in range(3):
         decision = await ask(limiter, d("shadow=s"))
         assert decision.overall_code is Code.OK
@@ -233,9 +190,9 @@ async def test_rule_shadow_mode(make_limiter: Callable[..., Limiter]) -> None:
     assert limiter.stats.rules["contract.shadow"].shadow_mode == 2
 
 
-async def test_global_shadow_mode(make_limiter: Callable[..., Limiter]) -> None:
+async def test_global_shadow_mode(contract: Callable[..., Limiter]) -> None:
     """Global shadow mode answers OK overall and leaves the statuses as they are."""
-    limiter = make_limiter(shadow_mode=True)
+    limiter = contract(shadow_mode=True)
     for _ in range(4):
         decision = await ask(limiter, d("api=g"))
     assert decision.overall_code is Code.OK
@@ -243,9 +200,9 @@ async def test_global_shadow_mode(make_limiter: Callable[..., Limiter]) -> None:
     assert limiter.stats.global_shadow_mode == 1
 
 
-async def test_quota_mode(make_limiter: Callable[..., Limiter]) -> None:
+async def test_quota_mode(contract: Callable[..., Limiter]) -> None:
     """A quota descriptor over its limit blocks only when every quota descriptor is over."""
-    limiter = make_limiter()
+    limiter = contract()
     await ask(limiter, d("quota=a"))
     one_over = await ask(limiter, d("quota=a"), d("quota=b"))
     assert one_over.overall_code is Code.OK
@@ -254,9 +211,9 @@ async def test_quota_mode(make_limiter: Callable[..., Limiter]) -> None:
     assert both_over.overall_code is Code.OVER_LIMIT
 
 
-async def test_wildcards(make_limiter: Callable[..., Limiter]) -> None:
+async def test_wildcards(contract: Callable[..., Limiter]) -> None:
     """A wildcard rule limits each matching value separately; others fall back to key-only."""
-    limiter = make_limiter()
+    limiter = contract()
     for _ in range(2):
         assert (await ask(limiter, d("path=/api/a"))).overall_code is Code.OK
     assert (await ask(limiter, d("path=/api/a"))).overall_code is Code.OVER_LIMIT
@@ -265,9 +222,9 @@ async def test_wildcards(make_limiter: Callable[..., Limiter]) -> None:
     assert status.limit is not None and status.limit.requests_per_unit == 10
 
 
-async def test_deeper_and_unknown(make_limiter: Callable[..., Limiter]) -> None:
+async def test_deeper_and_unknown(contract: Callable[..., Limiter]) -> None:
     """A request deeper than the rules, an unmatched key and an unknown domain get a bare OK."""
-    limiter = make_limiter()
+    limiter = contract()
     decision = await ask(limiter, d("user=a", "extra=b"), d("nothing=here"))
     assert decision.overall_code is Code.OK
     assert all(s.limit is None and s.code is Code.OK for s in decision.statuses)
@@ -275,15 +232,15 @@ async def test_deeper_and_unknown(make_limiter: Callable[..., Limiter]) -> None:
     assert unknown.statuses == decision.statuses[:1]
 
 
-async def test_limit_zero_blocks_everything(make_limiter: Callable[..., Limiter]) -> None:
+async def test_limit_zero_blocks_everything(contract: Callable[..., Limiter]) -> None:
     """requests_per_unit 0 rejects the very first hit (the reference's black list example)."""
-    limiter = make_limiter()
+    limiter = contract()
     assert (await ask(limiter, d("blocked=ip"))).overall_code is Code.OVER_LIMIT
 
 
-async def test_override(make_limiter: Callable[..., Limiter]) -> None:
+async def test_override(contract: Callable[..., Limiter]) -> None:
     """Envoy's per-descriptor limit replaces the rules for that descriptor, in a known domain."""
-    limiter = make_limiter()
+    limiter = contract()
     override = Override(2, Unit.HOUR)
     for expected in (Code.OK, Code.OK, Code.OVER_LIMIT):
         decision = await ask(limiter, d("anything=x", override=override))
@@ -292,9 +249,9 @@ async def test_override(make_limiter: Callable[..., Limiter]) -> None:
     assert status.limit is not None and status.limit.unit is Unit.HOUR
 
 
-async def test_rejected_hits_count(make_limiter: Callable[..., Limiter]) -> None:
+async def test_rejected_hits_count(contract: Callable[..., Limiter]) -> None:
     """By default a rejected request still counts in every counter it touched (the reference)."""
-    limiter = make_limiter()
+    limiter = contract()
     for _ in range(3):
         await ask(limiter, d("api=r"))
     rejected = await ask(limiter, d("wide=w"), d("api=r"))
@@ -303,9 +260,9 @@ async def test_rejected_hits_count(make_limiter: Callable[..., Limiter]) -> None
     assert (await ask(limiter, d("wide=w"))).statuses[0].limit_remaining == 3
 
 
-async def test_rejected_hits_skip(make_limiter: Callable[..., Limiter]) -> None:
+async def test_rejected_hits_skip(contract: Callable[..., Limiter]) -> None:
     """With skip, a request that ends OVER_LIMIT consumes nothing from any of its counters."""
-    limiter = make_limiter(rejected_hits="skip")
+    limiter = contract(rejected_hits="skip")
     for _ in range(3):
         await ask(limiter, d("api=s"))
     for _ in range(3):
@@ -321,18 +278,18 @@ async def test_rejected_hits_skip(make_limiter: Callable[..., Limiter]) -> None:
     assert decision.statuses[1].limit_remaining == 3
 
 
-async def test_200_concurrent_calls_admit_exactly_50(make_limiter: Callable[..., Limiter]) -> None:
+async def test_200_concurrent_calls_admit_exactly_50(contract: Callable[..., Limiter]) -> None:
     """Concurrent calls on one 50/minute key admit exactly 50, whatever the interleaving."""
-    limiter = make_limiter()
+    limiter = contract()
     decisions = await asyncio.gather(*(ask(limiter, d("conc=k")) for _ in range(200)))
     assert sum(x.overall_code is Code.OK for x in decisions) == 50
 
 
 async def test_five_descriptors_sharing_a_first_entry_in_one_request(
-    make_limiter: Callable[..., Limiter],
+    contract: Callable[..., Limiter],
 ) -> None:
     """Five limited descriptors under one first entry are decided together and each counted."""
-    limiter = make_limiter()
+    limiter = contract()
     request = [d("app=a1", f"{k}=v") for k in ("ip", "user", "iface", "route", "method")]
     for expected in (3, 2, 1, 0):
         decision = await ask(limiter, *request)

@@ -10,10 +10,21 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from sidecar import config
-from sidecar.algorithms import fixed_window
+from sidecar.algorithms import fixed_window, windows
 from sidecar.errors import InvalidRequest, StorageError
 from sidecar.limiter import Limiter, Settings
-from sidecar.model import Code, Count, Descriptor, Entry, Hit, Request, Role
+from sidecar.model import (
+    Algorithm,
+    Code,
+    Descriptor,
+    Entry,
+    Hit,
+    Outcome,
+    Request,
+    Role,
+    Unit,
+    Window,
+)
 from sidecar.stats import RuleStats
 from sidecar.storage.keys import descriptor_prefix, fixed_window_key, hash_tag
 from sidecar.storage.memory import MemoryBackend
@@ -52,13 +63,14 @@ def test_key_reads_well() -> None:
 
 def test_windows_align_to_the_epoch() -> None:
     """A window starts at floor(now / W) * W, and resets W - now % W seconds later."""
-    assert fixed_window.window_start(1234.9, 60) == 1200
-    assert fixed_window.duration_until_reset(1234.9, 60) == 26
-    assert fixed_window.window_start(1_000_000, 3600) == 997_200
+    assert windows.epoch_window(1234, 60) == (1200, 1260)
+    assert windows.epoch_window(1_000_000, 3600) == (997_200, 1_000_800)
+    hit = windows.window_hit("p", Window(5, Unit.MINUTE), 1, 0, Role.BLOCKING, 1_234_900)
+    assert (hit.key, hit.reset_ms, hit.ttl) == (b"p|60|1200", 25_100, 60)
 
 
 @pytest.mark.parametrize(
-    ("before", "hits", "limit", "over"),
+    ("used", "hits", "limit", "over"),
     [
         (0, 1, 1, False),
         (1, 1, 1, True),
@@ -68,9 +80,9 @@ def test_windows_align_to_the_epoch() -> None:
         (0, 0, 0, True),
     ],
 )
-def test_is_over(before: int, hits: int, limit: int, over: bool) -> None:
+def test_fixed_window_judge(used: int, hits: int, limit: int, over: bool) -> None:
     """A hit is over when it would pass the limit; a check is over once the limit is reached."""
-    assert fixed_window.is_over(before, hits, limit) is over
+    assert fixed_window.judge(0, used, hits, limit, 0)[0] is over
 
 
 def test_request_is_over_follows_roles() -> None:
@@ -83,14 +95,17 @@ def test_request_is_over_follows_roles() -> None:
     assert not fixed_window.request_is_over([False, True], [B, S])
 
 
-def test_step_sees_earlier_hits_on_the_same_key() -> None:
-    """A key repeated in one request: the second hit sees the first as added."""
-    hits = [Hit(b"k", 2, 3, 60), Hit(b"k", 2, 3, 60)]
-    assert fixed_window.step([0, 0], hits, all_or_nothing=False) == [Count(0, True), Count(2, True)]
-    assert fixed_window.step([0, 0], hits, all_or_nothing=True) == [
-        Count(0, False),
-        Count(2, False),
+async def test_a_key_repeated_in_one_request_sees_its_earlier_hits() -> None:
+    """A counter repeated in one request: the second hit sees the first as added."""
+    window = Window(3, Unit.MINUTE)
+    hits = [Hit(b"k", 2, window, group=0), Hit(b"k", 2, window, group=1)]
+    outcomes = await MemoryBackend().apply(hits, all_or_nothing=False, now_ms=0)
+    assert [(o.over, o.remaining, o.applied) for o in outcomes] == [
+        (False, 1, True),
+        (True, 0, True),
     ]
+    outcomes = await MemoryBackend().apply(hits, all_or_nothing=True, now_ms=0)
+    assert [(o.over, o.applied) for o in outcomes] == [(False, False), (True, False)]
 
 
 # (limit, before, hits, after, over, over_limit, near_limit, within_limit): the reference's vectors.
@@ -132,20 +147,32 @@ class Clock:
 
 async def test_memory_backend_evicts_expired_windows() -> None:
     """Counters of ended windows are dropped, so memory stays bounded by live windows."""
-    clock = Clock(1000.0)
-    backend = MemoryBackend(clock=clock)
+    backend = MemoryBackend()
+    window = Window(5, Unit.MINUTE)
     for i in range(1000):
-        await backend.apply([Hit(f"k{i}".encode(), 1, 5, 60)], all_or_nothing=False)
+        await backend.apply([Hit(f"k{i}".encode(), 1, window, ttl=60)], False, 1_000_000)
     assert len(backend) == 1000
-    clock.now += 61
-    await backend.apply([Hit(b"fresh", 1, 5, 60)], all_or_nothing=False)
+    await backend.apply([Hit(b"fresh", 1, window, ttl=60)], False, 1_061_000)
     assert len(backend) == 1
+
+
+async def test_memory_token_bucket_state_expires_when_full() -> None:
+    """A bucket's state lives until the bucket would be full again, then it is evicted."""
+    backend = MemoryBackend()
+    window = Window(10, Unit.SECOND, algorithm=Algorithm.TOKEN_BUCKET)
+    await backend.apply([Hit(b"b", 5, window)], False, 0)
+    assert len(backend) == 1
+    await backend.apply([Hit(b"other", 0, window)], False, 499)
+    assert len(backend) == 1
+    await backend.apply([Hit(b"other", 0, window)], False, 500)
+    assert len(backend) == 0
 
 
 async def test_memory_check_creates_nothing() -> None:
     """A check (0 hits) on an absent counter leaves no counter behind."""
-    backend = MemoryBackend(clock=Clock(0))
-    assert await backend.apply([Hit(b"k", 0, 5, 60)], all_or_nothing=False) == [Count(0, True)]
+    backend = MemoryBackend()
+    outcomes = await backend.apply([Hit(b"k", 0, Window(5, Unit.MINUTE))], False, 0)
+    assert outcomes == [Outcome(False, 5, 0, True, 5)]
     assert len(backend) == 0
 
 
@@ -175,7 +202,7 @@ class FailingBackend:
     def __init__(self) -> None:
         self.calls = 0
 
-    async def apply(self, hits: Sequence[Hit], all_or_nothing: bool) -> list[Count]:
+    async def apply(self, hits: Sequence[Hit], all_or_nothing: bool, now_ms: int) -> list[Outcome]:
         self.calls += 1
         raise StorageError("timed out after 50 ms")
 

@@ -13,7 +13,7 @@ from envoy.service.ratelimit.v3.rls_pb2 import RateLimitResponse
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from sidecars import NOW, Clock, client, request, running_app, serve_process, write_rules
 
-from sidecar.model import Count, Hit
+from sidecar.model import Hit, Outcome
 from sidecar.storage.memory import MemoryBackend
 
 OK = RateLimitResponse.OK
@@ -182,14 +182,16 @@ class _BrokenOnce(MemoryBackend):
     """A backend with a bug: its first apply raises something no layer expects."""
 
     def __init__(self, clock: Clock) -> None:
-        super().__init__(clock=clock)
+        super().__init__()
         self.broken = True
 
-    async def apply(self, hits: Sequence[Hit], all_or_nothing: bool) -> list[Count]:
+    async def apply(
+        self, hits: Sequence[Hit], all_or_nothing: bool, now_ms: int
+    ) -> list[Outcome]:
         if self.broken:
             self.broken = False
             raise ZeroDivisionError("a bug")
-        return await super().apply(hits, all_or_nothing)
+        return await super().apply(hits, all_or_nothing, now_ms)
 
 
 async def test_an_unexpected_error_is_internal_and_the_server_goes_on(rules: Path) -> None:
@@ -234,14 +236,16 @@ class _Gate(MemoryBackend):
     """A backend that holds every apply until the test opens the gate."""
 
     def __init__(self, clock: Clock) -> None:
-        super().__init__(clock=clock)
+        super().__init__()
         self.gate = asyncio.Event()
         self.waiting = 0
 
-    async def apply(self, hits: Sequence[Hit], all_or_nothing: bool) -> list[Count]:
+    async def apply(
+        self, hits: Sequence[Hit], all_or_nothing: bool, now_ms: int
+    ) -> list[Outcome]:
         self.waiting += 1
         await self.gate.wait()
-        return await super().apply(hits, all_or_nothing)
+        return await super().apply(hits, all_or_nothing, now_ms)
 
 
 async def test_stopping_lets_calls_in_flight_finish_and_refuses_new_ones(rules: Path) -> None:

@@ -160,7 +160,7 @@ class _Unreachable(MemoryBackend):
     """A backend whose ping fails while `down` is set."""
 
     def __init__(self) -> None:
-        super().__init__(clock=Clock())
+        super().__init__()
         self.down = False
 
     async def ping(self) -> bool:

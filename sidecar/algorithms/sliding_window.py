@@ -1,4 +1,4 @@
-"""Sliding windows by the weighted previous/current counter, and fixed windows that may borrow.
+"""Sliding windows, by the weighted previous/current counter.
 
 Sliding window (`algorithm: sliding_window`): each window of `W` seconds (epoch-aligned, `unit` ×
 `unit_multiplier`) keeps one counter. At a point `e` seconds into the current window the number
@@ -13,13 +13,7 @@ window (100/hour: 100 hits at minute 59 leave only one or two hits for minute 61
 `limit_remaining` is ``floor(limit − estimate)`` after this hit; `duration_until_reset` is the time
 until the current window ends and its count starts to slide out. Counters live two windows.
 
-Borrowing fixed window (`borrow: B` on a fixed window): a window may admit up to
-``limit + B``; whatever it admits above `limit` is a debt the next window repays: a window that
-starts in debt admits only ``limit − debt`` and may not borrow. A debt is remembered for one
-window only (so `borrow` may not exceed `limit`), and counters live two windows.
-`limit_remaining` counts the borrowable part, ``limit + B − used`` (or ``limit − debt − used``).
-
-Neither ever counts a rejected hit. `lua/decide.lua` mirrors both.
+A sliding window never counts a rejected hit. `lua/decide.lua` mirrors this arithmetic.
 """
 
 from __future__ import annotations
@@ -27,25 +21,14 @@ from __future__ import annotations
 import math
 
 
-def sliding_decide(
+def judge(
     previous: int, current: int, elapsed_ms: int, window_ms: int, cost: int, limit: int
-) -> tuple[bool, int]:
-    """(over, remaining) for a hit `elapsed_ms` into the current window."""
-    estimate = previous * (window_ms - elapsed_ms) / window_ms + current
+) -> tuple[bool, int, int]:
+    """(over, remaining if not applied, remaining if applied) for a hit `elapsed_ms` into the window.
+
+    `float(previous) * ...` rounds as the Lua script's doubles do.
+    """
+    estimate = float(previous) * (window_ms - elapsed_ms) / window_ms + current
     need = cost if cost > 0 else 1
     over = estimate + need > limit
-    if not over:
-        estimate = estimate + cost
-    return over, max(0, math.floor(limit - estimate))
-
-
-def borrowing_decide(
-    previous: int, current: int, cost: int, limit: int, borrow: int
-) -> tuple[bool, int]:
-    """(over, remaining) for a hit on a fixed window that may borrow from the next one."""
-    debt = max(0, previous - limit)
-    capacity = limit - debt if debt > 0 else limit + borrow
-    need = cost if cost > 0 else 1
-    over = current + need > capacity
-    used = current if over else current + cost
-    return over, max(0, capacity - used)
+    return over, max(0, math.floor(limit - estimate)), max(0, math.floor(limit - estimate - cost))

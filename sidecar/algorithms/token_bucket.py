@@ -38,40 +38,41 @@ class Bucket:
 
 
 @dataclass(frozen=True, slots=True)
-class Outcome:
+class Taken:
     over: bool
     remaining: int
     reset_ms: int
-    state: Bucket | None  # the state to keep if the hit is applied; None: full, keep nothing
+    state: Bucket  # the bucket after the hit (unchanged when over, or for a check)
 
 
 def refill(state: Bucket | None, now_ms: int, rate: int, period_ms: int, capacity: int) -> Bucket:
-    """The bucket at `now_ms`: refilled since its stamp, credit reopened if it is full again."""
+    """The bucket at `now_ms`: refilled since its stamp, credit reopened if it is full again.
+
+    No state means a full bucket. The float expressions are written as the Lua script computes
+    them (`float * int / int`), so both round alike.
+    """
     if state is None:
         return Bucket(float(capacity), now_ms, 0.0)
     elapsed = max(0, now_ms - state.stamp_ms)
-    tokens = min(float(capacity), state.tokens + elapsed * rate / period_ms)
+    tokens = min(float(capacity), state.tokens + float(elapsed) * rate / period_ms)
     drawn = 0.0 if tokens >= capacity else state.drawn
     return Bucket(tokens, now_ms, drawn)
 
 
-def decide(
-    state: Bucket | None,
-    now_ms: int,
-    cost: int,
-    rate: int,
-    period_ms: int,
-    capacity: int,
-    borrow: int,
-) -> Outcome:
-    bucket = refill(state, now_ms, rate, period_ms, capacity)
+def reset_ms(tokens: float, rate: int, period_ms: int, capacity: int) -> int:
+    """Milliseconds until a bucket holding `tokens` is full again."""
+    return math.ceil((capacity - tokens) * period_ms / rate)
+
+
+def take(bucket: Bucket, cost: int, rate: int, period_ms: int, capacity: int, borrow: int) -> Taken:
+    """Take `cost` tokens from a refilled bucket, on credit where allowed (cost 0: a check)."""
     need = cost if cost > 0 else 1
     tokens = bucket.tokens
     credit = max(0.0, need - max(tokens, 0.0))
     over = bucket.drawn + credit > borrow
     if not over and cost > 0:
         tokens = tokens - cost
-        bucket = Bucket(tokens, now_ms, bucket.drawn + credit)
-    reset_ms = math.ceil((capacity - tokens) * period_ms / rate)
-    remaining = max(0, math.floor(tokens))
-    return Outcome(over, remaining, reset_ms, None if tokens >= capacity else bucket)
+        bucket = Bucket(tokens, bucket.stamp_ms, bucket.drawn + credit)
+    return Taken(
+        over, max(0, math.floor(tokens)), reset_ms(tokens, rate, period_ms, capacity), bucket
+    )

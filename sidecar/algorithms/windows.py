@@ -14,11 +14,13 @@ month and year.
 
 from __future__ import annotations
 
+import difflib
 from datetime import date, datetime, timedelta
 from functools import lru_cache
-from zoneinfo import ZoneInfo
+from zoneinfo import ZoneInfo, available_timezones
 
-from sidecar.model import Unit
+from sidecar.model import Algorithm, Hit, Role, Unit, Window
+from sidecar.storage.keys import bucket_key, window_key
 
 _CALENDAR_UNITS = frozenset({Unit.DAY, Unit.WEEK, Unit.MONTH, Unit.YEAR})
 
@@ -74,5 +76,61 @@ def check_zone(name: str) -> None:
     """Raise ValueError when `name` is not an IANA time zone this machine knows."""
     try:
         _zone(name)
-    except (ValueError, KeyError) as exc:  # ZoneInfoNotFoundError is a KeyError
-        raise ValueError(f"unknown time zone '{name}'") from exc
+    except (ValueError, KeyError, OSError) as exc:  # ZoneInfoNotFoundError is a KeyError
+        close = difflib.get_close_matches(name, available_timezones(), n=1, cutoff=0.8)
+        hint = f"did you mean '{close[0]}'?" if close else "use an IANA name like 'Asia/Shanghai'"
+        hint = f" ({hint})"
+        raise ValueError(f"unknown time zone '{name}'{hint}") from exc
+
+
+def tag(window: Window) -> str:
+    """The window kind's part of a counter key (see `storage.keys`)."""
+    if window.algorithm is Algorithm.TOKEN_BUCKET:
+        return f"{window.seconds}t{window.requests_per_unit}/{window.capacity}"
+    if window.calendar:
+        text = f"{window.unit.name[0].lower()}@{window.timezone}"
+        if window.unit is Unit.WEEK and window.week_start:
+            text += f"~{window.week_start}"
+    else:
+        text = str(window.seconds)
+    if window.algorithm is Algorithm.SLIDING_WINDOW:
+        return text + "s"
+    return text + "b" if window.borrow else text
+
+
+def bounds(window: Window, now: int) -> tuple[int, int]:
+    """(start, end) in Unix seconds of the window holding `now`."""
+    if window.calendar:
+        return calendar_window(now, window.unit, window.timezone, window.week_start)
+    return epoch_window(now, window.seconds)
+
+
+def window_hit(prefix: str, window: Window, cost: int, group: int, role: Role, now_ms: int) -> Hit:
+    """The Hit that asks a backend for `cost` on `window` of the counter whose head is `prefix`."""
+    kind = tag(window)
+    if window.algorithm is Algorithm.TOKEN_BUCKET:
+        return Hit(bucket_key(prefix, kind), cost, window, group, role)
+    now = now_ms // 1000
+    start, end = bounds(window, now)
+    reset_ms = end * 1000 - now_ms
+    key = window_key(prefix, kind, start)
+    if window.plain:
+        # A counter is needed until its window ends: the reference keeps it one unit from its
+        # first hit, which also covers sidecars whose clocks run a little behind.
+        ttl = window.seconds if not window.calendar else end - now + 1
+        return Hit(key, cost, window, group, role, key, ttl, reset_ms)
+    # Borrowing and sliding windows read the previous window, so a counter lives until the end
+    # of the window after its own.
+    previous_start = bounds(window, start - 1)[0]
+    next_end = bounds(window, end)[1]
+    return Hit(
+        key,
+        cost,
+        window,
+        group,
+        role,
+        window_key(prefix, kind, previous_start),
+        next_end - now + 1,
+        reset_ms,
+        now_ms - start * 1000,
+    )

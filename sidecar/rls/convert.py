@@ -20,7 +20,7 @@ from envoy.service.ratelimit.v3.rls_pb2 import (  # type: ignore[import-untyped]
 from envoy.type.v3.ratelimit_unit_pb2 import RateLimitUnit  # type: ignore[import-untyped]
 
 from sidecar.errors import InvalidRequest
-from sidecar.model import Code, Decision, Descriptor, Entry, Limit, Override, Request, Unit
+from sidecar.model import Code, Decision, Descriptor, Entry, Override, Request, Unit, Window
 
 #: `RateLimitOverride.unit` (envoy.type.v3.RateLimitUnit) numbers the model's units; WEEK has none.
 _OVERRIDE_UNITS: dict[int, Unit] = {
@@ -72,11 +72,11 @@ _CODE_FIELD = tuple(
 #: A whole status holding only its code, by Code number.
 _BARE_STATUS = tuple(b"\x12" + _SMALL_VARINTS[len(body)] + body for body in _CODE_FIELD)
 
-#: Encoded `current_limit` fields by the identity of their Limit, which the entry keeps alive so
+#: Encoded `current_limit` fields by the identity of their Window, which the entry keeps alive so
 #: the id cannot be reused. Rules give a handful of limits; overrides give one per request, so
 #: the cache is emptied whenever it grows past this size.
 _CURRENT_LIMIT_CACHE_SIZE = 4_096
-_current_limits: dict[int, tuple[Limit, bytes]] = {}
+_current_limits: dict[int, tuple[Window, bytes]] = {}
 
 
 def response_bytes(decision: Decision) -> bytes:
@@ -91,8 +91,9 @@ def response_bytes(decision: Decision) -> bytes:
             continue
         body = _CODE_FIELD[status.code]
         if limit is not None and not limit.unlimited:
-            cached = _current_limits.get(id(limit))
-            body += cached[1] if cached is not None else _current_limit(limit)
+            window = status.window or limit.windows[0]
+            cached = _current_limits.get(id(window))
+            body += cached[1] if cached is not None else _current_limit(window)
         if remaining:
             body += b"\x18" + _varint(remaining)
         if seconds is not None:
@@ -105,19 +106,19 @@ def response_bytes(decision: Decision) -> bytes:
     return b"".join(parts)
 
 
-def _current_limit(limit: Limit) -> bytes:
-    """Encode a limit's `current_limit` field and remember it."""
+def _current_limit(window: Window) -> bytes:
+    """Encode a window's `current_limit` field and remember it."""
     body = b""
-    if limit.requests_per_unit:
-        body += b"\x08" + _varint(limit.requests_per_unit)
-    body += b"\x10" + _varint(limit.unit)
-    if limit.name:
-        name = limit.name.encode()
+    if window.requests_per_unit:
+        body += b"\x08" + _varint(window.requests_per_unit)
+    body += b"\x10" + _varint(window.unit)
+    if window.name:
+        name = window.name.encode()
         body += b"\x1a" + _varint(len(name)) + name
     encoded = b"\x12" + _varint(len(body)) + body
     if len(_current_limits) >= _CURRENT_LIMIT_CACHE_SIZE:
         _current_limits.clear()
-    _current_limits[id(limit)] = (limit, encoded)
+    _current_limits[id(window)] = (window, encoded)
     return encoded
 
 

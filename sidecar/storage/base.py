@@ -6,25 +6,28 @@ Backend URLs: ``memory://`` (the default), ``redis://[user:password@]host:port[/
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Protocol
 from urllib.parse import urlsplit
 
-from sidecar.model import Count, Hit
+from sidecar.model import Hit, Outcome
 
 
 class Backend(Protocol):
-    """Applies the hits of one request to their counters, atomically for each hash slot.
+    """Decides and applies the hits of one request, atomically for each hash slot.
 
-    `apply` returns one Count per hit, in order. With ``all_or_nothing`` the backend decides the
-    request's outcome from every hit (see `fixed_window.request_is_over`) and adds nothing when
-    it is OVER_LIMIT; otherwise it adds every hit. It raises StorageError on failure or when the
-    deadline passes, never anything else.
+    `apply` returns one Outcome per hit, in order, as `sidecar.algorithms.decide` defines them:
+    each window counts as its algorithm says, and with ``all_or_nothing`` a request that is
+    OVER_LIMIT applies nothing. `now_ms` is the sidecar's clock, so every backend (and every
+    sidecar sharing a Redis) places hits in the same windows. It raises StorageError on failure
+    or when the deadline passes, never anything else.
     """
 
     name: str
 
-    async def apply(self, hits: Sequence[Hit], all_or_nothing: bool) -> list[Count]: ...
+    async def apply(
+        self, hits: Sequence[Hit], all_or_nothing: bool, now_ms: int
+    ) -> list[Outcome]: ...
 
     async def ping(self) -> bool:
         """Whether the store answers now (for health checks)."""
@@ -33,15 +36,13 @@ class Backend(Protocol):
     async def close(self) -> None: ...
 
 
-def open_backend(
-    url: str, timeout_ms: int = 50, clock: Callable[[], float] | None = None
-) -> Backend:
+def open_backend(url: str, timeout_ms: int = 50) -> Backend:
     """The backend a URL names; raises ValueError with the reason for a URL it cannot use."""
     scheme = urlsplit(url).scheme
     if scheme == "memory":
         from sidecar.storage.memory import MemoryBackend
 
-        return MemoryBackend(clock=clock)
+        return MemoryBackend()
     if scheme in ("redis", "rediss"):
         from sidecar.storage.redis import RedisBackend
 

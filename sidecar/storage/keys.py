@@ -1,8 +1,13 @@
 """Builds the backend keys of counters, safe for Redis Cluster and for hostile descriptor values.
 
-A fixed-window counter key reads::
+A window counter's key reads::
 
-    rl{<domain>|<key1>|<value1>}|<key2>|<value2>|...|<window seconds>|<window start>
+    rl{<domain>|<key1>|<value1>}|<key2>|<value2>|...|<tag>|<window start>
+
+and a token bucket's ``rl{...}|...|<tag>``. The tag names the kind of window, so two windows of
+one descriptor never share a counter: the length in seconds for a plain epoch window (``60``,
+the layout of the reference's windows), with a letter for the others (``60b`` borrowing, ``60s``
+sliding, ``1t10/20`` a bucket of 10 per second holding 20, ``d@Asia/Shanghai`` a calendar day).
 
 The part in braces is the Redis Cluster hash tag, so every counter whose descriptor starts with
 the same first entry lands in one hash slot and one request's counters cost one script call.
@@ -36,9 +41,19 @@ def descriptor_prefix(domain: str, parts: Sequence[tuple[str, str]]) -> str:
     return f"{head}|{rest}"
 
 
+def window_key(prefix: str, tag: str, start: int) -> bytes:
+    """The counter of the window starting at `start` (Unix seconds) of the window kind `tag`."""
+    return f"{prefix}|{tag}|{start}".encode()
+
+
+def bucket_key(prefix: str, tag: str) -> bytes:
+    """The state of a token bucket (one per descriptor and bucket kind; it has no windows)."""
+    return f"{prefix}|{tag}".encode()
+
+
 def fixed_window_key(prefix: str, window_seconds: int, window_start: int) -> bytes:
-    """The key of one fixed window of the counter whose head is `prefix`."""
-    return f"{prefix}|{window_seconds}|{window_start}".encode()
+    """The key of one plain epoch window: its tag is its length in seconds."""
+    return window_key(prefix, str(window_seconds), window_start)
 
 
 def hash_tag(key: bytes) -> bytes:

@@ -1,4 +1,4 @@
-"""Counters in Redis and Redis Cluster: one `fixed_window.lua` call per hash slot per request.
+"""Counters in Redis and Redis Cluster: one `decide.lua` call per hash slot per request.
 
 The script decides and increments atomically on the server, so any number of sidecars can share
 the counters. A request whose hits share a hash slot costs one EVALSHA; on a cluster, hits are
@@ -27,11 +27,11 @@ from redis.backoff import NoBackoff
 from redis.crc import key_slot
 from redis.exceptions import NoScriptError, RedisError
 
-from sidecar.algorithms import fixed_window
+from sidecar.algorithms import decide, fixed_window
 from sidecar.errors import StorageError
-from sidecar.model import Count, Hit, Role
+from sidecar.model import Hit, Outcome, Role
 
-_SCRIPT = (files("sidecar.algorithms") / "lua" / "fixed_window.lua").read_text(encoding="utf-8")
+_SCRIPT = (files("sidecar.algorithms") / "lua" / "decide.lua").read_text(encoding="utf-8")
 _SHA = hashlib.sha1(_SCRIPT.encode()).hexdigest()
 
 # ARGV[1] of the script.
@@ -73,18 +73,45 @@ def _connection_options(timeout: float) -> dict[str, Any]:
 Reply = list[int]
 
 
-def _command(hits: Sequence[Hit], mode: int, quota_as_shadow: bool = False) -> list[Any]:
+def _command(
+    hits: Sequence[Hit], mode: int, now_ms: int, quota_as_shadow: bool = False
+) -> list[Any]:
     """The EVALSHA arguments that run the script on `hits`, as its header lays them out."""
-    args: list[Any] = ["EVALSHA", _SHA, len(hits)]
-    args.extend([hit.key for hit in hits])
-    args.append(mode)
+    args: list[Any] = ["EVALSHA", _SHA, 2 * len(hits)]
+    for hit in hits:
+        args += (hit.key, hit.previous or hit.key)
+    args += (mode, now_ms)
     for hit in hits:
         role = hit.role
         if quota_as_shadow and role is Role.QUOTA:
             role = Role.SHADOW
+        window = hit.window
+        algorithm = decide.code(window)
+        if algorithm == decide.BUCKET:
+            params: tuple[int, ...] = (
+                window.requests_per_unit,
+                window.seconds * 1000,
+                window.capacity,
+                window.borrow,
+            )
+        elif algorithm == decide.SLIDING:
+            params = (window.requests_per_unit, 0, hit.elapsed_ms, window.seconds * 1000)
+        else:
+            params = (window.requests_per_unit, 0, window.borrow, 0)
         # int(): redis-py would encode an IntEnum by its repr.
-        args += (hit.hits, hit.limit, hit.ttl, int(role))
+        args += (algorithm, hit.hits, hit.group, int(role), *params, hit.ttl)
     return args
+
+
+def _outcomes(hits: Sequence[Hit], reply: Reply) -> list[Outcome]:
+    """The script's five integers per hit, as Outcomes (window resets come from the hit)."""
+    outcomes = []
+    for index, hit in enumerate(hits):
+        over, remaining, reset_ms, applied, left_before = reply[5 * index : 5 * index + 5]
+        if decide.code(hit.window) != decide.BUCKET:
+            reset_ms = hit.reset_ms
+        outcomes.append(Outcome(over == 1, remaining, reset_ms, applied == 1, left_before))
+    return outcomes
 
 
 async def _run(client: Redis | RedisCluster, command: list[Any]) -> Reply:
@@ -157,17 +184,16 @@ class RedisBackend:
         )
         return cls(Redis.from_pool(pool), timeout_ms)
 
-    async def apply(self, hits: Sequence[Hit], all_or_nothing: bool) -> list[Count]:
+    async def apply(self, hits: Sequence[Hit], all_or_nothing: bool, now_ms: int) -> list[Outcome]:
         if not hits:
             return []
-        command = _command(hits, MODE_ALL_OR_NOTHING if all_or_nothing else MODE_ADD)
+        command = _command(hits, MODE_ALL_OR_NOTHING if all_or_nothing else MODE_ADD, now_ms)
         try:
             async with asyncio.timeout(self._timeout):
                 reply = await _run(self._client, command)
         except Exception as exc:  # every failure, see _failure
             raise _failure(self.name, self._timeout_ms, exc) from exc
-        applied = reply[0] == 1
-        return [Count(before, applied) for before in reply[1:]]
+        return _outcomes(hits, reply)
 
     async def ping(self) -> bool:
         try:
@@ -231,7 +257,7 @@ class RedisClusterBackend:
         )
         return cls(client, timeout_ms)
 
-    async def apply(self, hits: Sequence[Hit], all_or_nothing: bool) -> list[Count]:
+    async def apply(self, hits: Sequence[Hit], all_or_nothing: bool, now_ms: int) -> list[Outcome]:
         if not hits:
             return []
         slots: dict[int, list[int]] = {}
@@ -241,22 +267,21 @@ class RedisClusterBackend:
             async with asyncio.timeout(self._timeout):
                 if len(slots) == 1:
                     mode = MODE_ALL_OR_NOTHING if all_or_nothing else MODE_ADD
-                    reply = await self._run(_command(hits, mode))
-                    applied = reply[0] == 1
-                    return [Count(before, applied) for before in reply[1:]]
+                    return _outcomes(hits, await self._run(_command(hits, mode, now_ms)))
                 if all_or_nothing:
-                    return await self._apply_across_slots(hits, list(slots.values()))
-                return await self._apply_per_slot(hits, list(slots.values()), MODE_ADD)
+                    return await self._apply_across_slots(hits, list(slots.values()), now_ms)
+                return await self._apply_per_slot(hits, list(slots.values()), MODE_ADD, now_ms)
         except Exception as exc:  # every failure, see _failure
             raise _failure(self.name, self._timeout_ms, exc) from exc
 
     async def _apply_across_slots(
-        self, hits: Sequence[Hit], groups: list[list[int]]
-    ) -> list[Count]:
+        self, hits: Sequence[Hit], groups: list[list[int]], now_ms: int
+    ) -> list[Outcome]:
         """All-or-nothing over several slots: read every slot, decide, then add slot by slot.
 
-        Phase 1 reads every counter (mode 2, nothing written) and decides the whole request
-        with `fixed_window.request_is_over`, exactly as a single script would. When it is
+        Phase 1 judges every hit (mode 2, nothing written) and decides the whole request with
+        `fixed_window.request_is_over` over its descriptors, exactly as a single script would
+        (a descriptor's windows share its hash tag, so they never straddle slots). When it is
         OVER_LIMIT, nothing is written anywhere. Otherwise phase 2 runs mode 1 on every slot.
 
         The race this leaves: between the phases another request may consume a counter, and
@@ -267,18 +292,21 @@ class RedisClusterBackend:
         because of this. Quota counters are judged across slots in phase 1; in phase 2 they
         block only when they all live in one slot, since a slot cannot see the others'.
         """
-        phase1 = await self._apply_per_slot(hits, groups, MODE_READ)
-        over = [
-            fixed_window.is_over(count.before, hit.hits, hit.limit)
-            for count, hit in zip(phase1, hits, strict=True)
-        ]
-        if fixed_window.request_is_over(over, [hit.role for hit in hits]):
+        phase1 = await self._apply_per_slot(hits, groups, MODE_READ, now_ms)
+        group_over: dict[int, bool] = {}
+        group_role: dict[int, Role] = {}
+        for outcome, hit in zip(phase1, hits, strict=True):
+            group_over[hit.group] = group_over.get(hit.group, False) or outcome.over
+            group_role[hit.group] = hit.role
+        if fixed_window.request_is_over(
+            list(group_over.values()), [group_role[g] for g in group_over]
+        ):
             return phase1
         quota_slots = {
             n for n, group in enumerate(groups) for i in group if hits[i].role is Role.QUOTA
         }
         return await self._apply_per_slot(
-            hits, groups, MODE_ALL_OR_NOTHING, quota_as_shadow=len(quota_slots) > 1
+            hits, groups, MODE_ALL_OR_NOTHING, now_ms, quota_as_shadow=len(quota_slots) > 1
         )
 
     async def _apply_per_slot(
@@ -286,23 +314,26 @@ class RedisClusterBackend:
         hits: Sequence[Hit],
         groups: list[list[int]],
         mode: int,
+        now_ms: int,
         quota_as_shadow: bool = False,
-    ) -> list[Count]:
-        """Run the script on every slot's hits concurrently; Counts in the hits' order."""
-        commands = [_command([hits[i] for i in group], mode, quota_as_shadow) for group in groups]
+    ) -> list[Outcome]:
+        """Run the script on every slot's hits concurrently; Outcomes in the hits' order."""
+        commands = [
+            _command([hits[i] for i in group], mode, now_ms, quota_as_shadow) for group in groups
+        ]
         # return_exceptions: wait for every slot before raising, so no call is left running
         # unobserved after apply returns (the deadline still bounds the wait).
         replies = await asyncio.gather(
             *(self._run(command) for command in commands), return_exceptions=True
         )
-        counts: list[Count] = [Count(0, False)] * len(hits)
+        outcomes: list[Outcome | None] = [None] * len(hits)
         for group, reply in zip(groups, replies, strict=True):
             if isinstance(reply, BaseException):
                 raise reply
-            applied = reply[0] == 1
-            for index, before in zip(group, reply[1:], strict=True):
-                counts[index] = Count(before, applied)
-        return counts
+            slot_hits = [hits[i] for i in group]
+            for index, outcome in zip(group, _outcomes(slot_hits, reply), strict=True):
+                outcomes[index] = outcome
+        return [o for o in outcomes if o is not None]
 
     async def _run(self, command: list[Any]) -> Reply:
         async with self._slots_in_flight:

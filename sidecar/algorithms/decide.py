@@ -1,0 +1,147 @@
+"""One request's windows decided together, whatever their algorithms: the memory backend's core.
+
+`lua/decide.lua` does the same on Redis, operation for operation (same float expressions, same
+order), so memory, Redis and Redis Cluster give identical answers; keep the two in step.
+
+Three phases:
+1. Each hit is judged against its window (`over`), and its state after the hit is worked out.
+   A counter repeated in one request sees the earlier hits on it as added.
+2. A descriptor is over when any of its windows is; the request is OVER_LIMIT when a blocking
+   descriptor is over, or when it has quota descriptors and all of them are (shadow ones never).
+3. Hits are applied: a plain fixed window counts every hit, admitted or not (the reference's
+   behaviour); a token bucket, a borrowing window or a sliding window counts a hit only when its
+   descriptor was admitted. With all-or-nothing, a request that is OVER_LIMIT applies nothing.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from sidecar.algorithms import fixed_window, sliding_window, token_bucket
+from sidecar.algorithms.token_bucket import Bucket
+from sidecar.model import Algorithm, Hit, Outcome, Role, Window
+
+#: Algorithm codes, as the Lua script knows them.
+PLAIN, BORROWING, SLIDING, BUCKET = 0, 1, 2, 3
+
+State = int | Bucket
+
+
+def code(window: Window) -> int:
+    if window.algorithm is Algorithm.TOKEN_BUCKET:
+        return BUCKET
+    if window.algorithm is Algorithm.SLIDING_WINDOW:
+        return SLIDING
+    return BORROWING if window.borrow else PLAIN
+
+
+@dataclass(frozen=True, slots=True)
+class Write:
+    """A change to one stored value: add `amount` to a counter (created with `ttl_ms`), or store a
+    bucket's `state` for `ttl_ms`."""
+
+    key: bytes
+    amount: int = 0
+    state: Bucket | None = None
+    ttl_ms: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class _Judged:
+    over: bool
+    before: tuple[int, int]  # (remaining, reset_ms) if the hit is not applied
+    after: tuple[int, int]  # ... if it is
+    state: Bucket | None  # a bucket's state after the hit
+
+
+def decide(
+    read: Callable[[bytes], State | None],
+    hits: Sequence[Hit],
+    now_ms: int,
+    all_or_nothing: bool,
+    read_only: bool = False,
+) -> tuple[list[Outcome], list[Write]]:
+    """Outcomes for `hits`, and the writes that apply them. `read` gives a stored value or None."""
+    seen: dict[bytes, State | None] = {}
+
+    def value(key: bytes) -> State | None:
+        if key not in seen:
+            seen[key] = read(key)
+        return seen[key]
+
+    judged = [_judge(hit, value, seen, now_ms) for hit in hits]
+
+    group_over: dict[int, bool] = {}
+    group_role: dict[int, Role] = {}
+    for hit, j in zip(hits, judged, strict=True):
+        group_over[hit.group] = group_over.get(hit.group, False) or j.over
+        group_role[hit.group] = hit.role
+    request_over = fixed_window.request_is_over(
+        list(group_over.values()), [group_role[g] for g in group_over]
+    )
+
+    outcomes: list[Outcome] = []
+    writes: list[Write] = []
+    blocked = read_only or (all_or_nothing and request_over)
+    for hit, j in zip(hits, judged, strict=True):
+        algorithm = code(hit.window)
+        applied = not blocked and (algorithm == PLAIN or not group_over[hit.group])
+        remaining, reset_ms = j.after if applied else j.before
+        if algorithm != BUCKET:
+            reset_ms = hit.reset_ms
+        outcomes.append(Outcome(j.over, remaining, reset_ms, applied, j.before[0]))
+        if applied and hit.hits > 0:
+            if algorithm == BUCKET:
+                writes.append(Write(hit.key, state=j.state, ttl_ms=j.after[1]))
+            else:
+                writes.append(Write(hit.key, amount=hit.hits, ttl_ms=hit.ttl * 1000))
+    return outcomes, writes
+
+
+def _judge(
+    hit: Hit,
+    value: Callable[[bytes], State | None],
+    seen: dict[bytes, State | None],
+    now_ms: int,
+) -> _Judged:
+    window = hit.window
+    cost = hit.hits
+    algorithm = code(window)
+    if algorithm == BUCKET:
+        stored = value(hit.key)
+        rate, period_ms = window.requests_per_unit, window.seconds * 1000
+        capacity = window.capacity
+        bucket = token_bucket.refill(
+            stored if isinstance(stored, Bucket) else None, now_ms, rate, period_ms, capacity
+        )
+        taken = token_bucket.take(bucket, cost, rate, period_ms, capacity, window.borrow)
+        before = (
+            max(0, math.floor(bucket.tokens)),
+            token_bucket.reset_ms(bucket.tokens, rate, period_ms, capacity),
+        )
+        if not taken.over and cost > 0:
+            seen[hit.key] = taken.state
+        return _Judged(taken.over, before, (taken.remaining, taken.reset_ms), taken.state)
+
+    current = _count(value(hit.key))
+    limit = window.requests_per_unit
+    if algorithm == SLIDING:
+        previous = _count(value(hit.previous))
+        window_ms = window.seconds * 1000
+        over, before_left, after_left = sliding_window.judge(
+            previous, current, hit.elapsed_ms, window_ms, cost, limit
+        )
+    else:
+        previous = _count(value(hit.previous)) if algorithm == BORROWING else 0
+        over, before_left, after_left = fixed_window.judge(
+            previous, current, cost, limit, window.borrow
+        )
+    if algorithm == PLAIN or not over:
+        seen[hit.key] = current + cost
+    return _Judged(over, (before_left, hit.reset_ms), (after_left, hit.reset_ms), None)
+
+
+def _count(stored: State | None) -> int:
+    return stored if isinstance(stored, int) else 0
