@@ -1,6 +1,12 @@
 """Whether this sidecar should receive traffic, as the reference's health components decide it.
 
-Healthy means: not draining (no SIGTERM yet) and the backend answered its last ping.
+Healthy means: not draining (no SIGTERM yet) and, when the answers depend on it, the backend
+answered its last ping. They depend on it under `--failure-mode deny`. Under `allow` (the
+default) a sidecar whose backend is down still answers correctly, by failing open, so it stays
+healthy: reporting otherwise would make Kubernetes pull every gateway pod out of its Service
+during a Redis outage, and make an Envoy that health-checks its rate limit cluster fail the
+calls that the failure mode would have allowed. The backend's state is still logged on every
+change and kept in `backend_ok`.
 One `Health` feeds both the gRPC health service and HTTP `/healthcheck`; listeners hear every
 change, so the gRPC status follows the backend without a probe having to ask.
 """
@@ -23,8 +29,9 @@ log = structlog.get_logger("sidecar.health")
 
 
 class Health:
-    def __init__(self, backend: Backend) -> None:
+    def __init__(self, backend: Backend, backend_required: bool = True) -> None:
         self.backend = backend
+        self.backend_required = backend_required
         self.draining = False
         self.backend_ok: bool | None = None  # None until the first ping
         self._listeners: list[Listener] = []
@@ -32,7 +39,9 @@ class Health:
 
     @property
     def healthy(self) -> bool:
-        return self.backend_ok is True and not self.draining
+        if self.draining:
+            return False
+        return self.backend_ok is True or not self.backend_required
 
     def listen(self, listener: Listener) -> None:
         """Call `listener(healthy)` on every change from now on."""

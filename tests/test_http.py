@@ -167,11 +167,12 @@ class _Unreachable(MemoryBackend):
         return not self.down
 
 
-async def test_healthcheck_fails_while_the_backend_does_not_answer(rules: Path) -> None:
-    """/healthcheck pings the backend: 500 while it fails, 200 again once it answers."""
+async def test_healthcheck_fails_while_the_backend_does_not_answer_under_deny(rules: Path) -> None:
+    """Under failure mode deny, /healthcheck follows the backend: 500 while its ping fails,
+    200 again once it answers."""
     backend = _Unreachable()
     async with (
-        running_app(rules, backend=backend) as app,
+        running_app(rules, backend=backend, failure_mode="deny") as app,
         aiohttp.ClientSession(f"http://127.0.0.1:{app.http_port}") as http,
     ):
         backend.down = True
@@ -184,6 +185,24 @@ async def test_healthcheck_fails_while_the_backend_does_not_answer(rules: Path) 
     assert down.status == 500
     assert "backend unavailable" in down_body
     assert up.status == 200
+
+
+async def test_healthcheck_stays_ok_without_backend_under_allow(rules: Path) -> None:
+    """Under failure mode allow (the default) the sidecar answers without its backend, by
+    failing open, so it stays healthy: a Redis outage must not pull gateway pods out of
+    service."""
+    backend = _Unreachable()
+    async with (
+        running_app(rules, backend=backend) as app,
+        aiohttp.ClientSession(f"http://127.0.0.1:{app.http_port}") as http,
+    ):
+        backend.down = True
+        await app.health.check()
+        async with http.get("/healthcheck") as down:
+            body = await down.text()
+        assert app.health.backend_ok is False
+
+    assert (down.status, body) == (200, "OK")
 
 
 async def test_rlconfig_lists_one_line_per_rule(rules: Path, http: aiohttp.ClientSession) -> None:
