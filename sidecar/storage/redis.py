@@ -19,9 +19,8 @@ from importlib.resources import files
 from typing import Any, Self
 from urllib.parse import parse_qsl, unquote, urlsplit
 
-from redis.asyncio import BlockingConnectionPool, Redis
+from redis.asyncio import Redis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
-from redis.asyncio.connection import Connection, SSLConnection
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.crc import key_slot
@@ -30,6 +29,7 @@ from redis.exceptions import NoScriptError, RedisError
 from sidecar.algorithms import decide, fixed_window
 from sidecar.errors import StorageError
 from sidecar.model import Hit, Outcome, Role
+from sidecar.storage.pipeline import PipelinedRedis, RedisReplyError
 
 _SCRIPT = (files("sidecar.algorithms") / "lua" / "decide.lua").read_text(encoding="utf-8")
 _SHA = hashlib.sha1(_SCRIPT.encode()).hexdigest()
@@ -143,11 +143,15 @@ def _failure(backend: str, timeout_ms: int, exc: Exception) -> StorageError:
 
 
 class RedisBackend:
-    """A standalone Redis (or any single endpoint: a proxy, a managed primary)."""
+    """A standalone Redis (or any single endpoint: a proxy, a managed primary).
+
+    Calls go through the pipelined client (`pipeline.py`): one connection, every script call of
+    an event-loop tick in one write.
+    """
 
     name = "redis"
 
-    def __init__(self, client: Redis, timeout_ms: int) -> None:
+    def __init__(self, client: PipelinedRedis, timeout_ms: int) -> None:
         self._client = client
         self._timeout_ms = timeout_ms
         self._timeout = timeout_ms / 1000
@@ -165,24 +169,19 @@ class RedisBackend:
         timeout = _timeout_seconds(url, timeout_ms)
         host, port = _address(url, parts.netloc.rpartition("@")[2])
         tls = parts.scheme == "rediss"
-        kwargs: dict[str, Any] = {
-            "host": host,
-            "port": port,
-            "db": _database(url, parts.path),
-            "username": unquote(parts.username) if parts.username else None,
-            "password": unquote(parts.password) if parts.password is not None else None,
-            **_tls_options(url, parts.query, tls),
-        }
+        options = _tls_options(url, parts.query, tls)
         if parts.fragment:
             raise ValueError(f"{_redact(url)}: unexpected fragment '#{parts.fragment}'")
-        pool = BlockingConnectionPool(
-            max_connections=POOL_SIZE,
-            timeout=timeout,
-            connection_class=SSLConnection if tls else Connection,
-            **_connection_options(timeout),
-            **kwargs,
+        client = PipelinedRedis(
+            host,
+            port,
+            db=_database(url, parts.path),
+            username=unquote(parts.username) if parts.username else None,
+            password=unquote(parts.password) if parts.password is not None else None,
+            ssl_context=_ssl_context(options) if tls else None,
+            connect_timeout=timeout,
         )
-        return cls(Redis.from_pool(pool), timeout_ms)
+        return cls(client, timeout_ms)
 
     async def apply(self, hits: Sequence[Hit], all_or_nothing: bool, now_ms: int) -> list[Outcome]:
         if not hits:
@@ -190,7 +189,7 @@ class RedisBackend:
         command = _command(hits, MODE_ALL_OR_NOTHING if all_or_nothing else MODE_ADD, now_ms)
         try:
             async with asyncio.timeout(self._timeout):
-                reply = await _run(self._client, command)
+                reply = await _run_pipelined(self._client, command)
         except Exception as exc:  # every failure, see _failure
             raise _failure(self.name, self._timeout_ms, exc) from exc
         return _outcomes(hits, reply)
@@ -198,12 +197,36 @@ class RedisBackend:
     async def ping(self) -> bool:
         try:
             async with asyncio.timeout(self._timeout):
-                return bool(await self._client.ping())
+                return bool(await self._client.execute("PING") == b"PONG")
         except Exception:  # ping never raises
             return False
 
     async def close(self) -> None:
-        await self._client.aclose()
+        await self._client.close()
+
+
+async def _run_pipelined(client: PipelinedRedis, command: list[Any]) -> Reply:
+    """Run the script, sending its text only when the server has lost it (see `_run`)."""
+    try:
+        reply: Reply = await client.execute(*command)
+    except RedisReplyError as exc:
+        if not str(exc).startswith("NOSCRIPT"):
+            raise
+        command[0:2] = ["EVAL", _SCRIPT]
+        reply = await client.execute(*command)
+    return reply
+
+
+def _ssl_context(options: dict[str, Any]) -> ssl.SSLContext:
+    """The TLS context a rediss:// URL's query asks for (verification on unless told otherwise)."""
+    context = ssl.create_default_context(cafile=options.get("ssl_ca_certs"))
+    if "ssl_certfile" in options:
+        context.load_cert_chain(options["ssl_certfile"], options.get("ssl_keyfile"))
+    cert_reqs = options.get("ssl_cert_reqs", ssl.CERT_REQUIRED)
+    if cert_reqs == ssl.CERT_NONE:
+        context.check_hostname = False
+    context.verify_mode = cert_reqs
+    return context
 
 
 class RedisClusterBackend:
