@@ -31,6 +31,7 @@ from sidecar.model import (
     Role,
     single,
 )
+from sidecar.over_limit_cache import OverLimitCache
 from sidecar.stats import Stats
 from sidecar.storage import Backend
 from sidecar.storage.keys import descriptor_prefix
@@ -76,6 +77,7 @@ class Limiter:
         settings: Settings | None = None,
         stats: Stats | None = None,
         clock: Callable[[], float] = time.time,
+        over_limit_cache: int = 0,
     ) -> None:
         self.rules = rules
         self.backend = backend
@@ -83,6 +85,12 @@ class Limiter:
         self.stats = stats or Stats()
         self._clock = clock
         self._backend_failing = False
+        #: Plain windows known to be over, answered without the backend (None: off).
+        self.over_limit_cache = (
+            OverLimitCache(over_limit_cache)
+            if over_limit_cache and backend.name != "memory"
+            else None
+        )
 
     async def should_rate_limit(self, request: Request) -> Decision:
         """Decide `request`; raises InvalidRequest for a request that breaks the protocol."""
@@ -113,6 +121,8 @@ class Limiter:
         hits: list[Hit] = []
         # (descriptor index, match, cost, index of its first hit): its windows follow in order.
         counted: list[tuple[int, Match, int, int]] = []
+        judged: list[tuple[bool, Role]] = []  # (over, role) of every limited descriptor
+        cache = self.over_limit_cache if self.settings.rejected_hits == "count" else None
         for index, (descriptor, found) in enumerate(zip(descriptors, matches, strict=True)):
             if found is None:
                 continue
@@ -124,35 +134,36 @@ class Limiter:
                 continue
             cost = descriptor.hits_addend if descriptor.hits_addend is not None else default_hits
             prefix = descriptor_prefix(request.domain, found.counter_parts)
-            counted.append((index, found, cost, len(hits)))
             role = limit.role
-            for window in limit.windows:
-                hits.append(window_hit(prefix, window, cost, index, role, now_ms))
+            windows = [window_hit(prefix, w, cost, index, role, now_ms) for w in limit.windows]
+            if cache is not None and (status := self._cached(cache, found, windows, now_ms)):
+                statuses[index] = status
+                judged.append((True, role))
+                continue
+            counted.append((index, found, cost, len(hits)))
+            hits.extend(windows)
 
         if not hits:
-            return Decision(Code.OK, tuple(statuses))
+            return self._overall(judged, statuses)
 
         settings = self.settings
         all_or_nothing = settings.rejected_hits == "skip" and not settings.shadow_mode
         try:
             outcomes = await self.backend.apply(hits, all_or_nothing, now_ms)
         except StorageError as exc:
-            return self._on_backend_failure(exc, statuses, counted, hits)
+            return self._on_backend_failure(exc, statuses, counted, hits, judged)
         if self._backend_failing:
             self._backend_failing = False
             log.info("backend_recovered", backend=self.backend.name)
 
-        over_flags: list[bool] = []
         for index, found, cost, first in counted:
             limit = found.limit
-            windows = limit.windows
-            chosen = first
-            if len(windows) > 1:
-                chosen = _most_restrictive(outcomes, first, len(windows))
+            count = len(limit.windows)
+            chosen = first if count == 1 else _most_restrictive(outcomes, first, count)
             outcome = outcomes[chosen]
             window = hits[chosen].window
             over = outcome.over
-            over_flags.append(over)
+            judged.append((over, limit.role))
             allowed = window.requests_per_unit
             stats.rules[found.metric_key].record(
                 allowed, max(0, allowed - outcome.left_before), cost, over, limit.shadow_mode
@@ -164,13 +175,46 @@ class Limiter:
                 -(-outcome.reset_ms // 1000),
                 window,
             )
-        overall = Code.OK
-        if fixed_window.request_is_over(over_flags, [c[1].limit.role for c in counted]):
-            if settings.shadow_mode:
-                stats.global_shadow_mode += 1
+            if cache is not None and over:
+                for position in range(first, first + count):
+                    hit = hits[position]
+                    if outcomes[position].over and hit.window.plain:
+                        cache.put(hit.key, hit.limit, now_ms + hit.reset_ms, now_ms)
+        return self._overall(judged, statuses)
+
+    def _overall(
+        self, judged: list[tuple[bool, Role]], statuses: list[DescriptorStatus]
+    ) -> Decision:
+        """`overall_code` from the descriptors' outcomes, then global shadow mode."""
+        if fixed_window.request_is_over([o for o, _ in judged], [r for _, r in judged]):
+            if self.settings.shadow_mode:
+                self.stats.global_shadow_mode += 1
             else:
-                overall = Code.OVER_LIMIT
-        return Decision(overall, tuple(statuses))
+                return Decision(Code.OVER_LIMIT, tuple(statuses))
+        return Decision(Code.OK, tuple(statuses))
+
+    def _cached(
+        self, cache: OverLimitCache, found: Match, windows: list[Hit], now_ms: int
+    ) -> DescriptorStatus | None:
+        """The status of a descriptor one of whose plain windows is known to be over, if any."""
+        for hit in windows:
+            if not hit.window.plain:
+                continue
+            end = cache.get(hit.key, hit.limit, now_ms)
+            if end is None:
+                continue
+            limit = found.limit
+            rule = self.stats.rules[found.metric_key]
+            rule.record(hit.limit, hit.limit, hit.hits, True, limit.shadow_mode)
+            rule.over_limit_with_local_cache += hit.hits
+            return DescriptorStatus(
+                Code.OK if limit.shadow_mode else Code.OVER_LIMIT,
+                limit,
+                0,
+                -(-(end - now_ms) // 1000),
+                hit.window,
+            )
+        return None
 
     def _on_backend_failure(
         self,
@@ -178,8 +222,12 @@ class Limiter:
         statuses: list[DescriptorStatus],
         counted: list[tuple[int, Match, int, int]],
         hits: list[Hit],
+        judged: list[tuple[bool, Role]],
     ) -> Decision:
-        """Answer by the failure mode; log the first failure of a run, not every request."""
+        """Answer by the failure mode; log the first failure of a run, not every request.
+
+        Descriptors already judged without the backend (known to be over) keep their answer.
+        """
         self.stats.backend_error += 1
         if not self._backend_failing:
             self._backend_failing = True
@@ -189,19 +237,17 @@ class Limiter:
                 error=str(exc),
                 failure_mode=self.settings.failure_mode,
             )
-        if self.settings.failure_mode == "allow" or self.settings.shadow_mode:
-            return Decision(Code.OK, tuple(statuses))
-        denied = False
-        for index, found, _, first in counted:
-            limit = found.limit
-            if limit.role is Role.SHADOW:
-                continue
-            denied = True
-            hit = hits[first]
-            statuses[index] = DescriptorStatus(
-                Code.OVER_LIMIT, limit, 0, -(-hit.reset_ms // 1000), hit.window
-            )
-        return Decision(Code.OVER_LIMIT if denied else Code.OK, tuple(statuses))
+        if self.settings.failure_mode == "deny":
+            for index, found, _, first in counted:
+                limit = found.limit
+                if limit.role is Role.SHADOW:
+                    continue
+                judged.append((True, Role.BLOCKING))
+                hit = hits[first]
+                statuses[index] = DescriptorStatus(
+                    Code.OVER_LIMIT, limit, 0, -(-hit.reset_ms // 1000), hit.window
+                )
+        return self._overall(judged, statuses)
 
 
 def _most_restrictive(outcomes: Sequence[Outcome], first: int, count: int) -> int:

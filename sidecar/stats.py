@@ -22,6 +22,7 @@ class RuleStats:
     near_limit: int = 0
     within_limit: int = 0
     shadow_mode: int = 0
+    over_limit_with_local_cache: int = 0
 
     def record(self, limit: int, before: int, hits: int, over: bool, shadow: bool) -> None:
         """Account one descriptor's outcome the way the reference does (its near/over split)."""
