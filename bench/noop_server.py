@@ -3,6 +3,8 @@
 It runs the same Python gRPC stack as the sidecar (grpc.aio) but skips protobuf on both ends:
 the request bytes are never parsed and the answer is one pre-serialized `overall_code: OK`.
 The gap between this server and the sidecar is therefore the cost of the sidecar's own work.
+With `--transport fast` the same constant answer comes from the sidecar's own HTTP/2 server
+(`sidecar.rls.h2`), the floor of the fast transport.
 """
 
 from __future__ import annotations
@@ -26,6 +28,27 @@ async def should_rate_limit(request: bytes, context: grpc.aio.ServicerContext) -
     return RESPONSE
 
 
+async def serve_fast(address: str, port: int) -> None:
+    from sidecar.rls.h2.server import H2Server
+
+    async def answer(request: bytes) -> bytes:
+        return RESPONSE
+
+    server = H2Server({f"/{SERVICE}/{METHOD}": answer})
+    bound = await server.listen(f"{address}:{port}")
+    print(f"noop fast server listening on {address}:{bound}", flush=True)
+    await _until_signalled()
+    await server.stop(grace=1.0)
+
+
+async def _until_signalled() -> None:
+    stopping = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stopping.set)
+    await stopping.wait()
+
+
 async def serve(address: str, port: int) -> None:
     server = grpc.aio.server()
     # No request_deserializer / response_serializer: the handler sees and returns raw bytes.
@@ -38,12 +61,7 @@ async def serve(address: str, port: int) -> None:
         raise SystemExit(f"noop_server: cannot bind {address}:{port}")
     await server.start()
     print(f"noop servicer listening on {address}:{bound}", flush=True)
-
-    stopping = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, stopping.set)
-    await stopping.wait()
+    await _until_signalled()
     await server.stop(grace=1.0)
 
 
@@ -51,8 +69,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--address", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0, help="0 picks a free port (default)")
+    parser.add_argument("--transport", choices=("grpcio", "fast"), default="grpcio")
     args = parser.parse_args(argv)
-    asyncio.run(serve(args.address, args.port))
+    asyncio.run((serve_fast if args.transport == "fast" else serve)(args.address, args.port))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,134 @@
+"""The fast transport: `ShouldRateLimit`, `grpc.health.v1.Health/Check` and the project's own
+FrequencyCaps on the sidecar's own HTTP/2 server (`sidecar.rls.h2`) instead of grpc.aio.
+
+It answers exactly as the grpc.aio transport (`sidecar.rls.server`) does: InvalidRequest is
+INVALID_ARGUMENT with its message, a bug is INTERNAL (the first exception of each type logged
+with its traceback), FrequencyCaps' UnknownDomain is NOT_FOUND and StorageError UNAVAILABLE,
+and health reports "" and "ratelimit", NOT_SERVING for good once stopping starts. Only unary
+calls exist here: Health/Watch, reflection and TLS are grpcio's.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Awaitable, Callable
+
+import structlog
+from google.protobuf.message import DecodeError  # type: ignore[import-untyped]
+from grpc_health.v1 import health_pb2  # type: ignore[import-untyped]
+
+from sidecar.errors import InvalidRequest, StorageError, UnknownDomain
+from sidecar.metrics import Latency
+from sidecar.rls import frequency
+from sidecar.rls.h2.server import H2Server
+from sidecar.rls.h2.unary import CallError, Method, Status
+from sidecar.rls.server import HEALTH_SERVICE_NAME, METHOD
+from sidecar.rls.service import RateLimitService
+
+HEALTH_CHECK = "/grpc.health.v1.Health/Check"
+
+_SERVING: bytes = health_pb2.HealthCheckResponse(
+    status=health_pb2.HealthCheckResponse.SERVING
+).SerializeToString()
+_NOT_SERVING: bytes = health_pb2.HealthCheckResponse(
+    status=health_pb2.HealthCheckResponse.NOT_SERVING
+).SerializeToString()
+
+log = structlog.get_logger("sidecar.rls.fast")
+
+
+class FastServer:
+    """The same contract as `GrpcServer`: `start` returns the bound port (0 for a Unix socket)."""
+
+    def __init__(
+        self,
+        service: RateLimitService,
+        address: str,
+        latency: Latency | None = None,
+        *,
+        reuse_port: bool = False,
+        sock: socket.socket | None = None,
+        frequency_service: frequency.FrequencyService | None = None,
+    ) -> None:
+        self.service = service
+        self.address = address
+        self.latency = latency or Latency()
+        self.reuse_port = reuse_port
+        self.sock = sock
+        self._health: dict[str, bytes] = {"": _NOT_SERVING, HEALTH_SERVICE_NAME: _NOT_SERVING}
+        self._stopping = False
+        self._logged_errors: set[type[BaseException]] = set()
+        methods: dict[str, Method] = {METHOD: self._should_rate_limit, HEALTH_CHECK: self._check}
+        if frequency_service is not None:
+            methods[frequency.CHECK_ADS] = self._frequency_call(
+                frequency.CHECK_ADS, frequency_service.check_ads
+            )
+            methods[frequency.RECORD_IMPRESSIONS] = self._frequency_call(
+                frequency.RECORD_IMPRESSIONS, frequency_service.record_impressions
+            )
+        self._server = H2Server(methods)
+
+    async def start(self) -> int:
+        """Listen on `address`; NOT_SERVING until `set_serving(True)`."""
+        return await self._server.listen(self.address, reuse_port=self.reuse_port, sock=self.sock)
+
+    async def set_serving(self, serving: bool) -> None:
+        if self._stopping:
+            return  # stopping is for good, as grpc's enter_graceful_shutdown
+        status = _SERVING if serving else _NOT_SERVING
+        for name in self._health:
+            self._health[name] = status
+
+    async def stop(self, grace: float) -> None:
+        """NOT_SERVING for good, GOAWAY to every client, and give calls in flight `grace` seconds."""
+        await self.set_serving(False)
+        self._stopping = True
+        await self._server.stop(grace)
+
+    async def _should_rate_limit(self, request: bytes) -> bytes:
+        started = time.perf_counter()
+        try:
+            return await self.service.should_rate_limit(request)
+        except InvalidRequest as exc:
+            raise CallError(Status.INVALID_ARGUMENT, str(exc)) from exc
+        except Exception as exc:
+            self.service.stats.service_error += 1
+            raise self._internal(METHOD, exc) from exc
+        finally:
+            self.latency.observe(time.perf_counter() - started)
+
+    def _frequency_call(self, path: str, call: Callable[[bytes], Awaitable[bytes]]) -> Method:
+        async def handle(request: bytes) -> bytes:
+            try:
+                return await call(request)
+            except InvalidRequest as exc:
+                raise CallError(Status.INVALID_ARGUMENT, str(exc)) from exc
+            except UnknownDomain as exc:
+                raise CallError(Status.NOT_FOUND, str(exc)) from exc
+            except StorageError as exc:
+                raise CallError(Status.UNAVAILABLE, str(exc)) from exc
+            except Exception as exc:
+                raise self._internal(path, exc) from exc
+
+        return handle
+
+    def _internal(self, path: str, exc: Exception) -> CallError:
+        """INTERNAL for a bug; the first exception of each type is logged with its traceback."""
+        kind = type(exc)
+        if kind not in self._logged_errors:
+            self._logged_errors.add(kind)
+            log.exception("unexpected_error", method=path, error=repr(exc))
+        return CallError(Status.INTERNAL, f"internal error: {kind.__name__}: {exc}")
+
+    async def _check(self, request: bytes) -> bytes:
+        try:
+            service = health_pb2.HealthCheckRequest.FromString(request).service
+        except DecodeError as exc:
+            raise CallError(
+                Status.INVALID_ARGUMENT, f"malformed HealthCheckRequest: {exc}"
+            ) from exc
+        answer = self._health.get(service)
+        if answer is None:
+            raise CallError(Status.NOT_FOUND, f"unknown service {service!r}")
+        return answer

@@ -1,0 +1,224 @@
+"""The asyncio side of the HTTP/2 server: listening sockets, one Protocol per connection, each
+call a task, write back-pressure, and graceful shutdown.
+
+Methods are looked up by `:path`; an unknown path is answered UNIMPLEMENTED. A method's
+CallError becomes its status; any other exception is a bug, answered INTERNAL and logged.
+
+Shutdown follows RFC 9113 §6.8: GOAWAY with the largest stream id and a PING, then, once the
+PING comes back (or after SHUTDOWN_PING_TIMEOUT), GOAWAY with the last stream taken. Calls
+taken are answered; the connection closes when none is left, or when the grace period ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+from collections.abc import Mapping
+
+import structlog
+
+from sidecar.rls.h2.connection import DEFAULT_LIMITS, Connection, Limits
+from sidecar.rls.h2.unary import CallError, Method, Status
+
+#: Seconds to wait for the PING ACK between the two GOAWAY frames of a shutdown.
+SHUTDOWN_PING_TIMEOUT = 1.0
+#: Seconds a new connection has to send its preface and SETTINGS before it is closed.
+HANDSHAKE_TIMEOUT = 10.0
+#: Pending connections the kernel queues per listening socket.
+BACKLOG = 1_024
+
+log = structlog.get_logger("sidecar.rls.h2")
+
+
+class H2Server:
+    """Serves `methods` ({":path": method}) on any number of listening sockets."""
+
+    def __init__(self, methods: Mapping[str, Method], limits: Limits = DEFAULT_LIMITS) -> None:
+        self.methods = dict(methods)
+        self.limits = limits
+        self.stopping = False
+        self.protocols: set[_Protocol] = set()
+        self.tasks: set[asyncio.Task[None]] = set()
+        self._listeners: list[asyncio.Server] = []
+        self._unix_paths: list[str] = []
+
+    async def listen(
+        self, address: str, *, reuse_port: bool = False, sock: socket.socket | None = None
+    ) -> int:
+        """Listen on `HOST:PORT` or `unix:PATH` (or on `sock`); returns the TCP port, else 0."""
+        loop = asyncio.get_running_loop()
+        path = unix_path(address)
+        try:
+            if sock is not None and sock.family == socket.AF_UNIX:
+                listener = await loop.create_unix_server(self._protocol, sock=sock, backlog=BACKLOG)
+            elif sock is not None:
+                listener = await loop.create_server(self._protocol, sock=sock, backlog=BACKLOG)
+            elif path is not None:
+                listener = await loop.create_unix_server(self._protocol, path, backlog=BACKLOG)
+                self._unix_paths.append(path)
+            else:
+                host, _, port = address.rpartition(":")
+                listener = await loop.create_server(
+                    self._protocol,
+                    host.strip("[]") or None,
+                    int(port),
+                    reuse_port=reuse_port,
+                    backlog=BACKLOG,
+                )
+        except OSError as exc:
+            raise OSError(f"cannot listen for gRPC on {address}: {exc.strerror or exc}") from exc
+        self._listeners.append(listener)
+        bound = listener.sockets[0].getsockname()
+        return bound[1] if isinstance(bound, tuple) else 0
+
+    def _protocol(self) -> _Protocol:
+        return _Protocol(self)
+
+    async def stop(self, grace: float) -> None:
+        """Take no new connection, drain the open ones, and give calls `grace` seconds."""
+        self.stopping = True
+        for listener in self._listeners:
+            listener.close()
+        for protocol in list(self.protocols):
+            protocol.shut_down()
+        waiting = [protocol.finished for protocol in self.protocols] + list(self.tasks)
+        if waiting:
+            await asyncio.wait(waiting, timeout=grace)
+        for protocol in list(self.protocols):
+            protocol.abort()
+        for task in list(self.tasks):
+            task.cancel()
+        if self.tasks:
+            await asyncio.wait(list(self.tasks))
+        for listener in self._listeners:
+            await listener.wait_closed()
+        self._listeners.clear()
+        for path in self._unix_paths:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        self._unix_paths.clear()
+
+
+def unix_path(address: str) -> str | None:
+    """The socket path of a gRPC-style `unix:PATH` or `unix:///ABSOLUTE/PATH`; None for TCP."""
+    if address.startswith("unix://"):
+        return address[len("unix://") :]
+    if address.startswith("unix:"):
+        return address[len("unix:") :]
+    return None
+
+
+class _Protocol(asyncio.Protocol):
+    """One connection: feeds bytes to its Connection and writes what it answers."""
+
+    def __init__(self, server: H2Server) -> None:
+        self.server = server
+        self.methods = server.methods
+        self.loop = asyncio.get_running_loop()
+        self.conn = Connection(self._on_call, server.limits)
+        self.transport: asyncio.Transport | None = None
+        self.finished: asyncio.Future[None] = self.loop.create_future()
+        self._flush_scheduled = False
+        self._shutdown_timer: asyncio.TimerHandle | None = None
+        self._handshake_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        self.server.protocols.add(self)
+        self.conn.initiate()
+        self._handshake_timer = self.loop.call_later(HANDSHAKE_TIMEOUT, self._handshake_expired)
+        if self.server.stopping:
+            self.conn.start_shutdown()
+            self.conn.finish_shutdown()
+        self._flush()
+
+    def data_received(self, data: bytes) -> None:
+        conn = self.conn
+        conn.receive(data)
+        out = conn.data_to_send()
+        transport = self.transport
+        assert transport is not None
+        if out:
+            transport.write(out)
+        if conn.done:
+            transport.close()
+
+    def eof_received(self) -> bool:
+        return False  # a peer that stops sending is gone: close
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.conn.closed = True  # answers still on their way are dropped
+        self.server.protocols.discard(self)
+        for timer in (self._shutdown_timer, self._handshake_timer):
+            if timer is not None:
+                timer.cancel()
+        if not self.finished.done():
+            self.finished.set_result(None)
+
+    def pause_writing(self) -> None:
+        # The peer is not reading: stop reading too, so its requests cannot grow our buffers.
+        if self.transport is not None:
+            self.transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.resume_reading()
+
+    def _handshake_expired(self) -> None:
+        # A socket that never speaks HTTP/2 must not hold a connection forever.
+        if not self.conn.settings_received and self.transport is not None:
+            self.transport.close()
+
+    def shut_down(self) -> None:
+        self.conn.start_shutdown()
+        self._flush()
+        self._shutdown_timer = self.loop.call_later(SHUTDOWN_PING_TIMEOUT, self._finish_shutdown)
+
+    def _finish_shutdown(self) -> None:
+        self.conn.finish_shutdown()
+        self._flush()
+
+    def abort(self) -> None:
+        if self.transport is not None:
+            self.transport.abort()
+
+    def _on_call(self, stream_id: int, path: str, message: bytes) -> None:
+        method = self.methods.get(path)
+        if method is None:
+            self.conn.respond_error(stream_id, Status.UNIMPLEMENTED, f"unknown method {path}")
+            return
+        self.server.tasks.add(self.loop.create_task(self._call(stream_id, path, method, message)))
+
+    async def _call(self, stream_id: int, path: str, method: Method, message: bytes) -> None:
+        try:
+            response = await method(message)
+        except CallError as exc:
+            self.conn.respond_error(stream_id, exc.status, exc.message)
+        except Exception as exc:
+            log.exception("unexpected_error", method=path, error=repr(exc))
+            self.conn.respond_error(
+                stream_id, Status.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
+            )
+        else:
+            self.conn.respond(stream_id, response)
+        finally:
+            # Cheaper than a done callback, which would cost the loop one more turn per call.
+            self.server.tasks.discard(asyncio.current_task())
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            self.loop.call_soon(self._flush)
+
+    def _flush(self) -> None:
+        """Write what the connection queued; close it once it has nothing left to do."""
+        self._flush_scheduled = False
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return
+        out = self.conn.data_to_send()
+        if out:
+            transport.write(out)
+        if self.conn.done:
+            transport.close()

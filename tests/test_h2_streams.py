@@ -1,0 +1,351 @@
+"""HTTP/2 conformance of the fast transport's server, stream by stream: resets from either side,
+stream limits, request header rules, gRPC framing, and the graceful shutdown.
+
+The client is tests/h2peer.py (h2's state machine, or raw frames); see test_h2_conformance.py
+for the connection-level rules.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+from pathlib import Path
+
+import grpc
+import pytest
+from h2peer import (
+    ACK,
+    DATA,
+    END_HEADERS,
+    END_STREAM,
+    GOAWAY,
+    HEADERS,
+    NO_ERROR,
+    PING,
+    PROTOCOL_ERROR,
+    REFUSED_STREAM,
+    RST_STREAM,
+    STREAM_CLOSED,
+    WINDOW_UPDATE,
+    Headers,
+    Peer,
+    answered,
+    call,
+    grpc_message,
+    headers_frame,
+    raw_frame,
+    request_headers,
+    stream_error,
+)
+from h2served import ECHO, MAX_STREAMS, WAIT, Served, serve_h2
+from hyperframe.frame import GoAwayFrame, PingFrame, RstStreamFrame
+
+CANCEL = 8
+
+
+async def waiting(served: Served, calls: int) -> None:
+    """Until `calls` calls wait at the gate."""
+    async with asyncio.timeout(10):
+        while served.methods.waiting < calls:
+            await asyncio.sleep(0.005)
+
+
+# --- resets, GOAWAY from the peer, stream limits -----------------------------------------------
+
+
+async def test_a_call_reset_by_the_peer_is_dropped_and_its_late_answer_discarded(
+    peer: Peer, served: Served
+) -> None:
+    peer.start()
+    reset = peer.call(WAIT, b"never")
+    await waiting(served, 1)
+    peer.h2.reset_stream(reset, CANCEL)
+    peer.flush()
+    await peer.quiet(0.1)
+    served.methods.gate.set()
+    after = peer.call(ECHO, b"next")
+    await answered(peer, after)
+    await peer.quiet()
+
+    assert peer.on(reset) == []
+    assert peer.data[after] == grpc_message(b"next")
+
+
+async def test_calls_in_flight_are_answered_after_the_peer_sent_goaway(
+    raw: Peer, served: Served
+) -> None:
+    """GOAWAY from the client: what it already asked for is answered, then the server closes."""
+    raw.send(call(raw, 1, WAIT))
+    await waiting(served, 1)
+    raw.send(raw_frame(GOAWAY, 0, 0, struct.pack(">LL", 0, NO_ERROR)))
+    await raw.quiet(0.1)
+    served.methods.gate.set()
+    await raw.closed()
+
+    assert raw.trailers(1) == {b"grpc-status": b"0"}
+
+
+async def test_a_stream_over_max_concurrent_streams_is_refused(raw: Peer, served: Served) -> None:
+    """REFUSED_STREAM for the stream beyond the limit; the others are answered."""
+    ids = [1 + 2 * n for n in range(MAX_STREAMS + 1)]
+    raw.send(*(call(raw, stream_id, WAIT) for stream_id in ids))
+    await stream_error(raw, ids[-1], REFUSED_STREAM)
+    await waiting(served, MAX_STREAMS)
+    served.methods.gate.set()
+    for stream_id in ids[:-1]:
+        assert await answered(raw, stream_id) == {b"grpc-status": b"0"}
+
+
+async def test_reset_calls_count_against_the_limit_until_they_return(
+    raw: Peer, served: Served
+) -> None:
+    """Opening and resetting streams cannot pile up calls (the "rapid reset" attack): a call
+    still working on a reset stream holds its slot until it returns."""
+    ids = [1 + 2 * n for n in range(MAX_STREAMS)]
+    raw.send(*(call(raw, stream_id, WAIT) for stream_id in ids))
+    await waiting(served, MAX_STREAMS)
+    raw.send(*(raw_frame(RST_STREAM, 0, stream_id, struct.pack(">L", CANCEL)) for stream_id in ids))
+    raw.send(call(raw, 11, ECHO))
+    await stream_error(raw, 11, REFUSED_STREAM)
+
+    served.methods.gate.set()
+    await raw.quiet(0.2)
+    raw.send(call(raw, 13, ECHO))
+    assert await answered(raw, 13) == {b"grpc-status": b"0"}
+    assert [f.stream_id for f in raw.frames if f.stream_id in ids] == []
+
+
+# --- request headers (RFC 9113 §8.2, §8.3) -----------------------------------------------------
+
+
+def _with(headers: Headers, **changes: bytes) -> Headers:
+    """`headers` with some values replaced, or added at the end."""
+    new = {k.replace("_", "-").encode(): v for k, v in changes.items()}
+    replaced = [(n, new.pop(n, v)) for n, v in headers]
+    return replaced + list(new.items())
+
+
+_BASE = request_headers(ECHO)
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        [*_BASE, (b"X-Upper", b"1")],
+        [h for h in _BASE if h[0] != b":path"],
+        [h for h in _BASE if h[0] != b":method"],
+        [*_BASE, (b"connection", b"keep-alive")],
+        [*_BASE, (b"te", b"gzip")],
+        [*_BASE, (b":authority", b"again")],
+        [(b"content-type", b"application/grpc"), *[h for h in _BASE if h[0] != b"content-type"]],
+        [(b":status", b"200"), *_BASE],
+        [*_BASE, (b"x-bad", b"a\nb")],
+        [*_BASE, (b"x-space", b" padded")],
+        [*_BASE, (b"content-length", b"abc")],
+    ],
+    ids=[
+        "uppercase-name",
+        "no-path",
+        "no-method",
+        "connection-header",
+        "te-not-trailers",
+        "pseudo-header-after-regular",
+        "regular-before-pseudo",
+        "response-pseudo-header",
+        "newline-in-value",
+        "leading-space-in-value",
+        "bad-content-length",
+    ],
+)
+async def test_a_malformed_request_resets_its_stream_and_the_connection_goes_on(
+    raw: Peer, headers: Headers
+) -> None:
+    raw.send(raw_frame(HEADERS, END_HEADERS | END_STREAM, 1, raw.block(headers)))
+    await stream_error(raw, 1, PROTOCOL_ERROR)
+    raw.send(call(raw, 3, ECHO))
+    assert await answered(raw, 3) == {b"grpc-status": b"0"}
+
+
+async def test_a_body_that_contradicts_content_length_resets_the_stream(raw: Peer) -> None:
+    block = raw.block(request_headers(ECHO, content_length="100"))
+    raw.send(
+        raw_frame(HEADERS, END_HEADERS, 1, block),
+        raw_frame(DATA, END_STREAM, 1, grpc_message(b"short")),
+    )
+    await stream_error(raw, 1, PROTOCOL_ERROR)
+
+
+async def test_request_trailers_end_the_request(raw: Peer) -> None:
+    raw.send(
+        headers_frame(raw, 1, ECHO),
+        raw_frame(DATA, 0, 1, grpc_message(b"t")),
+        raw_frame(HEADERS, END_HEADERS | END_STREAM, 1, raw.block([(b"x-trailer", b"1")])),
+    )
+    assert await answered(raw, 1) == {b"grpc-status": b"0"}
+
+
+@pytest.mark.parametrize(
+    ("frames", "code"),
+    [
+        (
+            lambda p: raw_frame(HEADERS, END_HEADERS, 1, p.block([(b"x-trailer", b"1")])),
+            PROTOCOL_ERROR,
+        ),
+        (lambda p: raw_frame(DATA, END_STREAM, 1, grpc_message(b"x")), STREAM_CLOSED),
+        (lambda p: raw_frame(WINDOW_UPDATE, 0, 1, bytes(4)), PROTOCOL_ERROR),
+    ],
+    ids=["trailers-without-end-stream", "data-after-end-stream", "window-update-of-0"],
+)
+async def test_a_broken_stream_rule_resets_the_stream(
+    raw: Peer, served: Served, frames: object, code: int
+) -> None:
+    """Frames that break a stream's rules while its request is open or being answered."""
+    if code == STREAM_CLOSED:
+        raw.send(call(raw, 1, WAIT))
+        await waiting(served, 1)
+    else:
+        raw.send(headers_frame(raw, 1, ECHO))
+    raw.send(frames(raw))  # type: ignore[operator]
+    await stream_error(raw, 1, code)
+
+
+async def test_data_on_a_stream_the_server_reset_is_ignored(raw: Peer) -> None:
+    """Frames the peer sent before it saw our RST_STREAM are not errors (§5.1, closed)."""
+    raw.send(raw_frame(HEADERS, END_HEADERS, 1, raw.block([(b"X-Upper", b"1")])))
+    await stream_error(raw, 1, PROTOCOL_ERROR)
+    raw.send(raw_frame(DATA, END_STREAM, 1, b"late"), call(raw, 3, ECHO))
+    assert await answered(raw, 3) == {b"grpc-status": b"0"}
+    assert len(raw.of(RstStreamFrame)) == 1
+
+
+# --- what a gRPC server answers itself ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("headers", "body", "status", "grpc_status"),
+    [
+        (_with(_BASE, **{":method": b"GET"}), grpc_message(b"x"), b"405", b"12"),
+        (_with(_BASE, content_type=b"text/plain"), grpc_message(b"x"), b"415", b"3"),
+        (_with(_BASE, grpc_encoding=b"gzip"), grpc_message(b"x"), b"200", b"12"),
+        (_BASE, b"\x00\x00", b"200", b"13"),
+        (_BASE, grpc_message(b"x", flag=1), b"200", b"13"),
+        (_BASE, grpc_message(b"x") + b"extra", b"200", b"13"),
+        (_BASE, grpc_message(b"xyz")[:-1], b"200", b"13"),
+        (_BASE, struct.pack(">BL", 0, 5 << 20), b"200", b"8"),
+    ],
+    ids=[
+        "get",
+        "not-grpc-content-type",
+        "unsupported-grpc-encoding",
+        "no-message-prefix",
+        "compressed-flag",
+        "two-messages",
+        "truncated-message",
+        "message-over-4-MiB",
+    ],
+)
+async def test_a_request_the_server_cannot_call_is_answered_with_a_status(
+    raw: Peer, headers: Headers, body: bytes, status: bytes, grpc_status: bytes
+) -> None:
+    raw.send(
+        raw_frame(HEADERS, END_HEADERS, 1, raw.block(headers)),
+        raw_frame(DATA, END_STREAM, 1, body),
+    )
+    trailers = await answered(raw, 1)
+
+    assert (trailers[b":status"], trailers[b"grpc-status"]) == (status, grpc_status)
+    assert trailers[b"grpc-message"]
+
+
+async def test_a_body_larger_than_a_message_may_be_is_answered_before_it_ends(
+    peer: Peer,
+) -> None:
+    """RESOURCE_EXHAUSTED as soon as the body passes 4 MiB, then RST_STREAM NO_ERROR: the
+    server reads no more of it."""
+    peer.start()
+    stream_id = peer.h2.get_next_available_stream_id()
+    peer.h2.send_headers(stream_id, request_headers(ECHO))
+    peer.flush()
+    async with asyncio.timeout(20):
+        while not peer.ended(stream_id):
+            window = min(peer.h2.local_flow_control_window(stream_id), 16_384)
+            if window:
+                peer.h2.send_data(stream_id, bytes(window))
+                peer.flush()
+            else:
+                await peer.read()
+    await peer.until(lambda p: p.ended(stream_id))
+
+    assert peer.trailers(stream_id)[b"grpc-status"] == b"8"
+    assert [(f.stream_id, f.error_code) for f in peer.of(RstStreamFrame)] == [(stream_id, NO_ERROR)]
+
+
+# --- graceful shutdown, back-pressure, Unix sockets --------------------------------------------
+
+
+async def test_shutdown_is_goaway_ping_goaway_then_calls_in_flight_are_answered(
+    raw: Peer, served: Served
+) -> None:
+    """GOAWAY(2^31-1) and a PING; streams opened before the PING ACK are still taken; after
+    the final GOAWAY(last stream) a new stream is ignored; the connection closes once every
+    call taken is answered."""
+    raw.send(call(raw, 1, WAIT))
+    await waiting(served, 1)
+    stopping = asyncio.create_task(served.server.stop(grace=10.0))
+    await raw.until(lambda p: bool(p.of(PingFrame)))
+    first = raw.of(GoAwayFrame)[0]
+    assert (first.last_stream_id, first.error_code) == (2**31 - 1, NO_ERROR)
+
+    raw.send(call(raw, 3, ECHO))
+    await answered(raw, 3)
+    raw.send(raw_frame(PING, ACK, 0, raw.of(PingFrame)[0].opaque_data))
+    await raw.until(lambda p: len(p.of(GoAwayFrame)) == 2)
+    final = raw.of(GoAwayFrame)[1]
+    assert (final.last_stream_id, final.error_code) == (3, NO_ERROR)
+
+    raw.send(call(raw, 5, ECHO))
+    await raw.quiet(0.2)
+    assert not stopping.done()
+    served.methods.gate.set()
+    await raw.closed()
+    await stopping
+
+    assert raw.trailers(1) == {b"grpc-status": b"0"}
+    assert raw.on(5) == []
+
+
+async def test_a_peer_that_does_not_read_stops_the_server_reading(
+    peer: Peer, served: Served
+) -> None:
+    """Write back-pressure: while the transport's buffer is full, the connection reads nothing."""
+    peer.start()
+    await peer.until(lambda p: bool(p.frames))
+    (protocol,) = served.server.protocols
+    assert protocol.transport is not None
+    protocol.pause_writing()
+    assert not protocol.transport.is_reading()
+    protocol.resume_writing()
+    assert protocol.transport.is_reading()
+
+
+async def test_the_server_listens_on_a_unix_socket(tmp_path: Path) -> None:
+    """A grpc.aio channel to `unix:PATH`; the socket file is removed on stop."""
+    path = tmp_path / "rls.sock"
+    async with serve_h2(f"unix:{path}") as served:
+        assert served.port == 0
+        async with grpc.aio.insecure_channel(f"unix:{path}") as channel:
+            answer = await channel.unary_unary(ECHO)(b"over a pipe", timeout=10)
+    assert answer == b"over a pipe"
+    assert not path.exists()
+
+
+async def test_a_connection_that_never_sends_its_preface_is_closed(
+    served: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A socket that never speaks HTTP/2 does not hold a connection open."""
+    monkeypatch.setattr("sidecar.rls.h2.server.HANDSHAKE_TIMEOUT", 0.1)
+    silent = await Peer.connect(served.port, track=False)
+    await silent.closed()
+    await silent.close()
+
+    assert silent.goaways() == []
