@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from sidecar.algorithms.windows import check_zone, is_calendar_unit
+from sidecar.algorithms.windows import check_zone, code, is_calendar_unit, kind
 from sidecar.errors import ConfigError
 from sidecar.model import Algorithm, Limit, Unit, Window
 
@@ -36,6 +36,7 @@ _DESCRIPTOR_KEYS = (
     "detailed_metric",
     "value_to_metric",
     "share_threshold",
+    "group_counters",
     "metadata",
 )
 _RATE_LIMIT_KEYS = (
@@ -94,6 +95,10 @@ class Node:
     detailed_metric: bool = False
     value_to_metric: bool = False
     share_threshold: bool = False
+    #: Every counter below this first-level descriptor lives in one hash per value (see
+    #: `storage.keys`). Opt-in: under a first entry with unbounded descendants (`app` with
+    #: millions of users below it) one hash would grow without bound and be hot on one node.
+    group_counters: bool = False
     metadata: Mapping[str, Any] | None = None
 
 
@@ -244,6 +249,9 @@ class _Parser:
 
     def __init__(self, source: str) -> None:
         self.source = source
+        # While parsing a group_counters tree: each window code in it, with the kind of window
+        # that has it and where it was declared (two kinds must never share a code).
+        self.codes: dict[str, tuple[tuple[object, ...], Window]] | None = None
 
     def error(self, path: str, message: str) -> ConfigError:
         return ConfigError(self.source, path, message)
@@ -277,7 +285,7 @@ class _Parser:
                 )
                 raise self.error(path, f"config error, unknown key '{key}'{fix}")
 
-    def level(self, items: object, path: str, parent_key: str) -> Level:
+    def level(self, items: object, path: str, parent_key: str, depth: int = 0) -> Level:
         level = Level()
         if items is None:
             return level
@@ -291,10 +299,12 @@ class _Parser:
                     f"config error, yaml file contains list of type other than map: {item} "
                     "(each descriptor is a map with at least 'key')",
                 )
-            self.descriptor(item, here, parent_key, level)
+            self.descriptor(item, here, parent_key, level, depth)
         return level
 
-    def descriptor(self, item: dict[Any, Any], path: str, parent_key: str, level: Level) -> None:
+    def descriptor(
+        self, item: dict[Any, Any], path: str, parent_key: str, level: Level, depth: int
+    ) -> None:
         self.check_keys(item, _DESCRIPTOR_KEYS, path)
         key = self.scalar(item.get("key"), f"{path}.key")
         if not key:
@@ -318,6 +328,7 @@ class _Parser:
                 "detailed_metric",
                 "value_to_metric",
                 "share_threshold",
+                "group_counters",
             )
         }
         wildcard = value is not None and "*" in value
@@ -327,21 +338,41 @@ class _Parser:
                 "share_threshold can only be used with wildcard values (containing '*'), "
                 f"but found key '{label}'",
             )
+        grouped = flags["group_counters"]
+        if grouped and depth > 0:
+            raise self.error(
+                f"{path}.group_counters",
+                f"group_counters applies to a first-level descriptor, but found it on "
+                f"'{rule_key}' (move it to the first-level descriptor whose values own the "
+                "counters, like 'key: user')",
+            )
+        if grouped and value is not None:
+            raise self.error(
+                f"{path}.group_counters",
+                f"group_counters applies to a key-only descriptor, but found key '{label}' "
+                "(remove 'value', or group_counters)",
+            )
         metadata = item.get("metadata")
         if metadata is not None and not isinstance(metadata, dict):
             raise self.error(f"{path}.metadata", "metadata must be a map")
 
+        if grouped:
+            self.codes = {}
         limit = self.limit(item, path, rule_key, flags["shadow_mode"], flags["quota_mode"])
+        children = self.level(item.get("descriptors"), f"{path}.descriptors", rule_key, depth + 1)
+        if grouped:
+            self.codes = None
         node = Node(
             key=key,
             value=value,
             label=label,
             rule_key=rule_key,
             limit=limit,
-            children=self.level(item.get("descriptors"), f"{path}.descriptors", rule_key),
+            children=children,
             detailed_metric=flags["detailed_metric"],
             value_to_metric=flags["value_to_metric"],
             share_threshold=flags["share_threshold"],
+            group_counters=grouped,
             metadata=metadata,
         )
         level.declared.append(node)
@@ -523,7 +554,23 @@ class _Parser:
             week_start=week_start,
             name=name,
         )
+        if self.codes is not None:
+            self.check_code(window, path)
         return window, False, replaces
+
+    def check_code(self, window: Window, path: str) -> None:
+        """Refuse a window whose code in a grouped tree is another kind's (hashed zone names)."""
+        assert self.codes is not None
+        window_code = code(window)
+        window_kind = kind(window)
+        known = self.codes.setdefault(window_code, (window_kind, window))
+        if known[0] != window_kind:
+            raise self.error(
+                f"{path}.timezone",
+                f"time zones '{known[1].timezone}' and '{window.timezone}' get the same counter "
+                f"code '{window_code}' under group_counters (use one zone for both, or drop "
+                "group_counters from this tree)",
+            )
 
     def count(self, raw: dict[Any, Any], key: str, path: str, minimum: int, default: int) -> int:
         value = raw.get(key, default)

@@ -3,6 +3,7 @@
     SidecarError
     ├── ConfigError        a rules file is wrong: names the file, the path inside it and the fix
     ├── InvalidRequest     a request Envoy (or a client) sent cannot be answered: INVALID_ARGUMENT
+    ├── UnknownDomain      a frequency-cap call names a domain without caps: HTTP 404, NOT_FOUND
     ├── StorageError       a backend call failed or timed out; transient, the failure mode decides
     └── InjectionError     a pod (or manifest) cannot get a working sidecar from its annotations
 
@@ -33,6 +34,12 @@ class ConfigError(SidecarError):
 
 class InvalidRequest(SidecarError):
     """A request that breaks the protocol's rules (empty domain, no descriptors, absurd hits_addend)."""
+
+
+class UnknownDomain(SidecarError):
+    """A frequency-cap call names a domain no rules file declares, or one without `user` → `ad`
+    rules. Envoy's own service answers an unknown domain OK instead (the reference does), but an
+    ad server asking about caps that do not exist has a configuration to fix."""
 
 
 class StorageError(SidecarError):

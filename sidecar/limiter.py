@@ -10,12 +10,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol
 
 import structlog
 
 from sidecar.algorithms import fixed_window
-from sidecar.algorithms.windows import window_hit
+from sidecar.algorithms.windows import field_hit, window_hit
 from sidecar.config import Rules
 from sidecar.errors import InvalidRequest, StorageError
 from sidecar.matching import Match, match, sanitize
@@ -26,7 +26,6 @@ from sidecar.model import (
     Descriptor,
     DescriptorStatus,
     Hit,
-    Outcome,
     Request,
     Role,
     single,
@@ -34,7 +33,7 @@ from sidecar.model import (
 from sidecar.over_limit_cache import OverLimitCache
 from sidecar.stats import Stats
 from sidecar.storage import Backend
-from sidecar.storage.keys import descriptor_prefix
+from sidecar.storage.keys import descriptor_prefix, field_head, group_key
 
 FailureMode = Literal["allow", "deny"]
 RejectedHits = Literal["count", "skip"]
@@ -133,9 +132,8 @@ class Limiter:
             if replaced and any(n in replaced for n in limit.names):
                 continue
             cost = descriptor.hits_addend if descriptor.hits_addend is not None else default_hits
-            prefix = descriptor_prefix(request.domain, found.counter_parts)
             role = limit.role
-            windows = [window_hit(prefix, w, cost, index, role, now_ms) for w in limit.windows]
+            windows = descriptor_hits(request.domain, found, cost, index, now_ms)
             if cache is not None and (status := self._cached(cache, found, windows, now_ms)):
                 statuses[index] = status
                 judged.append((True, role))
@@ -159,7 +157,9 @@ class Limiter:
         for index, found, cost, first in counted:
             limit = found.limit
             count = len(limit.windows)
-            chosen = first if count == 1 else _most_restrictive(outcomes, first, count)
+            chosen = first
+            if count > 1:
+                chosen += most_restrictive(outcomes[first : first + count])
             outcome = outcomes[chosen]
             window = hits[chosen].window
             over = outcome.over
@@ -179,7 +179,7 @@ class Limiter:
                 for position in range(first, first + count):
                     hit = hits[position]
                     if outcomes[position].over and hit.window.plain:
-                        cache.put(hit.key, hit.limit, now_ms + hit.reset_ms, now_ms)
+                        cache.put(_cache_key(hit), hit.limit, now_ms + hit.reset_ms, now_ms)
         return self._overall(judged, statuses)
 
     def _overall(
@@ -200,7 +200,7 @@ class Limiter:
         for hit in windows:
             if not hit.window.plain:
                 continue
-            end = cache.get(hit.key, hit.limit, now_ms)
+            end = cache.get(_cache_key(hit), hit.limit, now_ms)
             if end is None:
                 continue
             limit = found.limit
@@ -250,16 +250,46 @@ class Limiter:
         return self._overall(judged, statuses)
 
 
-def _most_restrictive(outcomes: Sequence[Outcome], first: int, count: int) -> int:
-    """The window a descriptor reports: the first over its limit, else the one with least left."""
-    chosen = first
-    for position in range(first, first + count):
-        outcome = outcomes[position]
+def descriptor_hits(domain: str, found: Match, cost: int, group: int, now_ms: int) -> list[Hit]:
+    """The hits asking `cost` of every window of the rule `found`, in the layout its tree uses:
+    a key per counter, or fields of its first entry's hash (`group_counters`)."""
+    limit = found.limit
+    role = limit.role
+    parts = found.counter_parts
+    if found.grouped:
+        key = group_key(domain, parts)
+        head = field_head(parts)
+        return [field_hit(key, head, w, cost, group, role, now_ms) for w in limit.windows]
+    prefix = descriptor_prefix(domain, parts)
+    return [window_hit(prefix, w, cost, group, role, now_ms) for w in limit.windows]
+
+
+class Judged(Protocol):
+    """What `most_restrictive` compares: an Outcome, or a window a frequency-cap check judged."""
+
+    @property
+    def over(self) -> bool: ...
+
+    @property
+    def remaining(self) -> int: ...
+
+
+def most_restrictive(outcomes: Sequence[Judged]) -> int:
+    """The window a descriptor reports, by its position among the descriptor's `outcomes`: the
+    first over its limit, else the one with least left."""
+    chosen = 0
+    for position, outcome in enumerate(outcomes):
         if outcome.over:
             return position
         if outcome.remaining < outcomes[chosen].remaining:
             chosen = position
     return chosen
+
+
+def _cache_key(hit: Hit) -> bytes:
+    """The over-limit cache's name for a hit's counter: its key, or hash key and field (a key
+    never has a NUL right after its hash tag, so the two kinds cannot meet)."""
+    return hit.key + b"\0" + hit.field if hit.field else hit.key
 
 
 def _override(domain: str, descriptor: Descriptor) -> Match:

@@ -22,11 +22,13 @@ class Match:
     `counter_parts` are the `(key, value)` pairs that name its counter: the request's values,
     except where a `share_threshold` wildcard makes every matching value share the pattern's.
     `metric_key` names its statistics, as in the reference (`domain.key_value.subkey`).
+    `grouped`: its counters live in the hash of its first entry (`group_counters`).
     """
 
     limit: Limit
     counter_parts: tuple[tuple[str, str], ...]
     metric_key: str
+    grouped: bool = False
 
 
 def match(domain: Domain, entries: Sequence[Entry]) -> Match | None:
@@ -36,7 +38,7 @@ def match(domain: Domain, entries: Sequence[Entry]) -> Match | None:
     level = domain.root
     path: list[Node] = []
     for entry in entries:
-        node = _lookup(level, entry)
+        node = lookup(level, entry)
         if node is None:
             return None
         path.append(node)
@@ -44,10 +46,17 @@ def match(domain: Domain, entries: Sequence[Entry]) -> Match | None:
     leaf = path[-1]
     if leaf.limit is None:
         return None
-    return Match(leaf.limit, _counter_parts(path, entries), _metric_key(domain.name, path, entries))
+    return Match(
+        leaf.limit,
+        _counter_parts(path, entries),
+        _metric_key(domain.name, path, entries),
+        path[0].group_counters,
+    )
 
 
-def _lookup(level: Level, entry: Entry) -> Node | None:
+def lookup(level: Level, entry: Entry) -> Node | None:
+    """The descriptor of `level` that `entry` matches: its exact value, else the first wildcard
+    that matches, else its key alone."""
     node = level.exact.get((entry.key, entry.value))
     if node is not None:
         return node
@@ -57,10 +66,15 @@ def _lookup(level: Level, entry: Entry) -> Node | None:
     return level.keys.get(entry.key)
 
 
+def counter_value(node: Node, entry: Entry) -> str:
+    """The value naming `entry`'s part of a counter matched by `node`: the request's, or under
+    `share_threshold` the pattern's, so that every matching value shares one counter."""
+    return node.value if node.share_threshold and node.value is not None else entry.value
+
+
 def _counter_parts(path: Sequence[Node], entries: Sequence[Entry]) -> tuple[tuple[str, str], ...]:
     return tuple(
-        (entry.key, node.value if node.share_threshold and node.value is not None else entry.value)
-        for node, entry in zip(path, entries, strict=True)
+        (entry.key, counter_value(node, entry)) for node, entry in zip(path, entries, strict=True)
     )
 
 

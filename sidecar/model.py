@@ -192,6 +192,11 @@ class Hit:
     when unused). `ttl` is how long a new counter must live, in seconds; `reset_ms` the time to
     the end of the window and `elapsed_ms` the time since its start (fixed and sliding windows).
     The windows of one descriptor share a `group`: the descriptor is admitted only when all are.
+
+    `field` is empty for a counter stored under its own key (the reference's layout). Otherwise
+    the counter is one field of the hash at `key` (`group_counters`, see `storage.keys`), and
+    `previous_field` names the previous window's field in that hash; `ttl` is then how long the
+    hash must live at least for this field.
     """
 
     key: bytes
@@ -203,10 +208,27 @@ class Hit:
     ttl: int = 1
     reset_ms: int = 0
     elapsed_ms: int = 0
+    field: bytes = b""
+    previous_field: bytes = b""
 
     @property
     def limit(self) -> int:
         return self.window.requests_per_unit
+
+
+@dataclass(frozen=True, slots=True)
+class Dedupe:
+    """What a record call needs to count each impression once: the ids already seen are kept in
+    two hashes per user, one per horizon bucket (see `sidecar.frequency`).
+
+    `ids[g]` is the id of the impression whose hits carry group `g`. `current` is the bucket the
+    new ids go to, kept `ttl_ms` from now; `previous` is the bucket before it, only read.
+    """
+
+    current: bytes
+    previous: bytes
+    ids: tuple[str, ...]
+    ttl_ms: int
 
 
 @dataclass(frozen=True, slots=True)

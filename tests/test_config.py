@@ -131,6 +131,22 @@ ERRORS = {
         "descriptors[0].rate_limit.unit_multiplier: unit_multiplier must be a whole number "
         "from 1 to 4294967295, got 0"
     ),
+    # Grouped counters (frequency caps).
+    "group_counters_nested.yaml": (
+        "descriptors[0].descriptors[0].group_counters: group_counters applies to a first-level "
+        "descriptor, but found it on 'ads.user.ad' (move it to the first-level descriptor whose "
+        "values own the counters, like 'key: user')"
+    ),
+    "group_counters_with_value.yaml": (
+        "descriptors[0].group_counters: group_counters applies to a key-only descriptor, but "
+        "found key 'user_vip' (remove 'value', or group_counters)"
+    ),
+    # The only pair of IANA zones whose three-character codes collide.
+    "group_counters_zone_collision.yaml": (
+        "descriptors[0].descriptors[0].rate_limits[1].timezone: time zones 'Africa/Addis_Ababa' "
+        "and 'America/Iqaluit' get the same counter code 'cdwz7' under group_counters (use one "
+        "zone for both, or drop group_counters from this tree)"
+    ),
 }
 
 

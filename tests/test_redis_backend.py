@@ -11,6 +11,7 @@ import itertools
 import socket
 import time
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import replace
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -19,7 +20,7 @@ from redis.crc import key_slot
 from servers import HOST, RedisCluster, RedisServer, free_port
 
 from sidecar.errors import StorageError
-from sidecar.model import Count, Hit, Role
+from sidecar.model import Algorithm, Hit, Outcome, Role, Unit, Window
 from sidecar.storage import Backend, open_backend
 from sidecar.storage.memory import MemoryBackend
 from sidecar.storage.redis import _SCRIPT, _SHA, RedisBackend, RedisClusterBackend
@@ -38,18 +39,36 @@ A = b"rl{b}|a|60|0"
 B = b"rl{c}|b|60|0"
 C = b"rl{a}|c|60|0"
 
+# The sidecar's clock for every call: 5 s into the current real minute, so the minute windows'
+# resets are realistic and TTLs, which Redis counts in real time, stay meaningful.
+NOW_MS = (int(time.time()) // 60 * 60 + 5) * 1000
+RESET_MS = 55_000
+
 Request = tuple[Sequence[Hit], bool]
 
 
-def hit(key: bytes, hits: int, limit: int, role: Role = Role.BLOCKING, ttl: int = 60) -> Hit:
-    return Hit(key=key, hits=hits, limit=limit, ttl=ttl, role=role)
+def hit(
+    key: bytes, hits: int, limit: int, role: Role = Role.BLOCKING, ttl: int = 60, group: int = 0
+) -> Hit:
+    """A hit on a plain minute window (the reference's algorithm) whose counter is `key`."""
+    return Hit(key, hits, Window(limit, Unit.MINUTE), group, role, key, ttl, RESET_MS)
 
 
-async def run(backend: Backend, requests: Sequence[Request]) -> list[list[Count]]:
-    return [await backend.apply(hits, all_or_nothing) for hits, all_or_nothing in requests]
+def request(*hits: Hit) -> list[Hit]:
+    """`hits` as the windows of as many descriptors: each in a group of its own."""
+    return [replace(h, group=index) for index, h in enumerate(hits)]
 
 
-async def reference(requests: Sequence[Request]) -> list[list[Count]]:
+def outcome(over: bool, remaining: int, applied: bool, left_before: int) -> Outcome:
+    """A minute window's Outcome (its reset is the hit's)."""
+    return Outcome(over, remaining, RESET_MS, applied, left_before)
+
+
+async def run(backend: Backend, requests: Sequence[Request]) -> list[list[Outcome]]:
+    return [await backend.apply(hits, all_or_nothing, NOW_MS) for hits, all_or_nothing in requests]
+
+
+async def reference(requests: Sequence[Request]) -> list[list[Outcome]]:
     memory = MemoryBackend()
     try:
         return await run(memory, requests)
@@ -122,59 +141,93 @@ def reset_stats(store: RedisServer | RedisCluster) -> None:
 
 # --- the contract: every backend counts alike -------------------------------------------------
 
+# One descriptor (group 0, hash tag {b}) with a plain, a borrowing and a sliding minute window and
+# a token bucket, beside an independent plain counter in another slot (group 1). Once a window of
+# group 0 is over, only its plain window still counts the hits.
+GROUPED = (
+    hit(A, 1, 5),
+    Hit(
+        b"rl{b}|a|60b|0",
+        1,
+        Window(1, Unit.MINUTE, borrow=1),
+        previous=b"rl{b}|a|60b|-60",
+        ttl=121,
+        reset_ms=RESET_MS,
+        elapsed_ms=5_000,
+    ),
+    Hit(
+        b"rl{b}|a|60s|0",
+        1,
+        Window(4, Unit.MINUTE, Algorithm.SLIDING_WINDOW),
+        previous=b"rl{b}|a|60s|-60",
+        ttl=121,
+        reset_ms=RESET_MS,
+        elapsed_ms=5_000,
+    ),
+    Hit(b"rl{b}|a|60t2/3", 1, Window(2, Unit.MINUTE, Algorithm.TOKEN_BUCKET, burst=3)),
+    hit(B, 1, 9, group=1),
+)
+
 SCENARIOS: dict[str, list[Request]] = {
-    "hits past the limit are still added": [([hit(A, 1, 3)], False)] * 5,
+    "hits past the limit are still added": [(request(hit(A, 1, 3)), False)] * 5,
     "a cost above the limit": [
-        ([hit(A, 5, 3)], True),
-        ([hit(A, 5, 3)], False),
-        ([hit(A, 0, 3)], False),
+        (request(hit(A, 5, 3)), True),
+        (request(hit(A, 5, 3)), False),
+        (request(hit(A, 0, 3)), False),
     ],
     "checks consume nothing and are over at the limit": [
-        ([hit(A, 0, 2)], True),
-        ([hit(A, 1, 2)], True),
-        ([hit(A, 0, 2)], True),
-        ([hit(A, 1, 2)], True),
-        ([hit(A, 0, 2)], True),
-        ([hit(A, 1, 2)], True),
-        ([hit(A, 0, 2)], False),
+        (request(hit(A, 0, 2)), True),
+        (request(hit(A, 1, 2)), True),
+        (request(hit(A, 0, 2)), True),
+        (request(hit(A, 1, 2)), True),
+        (request(hit(A, 0, 2)), True),
+        (request(hit(A, 1, 2)), True),
+        (request(hit(A, 0, 2)), False),
     ],
     "a key twice in one request sees its earlier hits": [
-        ([hit(A, 2, 5), hit(A, 3, 5), hit(A, 1, 5)], True),
-        ([hit(A, 2, 5), hit(A, 3, 5)], True),
-        ([hit(A, 2, 5), hit(A, 0, 5)], False),
-        ([hit(A, 0, 5)], False),
+        (request(hit(A, 2, 5), hit(A, 3, 5), hit(A, 1, 5)), True),
+        (request(hit(A, 2, 5), hit(A, 3, 5)), True),
+        (request(hit(A, 2, 5), hit(A, 0, 5)), False),
+        (request(hit(A, 0, 5)), False),
     ],
     "a limit of 0 rejects every hit": [
-        ([hit(A, 1, 0)], True),
-        ([hit(A, 0, 0)], True),
-        ([hit(A, 1, 0)], False),
-        ([hit(A, 0, 0)], False),
+        (request(hit(A, 1, 0)), True),
+        (request(hit(A, 0, 0)), True),
+        (request(hit(A, 1, 0)), False),
+        (request(hit(A, 0, 0)), False),
     ],
     "shadow counters never block": [
-        ([hit(A, 1, 1), hit(B, 1, 0, Role.SHADOW)], True),
-        ([hit(A, 1, 1), hit(B, 1, 0, Role.SHADOW)], True),
-        ([hit(A, 0, 9), hit(B, 0, 9)], False),
+        (request(hit(A, 1, 1), hit(B, 1, 0, Role.SHADOW)), True),
+        (request(hit(A, 1, 1), hit(B, 1, 0, Role.SHADOW)), True),
+        (request(hit(A, 0, 9), hit(B, 0, 9)), False),
     ],
     "quota counters block only when all are over, across slots": [
-        ([hit(A, 1, 0, Role.QUOTA), hit(B, 1, 1, Role.QUOTA)], True),
-        ([hit(A, 1, 0, Role.QUOTA), hit(B, 1, 1, Role.QUOTA)], True),
-        ([hit(A, 1, 0, Role.QUOTA), hit(B, 1, 1, Role.QUOTA), hit(C, 1, 5)], True),
-        ([hit(A, 0, 9), hit(B, 0, 9), hit(C, 0, 9)], False),
+        (request(hit(A, 1, 0, Role.QUOTA), hit(B, 1, 1, Role.QUOTA)), True),
+        (request(hit(A, 1, 0, Role.QUOTA), hit(B, 1, 1, Role.QUOTA)), True),
+        (request(hit(A, 1, 0, Role.QUOTA), hit(B, 1, 1, Role.QUOTA), hit(C, 1, 5)), True),
+        (request(hit(A, 0, 9), hit(B, 0, 9), hit(C, 0, 9)), False),
     ],
     "quota counters in one slot": [
-        ([hit(A, 1, 1, Role.QUOTA), hit(b"rl{b}|q", 1, 0, Role.QUOTA), hit(C, 1, 5)], True),
-        ([hit(A, 1, 1, Role.QUOTA), hit(b"rl{b}|q", 1, 0, Role.QUOTA), hit(C, 1, 5)], True),
-        ([hit(A, 0, 9), hit(b"rl{b}|q", 0, 9), hit(C, 0, 9)], False),
+        (request(hit(A, 1, 1, Role.QUOTA), hit(b"rl{b}|q", 1, 0, Role.QUOTA), hit(C, 1, 5)), True),
+        (request(hit(A, 1, 1, Role.QUOTA), hit(b"rl{b}|q", 1, 0, Role.QUOTA), hit(C, 1, 5)), True),
+        (request(hit(A, 0, 9), hit(b"rl{b}|q", 0, 9), hit(C, 0, 9)), False),
     ],
     "one blocking counter over rejects the whole request, across slots": [
-        ([hit(C, 2, 2)], False),
-        ([hit(A, 1, 5), hit(B, 1, 5, Role.SHADOW), hit(C, 1, 2)], True),
-        ([hit(A, 1, 5), hit(B, 1, 5), hit(C, 0, 9)], True),
-        ([hit(A, 0, 9), hit(B, 0, 9), hit(C, 0, 9)], False),
+        (request(hit(C, 2, 2)), False),
+        (request(hit(A, 1, 5), hit(B, 1, 5, Role.SHADOW), hit(C, 1, 2)), True),
+        (request(hit(A, 1, 5), hit(B, 1, 5), hit(C, 0, 9)), True),
+        (request(hit(A, 0, 9), hit(B, 0, 9), hit(C, 0, 9)), False),
     ],
     "without all-or-nothing every hit is added, across slots": [
-        ([hit(A, 3, 2), hit(B, 1, 5), hit(C, 1, 0)], False),
-        ([hit(A, 3, 2), hit(B, 1, 5), hit(C, 1, 0)], False),
+        (request(hit(A, 3, 2), hit(B, 1, 5), hit(C, 1, 0)), False),
+        (request(hit(A, 3, 2), hit(B, 1, 5), hit(C, 1, 0)), False),
+    ],
+    "a descriptor's windows are admitted together, each counting by its algorithm": [
+        (list(GROUPED), False),
+        (list(GROUPED), True),
+        (list(GROUPED), False),
+        (list(GROUPED), True),
+        (list(GROUPED), False),
     ],
     "an empty request": [([], True), ([], False)],
 }
@@ -182,29 +235,30 @@ SCENARIOS: dict[str, list[Request]] = {
 
 @pytest.mark.parametrize("requests", list(SCENARIOS.values()), ids=list(SCENARIOS))
 async def test_backends_count_like_memory(backend: Backend, requests: list[Request]) -> None:
-    """The same hit sequence gives the same Counts on memory, Redis and Redis Cluster."""
+    """The same hit sequence gives the same Outcomes on memory, Redis and Redis Cluster."""
     assert await run(backend, requests) == await reference(requests)
 
 
-async def test_duplicate_keys_and_roles_give_the_documented_counts(backend: Backend) -> None:
+async def test_duplicate_keys_and_roles_give_the_documented_outcomes(backend: Backend) -> None:
     """A key's later hits see its earlier ones; shadow never blocks; over-limit adds nothing."""
-    assert await backend.apply([hit(A, 2, 5), hit(A, 3, 5)], True) == [
-        Count(0, True),
-        Count(2, True),
+    assert await backend.apply(request(hit(A, 2, 5), hit(A, 3, 5)), True, NOW_MS) == [
+        outcome(False, 3, True, 5),
+        outcome(False, 0, True, 3),
     ]
     # A is at 5: one more blocking hit is over, so nothing is added anywhere.
-    assert await backend.apply([hit(B, 1, 5), hit(A, 1, 5)], True) == [
-        Count(0, False),
-        Count(5, False),
+    assert await backend.apply(request(hit(B, 1, 5), hit(A, 1, 5)), True, NOW_MS) == [
+        outcome(False, 5, False, 5),
+        outcome(True, 0, False, 0),
     ]
     # The same over-limit counter as shadow does not block.
-    assert await backend.apply([hit(B, 1, 5), hit(A, 1, 5, Role.SHADOW)], True) == [
-        Count(0, True),
-        Count(5, True),
+    assert await backend.apply(request(hit(B, 1, 5), hit(A, 1, 5, Role.SHADOW)), True, NOW_MS) == [
+        outcome(False, 4, True, 5),
+        outcome(True, 0, True, 0),
     ]
-    assert await backend.apply([hit(A, 0, 5), hit(B, 0, 5)], False) == [
-        Count(6, True),
-        Count(1, True),
+    # A check with a wider limit reads the counters: A at 6, B at 1.
+    assert await backend.apply(request(hit(A, 0, 10), hit(B, 0, 10)), False, NOW_MS) == [
+        outcome(False, 4, True, 4),
+        outcome(False, 9, True, 9),
     ]
 
 
@@ -233,12 +287,18 @@ _example_ids = itertools.count()
 )
 @given(requests=_requests)
 async def test_random_requests_count_like_memory(backend: Backend, requests: list[Request]) -> None:
-    """Any sequence of requests gives the memory backend's Counts on Redis and Redis Cluster."""
+    """Any sequence of requests gives the memory backend's Outcomes on Redis and Redis Cluster."""
     # Examples share the server: a fresh key suffix per example keeps them apart (and keeps the
     # hash tags, so the slots stay the same).
     suffix = b"|example%d" % next(_example_ids)
     requests = [
-        ([Hit(h.key + suffix, h.hits, h.limit, h.ttl, h.role) for h in hits], all_or_nothing)
+        (
+            [
+                replace(h, key=h.key + suffix, previous=h.key + suffix, group=i)
+                for i, h in enumerate(hits)
+            ],
+            all_or_nothing,
+        )
         for hits, all_or_nothing in requests
     ]
     assert await run(backend, requests) == await reference(requests)
@@ -248,17 +308,22 @@ async def test_random_requests_count_like_memory(backend: Backend, requests: lis
 async def test_concurrent_hits_admit_exactly_the_limit(
     backend: Backend, all_or_nothing: bool
 ) -> None:
-    """200 concurrent single hits on a 50-limit counter: exactly 50 see room under the limit."""
+    """200 concurrent single hits on a 50-limit counter: exactly 50 see room under the limit.
+
+    Each sees its own count before it: 50 find room left (50 down to 1), the rest none. With
+    all-or-nothing only the 50 are added; otherwise every hit is, as the reference counts them.
+    """
     results = await asyncio.gather(
-        *(backend.apply([hit(A, 1, 50)], all_or_nothing) for _ in range(200))
+        *(backend.apply([hit(A, 1, 50)], all_or_nothing, NOW_MS) for _ in range(200))
     )
-    befores = sorted(counts[0].before for counts in results)
-    assert sum(before < 50 for before in befores) == 50
-    if all_or_nothing:
-        assert sum(counts[0].applied for counts in results) == 50
-        assert befores.count(50) == 150
-    else:
-        assert befores == list(range(200))
+    assert sum(not outcomes[0].over for outcomes in results) == 50
+    left = sorted((outcomes[0].left_before for outcomes in results), reverse=True)
+    assert left == [*range(50, 0, -1)] + [0] * 150
+    applied = sum(outcomes[0].applied for outcomes in results)
+    assert applied == (50 if all_or_nothing else 200)
+    # A check under a wide limit reads the counter back.
+    [check] = await backend.apply([hit(A, 0, 1_000)], False, NOW_MS)
+    assert check.left_before == 1_000 - applied
 
 
 # --- what only Redis has: TTLs, round trips, the script cache ----------------------------------
@@ -273,15 +338,15 @@ async def test_ttl_is_set_when_a_counter_is_created(
     store: RedisServer | RedisCluster, store_backend: Backend
 ) -> None:
     """A new counter expires after its ttl; later hits do not extend it; checks create nothing."""
-    await store_backend.apply([hit(A, 1, 10, ttl=30)], False)
+    await store_backend.apply([hit(A, 1, 10, ttl=30)], False, NOW_MS)
     with store.client() as client:
         first = client.pttl(A)
         assert 0 < first <= 30_000
-        await store_backend.apply([hit(A, 1, 10, ttl=1_000)], False)
+        await store_backend.apply([hit(A, 1, 10, ttl=1_000)], False, NOW_MS)
         assert 0 < client.pttl(A) <= first
 
-        await store_backend.apply([hit(B, 0, 10)], False)
-        await store_backend.apply([hit(C, 0, 10), hit(b"rl{a}|other", 5, 3)], True)
+        await store_backend.apply([hit(B, 0, 10)], False, NOW_MS)
+        await store_backend.apply(request(hit(C, 0, 10), hit(b"rl{a}|other", 5, 3)), True, NOW_MS)
         assert client.exists(B, C, b"rl{a}|other") == 0
 
 
@@ -292,15 +357,15 @@ async def test_one_script_call_per_hash_slot(
     for node in store.nodes:
         with node.client() as client:
             client.script_load(_SCRIPT)
-    same_tag = [hit(b"rl{b}|%d" % i, 1, 10) for i in range(5)]
+    same_tag = request(*(hit(b"rl{b}|%d" % i, 1, 10) for i in range(5)))
     reset_stats(store)
-    await store_backend.apply(same_tag, False)
-    await store_backend.apply(same_tag, True)
+    await store_backend.apply(same_tag, False, NOW_MS)
+    await store_backend.apply(same_tag, True, NOW_MS)
     assert evalsha_calls(store) == 2
 
-    three_slots = [hit(A, 1, 10), hit(B, 1, 10), hit(C, 1, 10), hit(b"rl{b}|x", 1, 10)]
+    three_slots = request(hit(A, 1, 10), hit(B, 1, 10), hit(C, 1, 10), hit(b"rl{b}|x", 1, 10))
     reset_stats(store)
-    await store_backend.apply(three_slots, False)
+    await store_backend.apply(three_slots, False, NOW_MS)
     assert evalsha_calls(store) == (3 if isinstance(store, RedisCluster) else 1)
 
 
@@ -308,17 +373,12 @@ async def test_script_cache_loss_is_recovered(
     store: RedisServer | RedisCluster, store_backend: Backend
 ) -> None:
     """After SCRIPT FLUSH (as after a restart or a failover) apply works and reloads the script."""
-    assert await store_backend.apply([hit(A, 1, 10), hit(B, 1, 10)], False) == [
-        Count(0, True),
-        Count(0, True),
-    ]
+    hits = request(hit(A, 1, 10), hit(B, 1, 10))
+    assert await store_backend.apply(hits, False, NOW_MS) == [outcome(False, 9, True, 10)] * 2
     for node in store.nodes:
         with node.client() as client:
             client.script_flush()
-    assert await store_backend.apply([hit(A, 1, 10), hit(B, 1, 10)], False) == [
-        Count(1, True),
-        Count(1, True),
-    ]
+    assert await store_backend.apply(hits, False, NOW_MS) == [outcome(False, 8, True, 9)] * 2
     cached = []
     for node in store.nodes:
         with node.client() as client:
@@ -333,16 +393,24 @@ async def test_cluster_rejection_across_slots_writes_nothing(
     """An all-or-nothing request over three slots that is over its limit adds to no slot."""
     backend = RedisClusterBackend.from_url(cluster_url, timeout_ms=TIMEOUT_MS)
     try:
-        await backend.apply([hit(C, 2, 2)], False)
-        counts = await backend.apply([hit(A, 1, 5), hit(B, 1, 5), hit(C, 1, 2)], True)
-        assert counts == [Count(0, False), Count(0, False), Count(2, False)]
+        await backend.apply([hit(C, 2, 2)], False, NOW_MS)
+        hits = request(hit(A, 1, 5), hit(B, 1, 5), hit(C, 1, 2))
+        assert await backend.apply(hits, True, NOW_MS) == [
+            outcome(False, 5, False, 5),
+            outcome(False, 5, False, 5),
+            outcome(True, 0, False, 0),
+        ]
         with redis_cluster.client() as client:
             assert client.exists(A) == 0
             assert client.exists(B) == 0
             assert client.get(C) == b"2"
 
-        counts = await backend.apply([hit(A, 1, 5), hit(B, 1, 5), hit(C, 0, 3)], True)
-        assert counts == [Count(0, True), Count(0, True), Count(2, True)]
+        hits = request(hit(A, 1, 5), hit(B, 1, 5), hit(C, 0, 3))
+        assert await backend.apply(hits, True, NOW_MS) == [
+            outcome(False, 4, True, 5),
+            outcome(False, 4, True, 5),
+            outcome(False, 1, True, 1),
+        ]
         with redis_cluster.client() as client:
             assert [client.get(A), client.get(B), client.get(C)] == [b"1", b"1", b"2"]
     finally:
@@ -362,7 +430,7 @@ async def timed_apply(backend: Backend) -> tuple[float, BaseException | None]:
     """How long one apply took, and what it raised."""
     started = time.monotonic()
     try:
-        await backend.apply([hit(A, 1, 10)], False)
+        await backend.apply([hit(A, 1, 10)], False, NOW_MS)
     except Exception as exc:
         return time.monotonic() - started, exc
     return time.monotonic() - started, None
@@ -374,20 +442,32 @@ async def expect_storage_error(backend: Backend, deadline_ms: int = DEADLINE_MS)
     assert elapsed < deadline_ms / 1000 + SLACK
 
 
+async def answers_within(backend: Backend, seconds: float) -> bool:
+    """Whether `backend` answers a ping within `seconds`."""
+    deadline = time.monotonic() + seconds
+    while not await backend.ping():
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(0.01)
+    return True
+
+
 @pytest.mark.redis
 async def test_stopped_redis_fails_in_time_and_recovers(restartable_redis: RedisServer) -> None:
     """With Redis down apply raises StorageError by the deadline; once it is back, apply works."""
     backend = RedisBackend.from_url(restartable_redis.url, timeout_ms=RECOVERY_DEADLINE_MS)
     try:
-        assert await backend.apply([hit(A, 1, 10)], False) == [Count(0, True)]
+        assert await backend.apply([hit(A, 1, 10)], False, NOW_MS) == [outcome(False, 9, True, 10)]
         await asyncio.to_thread(restartable_redis.stop)
         await expect_storage_error(backend, RECOVERY_DEADLINE_MS)
         await expect_storage_error(backend, RECOVERY_DEADLINE_MS)
         assert await backend.ping() is False
 
         await asyncio.to_thread(restartable_redis.start)
+        # After a refused connection the client holds off a moment before it tries again.
+        assert await answers_within(backend, 1.0)
         # The restarted server has lost the counters and the script, not the backend.
-        assert await backend.apply([hit(A, 1, 10)], False) == [Count(0, True)]
+        assert await backend.apply([hit(A, 1, 10)], False, NOW_MS) == [outcome(False, 9, True, 10)]
         assert await backend.ping() is True
     finally:
         await backend.close()
@@ -398,12 +478,16 @@ async def test_restarted_redis_is_used_without_error(restartable_redis: RedisSer
     """Pooled connections to a Redis that restarted are replaced, not failed on."""
     backend = RedisBackend.from_url(restartable_redis.url, timeout_ms=TIMEOUT_MS)
     try:
-        await asyncio.gather(*(backend.apply([hit(A, 1, 100)], False) for _ in range(10)))
+        await asyncio.gather(*(backend.apply([hit(A, 1, 100)], False, NOW_MS) for _ in range(10)))
         await asyncio.to_thread(restartable_redis.restart)
         # Give the event loop a moment to see the old connections close, as a live service would.
         await asyncio.sleep(0.05)
-        results = await asyncio.gather(*(backend.apply([hit(A, 1, 100)], False) for _ in range(10)))
-        assert sorted(counts[0].before for counts in results) == list(range(10))
+        results = await asyncio.gather(
+            *(backend.apply([hit(A, 1, 100)], False, NOW_MS) for _ in range(10))
+        )
+        # The restarted server counts from zero again, every hit exactly once.
+        left = sorted(outcomes[0].left_before for outcomes in results)
+        assert left == list(range(91, 101))
     finally:
         await backend.close()
 
@@ -413,15 +497,15 @@ async def test_paused_redis_fails_in_time_and_recovers(restartable_redis: RedisS
     """A Redis that holds connections open but never answers is a StorageError by the deadline."""
     backend = RedisBackend.from_url(restartable_redis.url, timeout_ms=RECOVERY_DEADLINE_MS)
     try:
-        await backend.apply([hit(A, 1, 10)], False)
+        await backend.apply([hit(A, 1, 10)], False, NOW_MS)
         restartable_redis.pause()
         await expect_storage_error(backend, RECOVERY_DEADLINE_MS)
         assert await backend.ping() is False
 
         restartable_redis.resume()
-        counts = await backend.apply([hit(A, 0, 10)], False)
+        [check] = await backend.apply([hit(A, 0, 10)], False, NOW_MS)
         # Commands sent while it was paused may have run once it resumed.
-        assert counts[0].before >= 1
+        assert check.left_before <= 9
         assert await backend.ping() is True
     finally:
         restartable_redis.resume()
@@ -473,7 +557,7 @@ async def test_closed_port_fails_in_time(scheme: str) -> None:
     try:
         await expect_storage_error(backend)
         with pytest.raises(StorageError) as caught:
-            await backend.apply([hit(A, 1, 10)], True)
+            await backend.apply([hit(A, 1, 10)], True, NOW_MS)
         assert caught.value.__cause__ is not None
         assert await backend.ping() is False
     finally:

@@ -11,6 +11,11 @@ Three phases:
 3. Hits are applied: a plain fixed window counts every hit, admitted or not (the reference's
    behaviour); a token bucket, a borrowing window or a sliding window counts a hit only when its
    descriptor was admitted. With all-or-nothing, a request that is OVER_LIMIT applies nothing.
+   With `force` (recording impressions, which are facts) every hit is applied, whatever the
+   limits say: windows go past their limit and buckets below their credit line.
+
+A counter is addressed by its key, or by (hash key, field) when its tree groups its counters
+in one hash (`group_counters`, see `storage.keys`).
 """
 
 from __future__ import annotations
@@ -27,6 +32,12 @@ from sidecar.model import Algorithm, Hit, Outcome, Role, Window
 PLAIN, BORROWING, SLIDING, BUCKET = 0, 1, 2, 3
 
 State = int | Bucket
+#: Where a value is stored: a key, or (hash key, field) for a grouped counter.
+Address = bytes | tuple[bytes, bytes]
+
+
+def address(key: bytes, field: bytes) -> Address:
+    return (key, field) if field else key
 
 
 def code(window: Window) -> int:
@@ -40,12 +51,17 @@ def code(window: Window) -> int:
 @dataclass(frozen=True, slots=True)
 class Write:
     """A change to one stored value: add `amount` to a counter (created with `ttl_ms`), or store a
-    bucket's `state` for `ttl_ms`."""
+    bucket's `state` for `ttl_ms`. `field` is set for a counter in a grouped hash."""
 
     key: bytes
     amount: int = 0
     state: Bucket | None = None
     ttl_ms: int = 0
+    field: bytes = b""
+
+    @property
+    def address(self) -> Address:
+        return address(self.key, self.field)
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,21 +73,22 @@ class _Judged:
 
 
 def decide(
-    read: Callable[[bytes], State | None],
+    read: Callable[[Address], State | None],
     hits: Sequence[Hit],
     now_ms: int,
     all_or_nothing: bool,
     read_only: bool = False,
+    force: bool = False,
 ) -> tuple[list[Outcome], list[Write]]:
     """Outcomes for `hits`, and the writes that apply them. `read` gives a stored value or None."""
-    seen: dict[bytes, State | None] = {}
+    seen: dict[Address, State | None] = {}
 
-    def value(key: bytes) -> State | None:
-        if key not in seen:
-            seen[key] = read(key)
-        return seen[key]
+    def value(where: Address) -> State | None:
+        if where not in seen:
+            seen[where] = read(where)
+        return seen[where]
 
-    judged = [_judge(hit, value, seen, now_ms) for hit in hits]
+    judged = [_judge(hit, value, seen, now_ms, force) for hit in hits]
 
     group_over: dict[int, bool] = {}
     group_role: dict[int, Role] = {}
@@ -87,59 +104,67 @@ def decide(
     blocked = read_only or (all_or_nothing and request_over)
     for hit, j in zip(hits, judged, strict=True):
         algorithm = code(hit.window)
-        applied = not blocked and (algorithm == PLAIN or not group_over[hit.group])
+        applied = force or (not blocked and (algorithm == PLAIN or not group_over[hit.group]))
         remaining, reset_ms = j.after if applied else j.before
         if algorithm != BUCKET:
             reset_ms = hit.reset_ms
         outcomes.append(Outcome(j.over, remaining, reset_ms, applied, j.before[0]))
         if applied and hit.hits > 0:
             if algorithm == BUCKET:
-                writes.append(Write(hit.key, state=j.state, ttl_ms=j.after[1]))
+                writes.append(Write(hit.key, state=j.state, ttl_ms=j.after[1], field=hit.field))
             else:
-                writes.append(Write(hit.key, amount=hit.hits, ttl_ms=hit.ttl * 1000))
+                writes.append(
+                    Write(hit.key, amount=hit.hits, ttl_ms=hit.ttl * 1000, field=hit.field)
+                )
     return outcomes, writes
 
 
 def _judge(
     hit: Hit,
-    value: Callable[[bytes], State | None],
-    seen: dict[bytes, State | None],
+    value: Callable[[Address], State | None],
+    seen: dict[Address, State | None],
     now_ms: int,
+    force: bool,
 ) -> _Judged:
     window = hit.window
     cost = hit.hits
     algorithm = code(window)
+    here = address(hit.key, hit.field)
     if algorithm == BUCKET:
-        stored = value(hit.key)
+        stored = value(here)
         rate, period_ms = window.requests_per_unit, window.seconds * 1000
         capacity = window.capacity
         bucket = token_bucket.refill(
             stored if isinstance(stored, Bucket) else None, now_ms, rate, period_ms, capacity
         )
-        taken = token_bucket.take(bucket, cost, rate, period_ms, capacity, window.borrow)
+        taken = token_bucket.take(bucket, cost, rate, period_ms, capacity, window.borrow, force)
         before = (
             max(0, math.floor(bucket.tokens)),
             token_bucket.reset_ms(bucket.tokens, rate, period_ms, capacity),
         )
-        if not taken.over and cost > 0:
-            seen[hit.key] = taken.state
+        if (force or not taken.over) and cost > 0:
+            seen[here] = taken.state
         return _Judged(taken.over, before, (taken.remaining, taken.reset_ms), taken.state)
 
-    current = _count(value(hit.key))
+    current = _count(value(here))
     limit = window.requests_per_unit
     if algorithm == SLIDING:
-        previous = _count(value(hit.previous))
+        previous = _count(value(address(hit.previous, hit.previous_field)))
         window_ms = window.seconds * 1000
         over, before_left, after_left = sliding_window.judge(
             previous, current, hit.elapsed_ms, window_ms, cost, limit
         )
     else:
-        previous = _count(value(hit.previous)) if algorithm == BORROWING else 0
+        previous = (
+            _count(value(address(hit.previous, hit.previous_field)))
+            if algorithm == BORROWING
+            else 0
+        )
         over, before_left, after_left = fixed_window.judge(
             previous, current, cost, limit, window.borrow
         )
-    if algorithm == PLAIN or not over:
-        seen[hit.key] = current + cost
+    if algorithm == PLAIN or not over or force:
+        seen[here] = current + cost
     return _Judged(over, (before_left, hit.reset_ms), (after_left, hit.reset_ms), None)
 
 

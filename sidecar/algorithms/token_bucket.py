@@ -54,6 +54,10 @@ def refill(state: Bucket | None, now_ms: int, rate: int, period_ms: int, capacit
     if state is None:
         return Bucket(float(capacity), now_ms, 0.0)
     elapsed = max(0, now_ms - state.stamp_ms)
+    if elapsed >= reset_ms(state.tokens, rate, period_ms, capacity):
+        # Full from its reset time on, exactly as if its state had expired then: the refill
+        # below can round to a hair under capacity (6.999999999999999 of 7) at that instant.
+        return Bucket(float(capacity), now_ms, 0.0)
     tokens = min(float(capacity), state.tokens + float(elapsed) * rate / period_ms)
     drawn = 0.0 if tokens >= capacity else state.drawn
     return Bucket(tokens, now_ms, drawn)
@@ -64,13 +68,25 @@ def reset_ms(tokens: float, rate: int, period_ms: int, capacity: int) -> int:
     return math.ceil((capacity - tokens) * period_ms / rate)
 
 
-def take(bucket: Bucket, cost: int, rate: int, period_ms: int, capacity: int, borrow: int) -> Taken:
-    """Take `cost` tokens from a refilled bucket, on credit where allowed (cost 0: a check)."""
+def take(
+    bucket: Bucket,
+    cost: int,
+    rate: int,
+    period_ms: int,
+    capacity: int,
+    borrow: int,
+    force: bool = False,
+) -> Taken:
+    """Take `cost` tokens from a refilled bucket, on credit where allowed (cost 0: a check).
+
+    `force` takes them even when over (a recorded impression is a fact): the balance may then
+    fall below the credit line, and refills repay it before anything is admitted again.
+    """
     need = cost if cost > 0 else 1
     tokens = bucket.tokens
     credit = max(0.0, need - max(tokens, 0.0))
     over = bucket.drawn + credit > borrow
-    if not over and cost > 0:
+    if (force or not over) and cost > 0:
         tokens = tokens - cost
         bucket = Bucket(tokens, bucket.stamp_ms, bucket.drawn + credit)
     return Taken(

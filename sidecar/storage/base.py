@@ -10,7 +10,8 @@ from collections.abc import Sequence
 from typing import Protocol
 from urllib.parse import urlsplit
 
-from sidecar.model import Hit, Outcome
+from sidecar.algorithms.decide import Address, State
+from sidecar.model import Dedupe, Hit, Outcome
 
 
 class Backend(Protocol):
@@ -28,6 +29,22 @@ class Backend(Protocol):
     async def apply(
         self, hits: Sequence[Hit], all_or_nothing: bool, now_ms: int
     ) -> list[Outcome]: ...
+
+    async def record(
+        self, batches: Sequence[tuple[Sequence[Hit], Dedupe]], now_ms: int
+    ) -> list[list[bool]]:
+        """Count impressions exactly once: for each batch (the impressions of one user, whose
+        hits and id hashes share a hash slot), atomically, skip the impressions whose id is in
+        either id hash, add the others' ids and apply all their hits whatever the limits say.
+        Returns, per batch, one flag per id: True when it was seen before (nothing changed)."""
+        ...
+
+    async def read(self, addresses: Sequence[Address], now_ms: int) -> list[State | None]:
+        """The values at `addresses` at `now_ms`, in order, writing nothing: counters as ints,
+        token buckets as Buckets, None where nothing is stored. One round trip per hash slot;
+        each grouped hash, and each slot's string keys, are read at one instant. A frequency-cap
+        check judges these in Python (`decide`, read only), which answers as the script would."""
+        ...
 
     async def ping(self) -> bool:
         """Whether the store answers now (for health checks)."""

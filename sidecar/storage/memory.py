@@ -1,29 +1,37 @@
 """Counters in this process's memory: the embedded default, for one sidecar with no Redis.
 
-Decisions are atomic because `apply` never awaits between reading and writing.
+Decisions are atomic because `apply` and `record` never await between reading and writing.
 Every stored value expires (a window counter after its ttl, a token bucket once it would be full
-again), and expired values are evicted, so memory stays bounded by the live windows even under
-millions of distinct descriptor values. Counters are lost on restart.
+again, a grouped counter when its field would be pruned from its Redis hash, the ids of a horizon
+bucket when their time is up), and expired values are evicted, so memory stays bounded by the
+live windows even under millions of distinct descriptor values. Counters are lost on restart.
+
+A grouped counter (a field of a Redis hash) is stored here under ``(hash key, field)``: Redis
+prunes a hash field by field, which this mirrors by giving each field its own expiry.
 """
 
 from __future__ import annotations
 
 import heapq
+import itertools
 from collections.abc import Sequence
 
-from sidecar.algorithms.decide import State, decide
-from sidecar.model import Hit, Outcome
+from sidecar.algorithms.decide import Address, State, decide
+from sidecar.algorithms.windows import FIELD_GRACE
+from sidecar.model import Dedupe, Hit, Outcome
 
 
 class MemoryBackend:
     name = "memory"
 
     def __init__(self) -> None:
-        # key -> [value, expires_at_ms]
-        self._values: dict[bytes, list[object]] = {}
-        # (expires_at_ms, key), one entry per stored key; an entry found stale when it comes up
-        # (its key was written again with a later expiry) is pushed back with the new time.
-        self._expiries: list[tuple[int, bytes]] = []
+        # address -> [value, expires_at_ms]; a value is a count, a bucket or a set of ids.
+        self._values: dict[Address, list[object]] = {}
+        # (expires_at_ms, order, address), one entry per stored value; an entry found stale when
+        # it comes up (its value was written again with a later expiry) is pushed back with the
+        # new time. `order` breaks ties, since a key and a (key, field) pair do not compare.
+        self._expiries: list[tuple[int, int, Address]] = []
+        self._order = itertools.count()
 
     def __len__(self) -> int:
         return len(self._values)
@@ -36,43 +44,95 @@ class MemoryBackend:
         self, hits: Sequence[Hit], all_or_nothing: bool, now_ms: int, read_only: bool = False
     ) -> list[Outcome]:
         self._evict(now_ms)
+        return self._decide(hits, all_or_nothing, now_ms, read_only, force=False)
+
+    async def record(
+        self, batches: Sequence[tuple[Sequence[Hit], Dedupe]], now_ms: int
+    ) -> list[list[bool]]:
+        """For each batch: which of its impression ids were seen before (their hits ignored);
+        the hits of the others are all applied, whatever the limits."""
+        self._evict(now_ms)
+        answers = []
+        for hits, dedupe in batches:
+            duplicates = self._remember(dedupe, now_ms)
+            fresh = [hit for hit in hits if not duplicates[hit.group]]
+            self._decide(fresh, False, now_ms, False, force=True)
+            answers.append(duplicates)
+        return answers
+
+    async def read(self, addresses: Sequence[Address], now_ms: int) -> list[State | None]:
+        self._evict(now_ms)
+        values = self._values
+        return [
+            None if (entry := values.get(where)) is None else entry[0]  # type: ignore[misc]
+            for where in addresses
+        ]
+
+    def _remember(self, dedupe: Dedupe, now_ms: int) -> list[bool]:
+        """Add each id unseen in either bucket to the current one; True for the ids seen."""
+        values = self._values
+        previous = values.get(dedupe.previous)
+        seen_before: set[str] = previous[0] if previous is not None else set()  # type: ignore[assignment]
+        entry = values.get(dedupe.current)
+        duplicates = []
+        for identifier in dedupe.ids:
+            current: set[str] = entry[0] if entry is not None else set()  # type: ignore[assignment]
+            if identifier in seen_before or identifier in current:
+                duplicates.append(True)
+                continue
+            duplicates.append(False)
+            if entry is None:
+                entry = self._store(dedupe.current, current, now_ms + dedupe.ttl_ms)
+            current.add(identifier)
+        return duplicates
+
+    def _decide(
+        self, hits: Sequence[Hit], all_or_nothing: bool, now_ms: int, read_only: bool, force: bool
+    ) -> list[Outcome]:
         values = self._values
 
-        def read(key: bytes) -> State | None:
-            entry = values.get(key)
+        def read(where: Address) -> State | None:
+            entry = values.get(where)
             return None if entry is None else entry[0]  # type: ignore[return-value]
 
-        outcomes, writes = decide(read, hits, now_ms, all_or_nothing, read_only)
+        outcomes, writes = decide(read, hits, now_ms, all_or_nothing, read_only, force)
         for write in writes:
-            entry = values.get(write.key)
+            where = write.address
+            entry = values.get(where)
             if write.state is not None:
                 expires_at = now_ms + write.ttl_ms
+                if write.field:
+                    # Redis keeps a grouped bucket's field until its keep-until plus the grace.
+                    expires_at += FIELD_GRACE * 1000
                 if entry is None:
-                    values[write.key] = [write.state, expires_at]
-                    heapq.heappush(self._expiries, (expires_at, write.key))
+                    self._store(where, write.state, expires_at)
                 else:
                     entry[0], entry[1] = write.state, expires_at
             elif entry is None:
-                expires_at = now_ms + write.ttl_ms
-                values[write.key] = [write.amount, expires_at]
-                heapq.heappush(self._expiries, (expires_at, write.key))
+                self._store(where, write.amount, now_ms + write.ttl_ms)
             else:
                 entry[0] += write.amount  # type: ignore[operator]
         return outcomes
+
+    def _store(self, where: Address, value: object, expires_at: int) -> list[object]:
+        entry: list[object] = [value, expires_at]
+        self._values[where] = entry
+        heapq.heappush(self._expiries, (expires_at, next(self._order), where))
+        return entry
 
     def _evict(self, now_ms: int) -> None:
         expiries = self._expiries
         values = self._values
         while expiries and expiries[0][0] <= now_ms:
-            _, key = heapq.heappop(expiries)
-            entry = values.get(key)
+            _, order, where = heapq.heappop(expiries)
+            entry = values.get(where)
             if entry is None:
                 continue
             expires_at: int = entry[1]  # type: ignore[assignment]
             if expires_at <= now_ms:
-                del values[key]
+                del values[where]
             else:
-                heapq.heappush(expiries, (expires_at, key))
+                heapq.heappush(expiries, (expires_at, order, where))
 
     async def ping(self) -> bool:
         return True

@@ -6,11 +6,16 @@ grouped by slot and the groups run concurrently. Every call has a deadline: what
 (refused connection, a server that never answers, a full connection pool, an error reply)
 surfaces as StorageError by then, so the service answers with its failure mode instead of
 making Envoy wait.
+
+`record` runs the same script in its record mode, once per user (a batch is one hash slot); the
+batches of one call run concurrently, which on a standalone Redis means one write and one round
+trip.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import ssl
 import sys
@@ -27,8 +32,11 @@ from redis.crc import key_slot
 from redis.exceptions import NoScriptError, RedisError
 
 from sidecar.algorithms import decide, fixed_window
+from sidecar.algorithms.decide import Address, State
+from sidecar.algorithms.token_bucket import Bucket
+from sidecar.algorithms.windows import FIELD_GRACE
 from sidecar.errors import StorageError
-from sidecar.model import Hit, Outcome, Role
+from sidecar.model import Dedupe, Hit, Outcome, Role
 from sidecar.storage.pipeline import PipelinedRedis, RedisReplyError
 
 _SCRIPT = (files("sidecar.algorithms") / "lua" / "decide.lua").read_text(encoding="utf-8")
@@ -38,6 +46,7 @@ _SHA = hashlib.sha1(_SCRIPT.encode()).hexdigest()
 MODE_ADD = 0
 MODE_ALL_OR_NOTHING = 1
 MODE_READ = 2
+MODE_RECORD = 3
 
 #: Connections per Redis node. Concurrent calls beyond it wait for a free one (until their
 #: deadline) rather than opening a socket each.
@@ -74,13 +83,19 @@ Reply = list[int]
 
 
 def _command(
-    hits: Sequence[Hit], mode: int, now_ms: int, quota_as_shadow: bool = False
+    hits: Sequence[Hit],
+    mode: int,
+    now_ms: int,
+    quota_as_shadow: bool = False,
+    dedupe: Dedupe | None = None,
 ) -> list[Any]:
     """The EVALSHA arguments that run the script on `hits`, as its header lays them out."""
-    args: list[Any] = ["EVALSHA", _SHA, 2 * len(hits)]
+    args: list[Any] = ["EVALSHA", _SHA, 2 * len(hits) + (2 if dedupe is not None else 0)]
     for hit in hits:
         args += (hit.key, hit.previous or hit.key)
-    args += (mode, now_ms)
+    if dedupe is not None:
+        args += (dedupe.current, dedupe.previous)
+    args += (mode, now_ms, len(hits), FIELD_GRACE * 1000)
     for hit in hits:
         role = hit.role
         if quota_as_shadow and role is Role.QUOTA:
@@ -99,8 +114,67 @@ def _command(
         else:
             params = (window.requests_per_unit, 0, window.borrow, 0)
         # int(): redis-py would encode an IntEnum by its repr.
-        args += (algorithm, hit.hits, hit.group, int(role), *params, hit.ttl)
+        args += (
+            algorithm,
+            hit.hits,
+            hit.group,
+            int(role),
+            *params,
+            hit.ttl,
+            hit.field,
+            hit.previous_field or hit.field,
+        )
+    if dedupe is not None:
+        args += (dedupe.ttl_ms, *dedupe.ids)
     return args
+
+
+def _record_commands(batches: Sequence[tuple[Sequence[Hit], Dedupe]], now_ms: int) -> list[Any]:
+    return [_command(hits, MODE_RECORD, now_ms, dedupe=dedupe) for hits, dedupe in batches]
+
+
+def _read_commands(addresses: Sequence[Address]) -> tuple[list[list[Any]], list[list[int]]]:
+    """The commands that read `addresses`: one HMGET per grouped hash, one MGET per slot's
+    string keys; and for each command, the positions of the addresses it reads."""
+    reads: dict[bytes | int, tuple[list[Any], list[int]]] = {}
+    for index, where in enumerate(addresses):
+        if isinstance(where, tuple):
+            key, field = where
+            read = reads.get(key)
+            if read is None:
+                read = reads[key] = (["HMGET", key], [])
+            read[0].append(field)
+        else:
+            slot = key_slot(where)
+            read = reads.get(slot)
+            if read is None:
+                read = reads[slot] = (["MGET"], [])
+            read[0].append(where)
+        read[1].append(index)
+    return [command for command, _ in reads.values()], [indexes for _, indexes in reads.values()]
+
+
+def _values(
+    count: int, positions: list[list[int]], replies: Sequence[list[bytes | None]]
+) -> list[State | None]:
+    """The read replies as `decide` reads values: counts, or buckets ("tokens stamp drawn
+    [keep until]"), None where nothing is stored."""
+    values: list[State | None] = [None] * count
+    for indexes, reply in zip(positions, replies, strict=True):
+        for index, raw in zip(indexes, reply, strict=True):
+            if raw is None:
+                continue
+            if b" " in raw:
+                tokens, stamp, drawn = raw.split()[:3]
+                values[index] = Bucket(float(tokens), int(float(stamp)), float(drawn))
+            else:
+                values[index] = int(raw)
+    return values
+
+
+def _duplicates(reply: Reply) -> list[bool]:
+    """The record mode's answer: one flag per impression, true when its id was seen before."""
+    return [flag == 1 for flag in reply]
 
 
 def _outcomes(hits: Sequence[Hit], reply: Reply) -> list[Outcome]:
@@ -178,7 +252,7 @@ class RedisBackend:
             db=_database(url, parts.path),
             username=unquote(parts.username) if parts.username else None,
             password=unquote(parts.password) if parts.password is not None else None,
-            ssl_context=_ssl_context(options) if tls else None,
+            ssl_context=functools.partial(_ssl_context, options) if tls else None,
             connect_timeout=timeout,
         )
         return cls(client, timeout_ms)
@@ -193,6 +267,51 @@ class RedisBackend:
         except Exception as exc:  # every failure, see _failure
             raise _failure(self.name, self._timeout_ms, exc) from exc
         return _outcomes(hits, reply)
+
+    async def record(
+        self, batches: Sequence[tuple[Sequence[Hit], Dedupe]], now_ms: int
+    ) -> list[list[bool]]:
+        """Record each batch (one user's impressions) exactly once; see `MemoryBackend.record`.
+
+        The batches' script calls leave in one write (the pipelined client), each atomic.
+        """
+        if not batches:
+            return []
+        commands = _record_commands(batches, now_ms)
+        try:
+            async with asyncio.timeout(self._timeout):
+                replies = await asyncio.gather(
+                    *(_run_pipelined(self._client, command) for command in commands),
+                    return_exceptions=True,
+                )
+                for reply in replies:
+                    if isinstance(reply, BaseException):
+                        raise reply
+        except Exception as exc:  # every failure, see _failure
+            raise _failure(self.name, self._timeout_ms, exc) from exc
+        return [_duplicates(reply) for reply in replies]  # type: ignore[arg-type]
+
+    async def read(self, addresses: Sequence[Address], now_ms: int) -> list[State | None]:
+        if not addresses:
+            return []
+        commands, positions = _read_commands(addresses)
+        try:
+            async with asyncio.timeout(self._timeout):
+                replies: list[Any]
+                if len(commands) == 1:
+                    replies = [await self._client.execute(*commands[0])]
+                else:
+                    # Issued in one tick: one write, one round trip.
+                    replies = await asyncio.gather(
+                        *(self._client.execute(*command) for command in commands),
+                        return_exceptions=True,
+                    )
+                    for reply in replies:
+                        if isinstance(reply, BaseException):
+                            raise reply
+        except Exception as exc:  # every failure, see _failure
+            raise _failure(self.name, self._timeout_ms, exc) from exc
+        return _values(len(addresses), positions, replies)
 
     async def ping(self) -> bool:
         try:
@@ -296,6 +415,48 @@ class RedisClusterBackend:
                 return await self._apply_per_slot(hits, list(slots.values()), MODE_ADD, now_ms)
         except Exception as exc:  # every failure, see _failure
             raise _failure(self.name, self._timeout_ms, exc) from exc
+
+    async def record(
+        self, batches: Sequence[tuple[Sequence[Hit], Dedupe]], now_ms: int
+    ) -> list[list[bool]]:
+        """Record each batch (one user's impressions, one slot) exactly once, concurrently."""
+        if not batches:
+            return []
+        commands = _record_commands(batches, now_ms)
+        try:
+            async with asyncio.timeout(self._timeout):
+                # return_exceptions: see _apply_per_slot.
+                replies = await asyncio.gather(
+                    *(self._run(command) for command in commands), return_exceptions=True
+                )
+                for reply in replies:
+                    if isinstance(reply, BaseException):
+                        raise reply
+        except Exception as exc:  # every failure, see _failure
+            raise _failure(self.name, self._timeout_ms, exc) from exc
+        return [_duplicates(reply) for reply in replies]  # type: ignore[arg-type]
+
+    async def read(self, addresses: Sequence[Address], now_ms: int) -> list[State | None]:
+        if not addresses:
+            return []
+        commands, positions = _read_commands(addresses)
+
+        async def run(command: list[Any]) -> Any:
+            async with self._slots_in_flight:
+                await self._client.initialize()  # see _run
+                return await self._client.execute_command(*command)
+
+        try:
+            async with asyncio.timeout(self._timeout):
+                replies = await asyncio.gather(
+                    *(run(command) for command in commands), return_exceptions=True
+                )
+                for reply in replies:
+                    if isinstance(reply, BaseException):
+                        raise reply
+        except Exception as exc:  # every failure, see _failure
+            raise _failure(self.name, self._timeout_ms, exc) from exc
+        return _values(len(addresses), positions, replies)  # type: ignore[arg-type]
 
     async def _apply_across_slots(
         self, hits: Sequence[Hit], groups: list[list[int]], now_ms: int

@@ -2,112 +2,185 @@
 -- Mirrors sidecar/algorithms/decide.py and the algorithm modules beside it, operation for
 -- operation, so that Redis and memory agree to the last bit: keep them in step.
 --
--- KEYS[2i-1]  hit i's counter (or bucket)      KEYS[2i]  its previous window's counter (or KEYS[2i-1])
+-- KEYS[2i-1]  hit i's counter, bucket, or grouped hash   KEYS[2i]  its previous window's counter
+--             (or KEYS[2i-1])
+-- KEYS[2n+1], KEYS[2n+2]  mode 3 only: the hashes of impression ids recorded in the current and
+--             in the previous horizon bucket
 -- ARGV[1]     mode: 0 apply (each window counts as its algorithm says); 1 all or nothing (apply
---             nothing when the request is OVER_LIMIT); 2 read only (judge, write nothing)
+--             nothing when the request is OVER_LIMIT); 2 read only (judge, write nothing);
+--             3 record: each impression id found in neither id hash is added to the current one
+--             and every hit of its group is applied whatever the limits say (an impression is a
+--             fact); the hits of an id seen before change nothing
 -- ARGV[2]     now, Unix milliseconds (the sidecar's clock)
--- ARGV[3 + 9(i-1) ...] for hit i, nine values:
+-- ARGV[3]     n, the number of hits
+-- ARGV[4]     grace, milliseconds a grouped field is kept past its keep-until
+-- ARGV[5 + 11(i-1) ...] for hit i, eleven values:
 --   algorithm  0 plain fixed window, 1 borrowing fixed window, 2 sliding window, 3 token bucket
 --   cost       hits to add; 0 = a check (would one more hit be admitted?)
---   group      the descriptor: a descriptor is over when any of its windows is
+--   group      the descriptor: a descriptor is over when any of its windows is (mode 3: the
+--              impression, numbered from 0)
 --   role       0 blocking, 1 shadow (never blocks), 2 quota (blocks when every quota one is over)
 --   p1..p4     windows: limit, unused, borrow (1) or elapsed ms (2), window ms (2)
 --              buckets: rate, period ms, capacity, borrow
---   ttl        seconds a new window counter lives
+--   ttl        seconds a new counter key (or the hash, for a new field) must live
+--   field      '' for a counter stored at its own key; else its field in the hash KEYS[2i-1],
+--              named `...|<code><keep until>` (see sidecar/storage/keys.py): the keep-until in
+--              five base-36 digits of minutes since 2020, or `.` and base-36 Unix seconds;
+--              a bucket's field ends in `_` instead
+--   previous   the previous window's field in that hash (or the field itself)
+-- ARGV[5 + 11n]      mode 3 only: milliseconds the current id hash must live
+-- ARGV[6 + 11n + g]  mode 3 only: the id of impression g
 --
--- Returns 5 integers per hit: over (0/1), remaining, reset ms (buckets; 0 for windows, whose
--- reset the caller knows), applied (0/1), and what the window admitted before this request.
+-- Returns, in modes 0 to 2, 5 integers per hit: over (0/1), remaining, reset ms (buckets; 0 for
+-- windows, whose reset the caller knows), applied (0/1), and what the window admitted before this
+-- request. Mode 3 returns one integer per impression: 1 when its id was seen before, else 0.
+--
+-- A grouped hash that gets a new field is pruned of the fields whose keep-until (plus the grace)
+-- has passed, and its expiry is pushed out to cover the fields written, so the hash stays small
+-- and vanishes once its user goes idle. A bucket's field keeps its keep-until (Unix ms) as the
+-- fourth word of its value.
+
+-- keys.FIELD_EPOCH: 2020-01-01T00:00:00Z, where the minutes of keep-until count from.
+local field_epoch = 1577836800
 
 local mode = tonumber(ARGV[1])
 local now = tonumber(ARGV[2])
-local n = #KEYS / 2
+local n = tonumber(ARGV[3])
+local grace = tonumber(ARGV[4])
+local force = mode == 3
 local seen = {}
 
-local function stored(key)
-  local v = seen[key]
+local function stored(key, field)
+  local values = seen[key]
+  if values == nil then
+    values = {}
+    seen[key] = values
+  end
+  local v = values[field]
   if v == nil then
-    v = redis.call('GET', key)
-    seen[key] = v
+    if field == '' then
+      v = redis.call('GET', key)
+    else
+      v = redis.call('HGET', key, field)
+    end
+    values[field] = v
   end
   return v
 end
 
-local function count(key)
-  local v = stored(key)
+local function count(key, field)
+  local v = stored(key, field)
   if not v then return 0 end
   return tonumber(v)
 end
 
-local function bucket(key)
-  local v = stored(key)
+local function bucket(key, field)
+  local v = stored(key, field)
   if not v then return nil end
   if type(v) == 'table' then return v end
-  local tokens, stamp, drawn = string.match(v, '^(%S+) (%S+) (%S+)$')
+  local tokens, stamp, drawn = string.match(v, '^(%S+) (%S+) (%S+)')
   return {tonumber(tokens), tonumber(stamp), tonumber(drawn)}
 end
 
+-- Mode 3: settle which impressions are new before anything is judged.
+local duplicate = {}
+local results = {}
+if force then
+  local current, previous = KEYS[2 * n + 1], KEYS[2 * n + 2]
+  local first = 6 + 11 * n
+  local added = false
+  for g = 0, #ARGV - first do
+    local id = ARGV[first + g]
+    if redis.call('HEXISTS', previous, id) == 1 or redis.call('HSETNX', current, id, 1) == 0 then
+      duplicate[g] = true
+      results[g + 1] = 1
+    else
+      added = true
+      results[g + 1] = 0
+    end
+  end
+  if added and redis.call('PTTL', current) < 0 then
+    redis.call('PEXPIRE', current, ARGV[5 + 11 * n])
+  end
+end
+
+local skipped = {}
 local over, before_left, before_reset, after_left, after_reset, state = {}, {}, {}, {}, {}, {}
 local group_over, group_role = {}, {}
 local groups = {}
 
 for i = 1, n do
-  local base = 3 + 9 * (i - 1)
-  local algorithm = tonumber(ARGV[base])
-  local cost = tonumber(ARGV[base + 1])
+  local base = 5 + 11 * (i - 1)
   local group = ARGV[base + 2]
-  local p1, p2, p3, p4 = tonumber(ARGV[base + 4]), tonumber(ARGV[base + 5]),
-    tonumber(ARGV[base + 6]), tonumber(ARGV[base + 7])
-  local key = KEYS[2 * i - 1]
-  local need = cost
-  if need == 0 then need = 1 end
-  local is_over
-  if algorithm == 3 then
-    local rate, period, capacity, borrow = p1, p2, p3, p4
-    local b = bucket(key)
-    local tokens, stamp, drawn
-    if b == nil then
-      tokens, drawn = capacity, 0
-    else
-      local elapsed = now - b[2]
-      if elapsed < 0 then elapsed = 0 end
-      tokens = math.min(capacity, b[1] + elapsed * rate / period)
-      if tokens >= capacity then drawn = 0 else drawn = b[3] end
-    end
-    before_left[i] = math.max(0, math.floor(tokens))
-    before_reset[i] = math.ceil((capacity - tokens) * period / rate)
-    local credit = math.max(0, need - math.max(tokens, 0))
-    is_over = drawn + credit > borrow
-    if not is_over and cost > 0 then
-      tokens = tokens - cost
-      drawn = drawn + credit
-      state[i] = {tokens, now, drawn}
-      seen[key] = state[i]
-    end
-    after_left[i] = math.max(0, math.floor(tokens))
-    after_reset[i] = math.ceil((capacity - tokens) * period / rate)
+  if force and duplicate[tonumber(group)] then
+    skipped[i] = true
+  elseif force and tonumber(ARGV[base]) ~= 3 then
+    -- Recorded, a window counts the impression whatever it holds: nothing to read or judge
+    -- (decide.py judges it anyway; mode 3 answers no outcome, so nobody can tell).
+    over[i] = false
   else
-    local limit = p1
-    local current = count(key)
-    local capacity, estimate = limit, current
-    if algorithm == 1 then
-      local debt = math.max(0, count(KEYS[2 * i]) - limit)
-      if debt > 0 then capacity = limit - debt else capacity = limit + p3 end
-    elseif algorithm == 2 then
-      estimate = count(KEYS[2 * i]) * (p4 - p3) / p4 + current
+    local algorithm = tonumber(ARGV[base])
+    local cost = tonumber(ARGV[base + 1])
+    local p1, p2, p3, p4 = tonumber(ARGV[base + 4]), tonumber(ARGV[base + 5]),
+      tonumber(ARGV[base + 6]), tonumber(ARGV[base + 7])
+    local key, field = KEYS[2 * i - 1], ARGV[base + 9]
+    local need = cost
+    if need == 0 then need = 1 end
+    local is_over
+    if algorithm == 3 then
+      local rate, period, capacity, borrow = p1, p2, p3, p4
+      local b = bucket(key, field)
+      local tokens, drawn
+      if b == nil then
+        tokens, drawn = capacity, 0
+      else
+        local elapsed = now - b[2]
+        if elapsed < 0 then elapsed = 0 end
+        if elapsed >= math.ceil((capacity - b[1]) * period / rate) then
+          tokens, drawn = capacity, 0
+        else
+          tokens = math.min(capacity, b[1] + elapsed * rate / period)
+          if tokens >= capacity then drawn = 0 else drawn = b[3] end
+        end
+      end
+      before_left[i] = math.max(0, math.floor(tokens))
+      before_reset[i] = math.ceil((capacity - tokens) * period / rate)
+      local credit = math.max(0, need - math.max(tokens, 0))
+      is_over = drawn + credit > borrow
+      if (force or not is_over) and cost > 0 then
+        tokens = tokens - cost
+        drawn = drawn + credit
+        state[i] = {tokens, now, drawn}
+        seen[key][field] = state[i]
+      end
+      after_left[i] = math.max(0, math.floor(tokens))
+      after_reset[i] = math.ceil((capacity - tokens) * period / rate)
+    else
+      local limit = p1
+      local current = count(key, field)
+      local capacity, estimate = limit, current
+      if algorithm == 1 then
+        local debt = math.max(0, count(KEYS[2 * i], ARGV[base + 10]) - limit)
+        if debt > 0 then capacity = limit - debt else capacity = limit + p3 end
+      elseif algorithm == 2 then
+        estimate = count(KEYS[2 * i], ARGV[base + 10]) * (p4 - p3) / p4 + current
+      end
+      is_over = estimate + need > capacity
+      before_left[i] = math.max(0, math.floor(capacity - estimate))
+      after_left[i] = math.max(0, math.floor(capacity - estimate - cost))
+      before_reset[i], after_reset[i] = 0, 0
+      if algorithm == 0 or not is_over or force then
+        seen[key][field] = tostring(current + cost)
+      end
     end
-    is_over = estimate + need > capacity
-    before_left[i] = math.max(0, math.floor(capacity - estimate))
-    after_left[i] = math.max(0, math.floor(capacity - estimate - cost))
-    before_reset[i], after_reset[i] = 0, 0
-    if algorithm == 0 or not is_over then seen[key] = tostring(current + cost) end
+    over[i] = is_over
+    if group_over[group] == nil then
+      groups[#groups + 1] = group
+      group_over[group] = false
+    end
+    group_over[group] = group_over[group] or is_over
+    group_role[group] = ARGV[base + 3]
   end
-  over[i] = is_over
-  if group_over[group] == nil then
-    groups[#groups + 1] = group
-    group_over[group] = false
-  end
-  group_over[group] = group_over[group] or is_over
-  group_role[group] = ARGV[base + 3]
 end
 
 local request_over = false
@@ -123,29 +196,85 @@ end
 if quota_seen and quota_all_over then request_over = true end
 local blocked = mode == 2 or (mode == 1 and request_over)
 
-local result = {}
+-- Grouped hashes written: {ms they must live at least, whether a field was created}.
+local hashes, hash_order = {}, {}
+local function touch(key, needed, created)
+  local h = hashes[key]
+  if h == nil then
+    h = {0, false}
+    hashes[key] = h
+    hash_order[#hash_order + 1] = key
+  end
+  if needed > h[1] then h[1] = needed end
+  if created then h[2] = true end
+end
+
 for i = 1, n do
-  local base = 3 + 9 * (i - 1)
-  local algorithm = tonumber(ARGV[base])
-  local cost = tonumber(ARGV[base + 1])
-  local applied = (not blocked) and (algorithm == 0 or not group_over[ARGV[base + 2]])
-  local key = KEYS[2 * i - 1]
-  if applied and cost > 0 then
-    if algorithm == 3 then
-      local s = state[i]
-      redis.call('SET', key, string.format('%.17g %.17g %.17g', s[1], s[2], s[3]),
-        'PX', after_reset[i])
-    elseif redis.call('INCRBY', key, cost) == cost then
-      redis.call('EXPIRE', key, ARGV[base + 8])
+  if not skipped[i] then
+    local base = 5 + 11 * (i - 1)
+    local algorithm = tonumber(ARGV[base])
+    local cost = tonumber(ARGV[base + 1])
+    local applied = force or ((not blocked) and (algorithm == 0 or not group_over[ARGV[base + 2]]))
+    local key, field = KEYS[2 * i - 1], ARGV[base + 9]
+    if applied and cost > 0 then
+      if algorithm == 3 then
+        local s = state[i]
+        local text = string.format('%.17g %.17g %.17g', s[1], s[2], s[3])
+        if field == '' then
+          redis.call('SET', key, text, 'PX', after_reset[i])
+        else
+          local keep = string.format(' %.17g', now + after_reset[i])
+          local created = redis.call('HSET', key, field, text .. keep) == 1
+          touch(key, after_reset[i], created)
+        end
+      elseif field == '' then
+        if redis.call('INCRBY', key, cost) == cost then
+          redis.call('EXPIRE', key, ARGV[base + 8])
+        end
+      elseif redis.call('HINCRBY', key, field, cost) == cost then
+        touch(key, 1000 * tonumber(ARGV[base + 8]), true)
+      end
+    end
+    if not force then
+      local o = 5 * (i - 1)
+      if over[i] then results[o + 1] = 1 else results[o + 1] = 0 end
+      if applied then
+        results[o + 2], results[o + 3], results[o + 4] = after_left[i], after_reset[i], 1
+      else
+        results[o + 2], results[o + 3], results[o + 4] = before_left[i], before_reset[i], 0
+      end
+      results[o + 5] = before_left[i]
     end
   end
-  local o = 5 * (i - 1)
-  if over[i] then result[o + 1] = 1 else result[o + 1] = 0 end
-  if applied then
-    result[o + 2], result[o + 3], result[o + 4] = after_left[i], after_reset[i], 1
-  else
-    result[o + 2], result[o + 3], result[o + 4] = before_left[i], before_reset[i], 0
-  end
-  result[o + 5] = before_left[i]
 end
-return result
+
+for _, key in ipairs(hash_order) do
+  local h = hashes[key]
+  if h[2] then
+    local all = redis.call('HGETALL', key)
+    local ended = {}
+    for j = 1, #all, 2 do
+      local field = all[j]
+      local last = string.match(field, '([^|]*)$')
+      local keep
+      if string.sub(last, -1) == '_' then
+        keep = tonumber(string.match(all[j + 1], '^%S+ %S+ %S+ (%S+)'))
+      else
+        local seconds = string.match(last, '%.(%w+)$')
+        if seconds ~= nil then
+          keep = tonumber(seconds, 36)
+          if keep ~= nil then keep = keep * 1000 end
+        else
+          keep = tonumber(string.sub(last, -5), 36)
+          if keep ~= nil then keep = (field_epoch + keep * 60) * 1000 end
+        end
+      end
+      if keep ~= nil and keep + grace <= now then ended[#ended + 1] = field end
+    end
+    if #ended > 0 then redis.call('HDEL', key, unpack(ended)) end
+  end
+  if h[1] > 0 and redis.call('PTTL', key) < h[1] then
+    redis.call('PEXPIRE', key, h[1])
+  end
+end
+return results

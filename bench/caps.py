@@ -1,0 +1,401 @@
+"""Benchmark the frequency-cap API: Redis memory per counter, CheckAds latency, record throughput.
+
+Everything goes through a real sidecar process and its gRPC port, on a fresh `redis-server`:
+
+1. Memory: every user of N (default 50,000) sees 20 ads of a 10,000-ad catalog once, recorded
+   with RecordImpressions in batches of 100; each impression moves the ad's day and month
+   counters, so N × 20 × 2 counters. `used_memory` from `INFO memory` before and after gives the
+   bytes; deleting the impression-id keys afterwards splits them into counters and ids. The
+   same is measured for the reference layout (a rules tree without `group_counters`, one string
+   key per counter) on fewer users, since bytes per counter do not depend on the count.
+2. Latency: CheckAds of 50 ads (a user's 20 seen ads and 30 others, 10 of them naming one of 3
+   campaigns) at a steady 200 calls/s from h2load (`--rps`, 2 connections), p50/p99 over every
+   call, after a warm-up.
+3. Throughput: RecordImpressions of 100 new impressions a batch, 4 calls in flight: impressions/s.
+
+    .venv/bin/python -m bench.caps [--users N] [--reference-users N] [--seconds S]
+
+The clients run on the same CPUs as the sidecar and Redis, so their share is in every number.
+Exit status: 0 when measured (targets met or not), 1 when something failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import os
+import signal
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+if not __package__:  # run as `python bench/caps.py`: make the `bench` package importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import grpc  # type: ignore[import-untyped]
+import redis
+
+from bench import probe
+from bench.load import Load, LoadResult
+from bench.load import run as run_load
+from bench.probe import grpc_frame
+from bench.processes import BenchError, Process, free_port, start
+from bench.services import Service, start_redis
+from sidecar.proto.ratelimit_sidecar.frequency.v1 import frequency_pb2 as pb
+from sidecar.rls.frequency import CHECK_ADS, RECORD_IMPRESSIONS
+
+RULES = """\
+domain: ads
+descriptors:
+  - key: user
+    group_counters: true
+    descriptors:
+      - key: ad
+        rate_limits:
+          - {unit: day, requests_per_unit: 10}
+          - {unit: month, requests_per_unit: 100}
+      - key: campaign
+        rate_limit: {unit: day, requests_per_unit: 30}
+"""
+
+BENCH_DIR = Path(__file__).resolve().parent
+ADS_PER_USER = 20
+CATALOG = 10_000
+BATCH = 100
+IN_FLIGHT = 8
+TARGET_BYTES_PER_COUNTER = 26
+TARGET_P99_MS = 2.0
+CHECK_RATE = 200
+START_TIMEOUT = 30.0
+
+
+def user_id(n: int) -> str:
+    return f"u{n:07d}"
+
+
+def ads_of(n: int) -> list[str]:
+    """The 20 distinct ads user `n` saw, spread over the catalog."""
+    return [f"a{(n * 7 + k * 131) % CATALOG:04d}" for k in range(ADS_PER_USER)]
+
+
+def impression_id(user: int, ad: int, round_: int = 0) -> str:
+    """A 20-character id, the size of a typical 80-bit beacon id in hex."""
+    return f"{user:09x}{ad:02x}{round_:09x}"
+
+
+@dataclass
+class Memory:
+    layout: str
+    users: int
+    counters: int
+    impressions: int
+    counter_bytes: int
+    id_bytes: int
+    seconds: float
+
+    @property
+    def per_counter(self) -> float:
+        return self.counter_bytes / self.counters
+
+    @property
+    def per_impression(self) -> float:
+        return self.id_bytes / self.impressions
+
+
+@dataclass
+class Calls:
+    latency: LoadResult
+    back_to_back: LoadResult
+    baseline: LoadResult
+    steal: float
+    record_rate: float
+    recorded: int
+
+
+class Sidecar:
+    """A `python -m sidecar serve` process with the bench's rules, and a channel to it."""
+
+    def __init__(self, workdir: Path, redis_url: str, rules: str, name: str) -> None:
+        rules_dir = workdir / f"rules-{name}"
+        rules_dir.mkdir()
+        (rules_dir / "ads.yaml").write_text(rules)
+        self.port = free_port()
+        argv = [
+            sys.executable, "-m", "sidecar", "serve",
+            "--config", str(rules_dir),
+            "--backend", redis_url,
+            "--grpc-address", f"127.0.0.1:{self.port}",
+            "--http-address", f"127.0.0.1:{free_port()}",
+            "--redis-timeout-ms", "1000",
+            "--log-level", "warning",
+        ]  # fmt: skip
+        self.process: Process = start(f"sidecar-{name}", argv, {}, workdir)
+        self.channel = grpc.aio.insecure_channel(f"127.0.0.1:{self.port}")
+        # Raw bytes both ways: the client does not parse what it does not need.
+        self.check = self.channel.unary_unary(CHECK_ADS)
+        self.record = self.channel.unary_unary(RECORD_IMPRESSIONS)
+
+    async def ready(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT
+        probe = pb.CheckAdsRequest(domain="ads", user="probe").SerializeToString()
+        while True:
+            code = self.process.exit_code()
+            if code is not None:
+                raise BenchError(f"sidecar exited with {code}\n{self.process.log_tail()}")
+            try:
+                await self.check(probe, timeout=1)
+                return
+            except grpc.aio.AioRpcError as exc:
+                if time.monotonic() > deadline:
+                    raise BenchError(f"sidecar never answered CheckAds: {exc.details()}") from exc
+                await asyncio.sleep(0.1)
+
+    async def close(self) -> None:
+        await self.channel.close()
+        self.process.stop()
+
+
+async def record_all(sidecar: Sidecar, users: range, round_: int = 0) -> int:
+    """Every user's 20 ads once, batches of 100 with IN_FLIGHT calls at a time; impressions."""
+    impressions = (
+        pb.Impression(id=impression_id(u, k, round_), user=user_id(u), ad=ad)
+        for u in users
+        for k, ad in enumerate(ads_of(u))
+    )
+    batches = (
+        pb.RecordImpressionsRequest(domain="ads", impressions=chunk).SerializeToString()
+        for chunk in iter(lambda: list(itertools.islice(impressions, BATCH)), [])
+    )
+    counted = 0
+
+    async def worker() -> None:
+        nonlocal counted
+        for body in batches:
+            answer = pb.RecordImpressionsResponse.FromString(await sidecar.record(body, timeout=30))
+            counted += sum(result.counted for result in answer.results)
+
+    await asyncio.gather(*(worker() for _ in range(IN_FLIGHT)))
+    return counted
+
+
+def cpu_times() -> list[int]:
+    """The machine's CPU time counters from /proc/stat (user, nice, system, idle, ..., steal)."""
+    with open("/proc/stat") as stat:
+        return [int(field) for field in stat.readline().split()[1:]]
+
+
+def steal_share(before: list[int], after: list[int]) -> float:
+    """The share of CPU time the hypervisor gave to others: latency here depends on it."""
+    spent = [b - a for a, b in zip(before, after, strict=True)]
+    return spent[7] / max(1, sum(spent))
+
+
+def used_memory(client: redis.Redis) -> int:
+    return int(client.info("memory")["used_memory"])
+
+
+def delete_ids(client: redis.Redis) -> None:
+    for keys in _chunks(client.scan_iter(match="*|%ids|*", count=10_000), 10_000):
+        client.delete(*keys)
+
+
+def _chunks(items: object, size: int) -> list[list[bytes]]:
+    iterator = iter(items)  # type: ignore[call-overload]
+    return list(iter(lambda: list(itertools.islice(iterator, size)), []))
+
+
+async def measure_memory(
+    workdir: Path, service: Service, client: redis.Redis, layout: str, rules: str, users: int
+) -> Memory:
+    client.flushall()
+    # Measured with no sidecar connected, so its connection's buffers are not counted.
+    before = used_memory(client)
+    sidecar = Sidecar(workdir, service.placeholders["redis_url"], rules, layout)
+    try:
+        await sidecar.ready()
+        started = time.perf_counter()
+        counted = await record_all(sidecar, range(users))
+        seconds = time.perf_counter() - started
+    finally:
+        await sidecar.close()
+    after = used_memory(client)
+    impressions = users * ADS_PER_USER
+    if counted != impressions:
+        raise BenchError(f"{layout}: {counted} of {impressions} impressions counted")
+    delete_ids(client)
+    without_ids = used_memory(client)
+    return Memory(
+        layout,
+        users,
+        impressions * 2,
+        impressions,
+        without_ids - before,
+        after - without_ids,
+        seconds,
+    )
+
+
+def check_body(users: int) -> bytes:
+    """CheckAds for a user who saw 20 ads: those and 30 others, 10 of the 50 in campaigns."""
+    u = users // 2
+    others = [f"a{(u * 13 + k * 97 + 5_000) % CATALOG:04d}" for k in range(30)]
+    candidates = [pb.AdCandidate(ad=ad) for ad in ads_of(u) + others]
+    for k in range(10):
+        candidates[k * 5].campaign = f"c{k % 3}"
+    message = pb.CheckAdsRequest(domain="ads", user=user_id(u), ads=candidates)
+    body: bytes = message.SerializeToString()
+    return body
+
+
+async def measure_calls(workdir: Path, service: Service, users: int, seconds: float) -> Calls:
+    """CheckAds latency at a steady rate (h2load) and the CPU steal meanwhile, back to back,
+    and a no-op server's at the same rate; then RecordImpressions throughput."""
+    sidecar = Sidecar(workdir, service.placeholders["redis_url"], RULES, "calls")
+    try:
+        await sidecar.ready()
+        body = workdir / "check.body"
+        body.write_bytes(grpc_frame(check_body(users)))
+        url = f"http://127.0.0.1:{sidecar.port}{CHECK_ADS}"
+        clients = 2
+        steady = Load(int(CHECK_RATE * seconds), clients, 8, CHECK_RATE // clients)
+        warmup = Load(CHECK_RATE * 2, clients, 8, CHECK_RATE // clients)
+        await asyncio.to_thread(run_load, url, body, warmup, workdir / "warmup.tsv", 120)
+        before = cpu_times()
+        latency = await asyncio.to_thread(
+            run_load, url, body, steady, workdir / "check.tsv", seconds * 4 + 60
+        )
+        steal = steal_share(before, cpu_times())
+        back_to_back = await asyncio.to_thread(
+            run_load, url, body, Load(1_000, 1, 1), workdir / "closed.tsv", 120
+        )
+        recorded_users = range(min(users, 2_000))
+        started = time.perf_counter()
+        counted = await record_all(sidecar, recorded_users, round_=1)
+        rate = counted / (time.perf_counter() - started)
+    finally:
+        await sidecar.close()
+    baseline = await asyncio.to_thread(noop_latency, workdir, steady)
+    return Calls(latency, back_to_back, baseline, steal, rate, len(recorded_users) * ADS_PER_USER)
+
+
+def noop_latency(workdir: Path, load: Load) -> LoadResult:
+    """The same paced load on the bench's no-op gRPC servicer: what the machine adds to any
+    server's latency (waking an idle process on a shared host is not free)."""
+    port = free_port()
+    server = start(
+        "noop",
+        [sys.executable, str(BENCH_DIR / "noop_server.py"), "--port", str(port)],
+        {},
+        workdir,
+    )
+    try:
+        message = probe.request("bench", (("user", "u1"),))
+        probe.wait_until_ok(server, port, message, START_TIMEOUT)
+        body = workdir / "noop.body"
+        body.write_bytes(grpc_frame(message))
+        url = f"http://127.0.0.1:{port}{probe.METHOD}"
+        return run_load(url, body, load, workdir / "noop.tsv", 300)
+    finally:
+        server.stop()
+
+
+async def run(args: argparse.Namespace, workdir: Path) -> str:
+    service = start_redis(workdir)
+    try:
+        port = int(service.placeholders["redis_url"].rsplit(":", 1)[1])
+        client = redis.Redis(host="127.0.0.1", port=port, protocol=2)
+        _progress(f"memory, grouped layout: {args.users:,} users x 20 ads x (day + month)")
+        grouped = await measure_memory(workdir, service, client, "grouped", RULES, args.users)
+        _progress(f"memory, reference layout: {args.reference_users:,} users")
+        reference = await measure_memory(
+            workdir,
+            service,
+            client,
+            "reference",
+            RULES.replace("    group_counters: true\n", ""),
+            args.reference_users,
+        )
+        client.flushall()
+        _progress("calls: populating, then CheckAds at 200/s and RecordImpressions")
+        populate = Sidecar(workdir, service.placeholders["redis_url"], RULES, "populate")
+        try:
+            await populate.ready()
+            await record_all(populate, range(min(args.users, 2_000)))
+        finally:
+            await populate.close()
+        calls = await measure_calls(workdir, service, min(args.users, 2_000), args.seconds)
+        client.close()
+    finally:
+        service.stop()
+    return report(grouped, reference, calls)
+
+
+def report(grouped: Memory, reference: Memory, calls: Calls) -> str:
+    lines = ["", "frequency caps (gRPC, fresh redis-server, sidecar --transport fast)", ""]
+    for memory in (grouped, reference):
+        lines.append(
+            f"  {memory.layout:9} {memory.users:>7,} users {memory.counters:>10,} counters: "
+            f"{memory.per_counter:6.1f} B/counter, ids {memory.per_impression:5.1f} B/impression"
+            f" (20-char ids); recorded at {memory.impressions / memory.seconds:,.0f} impressions/s"
+        )
+    latency, closed, noop = calls.latency, calls.back_to_back, calls.baseline
+    lines += [
+        f"  CheckAds, 50 ads, {CHECK_RATE} calls/s (h2load --rps), {latency.requests:,} calls: "
+        f"p50 {latency.p50_ms:.2f} ms, p99 {latency.p99_ms:.2f} ms "
+        f"(CPU steal by other guests meanwhile: {calls.steal:.0%})",
+        f"    the same back to back (1 connection, 1 call at a time): p50 {closed.p50_ms:.2f} ms, "
+        f"p99 {closed.p99_ms:.2f} ms, {closed.calls_per_second:,.0f} calls/s",
+        f"    a no-op gRPC servicer at {CHECK_RATE} calls/s: p50 {noop.p50_ms:.2f} ms, "
+        f"p99 {noop.p99_ms:.2f} ms (what this machine adds to any server)",
+        f"  RecordImpressions, batches of {BATCH}, {IN_FLIGHT} in flight: "
+        f"{calls.record_rate:,.0f} impressions/s ({calls.recorded:,} impressions)",
+        "",
+    ]
+    met = grouped.per_counter <= TARGET_BYTES_PER_COUNTER
+    lines.append(
+        f"target {'met' if met else 'missed'} (<= {TARGET_BYTES_PER_COUNTER} B/counter): "
+        f"{grouped.per_counter:.1f}"
+    )
+    met = latency.p99_ms <= TARGET_P99_MS
+    lines.append(
+        f"target {'met' if met else 'missed'} (CheckAds p99 <= {TARGET_P99_MS:g} ms at "
+        f"{CHECK_RATE}/s): {latency.p99_ms:.2f} ms"
+    )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="bench.caps", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--users", type=int, default=50_000, help="users for the memory run")
+    parser.add_argument(
+        "--reference-users", type=int, default=5_000, help="users for the reference layout"
+    )
+    parser.add_argument("--seconds", type=float, default=15.0, help="CheckAds load duration")
+    args = parser.parse_args(argv)
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        with tempfile.TemporaryDirectory(prefix="bench-caps-") as workdir:
+            print(asyncio.run(run(args, Path(workdir))))
+    except BenchError as exc:
+        print(f"bench.caps FAILED: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("bench.caps: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def _progress(text: str) -> None:
+    print(f"bench.caps: {text}", file=sys.stderr, flush=True)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+    sys.exit(main())

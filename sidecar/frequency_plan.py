@@ -1,0 +1,167 @@
+"""How a frequency-cap check names, reads and judges one user's counters, fast.
+
+A check of 50 ads names about a hundred counters and must answer within an auction's budget, so
+it does not build a Hit per window nor run the script: it reads every counter in one backend
+call (`Backend.read`) and judges them in Python, exactly as the script's read-only mode would.
+Plain fixed windows, nearly every cap, are named once per window kind (`plain_suffix`) and judged
+by `fixed_window.judge` straight from their count; any other window becomes a Hit judged by
+`decide`. What a descriptor below the user needs, whoever the user is, is a `Template`, which
+callers keep from one check to the next.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from sidecar.algorithms import fixed_window
+from sidecar.algorithms.decide import Address, State, address, decide
+from sidecar.algorithms.fixed_window import request_is_over
+from sidecar.algorithms.windows import field_hit, plain_suffix, window_hit
+from sidecar.limiter import most_restrictive
+from sidecar.model import UNLIMITED_REMAINING, Hit, Limit, Outcome, Role, Window
+from sidecar.storage.keys import descriptor_prefix
+
+
+@dataclass(frozen=True, slots=True)
+class Template:
+    """A descriptor's caps below its first entry, whoever the user: the rule's limit, whether
+    its tree groups counters, and the entries after the first as counter names carry them."""
+
+    limit: Limit
+    grouped: bool
+    head: str
+
+
+class Judged(NamedTuple):
+    """A window as a check finds it: over (one more hit would not be admitted), what it still
+    admits, and the ms until it resets."""
+
+    over: bool
+    remaining: int
+    reset_ms: int
+
+
+_NO_CAP = Judged(False, UNLIMITED_REMAINING, 0)
+
+
+class Cap:
+    """One descriptor's caps in a check, shared by every ad naming it: where each window is
+    judged from, then whether any is over and which is the most restrictive."""
+
+    __slots__ = ("chosen", "counters", "kind", "over", "role", "windows")
+
+    def __init__(self, role: Role, kind: int) -> None:
+        self.role = role
+        # Which windows these are (caps of one rule are alike), for judging alike caps once.
+        self.kind = kind
+        # Per window, in the limit's order: (address index, limit, reset ms) when plain, else
+        # the index of its Hit.
+        self.windows: list[tuple[int, int, int] | int] = []
+        # The address indexes of plain windows' counts, when every window is plain.
+        self.counters: list[int] | None = []
+        self.over = False
+        self.chosen = _NO_CAP
+
+
+class CheckPlan:
+    """The counters of one user's check: `add` each descriptor's template, read `addresses`,
+    `judge` the values, then ask each ad's `verdict`."""
+
+    def __init__(self, domain: str, first: tuple[str, str], now_ms: int) -> None:
+        self.now_ms = now_ms
+        self.addresses: list[Address] = []
+        # Where the user's counters live: its hash (grouped), or the head of its keys.
+        self._user = descriptor_prefix(domain, [first])
+        self._hash = self._user.encode()
+        self._caps: list[Cap] = []
+        self._hits: list[Hit] = []
+        # Per (limit, grouped): each window's name suffix, limit and reset, None if not plain.
+        self._specs: dict[tuple[int, bool], list[tuple[str, int, int] | None]] = {}
+
+    def add(self, template: Template) -> Cap:
+        limit, grouped = template.limit, template.grouped
+        specs = self._specs.get((id(limit), grouped))
+        if specs is None:
+            specs = self._specs[(id(limit), grouped)] = [
+                self._spec(window, grouped) for window in limit.windows
+            ]
+        head = template.head if grouped else f"{self._user}|{template.head}"
+        cap = Cap(limit.role, id(specs))
+        addresses, windows, counters = self.addresses, cap.windows, cap.counters
+        for window, spec in zip(limit.windows, specs, strict=True):
+            if spec is not None:
+                suffix, reset_ms, allowed = spec
+                if counters is not None:
+                    counters.append(len(addresses))
+                windows.append((len(addresses), allowed, reset_ms))
+                name = (head + suffix).encode()
+                addresses.append((self._hash, name) if grouped else name)
+                continue
+            cap.counters = counters = None
+            if grouped:
+                hit = field_hit(self._hash, head, window, 0, 0, cap.role, self.now_ms)
+            else:
+                hit = window_hit(head, window, 0, 0, cap.role, self.now_ms)
+            windows.append(len(self._hits))
+            self._hits.append(hit)
+            addresses += (address(hit.key, hit.field), address(hit.previous, hit.previous_field))
+        self._caps.append(cap)
+        return cap
+
+    def _spec(self, window: Window, grouped: bool) -> tuple[str, int, int] | None:
+        """A plain window's name suffix, reset and limit, the same for every descriptor."""
+        if not window.plain:
+            return None
+        suffix, reset_ms, _ = plain_suffix(window, self.now_ms, grouped)
+        return suffix, reset_ms, window.requests_per_unit
+
+    def judge(self, values: Sequence[State | None]) -> None:
+        """Judge every cap added from the values read at `addresses`."""
+        outcomes: list[Outcome] = []
+        if self._hits:
+            stored = dict(zip(self.addresses, values, strict=True))
+            outcomes, _ = decide(stored.get, self._hits, self.now_ms, False, read_only=True)
+        judge = fixed_window.judge
+        # Caps of one rule with the same counts are judged alike: most ads of a check are at 0.
+        alike: dict[tuple[object, ...], Cap] = {}
+        for cap in self._caps:
+            counters = cap.counters
+            if counters is not None:
+                known = (cap.kind, *[values[index] for index in counters])
+                twin = alike.get(known)
+                if twin is not None:
+                    cap.over, cap.chosen = twin.over, twin.chosen
+                    continue
+                alike[known] = cap
+            states = []
+            for planned in cap.windows:
+                if isinstance(planned, int):
+                    outcome = outcomes[planned]
+                    states.append(Judged(outcome.over, outcome.remaining, outcome.reset_ms))
+                    continue
+                index, allowed, reset_ms = planned
+                count = values[index]
+                over, left, _ = judge(0, count if isinstance(count, int) else 0, 0, allowed, 0)
+                states.append(Judged(over, left, reset_ms))
+            cap.over = any(state.over for state in states)
+            # The most restrictive of an ad's windows is the most restrictive of its caps'.
+            cap.chosen = states[0] if len(states) == 1 else states[most_restrictive(states)]
+
+
+def verdict(ad_cap: Cap | None, campaign_cap: Cap | None) -> tuple[bool, int, int]:
+    """(allowed, remaining, reset seconds) of an ad with these caps, as Envoy would judge a
+    request carrying both descriptors; remaining and reset from the most restrictive window
+    that can block (4294967295 and 0 when none can)."""
+    if campaign_cap is None and ad_cap is not None and ad_cap.role is Role.BLOCKING:
+        # The common case, said shortly: one blocking descriptor blocks when it is over.
+        best = ad_cap.chosen
+        return not ad_cap.over, best.remaining, -(-best.reset_ms // 1000)
+    caps = [cap for cap in (ad_cap, campaign_cap) if cap is not None]
+    allowed = not request_is_over([cap.over for cap in caps], [cap.role for cap in caps])
+    chosen = [cap.chosen for cap in caps if cap.role is not Role.SHADOW]
+    if not chosen:
+        return allowed, UNLIMITED_REMAINING, 0
+    best = chosen[0] if len(chosen) == 1 else chosen[most_restrictive(chosen)]
+    return allowed, best.remaining, -(-best.reset_ms // 1000)

@@ -1,0 +1,1 @@
+"""Python stubs generated from proto/ by grpcio-tools (`make proto`); never edited by hand."""
