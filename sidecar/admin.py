@@ -6,16 +6,24 @@
 - `GET /healthcheck`: 200 `OK`, or 500 after SIGTERM or while the backend fails its ping.
 - `GET /rlconfig`: the loaded rules, one line per rule (the reference's format).
 - `GET /metrics`: Prometheus text format.
+- `POST /v1/caps/check`, `POST /v1/caps/record`: frequency caps for ad servers, in JSON (see
+  `frequency_json.py`): 200 with the answer, 400 with `{"error": reason}` for a bad body, 404 for
+  a domain without caps, 413 for a body over 1 MiB, 503 when the backend fails.
 """
 
 from __future__ import annotations
 
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any
+
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
-from sidecar import metrics
+from sidecar import frequency_json, metrics
 from sidecar.config import Rules
-from sidecar.errors import InvalidRequest
+from sidecar.errors import InvalidRequest, StorageError, UnknownDomain
+from sidecar.frequency import FrequencyCaps
 from sidecar.health import Health
 from sidecar.model import Code
 from sidecar.rls.service import RateLimitService
@@ -29,6 +37,8 @@ _INDEX = """ratelimit-sidecar
   GET  /healthcheck   200 OK when healthy, else 500
   GET  /rlconfig      loaded rules, one line per rule
   GET  /metrics       Prometheus metrics
+  POST /v1/caps/check   frequency caps: which of these ads may a user still see (JSON)
+  POST /v1/caps/record  frequency caps: count impressions exactly once (JSON)
 """
 
 
@@ -44,8 +54,11 @@ class AdminServer:
         host: str,
         port: int,
         shutdown_timeout: float = 5.0,
+        reuse_port: bool = False,
+        frequency: FrequencyCaps | None = None,
     ) -> None:
         self.service = service
+        self.frequency = frequency
         self.rules = rules
         self.health = health
         self.registry = registry
@@ -53,6 +66,9 @@ class AdminServer:
         self.port = port
         self._runner: web.AppRunner | None = None
         self._shutdown_timeout = shutdown_timeout
+        # Only worker processes share a port (`serve --workers N`); otherwise a second server on
+        # the same port is an error, not a silent share of the traffic.
+        self._reuse_port = reuse_port
 
     def application(self) -> web.Application:
         app = web.Application(client_max_size=MAX_BODY_BYTES)
@@ -61,6 +77,9 @@ class AdminServer:
         app.router.add_get("/healthcheck", self._healthcheck)
         app.router.add_get("/rlconfig", self._rlconfig)
         app.router.add_get("/metrics", self._metrics)
+        if self.frequency is not None:
+            app.router.add_post("/v1/caps/check", self._caps_check)
+            app.router.add_post("/v1/caps/record", self._caps_record)
         return app
 
     async def start(self) -> int:
@@ -72,7 +91,7 @@ class AdminServer:
         )
         await runner.setup()
         try:
-            site = web.TCPSite(runner, self.host, self.port, reuse_port=False)
+            site = web.TCPSite(runner, self.host, self.port, reuse_port=self._reuse_port)
             await site.start()
         except OSError as exc:
             await runner.cleanup()
@@ -117,3 +136,52 @@ class AdminServer:
         response = web.Response(body=metrics.render(self.registry))
         response.headers["Content-Type"] = metrics.CONTENT_TYPE
         return response
+
+    # --- Frequency caps (sidecar.frequency) ---------------------------------------------------
+
+    async def _caps_check(self, request: web.Request) -> web.Response:
+        caps = self.frequency
+        assert caps is not None
+
+        async def check(body: bytes) -> dict[str, Any]:
+            domain, user, candidates = frequency_json.check_request(body)
+            return frequency_json.check_response(await caps.check(domain, user, candidates))
+
+        return await _caps_call(request, check)
+
+    async def _caps_record(self, request: web.Request) -> web.Response:
+        caps = self.frequency
+        assert caps is not None
+
+        async def record(body: bytes) -> dict[str, Any]:
+            domain, impressions = frequency_json.record_request(body)
+            return frequency_json.record_response(await caps.record(domain, impressions))
+
+        return await _caps_call(request, record)
+
+
+async def _caps_call(
+    request: web.Request, call: Callable[[bytes], Awaitable[dict[str, Any]]]
+) -> web.Response:
+    """Run a frequency-cap call on the request's body; every outcome is JSON."""
+    try:
+        body = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        return _json_error(413, f"body too large: at most {MAX_BODY_BYTES} bytes")
+    try:
+        answer = await call(body)
+    except InvalidRequest as exc:
+        return _json_error(400, str(exc))
+    except UnknownDomain as exc:
+        return _json_error(404, str(exc))
+    except StorageError as exc:
+        return _json_error(503, f"counters unavailable: {exc}")
+    return web.json_response(answer, dumps=_dumps)
+
+
+def _json_error(status: int, reason: str) -> web.Response:
+    return web.json_response({"error": reason}, status=status, dumps=_dumps)
+
+
+def _dumps(value: object) -> str:
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)

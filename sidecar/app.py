@@ -12,18 +12,24 @@ import asyncio
 import contextlib
 import os
 import signal
+import socket
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal, Protocol
 
 import structlog
 
 from sidecar import config, metrics
 from sidecar.admin import AdminServer
 from sidecar.errors import ConfigError
+from sidecar.frequency import DEDUPE_HORIZON, FrequencyCaps
 from sidecar.health import Health
 from sidecar.limiter import FailureMode, Limiter, RejectedHits, Settings
+from sidecar.rls.fast import FastServer
+from sidecar.rls.frequency import FrequencyService
+from sidecar.rls.h2.server import unix_path
 from sidecar.rls.server import GrpcServer
 from sidecar.rls.service import RateLimitService
 from sidecar.stats import Stats
@@ -34,7 +40,21 @@ SHUTDOWN_GRACE = 5.0
 #: Seconds between backend pings that keep the gRPC health status current.
 HEALTH_INTERVAL = 2.0
 
+#: `fast`: the sidecar's own HTTP/2 server (sidecar.rls.h2); `grpcio`: grpc.aio.
+Transport = Literal["fast", "grpcio"]
+TRANSPORTS: tuple[Transport, ...] = ("fast", "grpcio")
+
 log = structlog.get_logger("sidecar.app")
+
+
+class RlsServer(Protocol):
+    """What the app needs of a transport: listen, report health, drain."""
+
+    async def start(self) -> int: ...
+
+    async def set_serving(self, serving: bool) -> None: ...
+
+    async def stop(self, grace: float) -> None: ...
 
 
 class InvalidOption(ValueError):
@@ -53,6 +73,26 @@ class Options:
     failure_mode: FailureMode = "allow"
     rejected_hits: RejectedHits = "count"
     shadow_mode: bool = False
+    #: Entries of the over-limit cache (0: off).
+    over_limit_cache: int = 100_000
+    transport: Transport = "fast"
+    #: Share the gRPC and HTTP ports with other processes (SO_REUSEPORT): `serve --workers N`.
+    reuse_port: bool = False
+    #: A listening Unix socket inherited from the parent of `serve --workers N`.
+    grpc_socket_fd: int | None = None
+    #: Seconds an impression id is remembered at least (frequency caps' exactly-once counting).
+    dedupe_horizon: int = DEDUPE_HORIZON
+
+
+def check_grpc_address(address: str) -> None:
+    """`HOST:PORT` or `unix:PATH`; raises InvalidOption if malformed."""
+    path = unix_path(address)
+    if path is None:
+        split_address(address)
+    elif not path:
+        raise InvalidOption(
+            f"invalid address {address!r}: expected unix:PATH, e.g. unix:/run/rls.sock"
+        )
 
 
 def split_address(address: str) -> tuple[str, int]:
@@ -81,7 +121,7 @@ class App:
         self._clock = clock
         self.grpc_port = 0
         self.http_port = 0
-        self._grpc: GrpcServer | None = None
+        self._grpc: RlsServer | None = None
         self._http: AdminServer | None = None
         self._health: Health | None = None
         self._watch: asyncio.Task[None] | None = None
@@ -90,7 +130,7 @@ class App:
     async def start(self) -> None:
         """Load, open and listen; raises ConfigError, InvalidOption or OSError after cleaning up."""
         options = self.options
-        split_address(options.grpc_address)
+        check_grpc_address(options.grpc_address)
         http_host, http_port = split_address(options.http_address)
         rules = self._load_rules()
         if self._backend is None:
@@ -109,12 +149,25 @@ class App:
             ),
             stats=self.stats,
             clock=self._clock,
+            over_limit_cache=options.over_limit_cache,
         )
         service = RateLimitService(limiter)
-        health = self._health = Health(backend)
-        self._grpc = GrpcServer(service, options.grpc_address, self.latency)
+        health = self._health = Health(backend, backend_required=options.failure_mode == "deny")
+        # Frequency caps for ad servers: on the HTTP port, and on gRPC beside Envoy's service.
+        caps = FrequencyCaps(
+            rules, backend, clock=self._clock, dedupe_horizon=options.dedupe_horizon
+        )
+        self._grpc = self._rls_server(service, FrequencyService(caps))
         self._http = AdminServer(
-            service, rules, health, self.registry, http_host, http_port, SHUTDOWN_GRACE
+            service,
+            rules,
+            health,
+            self.registry,
+            http_host,
+            http_port,
+            SHUTDOWN_GRACE,
+            reuse_port=options.reuse_port,
+            frequency=caps,
         )
         try:
             self.grpc_port = await self._grpc.start()
@@ -131,12 +184,37 @@ class App:
             http_port=self.http_port,
             grpc_address=options.grpc_address,
             http_address=options.http_address,
+            transport=options.transport,
             backend=backend.name,
             healthy=health.healthy,
             failure_mode=options.failure_mode,
             rejected_hits=options.rejected_hits,
             shadow_mode=options.shadow_mode,
             pid=os.getpid(),
+        )
+
+    def _rls_server(
+        self, service: RateLimitService, frequency_service: FrequencyService
+    ) -> RlsServer:
+        options = self.options
+        if options.transport == "grpcio":
+            return GrpcServer(
+                service,
+                options.grpc_address,
+                self.latency,
+                reuse_port=options.reuse_port,
+                frequency_service=frequency_service,
+            )
+        sock = None
+        if options.grpc_socket_fd is not None:
+            sock = socket.socket(fileno=options.grpc_socket_fd)
+        return FastServer(
+            service,
+            options.grpc_address,
+            self.latency,
+            reuse_port=options.reuse_port,
+            sock=sock,
+            frequency_service=frequency_service,
         )
 
     @property

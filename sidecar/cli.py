@@ -17,12 +17,14 @@ from typing import Any
 
 from sidecar import __version__, config, logs
 from sidecar.errors import ConfigError
+from sidecar.gateway.commands import register as register_envoy_config
 from sidecar.injector.commands import register as register_injector
 
 # grpc's C core writes its own lines to stderr; keep them to errors so the log stays one format.
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
 PROG = "ratelimit-sidecar"
+TRANSPORT_CHOICES = ("fast", "grpcio")
 ENV_PREFIX = "RLS_"
 
 _DESCRIPTION = """\
@@ -51,7 +53,15 @@ rules) and GET /metrics (Prometheus). The gRPC health service reports SERVING fo
 Rules are envoyproxy/ratelimit YAML files, one domain per file. A bad file stops the start
 with 'FILE: PATH: message' and exit status 1; a backend URL that cannot be used exits with 2.
 SIGTERM or SIGINT: report unhealthy, refuse new calls, let calls in flight finish (5 s),
-then exit 0."""
+then exit 0.
+
+--transport fast (the default) serves gRPC with the sidecar's own HTTP/2 server: unary calls
+only (ShouldRateLimit, Health/Check), cleartext, over TCP or a Unix socket (unix:PATH).
+--transport grpcio serves it with grpc.aio, at several times the CPU per call.
+--workers N runs N processes sharing the ports (SO_REUSEPORT); the kernel spreads
+connections, not calls, over them, so N should not exceed the connections Envoy opens (about
+one per Envoy worker thread). Workers need a shared backend (redis://...), and each worker
+serves its own /metrics."""
 
 _CHECK_DESCRIPTION = """\
 Validate rules files without starting anything: print one summary line per domain and exit
@@ -146,6 +156,16 @@ def _boolean(raw: str) -> bool:
     raise ValueError("expected true or false")
 
 
+def _grpc_address(text: str) -> str:
+    from sidecar.app import InvalidOption, check_grpc_address
+
+    try:
+        check_grpc_address(text)
+    except InvalidOption as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+    return text
+
+
 def _address(text: str) -> str:
     from sidecar.app import InvalidOption, split_address
 
@@ -219,10 +239,11 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, _Flags]]:
     )
     serve.add(
         "--grpc-address",
-        "listen address for ShouldRateLimit and gRPC health; port 0 picks a free port",
+        "listen address for ShouldRateLimit and gRPC health: HOST:PORT (port 0 picks a free "
+        "port) or unix:PATH",
         default="0.0.0.0:8081",
-        type=_address,
-        metavar="HOST:PORT",
+        type=_grpc_address,
+        metavar="ADDRESS",
     )
     serve.add(
         "--http-address",
@@ -231,6 +252,23 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, _Flags]]:
         type=_address,
         metavar="HOST:PORT",
     )
+    serve.add(
+        "--transport",
+        "what serves gRPC: fast (the sidecar's own HTTP/2 server, unary calls) or grpcio "
+        "(grpc.aio)",
+        default="fast",
+        choices=TRANSPORT_CHOICES,
+    )
+    serve.add(
+        "--workers",
+        "processes serving the same ports (SO_REUSEPORT); more than 1 needs a shared backend",
+        default=1,
+        type=_count(1),
+        metavar="N",
+    )
+    # Set by `--workers N` on the processes it starts, never by hand.
+    serve.parser.add_argument("--reuse-port", action="store_true", help=argparse.SUPPRESS)
+    serve.parser.add_argument("--grpc-socket-fd", type=int, help=argparse.SUPPRESS)
     serve.add(
         "--redis-timeout-ms",
         "deadline for one backend call; past it the failure mode answers",
@@ -259,6 +297,15 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, _Flags]]:
         default=False,
     )
     serve.add(
+        "--over-limit-cache",
+        "counters known to be over their limit, remembered until their window ends and "
+        "answered without a Redis call (plain fixed windows; not with --rejected-hits skip); "
+        "0 turns it off",
+        default=100_000,
+        type=_count(0),
+        metavar="ENTRIES",
+    )
+    serve.add(
         "--log-format",
         "json: one JSON object per line; console: for people",
         default="json",
@@ -270,6 +317,14 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, _Flags]]:
         default="info",
         choices=logs.LEVELS,
         type=_log_level,
+    )
+    serve.add(
+        "--dedupe-horizon",
+        "frequency caps: seconds an impression id is remembered at least, so a repeated "
+        "record within it counts nothing (ids are forgotten by twice that)",
+        default=86_400,
+        type=_count(1),
+        metavar="SECONDS",
     )
 
     check = commands.add_parser(
@@ -292,10 +347,10 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, _Flags]]:
     )
     query.add(
         "--address",
-        "the service's gRPC address",
+        "the service's gRPC address: HOST:PORT or unix:PATH",
         default="127.0.0.1:8081",
-        type=_address,
-        metavar="HOST:PORT",
+        type=_grpc_address,
+        metavar="ADDRESS",
     )
     query.add("--domain", "the rate limit domain", required=True, metavar="DOMAIN")
     query.add(
@@ -324,6 +379,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, _Flags]]:
         "--timeout", "seconds to wait for the answer", default=5.0, type=_seconds, metavar="SECONDS"
     )
     register_injector(commands)
+    register_envoy_config(commands)
     return parser, {"serve": serve, "query": query}
 
 
@@ -361,6 +417,8 @@ def _serve(args: argparse.Namespace) -> int:
     from sidecar.app import App, InvalidOption, Options
 
     logs.configure(args.log_level, args.log_format)
+    if args.workers > 1:
+        return _serve_workers(args)
     options = Options(
         config=args.config,
         backend=args.backend,
@@ -370,6 +428,11 @@ def _serve(args: argparse.Namespace) -> int:
         failure_mode=args.failure_mode,
         rejected_hits=args.rejected_hits,
         shadow_mode=args.shadow_mode,
+        over_limit_cache=args.over_limit_cache,
+        transport=args.transport,
+        reuse_port=args.reuse_port,
+        grpc_socket_fd=args.grpc_socket_fd,
+        dedupe_horizon=args.dedupe_horizon,
     )
     try:
         return asyncio.run(App(options).run())
@@ -382,6 +445,49 @@ def _serve(args: argparse.Namespace) -> int:
     except OSError as exc:
         print(f"{PROG}: {exc}", file=sys.stderr)
         return 1
+
+
+def _serve_workers(args: argparse.Namespace) -> int:
+    """`serve --workers N`: start N `serve` processes with the same flags and supervise them."""
+    from sidecar import workers
+    from sidecar.rls.h2.server import unix_path
+
+    problem = None
+    if args.backend.startswith("memory:"):
+        problem = (
+            f"--workers {args.workers} needs a shared backend (redis://... or "
+            "redis+cluster://...): with memory:// every worker would keep its own counters"
+        )
+    elif args.transport == "grpcio" and unix_path(args.grpc_address) is not None:
+        problem = "--workers with a unix: gRPC address needs --transport fast"
+    if problem:
+        print(f"{PROG}: {problem}", file=sys.stderr)
+        return 2
+    try:
+        return workers.run(_worker_flags(args), args.workers, args.grpc_address, args.http_address)
+    except OSError as exc:
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        return 1
+
+
+def _worker_flags(args: argparse.Namespace) -> list[str]:
+    """The `serve` flags of this command line, but for the addresses and the worker count."""
+    _, env_flags = build_parser()
+    argv: list[str] = []
+    for flag in env_flags["serve"].flags:
+        if flag.dest in ("grpc_address", "http_address", "workers"):
+            continue
+        value = getattr(args, flag.dest)
+        if value is None or value is False:
+            continue
+        if value is True:
+            argv.append(flag.option)
+        elif isinstance(value, list):
+            for item in value:
+                argv += [flag.option, str(item)]
+        else:
+            argv += [flag.option, str(value)]
+    return argv
 
 
 def _check(args: argparse.Namespace) -> int:

@@ -9,6 +9,8 @@ from typing import Any
 
 import pytest
 from clock import Clock
+from h2peer import Peer
+from h2served import Served, serve_h2
 from servers import RedisCluster, RedisServer, ServerError, start_cluster, start_server
 
 from sidecar import config
@@ -150,3 +152,34 @@ def envoy_binary() -> str:
 
 
 # --- end of Envoy fixtures -------------------------------------------------------------------
+
+
+# ---------------------------------------------------------------------------------------------
+# The fast transport's HTTP/2 server with test methods (tests/h2served.py), and client peers
+# for it (tests/h2peer.py): `peer` is driven by h2, `raw` writes its own frames.
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+async def served() -> AsyncIterator[Served]:
+    async with serve_h2() as running:
+        yield running
+
+
+@pytest.fixture
+async def peer(served: Served) -> AsyncIterator[Peer]:
+    connected = await Peer.connect(served.port)
+    yield connected
+    await connected.close()
+
+
+@pytest.fixture
+async def raw(served: Served) -> AsyncIterator[Peer]:
+    """A peer that writes every frame itself; its preface and an empty SETTINGS are sent."""
+    connected = await Peer.connect(served.port, track=False)
+    connected.start()
+    yield connected
+    await connected.close()
+
+
+# --- end of HTTP/2 fixtures ------------------------------------------------------------------

@@ -1,4 +1,7 @@
-"""The gRPC transport end to end: a real grpc.aio client over a loopback socket to the app."""
+"""The gRPC transports end to end: a real grpc.aio client over a loopback socket to the app.
+
+Every test runs on both transports, the sidecar's own HTTP/2 server (`fast`) and grpc.aio.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ from envoy.service.ratelimit.v3.rls_pb2 import RateLimitResponse
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from sidecars import NOW, Clock, client, request, running_app, serve_process, write_rules
 
+from sidecar.app import TRANSPORTS
 from sidecar.model import Hit, Outcome
 from sidecar.storage.memory import MemoryBackend
 
@@ -26,10 +30,18 @@ def rules(tmp_path: Path) -> Path:
     return write_rules(tmp_path)
 
 
-async def test_a_rule_answers_ok_until_its_limit_then_over_limit(rules: Path) -> None:
+@pytest.fixture(params=TRANSPORTS)
+def transport(request: pytest.FixtureRequest) -> str:
+    name: str = request.param
+    return name
+
+
+async def test_a_rule_answers_ok_until_its_limit_then_over_limit(
+    rules: Path, transport: str
+) -> None:
     """Each call reports the rule, what is left of it and when the window resets; the call past
     the limit is OVER_LIMIT with nothing left."""
-    async with running_app(rules) as app, client(app.grpc_port) as rls:
+    async with running_app(rules, transport=transport) as app, client(app.grpc_port) as rls:
         answers = [await rls.should_rate_limit(request("test", USER)) for _ in range(4)]
 
     assert [a.overall_code for a in answers] == [OK, OK, OK, OVER_LIMIT]
@@ -44,10 +56,12 @@ async def test_a_rule_answers_ok_until_its_limit_then_over_limit(rules: Path) ->
     assert answers[-1].statuses[0].code == OVER_LIMIT
 
 
-async def test_statuses_follow_the_request_descriptors_in_order(rules: Path) -> None:
+async def test_statuses_follow_the_request_descriptors_in_order(
+    rules: Path, transport: str
+) -> None:
     """One status per descriptor, in request order: a nested rule, an unmatched descriptor and an
     unlimited rule each answer for themselves."""
-    async with running_app(rules) as app, client(app.grpc_port) as rls:
+    async with running_app(rules, transport=transport) as app, client(app.grpc_port) as rls:
         answer = await rls.should_rate_limit(
             request(
                 "test", [("app", "web"), ("path", "/a")], [("nothing", "here")], [("health", "x")]
@@ -66,9 +80,11 @@ async def test_statuses_follow_the_request_descriptors_in_order(rules: Path) -> 
     assert unlimited.limit_remaining == 4_294_967_295
 
 
-async def test_a_per_descriptor_hits_addend_of_zero_checks_without_consuming(rules: Path) -> None:
+async def test_a_per_descriptor_hits_addend_of_zero_checks_without_consuming(
+    rules: Path, transport: str
+) -> None:
     """`hits_addend: 0` on a descriptor is honoured (not read as 1): the counter does not move."""
-    async with running_app(rules) as app, client(app.grpc_port) as rls:
+    async with running_app(rules, transport=transport) as app, client(app.grpc_port) as rls:
         check = request("test", USER)
         check.descriptors[0].hits_addend.value = 0
         first = await rls.should_rate_limit(check)
@@ -78,9 +94,9 @@ async def test_a_per_descriptor_hits_addend_of_zero_checks_without_consuming(rul
     assert [a.statuses[0].limit_remaining for a in (first, second, spent)] == [3, 3, 2]
 
 
-async def test_an_override_sets_the_limit_sent_by_envoy(rules: Path) -> None:
+async def test_an_override_sets_the_limit_sent_by_envoy(rules: Path, transport: str) -> None:
     """A descriptor's `limit` replaces the rule: its requests_per_unit and unit are reported."""
-    async with running_app(rules) as app, client(app.grpc_port) as rls:
+    async with running_app(rules, transport=transport) as app, client(app.grpc_port) as rls:
         message = request("test", USER)
         message.descriptors[0].limit.requests_per_unit = 1
         message.descriptors[0].limit.unit = 1  # SECOND
@@ -91,9 +107,11 @@ async def test_an_override_sets_the_limit_sent_by_envoy(rules: Path) -> None:
     assert answers[0].statuses[0].current_limit.unit == RateLimitResponse.RateLimit.SECOND
 
 
-async def test_an_unknown_domain_is_ok_with_one_bare_status_per_descriptor(rules: Path) -> None:
+async def test_an_unknown_domain_is_ok_with_one_bare_status_per_descriptor(
+    rules: Path, transport: str
+) -> None:
     """As the reference: no error, and each status carries only its code."""
-    async with running_app(rules) as app, client(app.grpc_port) as rls:
+    async with running_app(rules, transport=transport) as app, client(app.grpc_port) as rls:
         answer = await rls.should_rate_limit(request("nope", USER, [("a", "b"), ("c", "d")]))
 
     bare = RateLimitResponse.DescriptorStatus(code=OK)
@@ -110,10 +128,10 @@ async def test_an_unknown_domain_is_ok_with_one_bare_status_per_descriptor(rules
     ids=["empty-domain", "no-descriptors"],
 )
 async def test_the_reference_errors_are_invalid_argument(
-    rules: Path, message: object, details: str
+    rules: Path, transport: str, message: object, details: str
 ) -> None:
     """An empty domain or descriptor list is refused with the reference's own message."""
-    async with running_app(rules) as app, client(app.grpc_port) as rls:
+    async with running_app(rules, transport=transport) as app, client(app.grpc_port) as rls:
         with pytest.raises(grpc.aio.AioRpcError) as caught:
             await rls.call(message, timeout=10)
 
@@ -122,9 +140,9 @@ async def test_the_reference_errors_are_invalid_argument(
     assert app.stats.service_error == 1
 
 
-async def test_malformed_bytes_are_invalid_argument(rules: Path) -> None:
+async def test_malformed_bytes_are_invalid_argument(rules: Path, transport: str) -> None:
     """Bytes that are not a RateLimitRequest are refused, and the server keeps serving."""
-    async with running_app(rules) as app, client(app.grpc_port) as rls:
+    async with running_app(rules, transport=transport) as app, client(app.grpc_port) as rls:
         with pytest.raises(grpc.aio.AioRpcError) as caught:
             await rls.raw(b"\xff\xff\xff\xff", timeout=10)
         after = await rls.should_rate_limit(request("test", USER))
@@ -134,9 +152,11 @@ async def test_malformed_bytes_are_invalid_argument(rules: Path) -> None:
     assert after.overall_code == OK
 
 
-async def test_an_override_with_unit_unknown_is_invalid_argument(rules: Path) -> None:
+async def test_an_override_with_unit_unknown_is_invalid_argument(
+    rules: Path, transport: str
+) -> None:
     """The reference panics on this; here the call is refused and the server keeps serving."""
-    async with running_app(rules) as app, client(app.grpc_port) as rls:
+    async with running_app(rules, transport=transport) as app, client(app.grpc_port) as rls:
         message = request("test", USER)
         message.descriptors[0].limit.requests_per_unit = 5  # unit left at UNKNOWN (0)
         with pytest.raises(grpc.aio.AioRpcError) as caught:
@@ -156,9 +176,9 @@ async def test_an_override_with_unit_unknown_is_invalid_argument(rules: Path) ->
     assert after.overall_code == OK
 
 
-async def test_a_huge_entry_value_is_invalid_argument(rules: Path) -> None:
+async def test_a_huge_entry_value_is_invalid_argument(rules: Path, transport: str) -> None:
     """A 100 KB value is refused before it reaches a counter key."""
-    async with running_app(rules) as app, client(app.grpc_port) as rls:
+    async with running_app(rules, transport=transport) as app, client(app.grpc_port) as rls:
         with pytest.raises(grpc.aio.AioRpcError) as caught:
             await rls.call(request("test", [("user", "x" * 100_000)]), timeout=10)
 
@@ -166,9 +186,9 @@ async def test_a_huge_entry_value_is_invalid_argument(rules: Path) -> None:
     assert "too long" in caught.value.details()
 
 
-async def test_an_absurd_hits_addend_is_invalid_argument(rules: Path) -> None:
+async def test_an_absurd_hits_addend_is_invalid_argument(rules: Path, transport: str) -> None:
     """A per-descriptor hits_addend of 2**64 - 1 is refused rather than added."""
-    async with running_app(rules) as app, client(app.grpc_port) as rls:
+    async with running_app(rules, transport=transport) as app, client(app.grpc_port) as rls:
         message = request("test", USER)
         message.descriptors[0].hits_addend.value = 2**64 - 1
         with pytest.raises(grpc.aio.AioRpcError) as caught:
@@ -185,20 +205,20 @@ class _BrokenOnce(MemoryBackend):
         super().__init__()
         self.broken = True
 
-    async def apply(
-        self, hits: Sequence[Hit], all_or_nothing: bool, now_ms: int
-    ) -> list[Outcome]:
+    async def apply(self, hits: Sequence[Hit], all_or_nothing: bool, now_ms: int) -> list[Outcome]:
         if self.broken:
             self.broken = False
             raise ZeroDivisionError("a bug")
         return await super().apply(hits, all_or_nothing, now_ms)
 
 
-async def test_an_unexpected_error_is_internal_and_the_server_goes_on(rules: Path) -> None:
+async def test_an_unexpected_error_is_internal_and_the_server_goes_on(
+    rules: Path, transport: str
+) -> None:
     """A bug behind the service fails that call with INTERNAL; the next call is answered."""
     clock = Clock()
     async with (
-        running_app(rules, backend=_BrokenOnce(clock), clock=clock) as app,
+        running_app(rules, backend=_BrokenOnce(clock), clock=clock, transport=transport) as app,
         client(app.grpc_port) as rls,
     ):
         with pytest.raises(grpc.aio.AioRpcError) as caught:
@@ -217,9 +237,11 @@ async def _health(channel: grpc.aio.Channel, service: str) -> int:
     return status
 
 
-async def test_health_is_serving_overall_and_for_ratelimit_until_draining(rules: Path) -> None:
+async def test_health_is_serving_overall_and_for_ratelimit_until_draining(
+    rules: Path, transport: str
+) -> None:
     """Both "" and "ratelimit" report SERVING once started, and NOT_SERVING once draining."""
-    async with running_app(rules) as app, client(app.grpc_port) as rls:
+    async with running_app(rules, transport=transport) as app, client(app.grpc_port) as rls:
         before = [await _health(rls.channel, name) for name in ("", "ratelimit")]
         await app.health.drain()
         after = [await _health(rls.channel, name) for name in ("", "ratelimit")]
@@ -232,6 +254,33 @@ async def test_health_is_serving_overall_and_for_ratelimit_until_draining(rules:
     assert after == [not_serving, not_serving]
 
 
+async def test_an_unknown_method_or_health_service_is_refused(rules: Path, transport: str) -> None:
+    """An unknown method is UNIMPLEMENTED and an unknown health service NOT_FOUND, as grpc says."""
+    async with running_app(rules, transport=transport) as app, client(app.grpc_port) as rls:
+        with pytest.raises(grpc.aio.AioRpcError) as unknown_method:
+            await rls.channel.unary_unary("/envoy.service.ratelimit.v3.Nope/Nope")(b"", timeout=10)
+        with pytest.raises(grpc.aio.AioRpcError) as unknown_service:
+            await _health(rls.channel, "nope")
+        after = await rls.should_rate_limit(request("test", USER))
+
+    assert unknown_method.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    assert unknown_service.value.code() == grpc.StatusCode.NOT_FOUND
+    assert after.overall_code == OK
+
+
+async def test_many_concurrent_calls_on_one_channel_are_all_answered(
+    rules: Path, transport: str
+) -> None:
+    """300 calls at once over one connection, each for its own user: every one answered OK."""
+    async with running_app(rules, transport=transport) as app, client(app.grpc_port) as rls:
+        answers = await asyncio.gather(
+            *(rls.should_rate_limit(request("test", [("user", str(n))])) for n in range(300))
+        )
+
+    assert [a.overall_code for a in answers] == [OK] * 300
+    assert app.latency.counts and sum(app.latency.counts) == 300
+
+
 class _Gate(MemoryBackend):
     """A backend that holds every apply until the test opens the gate."""
 
@@ -240,20 +289,20 @@ class _Gate(MemoryBackend):
         self.gate = asyncio.Event()
         self.waiting = 0
 
-    async def apply(
-        self, hits: Sequence[Hit], all_or_nothing: bool, now_ms: int
-    ) -> list[Outcome]:
+    async def apply(self, hits: Sequence[Hit], all_or_nothing: bool, now_ms: int) -> list[Outcome]:
         self.waiting += 1
         await self.gate.wait()
         return await super().apply(hits, all_or_nothing, now_ms)
 
 
-async def test_stopping_lets_calls_in_flight_finish_and_refuses_new_ones(rules: Path) -> None:
+async def test_stopping_lets_calls_in_flight_finish_and_refuses_new_ones(
+    rules: Path, transport: str
+) -> None:
     """Shutdown (what SIGTERM triggers) answers the calls already in the backend, then closes."""
     clock = Clock()
     backend = _Gate(clock)
     async with (
-        running_app(rules, backend=backend, clock=clock) as app,
+        running_app(rules, backend=backend, clock=clock, transport=transport) as app,
         client(app.grpc_port) as rls,
     ):
         calls = [
@@ -275,7 +324,7 @@ async def test_stopping_lets_calls_in_flight_finish_and_refuses_new_ones(rules: 
     assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
-async def test_sigterm_drains_and_exits_zero(rules: Path) -> None:
+async def test_sigterm_drains_and_exits_zero(rules: Path, transport: str) -> None:
     """`python -m sidecar serve` on SIGTERM: every call the server decided is answered (calls that
     race the signal may be refused, never cut off), it logs `stopped` and exits 0."""
     args = [
@@ -285,6 +334,8 @@ async def test_sigterm_drains_and_exits_zero(rules: Path) -> None:
         "127.0.0.1:0",
         "--http-address",
         "127.0.0.1:0",
+        "--transport",
+        transport,
     ]
     async with serve_process(args) as served, client(served.grpc_port) as rls:
         first = await rls.should_rate_limit(request("test", USER))

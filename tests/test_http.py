@@ -11,7 +11,7 @@ from typing import Any
 import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from sidecars import Clock, client, request, running_app, write_rules
+from sidecars import client, request, running_app, write_rules
 
 from sidecar import config
 from sidecar.app import App

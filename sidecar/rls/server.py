@@ -4,11 +4,16 @@
 parses and writes the protobuf itself, so grpc never builds a message we would only convert.
 InvalidRequest becomes INVALID_ARGUMENT with its message. Anything else is a bug: the call gets
 INTERNAL, the first exception of each type is logged with its traceback, and the server goes on.
+
+When given a FrequencyService, the same server also answers the project's own
+`ratelimit_sidecar.frequency.v1.FrequencyCaps` (raw bytes too): UnknownDomain is NOT_FOUND and
+StorageError UNAVAILABLE there, since an ad server, unlike Envoy, has no failure mode to apply.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc  # type: ignore[import-untyped]
@@ -16,8 +21,9 @@ import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # type: ignore[import-untyped]
 from grpc_health.v1.health import aio as health_aio  # type: ignore[import-untyped]
 
-from sidecar.errors import InvalidRequest
+from sidecar.errors import InvalidRequest, StorageError, UnknownDomain
 from sidecar.metrics import Latency
+from sidecar.rls import frequency
 from sidecar.rls.service import RateLimitService
 
 SERVICE_NAME = "envoy.service.ratelimit.v3.RateLimitService"
@@ -25,10 +31,6 @@ METHOD = f"/{SERVICE_NAME}/ShouldRateLimit"
 #: The name the reference registers in the gRPC health service, next to the overall "".
 HEALTH_SERVICE_NAME = "ratelimit"
 
-_OPTIONS = [
-    # Without this a second server could bind the same port and silently share its traffic.
-    ("grpc.so_reuseport", 0),
-]
 
 log = structlog.get_logger("sidecar.rls.server")
 
@@ -37,10 +39,20 @@ class GrpcServer:
     """A grpc.aio server for one RateLimitService; `start` returns the bound port."""
 
     def __init__(
-        self, service: RateLimitService, address: str, latency: Latency | None = None
+        self,
+        service: RateLimitService,
+        address: str,
+        latency: Latency | None = None,
+        *,
+        reuse_port: bool = False,
+        frequency_service: frequency.FrequencyService | None = None,
     ) -> None:
         self.service = service
+        self.frequency = frequency_service
         self.address = address
+        # Without reuse_port a second server cannot bind the same port and silently share its
+        # traffic; only worker processes (`serve --workers N`) share one on purpose.
+        self.reuse_port = reuse_port
         self.latency = latency or Latency()
         self.health = health_aio.HealthServicer()
         self._server: Any = None
@@ -48,11 +60,13 @@ class GrpcServer:
 
     async def start(self) -> int:
         """Listen on `address` (port 0 picks a free port); NOT_SERVING until `set_serving(True)`."""
-        server = grpc.aio.server(options=_OPTIONS)
+        server = grpc.aio.server(options=[("grpc.so_reuseport", int(self.reuse_port))])
         handler = grpc.unary_unary_rpc_method_handler(self._should_rate_limit)
         server.add_generic_rpc_handlers(
             (grpc.method_handlers_generic_handler(SERVICE_NAME, {"ShouldRateLimit": handler}),)
         )
+        if self.frequency is not None:
+            server.add_generic_rpc_handlers((self._frequency_handlers(self.frequency),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         await self.set_serving(False)
         try:
@@ -98,3 +112,45 @@ class GrpcServer:
             raise  # unreachable: abort raises
         finally:
             self.latency.observe(time.perf_counter() - started)
+
+    # --- FrequencyCaps (sidecar.rls.frequency) ----------------------------------------------
+
+    def _frequency_handlers(self, service: frequency.FrequencyService) -> Any:
+        methods = {
+            "CheckAds": (frequency.CHECK_ADS, service.check_ads),
+            "RecordImpressions": (frequency.RECORD_IMPRESSIONS, service.record_impressions),
+        }
+        return grpc.method_handlers_generic_handler(
+            frequency.SERVICE_NAME,
+            {
+                name: grpc.unary_unary_rpc_method_handler(self._frequency_call(path, call))
+                for name, (path, call) in methods.items()
+            },
+        )
+
+    def _frequency_call(
+        self, method: str, call: Callable[[bytes], Awaitable[bytes]]
+    ) -> Callable[[bytes, Any], Awaitable[bytes]]:
+        async def handle(request: bytes, context: Any) -> bytes:
+            try:
+                return await call(request)
+            except InvalidRequest as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+                raise  # unreachable: abort raises
+            except UnknownDomain as exc:
+                await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+                raise
+            except StorageError as exc:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+                raise
+            except Exception as exc:
+                kind = type(exc)
+                if kind not in self._logged_errors:
+                    self._logged_errors.add(kind)
+                    log.exception("unexpected_error", method=method, error=repr(exc))
+                await context.abort(
+                    grpc.StatusCode.INTERNAL, f"internal error: {kind.__name__}: {exc}"
+                )
+                raise
+
+        return handle

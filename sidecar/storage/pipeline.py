@@ -22,6 +22,7 @@ import asyncio
 import collections
 import ssl
 import time
+from collections.abc import Callable
 from typing import Any
 
 import hiredis
@@ -92,7 +93,7 @@ class PipelinedRedis:
         db: int = 0,
         username: str | None = None,
         password: str | None = None,
-        ssl_context: ssl.SSLContext | None = None,
+        ssl_context: Callable[[], ssl.SSLContext] | None = None,
         connect_timeout: float = 1.0,
     ) -> None:
         self.host = host
@@ -172,7 +173,9 @@ class PipelinedRedis:
                 _Protocol,
                 self.host,
                 self.port,
-                ssl=self._ssl,
+                # Built at each connection: certificate files are read when they are needed (and
+                # read again after a rotation), not when the URL is parsed.
+                ssl=self._ssl() if self._ssl else None,
                 server_hostname=self.host if self._ssl else None,
             )
             greetings: list[tuple[Any, ...]] = []
