@@ -19,7 +19,7 @@ import functools
 import hashlib
 import ssl
 import sys
-from collections.abc import Sequence
+from collections.abc import Awaitable, Iterable, Sequence
 from importlib.resources import files
 from typing import Any, Self
 from urllib.parse import parse_qsl, unquote, urlsplit
@@ -201,6 +201,19 @@ async def _run(client: Redis | RedisCluster, command: list[Any]) -> Reply:
     return reply
 
 
+async def _gather_all(calls: Iterable[Awaitable[Any]]) -> list[Any]:
+    """Await every call, then raise the first failure.
+
+    Waiting for all before raising leaves no call running unobserved after the caller returns;
+    the caller's deadline still bounds the wait.
+    """
+    replies = await asyncio.gather(*calls, return_exceptions=True)
+    for reply in replies:
+        if isinstance(reply, BaseException):
+            raise reply
+    return replies
+
+
 def _failure(backend: str, timeout_ms: int, exc: Exception) -> StorageError:
     """The StorageError for whatever a call raised.
 
@@ -280,16 +293,12 @@ class RedisBackend:
         commands = _record_commands(batches, now_ms)
         try:
             async with asyncio.timeout(self._timeout):
-                replies = await asyncio.gather(
-                    *(_run_pipelined(self._client, command) for command in commands),
-                    return_exceptions=True,
+                replies = await _gather_all(
+                    _run_pipelined(self._client, command) for command in commands
                 )
-                for reply in replies:
-                    if isinstance(reply, BaseException):
-                        raise reply
         except Exception as exc:  # every failure, see _failure
             raise _failure(self.name, self._timeout_ms, exc) from exc
-        return [_duplicates(reply) for reply in replies]  # type: ignore[arg-type]
+        return [_duplicates(reply) for reply in replies]
 
     async def read(self, addresses: Sequence[Address], now_ms: int) -> list[State | None]:
         if not addresses:
@@ -302,13 +311,9 @@ class RedisBackend:
                     replies = [await self._client.execute(*commands[0])]
                 else:
                     # Issued in one tick: one write, one round trip.
-                    replies = await asyncio.gather(
-                        *(self._client.execute(*command) for command in commands),
-                        return_exceptions=True,
+                    replies = await _gather_all(
+                        self._client.execute(*command) for command in commands
                     )
-                    for reply in replies:
-                        if isinstance(reply, BaseException):
-                            raise reply
         except Exception as exc:  # every failure, see _failure
             raise _failure(self.name, self._timeout_ms, exc) from exc
         return _values(len(addresses), positions, replies)
@@ -425,16 +430,10 @@ class RedisClusterBackend:
         commands = _record_commands(batches, now_ms)
         try:
             async with asyncio.timeout(self._timeout):
-                # return_exceptions: see _apply_per_slot.
-                replies = await asyncio.gather(
-                    *(self._run(command) for command in commands), return_exceptions=True
-                )
-                for reply in replies:
-                    if isinstance(reply, BaseException):
-                        raise reply
+                replies = await _gather_all(self._run(command) for command in commands)
         except Exception as exc:  # every failure, see _failure
             raise _failure(self.name, self._timeout_ms, exc) from exc
-        return [_duplicates(reply) for reply in replies]  # type: ignore[arg-type]
+        return [_duplicates(reply) for reply in replies]
 
     async def read(self, addresses: Sequence[Address], now_ms: int) -> list[State | None]:
         if not addresses:
@@ -448,15 +447,10 @@ class RedisClusterBackend:
 
         try:
             async with asyncio.timeout(self._timeout):
-                replies = await asyncio.gather(
-                    *(run(command) for command in commands), return_exceptions=True
-                )
-                for reply in replies:
-                    if isinstance(reply, BaseException):
-                        raise reply
+                replies = await _gather_all(run(command) for command in commands)
         except Exception as exc:  # every failure, see _failure
             raise _failure(self.name, self._timeout_ms, exc) from exc
-        return _values(len(addresses), positions, replies)  # type: ignore[arg-type]
+        return _values(len(addresses), positions, replies)
 
     async def _apply_across_slots(
         self, hits: Sequence[Hit], groups: list[list[int]], now_ms: int
@@ -505,15 +499,9 @@ class RedisClusterBackend:
         commands = [
             _command([hits[i] for i in group], mode, now_ms, quota_as_shadow) for group in groups
         ]
-        # return_exceptions: wait for every slot before raising, so no call is left running
-        # unobserved after apply returns (the deadline still bounds the wait).
-        replies = await asyncio.gather(
-            *(self._run(command) for command in commands), return_exceptions=True
-        )
+        replies = await _gather_all(self._run(command) for command in commands)
         outcomes: list[Outcome | None] = [None] * len(hits)
         for group, reply in zip(groups, replies, strict=True):
-            if isinstance(reply, BaseException):
-                raise reply
             slot_hits = [hits[i] for i in group]
             for index, outcome in zip(group, _outcomes(slot_hits, reply), strict=True):
                 outcomes[index] = outcome
