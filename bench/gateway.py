@@ -27,7 +27,14 @@ from pathlib import Path
 
 import yaml
 
-from bench.processes import BenchError, Process, exited_message, free_port, start
+from bench.processes import (
+    CLOCK_TICKS_PER_SECOND,
+    BenchError,
+    Process,
+    exited_message,
+    free_port,
+    start,
+)
 from bench.scenarios import BENCH_DIR
 from bench.services import Service
 
@@ -59,6 +66,8 @@ class Measurement:
     p90_ms: float
     p99_ms: float
     sidecar_calls: int
+    # The sidecar's CPU (user + system, from /proc) during the measured run, per request.
+    sidecar_us_per_request: float = 0.0
 
 
 @dataclass
@@ -140,11 +149,16 @@ def measure(
                 _check_once(url, expect_limits=with_filter)
                 _wrk(url, load.warmup_seconds, load, timeout)
                 calls_before = _sidecar_calls(metrics)
+                ticks_before = sidecar.cpu_ticks()
                 measured = _wrk(url, load.seconds, load, timeout)
+                ticks = sidecar.cpu_ticks() - ticks_before
                 calls = _sidecar_calls(metrics) - calls_before
             finally:
                 gateway.stop()
-            measurement = Measurement(sidecar_calls=calls, **measured)
+            cpu_us = ticks / CLOCK_TICKS_PER_SECOND * 1e6 / max(1, int(measured["requests"]))
+            measurement = Measurement(
+                sidecar_calls=calls, sidecar_us_per_request=cpu_us, **measured
+            )
             if with_filter and calls < measurement.requests:
                 raise BenchError(
                     f"{name}: {measurement.requests} requests but the sidecar answered {calls} "
@@ -171,10 +185,20 @@ def report(result: Result, load: Load) -> str:
         f"gateway: wrk -t{load.threads} -c{load.connections} -d{load.seconds}s → Envoy → upstream "
         f"(Envoy answering itself); sidecar on Redis; GET {PATH} with x-app-id and x-user-id",
     ]
-    rows = [["gateway", "requests/s", "p50 ms", "p90 ms", "p99 ms", "sidecar calls/request"]]
+    rows = [
+        [
+            "gateway",
+            "requests/s",
+            "p50 ms",
+            "p90 ms",
+            "p99 ms",
+            "sidecar calls/request",
+            "sidecar µs/request",
+        ]
+    ]
     for name, m in (("no filter", result.without), ("rate limited", result.with_filter)):
         if m is None:
-            rows.append([name, "FAILED", "", "", "", ""])
+            rows.append([name, "FAILED", "", "", "", "", ""])
             continue
         rows.append(
             [
@@ -184,6 +208,7 @@ def report(result: Result, load: Load) -> str:
                 f"{m.p90_ms:.2f}",
                 f"{m.p99_ms:.2f}",
                 f"{m.sidecar_calls / m.requests:.2f}",
+                f"{m.sidecar_us_per_request:.0f}" if m.sidecar_calls else "-",
             ]
         )
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
