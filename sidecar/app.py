@@ -82,6 +82,8 @@ class Options:
     grpc_socket_fd: int | None = None
     #: Seconds an impression id is remembered at least (frequency caps' exactly-once counting).
     dedupe_horizon: int = DEDUPE_HORIZON
+    #: Seconds between looks at the rules files for a change to reload (0: only on SIGHUP).
+    config_poll_seconds: float = 2.0
 
 
 def check_grpc_address(address: str) -> None:
@@ -125,6 +127,10 @@ class App:
         self._http: AdminServer | None = None
         self._health: Health | None = None
         self._watch: asyncio.Task[None] | None = None
+        self._config_watch: asyncio.Task[None] | None = None
+        self._limiter: Limiter | None = None
+        self._caps: FrequencyCaps | None = None
+        self._last_config_error: str | None = None
         self._stopped = False
 
     async def start(self) -> None:
@@ -132,6 +138,11 @@ class App:
         options = self.options
         check_grpc_address(options.grpc_address)
         http_host, http_port = split_address(options.http_address)
+        try:
+            # Taken before loading, so a change made while loading is seen as a change.
+            config_marks = config.fingerprint(options.config)
+        except (OSError, ConfigError):
+            config_marks = ()  # _load_rules reports what is wrong
         rules = self._load_rules()
         if self._backend is None:
             try:
@@ -151,12 +162,14 @@ class App:
             clock=self._clock,
             over_limit_cache=options.over_limit_cache,
         )
+        self._limiter = limiter
         service = RateLimitService(limiter)
         health = self._health = Health(backend, backend_required=options.failure_mode == "deny")
         # Frequency caps for ad servers: on the HTTP port, and on gRPC beside Envoy's service.
         caps = FrequencyCaps(
             rules, backend, clock=self._clock, dedupe_horizon=options.dedupe_horizon
         )
+        self._caps = caps
         self._grpc = self._rls_server(service, FrequencyService(caps))
         self._http = AdminServer(
             service,
@@ -178,6 +191,10 @@ class App:
         health.listen(self._grpc.set_serving)
         await health.check()
         self._watch = asyncio.create_task(health.watch(HEALTH_INTERVAL))
+        if options.config_poll_seconds > 0:
+            self._config_watch = asyncio.create_task(
+                self._watch_config(config_marks, options.config_poll_seconds)
+            )
         log.info(
             "started",
             grpc_port=self.grpc_port,
@@ -234,6 +251,47 @@ class App:
             log.info("config_loaded", summary=domain.summary())
         return rules
 
+    def reload(self) -> bool:
+        """Load the rules again and serve them from the next call; keep the old ones on error.
+
+        As the reference does: a bad file is counted (config_load_error) and logged once per
+        distinct error, and the service goes on with the rules it had. Counters are untouched:
+        their keys depend on the descriptors and windows, not on the rules' order.
+        """
+        try:
+            rules = config.load(self.options.config)
+        except ConfigError as exc:
+            self.stats.config_load_error += 1
+            if str(exc) != self._last_config_error:
+                self._last_config_error = str(exc)
+                log.warning("config_load_error", error=str(exc), kept="previous rules")
+            return False
+        self._last_config_error = None
+        self.stats.config_load_success += 1
+        if self._limiter is not None:
+            self._limiter.rules = rules
+        if self._caps is not None:
+            self._caps.set_rules(rules)
+        if self._http is not None:
+            self._http.rules = rules
+        log.info("config_reloaded", summaries=[d.summary() for d in rules.domains.values()])
+        return True
+
+    async def _watch_config(
+        self, marks: tuple[tuple[str, int, int, int], ...], interval: float
+    ) -> None:
+        """Reload when the rules files change (polling their stat: no inotify needed, and a
+        Kubernetes ConfigMap's symlink swap shows as a change)."""
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                current = config.fingerprint(self.options.config)
+            except (OSError, ConfigError):
+                continue  # mid-swap, or a path gone: look again next time
+            if current != marks:
+                marks = current
+                self.reload()
+
     async def stop(self, grace: float = SHUTDOWN_GRACE) -> None:
         """Drain and stop; safe to call twice and after a failed start."""
         if self._stopped:
@@ -241,10 +299,12 @@ class App:
         self._stopped = True
         if self._health is not None:
             await self._health.drain()
-        if self._watch is not None:
-            self._watch.cancel()
+        for task in (self._watch, self._config_watch):
+            if task is None:
+                continue
+            task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await self._watch
+                await task
         stops = []
         if self._grpc is not None:
             stops.append(self._grpc.stop(grace))
@@ -262,12 +322,13 @@ class App:
         signals = (signal.SIGTERM, signal.SIGINT)
         for signum in signals:
             loop.add_signal_handler(signum, stopping.set)
+        loop.add_signal_handler(signal.SIGHUP, self.reload)
         try:
             await stopping.wait()
             log.info("stopping", grace_seconds=SHUTDOWN_GRACE)
             await self.stop()
         finally:
-            for signum in signals:
+            for signum in (*signals, signal.SIGHUP):
                 loop.remove_signal_handler(signum)
         log.info("stopped", total_requests=self.stats.total_requests)
         return 0

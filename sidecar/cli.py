@@ -319,6 +319,14 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, _Flags]]:
         type=_log_level,
     )
     serve.add(
+        "--config-poll-seconds",
+        "how often to look at the rules files and reload them when they change (a bad change "
+        "keeps the previous rules, counted in config_load_error); 0: only on SIGHUP",
+        default=2.0,
+        type=float,
+        metavar="SECONDS",
+    )
+    serve.add(
         "--dedupe-horizon",
         "frequency caps: seconds an impression id is remembered at least, so a repeated "
         "record within it counts nothing (ids are forgotten by twice that)",
@@ -433,6 +441,7 @@ def _serve(args: argparse.Namespace) -> int:
         reuse_port=args.reuse_port,
         grpc_socket_fd=args.grpc_socket_fd,
         dedupe_horizon=args.dedupe_horizon,
+        config_poll_seconds=args.config_poll_seconds,
     )
     try:
         return asyncio.run(App(options).run())

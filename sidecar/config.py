@@ -193,6 +193,20 @@ def load(paths: Sequence[str | Path]) -> Rules:
     return rules
 
 
+def fingerprint(paths: Sequence[str | Path]) -> tuple[tuple[str, int, int, int], ...]:
+    """What `load` would read, as (name, inode, size, mtime) of every rules file.
+
+    Cheap enough to poll: a change of any file, a file added or removed, or a directory swapped
+    under a symlink (how Kubernetes updates a mounted ConfigMap) changes it. Raises OSError when
+    a path vanishes mid-change; the caller looks again later.
+    """
+    marks = []
+    for file in _files(paths):
+        stat = file.stat()  # follows symlinks: a swapped target changes inode and mtime
+        marks.append((str(file), stat.st_ino, stat.st_size, stat.st_mtime_ns))
+    return tuple(marks)
+
+
 def _files(paths: Sequence[str | Path]) -> list[Path]:
     files: list[Path] = []
     for raw in paths:

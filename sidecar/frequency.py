@@ -115,6 +115,11 @@ class FrequencyCaps:
         # nodes) live as long as this object.
         self._templates: dict[tuple[int, str, str], Template | None] = {}
 
+    def set_rules(self, rules: Rules) -> None:
+        """Serve new rules from the next call on (a config reload)."""
+        self.rules = rules
+        self._templates = {}
+
     async def check(self, domain: str, user: str, ads: Sequence[Candidate]) -> list[Verdict]:
         """A verdict per candidate, in order; raises InvalidRequest, UnknownDomain or
         StorageError."""

@@ -1,0 +1,132 @@
+"""Rules reload while the sidecar serves: on a change of the files (polled) and on SIGHUP; a bad
+change keeps the previous rules, as the reference does."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections.abc import Callable
+from pathlib import Path
+
+import aiohttp
+from sidecars import client, request, running_app, serve_process
+
+from sidecar.app import App
+from sidecar.model import Code
+
+RULES = """\
+domain: reload
+descriptors:
+  - key: user
+    rate_limit: {{unit: minute, requests_per_unit: {limit}}}
+"""
+
+
+def rules(limit: int) -> str:
+    return RULES.format(limit=limit)
+
+
+async def eventually(condition: Callable[[], bool], seconds: float = 10.0) -> None:
+    """Wait until `condition()` holds (the poll runs every 0.05 s in these tests)."""
+    deadline = asyncio.get_running_loop().time() + seconds
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "the change was never picked up"
+        await asyncio.sleep(0.02)
+
+
+async def rlconfig(app: App) -> str:
+    async with (
+        aiohttp.ClientSession() as http,
+        http.get(f"http://127.0.0.1:{app.http_port}/rlconfig") as response,
+    ):
+        return await response.text()
+
+
+async def codes(app: App, user: str, calls: int) -> list[int]:
+    async with client(app.grpc_port) as rls:
+        return [
+            (await rls.call(request("reload", [("user", user)]))).overall_code for _ in range(calls)
+        ]
+
+
+async def test_a_changed_file_is_served_without_a_restart(tmp_path: Path) -> None:
+    """Raising a limit in the file takes effect while serving, and counters carry over."""
+    path = tmp_path / "rules.yaml"
+    path.write_text(rules(1))
+    async with running_app(path, config_poll_seconds=0.05) as app:
+        assert await codes(app, "u1", 2) == [Code.OK, Code.OVER_LIMIT]
+        path.write_text(rules(5))
+        await eventually(lambda: app.stats.config_load_success == 2)
+        assert "requests_per_unit=5" in await rlconfig(app)
+        # The counter kept its 2 hits: 3 more fit under the new limit of 5.
+        assert await codes(app, "u1", 4) == [Code.OK] * 3 + [Code.OVER_LIMIT]
+
+
+async def test_a_bad_change_keeps_the_previous_rules(tmp_path: Path) -> None:
+    """A broken file is counted in config_load_error and the old rules go on serving; fixing it
+    loads the new rules."""
+    path = tmp_path / "rules.yaml"
+    path.write_text(rules(1))
+    async with running_app(path, config_poll_seconds=0.05) as app:
+        before = await rlconfig(app)
+        path.write_text("domain: reload\ndescriptors:\n  - key: user\n    ratelimit: {}\n")
+        await eventually(lambda: app.stats.config_load_error == 1)
+        assert await rlconfig(app) == before
+        assert await codes(app, "u2", 2) == [Code.OK, Code.OVER_LIMIT]
+        path.write_text(rules(3))
+        await eventually(lambda: app.stats.config_load_success == 2)
+        assert "requests_per_unit=3" in await rlconfig(app)
+
+
+async def test_a_directory_swapped_under_a_symlink_is_reloaded(tmp_path: Path) -> None:
+    """Kubernetes updates a mounted ConfigMap by pointing a symlink at a new directory: the
+    sidecar sees it as a change."""
+    for name, limit in (("v1", 1), ("v2", 7)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "rules.yaml").write_text(rules(limit))
+    (tmp_path / "current").symlink_to("v1")
+    mounted = tmp_path / "mounted"
+    mounted.mkdir()
+    (mounted / "rules.yaml").symlink_to(tmp_path / "current" / "rules.yaml")
+    async with running_app(mounted, config_poll_seconds=0.05) as app:
+        assert "requests_per_unit=1" in await rlconfig(app)
+        swap = tmp_path / "swap"
+        swap.symlink_to("v2")
+        swap.replace(tmp_path / "current")
+        await eventually(lambda: app.stats.config_load_success == 2)
+        assert "requests_per_unit=7" in await rlconfig(app)
+
+
+async def test_sighup_reloads_the_rules(tmp_path: Path) -> None:
+    """With polling off, SIGHUP to the process reloads the rules."""
+    path = tmp_path / "rules.yaml"
+    path.write_text(rules(1))
+    args = [
+        "--config",
+        str(path),
+        "--grpc-address",
+        "127.0.0.1:0",
+        "--http-address",
+        "127.0.0.1:0",
+        "--config-poll-seconds",
+        "0",
+    ]
+    async with serve_process(args) as served, client(served.grpc_port) as rls:
+        calls = [(await rls.call(request("reload", [("user", "u3")]))).overall_code]
+        calls.append((await rls.call(request("reload", [("user", "u3")]))).overall_code)
+        assert calls == [Code.OK, Code.OVER_LIMIT]
+        path.write_text(rules(4))
+        assert served.process.pid is not None
+        os.kill(served.process.pid, signal.SIGHUP)
+        url = f"http://127.0.0.1:{served.http_port}/rlconfig"
+        async with aiohttp.ClientSession() as http:
+            for _ in range(200):
+                async with http.get(url) as response:
+                    if "requests_per_unit=4" in await response.text():
+                        break
+                await asyncio.sleep(0.02)
+            else:
+                raise AssertionError("SIGHUP did not reload the rules")
+        third = await rls.call(request("reload", [("user", "u3")]))
+        assert third.overall_code == Code.OK
