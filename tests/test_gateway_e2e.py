@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from envoys import Envoy, Response, Sidecar, Upstream, free_port, get
+from envoys import Envoy, ProcessError, Response, Sidecar, Upstream, free_port, get
 from servers import RedisServer
 
 from sidecar import cli
@@ -112,26 +112,38 @@ def gateway(
     rules.write_text(RULES)
     upstream = Upstream()
     upstream.start()
-    sidecar = Sidecar(
-        ["--config", str(rules), "--backend", redis_server.url, "--failure-mode", "deny",
-         "--redis-timeout-ms", str(int(REDIS_TIMEOUT * 1000))],
-        free_port(), free_port(), workdir / "sidecar.log",
-    )  # fmt: skip
-    port, admin_port = free_port(), free_port()
-    argv = generating_command()
-    args = cli.parse_args(argv)
-    args.rules = [str(rules)]
-    args.sidecar = ("127.0.0.1", sidecar.grpc_port)
-    args.listen = ("127.0.0.1", port)
-    args.upstream = ("127.0.0.1", upstream.port)
-    args.admin = ("127.0.0.1", admin_port)
-    args.timeout_ms = int(ENVOY_TIMEOUT * 1000)
-    config = workdir / "envoy.yaml"
-    config.write_text(commands.generate(args, argv))
-    envoy = Envoy(envoy_binary, config, admin_port, workdir / "envoy.log")
+    # Ports are picked free, then bound by the processes a moment later; in between an outgoing
+    # connection of this busy suite can take one as its ephemeral port. So a start that fails
+    # is tried again on fresh ports (twice at most) before the module gives up.
+    for attempt in range(3):
+        sidecar = Sidecar(
+            ["--config", str(rules), "--backend", redis_server.url, "--failure-mode", "deny",
+             "--redis-timeout-ms", str(int(REDIS_TIMEOUT * 1000))],
+            free_port(), free_port(), workdir / "sidecar.log",
+        )  # fmt: skip
+        port, admin_port = free_port(), free_port()
+        argv = generating_command()
+        args = cli.parse_args(argv)
+        args.rules = [str(rules)]
+        args.sidecar = ("127.0.0.1", sidecar.grpc_port)
+        args.listen = ("127.0.0.1", port)
+        args.upstream = ("127.0.0.1", upstream.port)
+        args.admin = ("127.0.0.1", admin_port)
+        args.timeout_ms = int(ENVOY_TIMEOUT * 1000)
+        config = workdir / "envoy.yaml"
+        config.write_text(commands.generate(args, argv))
+        envoy = Envoy(envoy_binary, config, admin_port, workdir / "envoy.log")
+        try:
+            sidecar.start()
+            envoy.start()
+            break
+        except ProcessError:
+            envoy.stop()
+            sidecar.stop()
+            if attempt == 2:
+                upstream.stop()
+                raise
     try:
-        sidecar.start()
-        envoy.start()
         yield Gateway(envoy, sidecar, redis_server, upstream, port, config)
     finally:
         envoy.stop()
