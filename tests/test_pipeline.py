@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
+import hiredis
 import pytest
 from conftest import require_binary
 from servers import RedisServer, ServerError, start_server
@@ -26,21 +27,110 @@ async def client(redis_server: RedisServer) -> AsyncIterator[PipelinedRedis]:
     await pipelined.close()
 
 
+async def connected(client: PipelinedRedis) -> None:
+    """Wait until every connection of `client` is open."""
+    await client.execute("PING")
+    for _ in range(100):
+        if all(p is not None and p.lost is None for p in client._connections):
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("the client's connections did not open")
+
+
+def count_writes(client: PipelinedRedis) -> dict[int, int]:
+    """From now on, count the writes on each open connection of `client`, by its index."""
+    writes = dict.fromkeys(range(len(client._connections)), 0)
+    for index, protocol in enumerate(client._connections):
+        assert protocol is not None and protocol.transport is not None
+        transport: Any = protocol.transport
+        write = transport.write
+
+        def counting(data: bytes, index: int = index, write: Any = write) -> None:
+            writes[index] += 1
+            write(data)
+
+        transport.write = counting
+    return writes
+
+
 async def test_calls_of_one_tick_leave_in_one_write(client: PipelinedRedis) -> None:
     """100 calls issued together share one write, and each gets its own reply, in order."""
-    await client.execute("PING")  # connected
-    protocol: Any = client._protocol
-    writes: list[bytes] = []
-    write = protocol.transport.write
-
-    def counting(data: bytes) -> None:
-        writes.append(data)
-        write(data)
-
-    protocol.transport.write = counting
+    await connected(client)
+    writes = count_writes(client)
     replies = await asyncio.gather(*(client.execute("ECHO", str(i)) for i in range(100)))
     assert replies == [str(i).encode() for i in range(100)]
-    assert len(writes) == 1
+    assert sum(writes.values()) == 1
+
+
+async def test_ticks_take_turns_on_the_connections(client: PipelinedRedis) -> None:
+    """Each tick's calls leave in one write on one connection, the next tick's on the next one."""
+    await connected(client)
+    writes = count_writes(client)
+    for tick in range(4):
+        replies = await asyncio.gather(*(client.execute("ECHO", f"{tick}-{i}") for i in range(10)))
+        assert replies == [f"{tick}-{i}".encode() for i in range(10)]
+    assert writes == {0: 2, 1: 2}
+
+
+async def test_one_connection_when_asked(redis_server: RedisServer) -> None:
+    """With `connections=1` every tick uses the same connection."""
+    redis_server.start()
+    single = PipelinedRedis("127.0.0.1", redis_server.port, connections=1)
+    try:
+        await connected(single)
+        writes = count_writes(single)
+        for tick in range(3):
+            await asyncio.gather(*(single.execute("ECHO", str(tick)) for _ in range(5)))
+        assert writes == {0: 3}
+    finally:
+        await single.close()
+
+
+async def test_a_lost_connection_is_reopened_while_the_other_serves(
+    client: PipelinedRedis,
+) -> None:
+    """Calls after one connection is lost go to the open one; the lost one is reopened."""
+    await connected(client)
+    lost: Any = client._connections[0]
+    lost.transport.abort()
+    await asyncio.sleep(0)  # the loop reports the loss
+    for tick in range(4):
+        assert await client.execute("ECHO", str(tick)) == str(tick).encode()
+    await connected(client)
+    assert client._connections[0] is not lost
+
+
+async def test_a_packed_command_is_sent_as_it_is(client: PipelinedRedis) -> None:
+    """execute_packed sends RESP bytes unchanged, in the same write as the tick's other calls,
+    and an error reply raises."""
+    await connected(client)
+    writes = count_writes(client)
+    replies = await asyncio.gather(
+        client.execute_packed(hiredis.pack_command(("SET", "packed", "v"))),
+        client.execute("GET", "packed"),
+        client.execute_packed(b"*2\r\n$4\r\nECHO\r\n$2\r\nhi\r\n"),
+    )
+    assert replies == [b"OK", b"v", b"hi"]
+    assert sum(writes.values()) == 1
+    with pytest.raises(RedisReplyError, match="WRONGTYPE"):
+        await client.execute_packed(hiredis.pack_command(("HGET", "packed", "field")))
+
+
+async def test_commands_sent_together_stay_together(client: PipelinedRedis) -> None:
+    """execute_packed_many sends its commands back to back on one connection (a MULTI block
+    holds), and returns error replies as values."""
+    await client.execute("DEL", "together")
+    replies = await client.execute_packed_many(
+        [
+            hiredis.pack_command(("MULTI",)),
+            hiredis.pack_command(("INCR", "together")),
+            hiredis.pack_command(("INCR", "together")),
+            hiredis.pack_command(("EXEC",)),
+            hiredis.pack_command(("NOSUCHCOMMAND",)),
+        ]
+    )
+    assert replies[:4] == [b"OK", b"QUEUED", b"QUEUED", [1, 2]]
+    assert isinstance(replies[4], RedisReplyError)
 
 
 async def test_an_error_reply_raises_and_leaves_the_others_in_step(client: PipelinedRedis) -> None:
@@ -135,7 +225,8 @@ async def test_a_hung_server_drops_the_connection_and_recovers(
         with pytest.raises(TimeoutError):
             async with asyncio.timeout(0.2):
                 await client.execute("PING")
-        assert client._protocol.lost is not None  # dropped: nothing heard for a whole deadline
+        # The connection that carried the call is dropped: nothing heard for a whole deadline.
+        assert any(p is not None and p.lost is not None for p in client._connections)
         assert not await backend.ping()
         restartable_redis.resume()
         for _ in range(20):

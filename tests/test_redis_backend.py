@@ -22,8 +22,9 @@ from servers import HOST, RedisCluster, RedisServer, free_port
 from sidecar.errors import StorageError
 from sidecar.model import Algorithm, Hit, Outcome, Role, Unit, Window
 from sidecar.storage import Backend, open_backend
+from sidecar.storage.cluster import RedisClusterBackend
 from sidecar.storage.memory import MemoryBackend
-from sidecar.storage.redis import _SCRIPT, _SHA, RedisBackend, RedisClusterBackend
+from sidecar.storage.redis import _SCRIPT, _SHA, RedisBackend
 
 # Generous, so a loaded machine does not turn contract tests into timing tests.
 TIMEOUT_MS = 2_000

@@ -65,7 +65,7 @@ def open_backend(url: str, timeout_ms: int = 50) -> Backend:
 
         return RedisBackend.from_url(url, timeout_ms=timeout_ms)
     if scheme == "redis+cluster":
-        from sidecar.storage.redis import RedisClusterBackend
+        from sidecar.storage.cluster import RedisClusterBackend
 
         return RedisClusterBackend.from_url(url, timeout_ms=timeout_ms)
     raise ValueError(

@@ -7,13 +7,15 @@ hiredis's C packer, appends it to the tick's buffer and waits on a future; the b
 once at the end of the tick, and `data_received` feeds hiredis's reader and resolves the futures
 first in, first out. No task is created per call.
 
-Deadlines are the caller's (`asyncio.timeout` around `execute`): a call that gives up leaves its
-future cancelled, and its reply, when it comes, is dropped without disturbing the order. A
-connection that has not answered anything for a whole deadline while calls wait is closed, so a
-hung server fails fast instead of piling up calls. A lost connection fails every waiting call;
-the next call reconnects, at most once per `RECONNECT_BACKOFF` after a failed attempt (calls in
-between fail at once, so the failure mode answers without waiting). AUTH and SELECT run first on
-every new connection; TLS is the event loop's.
+A client keeps a few connections to its server and gives each tick to the next one in turn (see
+`PipelinedRedis`). Deadlines are the caller's (`asyncio.timeout` around `execute`): a call that
+gives up leaves its future cancelled, and its reply, when it comes, is dropped without disturbing
+the order. A connection that has not answered anything for a whole deadline while calls wait is
+closed, so a hung server fails fast instead of piling up calls. A lost connection fails every
+call waiting on it; it is reopened in the background while another connection serves, or by the
+next call when none is open, at most once per `RECONNECT_BACKOFF` after a failed attempt (calls
+in between fail at once, so the failure mode answers without waiting). AUTH and SELECT run first
+on every new connection; TLS is the event loop's.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import asyncio
 import collections
 import ssl
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import hiredis
@@ -30,9 +32,12 @@ import hiredis
 #: After a failed connection attempt, calls fail at once for this long before the next attempt.
 RECONNECT_BACKOFF = 0.1
 
+#: Connections per server, unless told otherwise.
+CONNECTIONS = 2
+
 
 class RedisReplyError(Exception):
-    """An error reply from Redis (`-ERR ...`, `-NOSCRIPT ...`)."""
+    """An error reply from Redis (`-ERR ...`, `-NOSCRIPT ...`, `-MOVED ...`)."""
 
 
 class ConnectionLost(ConnectionError):
@@ -46,6 +51,9 @@ class _Protocol(asyncio.Protocol):
         self.reader = hiredis.Reader()
         self.last_reply = time.monotonic()
         self.lost: Exception | None = None
+        # Commands of the current tick, written together when it ends.
+        self.buffer: list[bytes] = []
+        self.flush_scheduled = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
@@ -83,19 +91,31 @@ class _Protocol(asyncio.Protocol):
 
 
 class PipelinedRedis:
-    """One pipelined connection to one Redis server (opened on first use, reopened when lost)."""
+    """Pipelined connections to one Redis server (opened on first use, reopened when lost).
+
+    Each tick's calls all go to one connection, and the next tick's to the next connection in
+    turn. One connection per tick keeps the cost of a tick at one write (one system call), as
+    with a single connection, and keeps replies first in, first out on each connection; taking
+    turns spreads the ticks over the connections, so a slow reply (a large one, or one behind a
+    lost packet) holds up the ticks of its own connection only, and a lost connection fails
+    only the calls it carried. Round robin per call would cost one write per connection per
+    tick instead, for no gain: the server runs the commands one at a time either way.
+    """
 
     def __init__(
         self,
         host: str,
         port: int,
         *,
+        connections: int = CONNECTIONS,
         db: int = 0,
         username: str | None = None,
         password: str | None = None,
         ssl_context: Callable[[], ssl.SSLContext] | None = None,
         connect_timeout: float = 1.0,
     ) -> None:
+        if connections < 1:
+            raise ValueError(f"connections must be at least 1, not {connections}")
         self.host = host
         self.port = port
         self._db = db
@@ -103,19 +123,25 @@ class PipelinedRedis:
         self._password = password
         self._ssl = ssl_context
         self._connect_timeout = connect_timeout
-        self._protocol: _Protocol | None = None
-        self._connecting: asyncio.Future[_Protocol] | None = None
+        self._connections: list[_Protocol | None] = [None] * connections
+        self._opening: list[asyncio.Task[_Protocol] | None] = [None] * connections
+        self._next = 0
+        # The connection the current tick's calls go to; None until the tick's first call.
+        self._tick: _Protocol | None = None
         self._failed_at = -RECONNECT_BACKOFF
-        self._buffer: list[bytes] = []
-        self._flush_scheduled = False
 
     async def execute(self, *args: Any) -> Any:
         """Send one command and wait for its reply; error replies raise RedisReplyError."""
-        protocol = self._protocol
+        return await self.execute_packed(hiredis.pack_command(args))
+
+    async def execute_packed(self, packed: bytes) -> Any:
+        """Send one command already encoded in RESP (as `hiredis.pack_command` encodes it) and
+        wait for its reply; error replies raise RedisReplyError."""
+        protocol = self._tick
         if protocol is None or protocol.lost is not None:
-            protocol = await self._connect()
+            protocol = self._pick() or await self._connect()
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._send(protocol, hiredis.pack_command(args), future)
+        self._send(protocol, packed, future)
         try:
             reply = await future
         except asyncio.CancelledError:
@@ -125,45 +151,100 @@ class PipelinedRedis:
             raise RedisReplyError(str(reply))
         return reply
 
+    async def execute_packed_many(self, packed: Sequence[bytes]) -> list[Any]:
+        """Send encoded commands back to back on one connection, in one write, and wait for
+        every reply. Error replies come back as RedisReplyError values, not raised: the caller
+        judges them (ASKING and the command it prefixes, say)."""
+        protocol = self._tick
+        if protocol is None or protocol.lost is not None:
+            protocol = self._pick() or await self._connect()
+        loop = asyncio.get_running_loop()
+        futures: list[asyncio.Future[Any]] = []
+        for command in packed:
+            futures.append(loop.create_future())
+            self._send(protocol, command, futures[-1])
+        try:
+            replies = await asyncio.gather(*futures)
+        except asyncio.CancelledError:
+            self._check_stalled(protocol)
+            raise
+        return [
+            RedisReplyError(str(reply)) if isinstance(reply, hiredis.ReplyError) else reply
+            for reply in replies
+        ]
+
     def _send(self, protocol: _Protocol, packed: bytes, future: asyncio.Future[Any]) -> None:
         protocol.waiters.append(future)
-        self._buffer.append(packed)
-        if not self._flush_scheduled:
-            self._flush_scheduled = True
+        protocol.buffer.append(packed)
+        if not protocol.flush_scheduled:
+            protocol.flush_scheduled = True
+            self._tick = protocol
             asyncio.get_running_loop().call_soon(self._flush, protocol)
 
     def _flush(self, protocol: _Protocol) -> None:
-        self._flush_scheduled = False
-        buffer, self._buffer = self._buffer, []
+        protocol.flush_scheduled = False
+        if self._tick is protocol:
+            self._tick = None
+        buffer, protocol.buffer = protocol.buffer, []
         if protocol.lost is None and protocol.transport is not None:
             protocol.transport.write(b"".join(buffer))
+
+    def _pick(self) -> _Protocol | None:
+        """The next open connection in turn, or None; lost ones are reopened meanwhile."""
+        connections = self._connections
+        for _ in range(len(connections)):
+            index = self._next
+            self._next = (index + 1) % len(connections)
+            protocol = connections[index]
+            if protocol is not None and protocol.lost is None:
+                return protocol
+            if self._opening[index] is None and not self._backing_off():
+                self._open_later(index)
+        return None
 
     def _check_stalled(self, protocol: _Protocol) -> None:
         """A call gave up: if the server has answered nothing for as long, drop the connection."""
         if protocol.waiters and time.monotonic() - protocol.last_reply > self._connect_timeout:
             protocol.close(ConnectionLost("no reply from redis; connection dropped"))
 
+    def _backing_off(self) -> bool:
+        return time.monotonic() - self._failed_at < RECONNECT_BACKOFF
+
     async def _connect(self) -> _Protocol:
-        if self._connecting is not None:
-            return await asyncio.shield(self._connecting)
-        if time.monotonic() - self._failed_at < RECONNECT_BACKOFF:
-            raise ConnectionLost(f"redis at {self.host}:{self.port} is unreachable (retrying soon)")
-        loop = asyncio.get_running_loop()
-        self._connecting = loop.create_future()
+        """No connection is open: wait for one being opened, or open them all and wait for the
+        next in turn."""
+        index = self._next
+        task = self._opening[index] or next((t for t in self._opening if t is not None), None)
+        if task is None:
+            if self._backing_off():
+                raise ConnectionLost(
+                    f"redis at {self.host}:{self.port} is unreachable (retrying soon)"
+                )
+            for other, protocol in enumerate(self._connections):
+                if (protocol is None or protocol.lost is not None) and other != index:
+                    self._open_later(other)
+            task = self._open_later(index)
+        # Shielded: a caller that gives up leaves the connection opening for the next ones.
+        return await asyncio.shield(task)
+
+    def _open_later(self, index: int) -> asyncio.Task[_Protocol]:
+        task = asyncio.get_running_loop().create_task(self._open_at(index))
+        # Retrieved here, so a failure nobody waited for is not logged as never retrieved.
+        task.add_done_callback(lambda done: done.cancelled() or done.exception())
+        self._opening[index] = task
+        return task
+
+    async def _open_at(self, index: int) -> _Protocol:
         try:
             protocol = await self._open()
-        except BaseException as exc:
+        except Exception as exc:
             self._failed_at = time.monotonic()
-            failure = ConnectionLost(f"cannot connect to redis at {self.host}:{self.port}: {exc!r}")
-            self._connecting.set_exception(failure)
-            self._connecting.exception()  # retrieved: no "never retrieved" warning if unshared
-            self._connecting = None
-            if isinstance(exc, asyncio.CancelledError):
-                raise
-            raise failure from exc
-        self._connecting.set_result(protocol)
-        self._connecting = None
-        self._protocol = protocol
+            raise ConnectionLost(
+                f"cannot connect to redis at {self.host}:{self.port}: {exc!r}"
+            ) from exc
+        finally:
+            self._opening[index] = None
+        self._connections[index] = protocol
         return protocol
 
     async def _open(self) -> _Protocol:
@@ -178,29 +259,47 @@ class PipelinedRedis:
                 ssl=self._ssl() if self._ssl else None,
                 server_hostname=self.host if self._ssl else None,
             )
-            greetings: list[tuple[Any, ...]] = []
-            if self._password is not None:
-                if self._username:
-                    greetings.append(("AUTH", self._username, self._password))
-                else:
-                    greetings.append(("AUTH", self._password))
-            if self._db:
-                greetings.append(("SELECT", self._db))
-            for command in greetings:
-                future: asyncio.Future[Any] = loop.create_future()
-                protocol.waiters.append(future)
-                assert protocol.transport is not None
-                protocol.transport.write(hiredis.pack_command(command))
-                reply = await future
-                if isinstance(reply, hiredis.ReplyError):
-                    protocol.close(ConnectionLost(str(reply)))
-                    raise RedisReplyError(f"{command[0]}: {reply}")
+            try:
+                await self._greet(protocol)
+            except BaseException:
+                # Not handed to anyone: close it here, or the socket waits for the collector.
+                protocol.close(ConnectionLost("connection setup failed"))
+                raise
         return protocol
 
+    async def _greet(self, protocol: _Protocol) -> None:
+        """AUTH and SELECT, before the connection carries any call."""
+        greetings: list[tuple[Any, ...]] = []
+        if self._password is not None:
+            if self._username:
+                greetings.append(("AUTH", self._username, self._password))
+            else:
+                greetings.append(("AUTH", self._password))
+        if self._db:
+            greetings.append(("SELECT", self._db))
+        loop = asyncio.get_running_loop()
+        for command in greetings:
+            future: asyncio.Future[Any] = loop.create_future()
+            protocol.waiters.append(future)
+            assert protocol.transport is not None
+            protocol.transport.write(hiredis.pack_command(command))
+            reply = await future
+            if isinstance(reply, hiredis.ReplyError):
+                raise RedisReplyError(f"{command[0]}: {reply}")
+
     async def close(self) -> None:
-        protocol, self._protocol = self._protocol, None
-        if protocol is not None and protocol.transport is not None:
-            protocol.fail(ConnectionLost("client closed"))
-            protocol.transport.close()
-            # Let the transport's close run, so no socket is left for the garbage collector.
-            await asyncio.sleep(0)
+        """Close every connection (waiting calls fail); a later call opens new ones."""
+        opening = [task for task in self._opening if task is not None]
+        for task in opening:
+            task.cancel()
+        await asyncio.gather(*opening, return_exceptions=True)
+        # A task cancelled before it started never ran the line that forgets it.
+        self._opening = [None] * len(self._opening)
+        connections, self._connections = self._connections, [None] * len(self._connections)
+        self._tick = None
+        for protocol in connections:
+            if protocol is not None and protocol.transport is not None:
+                protocol.fail(ConnectionLost("client closed"))
+                protocol.transport.close()
+        # Let the transports' close run, so no socket is left for the garbage collector.
+        await asyncio.sleep(0)

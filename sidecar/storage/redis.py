@@ -10,6 +10,9 @@ making Envoy wait.
 `record` runs the same script in its record mode, once per user (a batch is one hash slot); the
 batches of one call run concurrently, which on a standalone Redis means one write and one round
 trip.
+
+The Redis Cluster backend lives in `cluster.py`, with its own pipelined client; it builds the same
+commands with the helpers here.
 """
 
 from __future__ import annotations
@@ -18,20 +21,15 @@ import asyncio
 import functools
 import hashlib
 import ssl
-import sys
 from collections.abc import Awaitable, Iterable, Sequence
 from importlib.resources import files
 from typing import Any, Self
 from urllib.parse import parse_qsl, unquote, urlsplit
 
-from redis.asyncio import Redis
-from redis.asyncio.cluster import ClusterNode, RedisCluster
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
 from redis.crc import key_slot
-from redis.exceptions import NoScriptError, RedisError
+from redis.exceptions import RedisError
 
-from sidecar.algorithms import decide, fixed_window
+from sidecar.algorithms import decide
 from sidecar.algorithms.decide import Address, State
 from sidecar.algorithms.token_bucket import Bucket
 from sidecar.algorithms.windows import FIELD_GRACE
@@ -48,35 +46,11 @@ MODE_ALL_OR_NOTHING = 1
 MODE_READ = 2
 MODE_RECORD = 3
 
-#: Connections per Redis node. Concurrent calls beyond it wait for a free one (until their
-#: deadline) rather than opening a socket each.
-POOL_SIZE = 64
-
 DEFAULT_PORT = 6379
 
 
 _TLS_OPTIONS = {"ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs"}
 _CERT_REQS = {"none": ssl.CERT_NONE, "optional": ssl.CERT_OPTIONAL, "required": ssl.CERT_REQUIRED}
-
-
-def _connection_options(timeout: float) -> dict[str, Any]:
-    """Socket settings both clients share; `timeout` is the call deadline, in seconds."""
-    return {
-        "socket_connect_timeout": timeout,
-        # A read/write timeout makes redis-py wrap every send in asyncio.wait_for, which on
-        # Python 3.11 swallows a cancellation that lands as the send completes: the deadline's
-        # cancellation is lost and the call runs on to a second full timeout. From 3.12 on it
-        # is safe, and the socket timeout backs up the deadline; on 3.11 the deadline alone
-        # bounds a call, and TCP keepalive eventually drops a dead peer's idle connections.
-        "socket_timeout": timeout if sys.version_info >= (3, 12) else None,
-        "socket_keepalive": True,
-        # Never retried inside redis-py: a retried EVALSHA may count its hits twice, and the
-        # deadline leaves no room for backoff. Stale pooled connections (after a Redis restart,
-        # say) are still replaced, because the pool checks a connection before lending it.
-        "retry": Retry(NoBackoff(), 0),
-        # RESP2: every Redis and proxy speaks it, and a new connection needs no HELLO.
-        "protocol": 2,
-    }
 
 
 Reply = list[int]
@@ -188,19 +162,6 @@ def _outcomes(hits: Sequence[Hit], reply: Reply) -> list[Outcome]:
     return outcomes
 
 
-async def _run(client: Redis | RedisCluster, command: list[Any]) -> Reply:
-    """Run the script, sending its text only when the node has lost it."""
-    try:
-        reply: Reply = await client.execute_command(*command)
-    except NoScriptError:
-        # The node's script cache is empty (restart, failover, SCRIPT FLUSH, a new node). EVAL
-        # runs the text and caches it there in one round trip, where SCRIPT LOAD + EVALSHA
-        # would take two and, on a cluster, need the node picked by hand.
-        command[0:2] = ["EVAL", _SCRIPT]
-        reply = await client.execute_command(*command)
-    return reply
-
-
 async def _gather_all(calls: Iterable[Awaitable[Any]]) -> list[Any]:
     """Await every call, then raise the first failure.
 
@@ -217,12 +178,11 @@ async def _gather_all(calls: Iterable[Awaitable[Any]]) -> list[Any]:
 def _failure(backend: str, timeout_ms: int, exc: Exception) -> StorageError:
     """The StorageError for whatever a call raised.
 
-    Mostly a RedisError, but the cluster client also raises the unrelated
-    RedisClusterException (no reachable node), `asyncio.timeout` raises TimeoutError, and under
-    concurrent reconnects redis-py has been seen to leak an AttributeError from a connection
-    closed under a call. The Backend contract promises StorageError only, so that the service
-    answers with its failure mode rather than an internal error: callers catch every Exception
-    and the original type stays in the message for the logs.
+    Mostly the pipelined clients' RedisReplyError and ConnectionLost, or the cluster client's
+    ClusterError, and `asyncio.timeout` raises TimeoutError. The Backend contract promises
+    StorageError only, so that the service answers with its failure mode rather than an
+    internal error: callers catch every Exception and the original type stays in the message
+    for the logs.
     """
     if isinstance(exc, TimeoutError) and not isinstance(exc, RedisError):
         return StorageError(f"{backend}: no answer within {timeout_ms} ms")
@@ -330,12 +290,14 @@ class RedisBackend:
 
 
 async def _run_pipelined(client: PipelinedRedis, command: list[Any]) -> Reply:
-    """Run the script, sending its text only when the server has lost it (see `_run`)."""
+    """Run the script, sending its text only when the server has lost it."""
     try:
         reply: Reply = await client.execute(*command)
     except RedisReplyError as exc:
         if not str(exc).startswith("NOSCRIPT"):
             raise
+        # The script cache is empty (restart, failover, SCRIPT FLUSH). EVAL runs the text and
+        # caches it in one round trip, where SCRIPT LOAD + EVALSHA would take two.
         command[0:2] = ["EVAL", _SCRIPT]
         reply = await client.execute(*command)
     return reply
@@ -351,182 +313,6 @@ def _ssl_context(options: dict[str, Any]) -> ssl.SSLContext:
         context.check_hostname = False
     context.verify_mode = cert_reqs
     return context
-
-
-class RedisClusterBackend:
-    """A Redis Cluster: hits are grouped by hash slot, one script call per slot.
-
-    Counters whose keys share a hash tag (see `keys.py`) share a slot, so a typical request
-    still costs one call. A request over several slots is atomic per slot only: with
-    all-or-nothing it is decided in two phases, see `_apply_across_slots`.
-    """
-
-    name = "redis-cluster"
-
-    def __init__(self, client: RedisCluster, timeout_ms: int) -> None:
-        self._client = client
-        self._timeout_ms = timeout_ms
-        self._timeout = timeout_ms / 1000
-        # The cluster client opens connections up to `max_connections` per node and then fails
-        # at once; this bound makes excess calls wait (until their deadline) instead.
-        self._slots_in_flight = asyncio.Semaphore(POOL_SIZE)
-
-    @classmethod
-    def from_url(cls, url: str, timeout_ms: int = 50) -> Self:
-        """A backend for ``redis+cluster://[user:password@]host:port[,host:port...]``.
-
-        The nodes listed are only where discovery starts; the client learns the others.
-        Nothing connects yet.
-        """
-        parts = urlsplit(url)
-        if parts.scheme != "redis+cluster":
-            raise ValueError(f"{_redact(url)}: scheme must be redis+cluster://")
-        timeout = _timeout_seconds(url, timeout_ms)
-        userinfo, _, hosts = parts.netloc.rpartition("@")
-        if not hosts:
-            raise ValueError(f"{_redact(url)}: no host:port to start cluster discovery from")
-        nodes = [ClusterNode(*_address(url, address)) for address in hosts.split(",")]
-        if parts.path not in ("", "/", "/0"):
-            raise ValueError(
-                f"{_redact(url)}: Redis Cluster has only database 0, not {parts.path!r}"
-            )
-        if parts.query or parts.fragment:
-            raise ValueError(f"{_redact(url)}: redis+cluster:// takes no query or fragment")
-        username, has_password, password = userinfo.partition(":")
-        client = RedisCluster(
-            startup_nodes=nodes,
-            username=unquote(username) or None,
-            password=unquote(password) if has_password else None,
-            max_connections=POOL_SIZE,
-            # MOVED and ASK are still followed without a retry; after a connection error the
-            # client reloads the slot map on the next call.
-            **_connection_options(timeout),
-        )
-        return cls(client, timeout_ms)
-
-    async def apply(self, hits: Sequence[Hit], all_or_nothing: bool, now_ms: int) -> list[Outcome]:
-        if not hits:
-            return []
-        slots: dict[int, list[int]] = {}
-        for index, hit in enumerate(hits):
-            slots.setdefault(key_slot(hit.key), []).append(index)
-        try:
-            async with asyncio.timeout(self._timeout):
-                if len(slots) == 1:
-                    mode = MODE_ALL_OR_NOTHING if all_or_nothing else MODE_ADD
-                    return _outcomes(hits, await self._run(_command(hits, mode, now_ms)))
-                if all_or_nothing:
-                    return await self._apply_across_slots(hits, list(slots.values()), now_ms)
-                return await self._apply_per_slot(hits, list(slots.values()), MODE_ADD, now_ms)
-        except Exception as exc:  # every failure, see _failure
-            raise _failure(self.name, self._timeout_ms, exc) from exc
-
-    async def record(
-        self, batches: Sequence[tuple[Sequence[Hit], Dedupe]], now_ms: int
-    ) -> list[list[bool]]:
-        """Record each batch (one user's impressions, one slot) exactly once, concurrently."""
-        if not batches:
-            return []
-        commands = _record_commands(batches, now_ms)
-        try:
-            async with asyncio.timeout(self._timeout):
-                replies = await _gather_all(self._run(command) for command in commands)
-        except Exception as exc:  # every failure, see _failure
-            raise _failure(self.name, self._timeout_ms, exc) from exc
-        return [_duplicates(reply) for reply in replies]
-
-    async def read(self, addresses: Sequence[Address], now_ms: int) -> list[State | None]:
-        if not addresses:
-            return []
-        commands, positions = _read_commands(addresses)
-
-        async def run(command: list[Any]) -> Any:
-            async with self._slots_in_flight:
-                await self._client.initialize()  # see _run
-                return await self._client.execute_command(*command)
-
-        try:
-            async with asyncio.timeout(self._timeout):
-                replies = await _gather_all(run(command) for command in commands)
-        except Exception as exc:  # every failure, see _failure
-            raise _failure(self.name, self._timeout_ms, exc) from exc
-        return _values(len(addresses), positions, replies)
-
-    async def _apply_across_slots(
-        self, hits: Sequence[Hit], groups: list[list[int]], now_ms: int
-    ) -> list[Outcome]:
-        """All-or-nothing over several slots: read every slot, decide, then add slot by slot.
-
-        Phase 1 judges every hit (mode 2, nothing written) and decides the whole request with
-        `fixed_window.request_is_over` over its descriptors, exactly as a single script would
-        (a descriptor's windows share its hash tag, so they never straddle slots). When it is
-        OVER_LIMIT, nothing is written anywhere. Otherwise phase 2 runs mode 1 on every slot.
-
-        The race this leaves: between the phases another request may consume a counter, and
-        then the slot holding it refuses its part in phase 2 while the other slots add theirs.
-        The request's Counts then say, slot by slot, what was really added (applied False where
-        refused, with the counters' fresh values, so the request comes out OVER_LIMIT), but
-        the slots that accepted keep their hits. A blocking counter never passes its limit
-        because of this. Quota counters are judged across slots in phase 1; in phase 2 they
-        block only when they all live in one slot, since a slot cannot see the others'.
-        """
-        phase1 = await self._apply_per_slot(hits, groups, MODE_READ, now_ms)
-        group_over: dict[int, bool] = {}
-        group_role: dict[int, Role] = {}
-        for outcome, hit in zip(phase1, hits, strict=True):
-            group_over[hit.group] = group_over.get(hit.group, False) or outcome.over
-            group_role[hit.group] = hit.role
-        if fixed_window.request_is_over(
-            list(group_over.values()), [group_role[g] for g in group_over]
-        ):
-            return phase1
-        quota_slots = {
-            n for n, group in enumerate(groups) for i in group if hits[i].role is Role.QUOTA
-        }
-        return await self._apply_per_slot(
-            hits, groups, MODE_ALL_OR_NOTHING, now_ms, quota_as_shadow=len(quota_slots) > 1
-        )
-
-    async def _apply_per_slot(
-        self,
-        hits: Sequence[Hit],
-        groups: list[list[int]],
-        mode: int,
-        now_ms: int,
-        quota_as_shadow: bool = False,
-    ) -> list[Outcome]:
-        """Run the script on every slot's hits concurrently; Outcomes in the hits' order."""
-        commands = [
-            _command([hits[i] for i in group], mode, now_ms, quota_as_shadow) for group in groups
-        ]
-        replies = await _gather_all(self._run(command) for command in commands)
-        outcomes: list[Outcome | None] = [None] * len(hits)
-        for group, reply in zip(groups, replies, strict=True):
-            slot_hits = [hits[i] for i in group]
-            for index, outcome in zip(group, _outcomes(slot_hits, reply), strict=True):
-                outcomes[index] = outcome
-        return [o for o in outcomes if o is not None]
-
-    async def _run(self, command: list[Any]) -> Reply:
-        async with self._slots_in_flight:
-            # redis-py sends a script to an arbitrary node while it has no slot map (on the first
-            # calls, and after it dropped the map on an error); the MOVED replies that follow
-            # make it close connections other calls are using. Loading the map first avoids
-            # both; once it is loaded this returns at once.
-            await self._client.initialize()
-            return await _run(self._client, command)
-
-    async def ping(self) -> bool:
-        """Whether every master answers PING."""
-        try:
-            async with asyncio.timeout(self._timeout):
-                await self._client.ping(target_nodes=RedisCluster.PRIMARIES)
-        except Exception:  # ping never raises
-            return False
-        return True
-
-    async def close(self) -> None:
-        await self._client.aclose()
 
 
 def _timeout_seconds(url: str, timeout_ms: int) -> float:
