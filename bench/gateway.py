@@ -8,6 +8,7 @@ little, in both runs. The sidecar runs on Redis, as in production.
 
 A run only counts when every response was a 2xx, and when the sidecar answered at least one
 ShouldRateLimit call per request with the filter and none without it.
+The sidecar's CPU per request (from /proc) is judged against issue 7's target beside its row.
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ from bench.processes import (
     free_port,
     start,
 )
-from bench.scenarios import BENCH_DIR
+from bench.report import table
+from bench.scenarios import BENCH_DIR, GATEWAY_TARGET_CPU_US
 from bench.services import Service
 
 NAME = "gateway"
@@ -179,7 +181,8 @@ def measure(
 
 
 def report(result: Result, load: Load) -> str:
-    """Requests/s and latency percentiles side by side, and the rate limited share."""
+    """Requests/s and latency percentiles side by side, the rate limited share, and the
+    sidecar's CPU per request against its target."""
     lines = [
         "",
         f"gateway: wrk -t{load.threads} -c{load.connections} -d{load.seconds}s → Envoy → upstream "
@@ -194,11 +197,16 @@ def report(result: Result, load: Load) -> str:
             "p99 ms",
             "sidecar calls/request",
             "sidecar µs/request",
+            "target",
         ]
     ]
-    for name, m in (("no filter", result.without), ("rate limited", result.with_filter)):
+    goal = f"<= {GATEWAY_TARGET_CPU_US:g} sidecar µs/request"
+    filtered = result.with_filter
+    met = filtered is not None and filtered.sidecar_us_per_request <= GATEWAY_TARGET_CPU_US
+    state = "met" if met else "missed"
+    for name, m in (("no filter", result.without), ("rate limited", filtered)):
         if m is None:
-            rows.append([name, "FAILED", "", "", "", "", ""])
+            rows.append([name, "FAILED", "", "", "", "", "", ""])
             continue
         rows.append(
             [
@@ -209,20 +217,18 @@ def report(result: Result, load: Load) -> str:
                 f"{m.p99_ms:.2f}",
                 f"{m.sidecar_calls / m.requests:.2f}",
                 f"{m.sidecar_us_per_request:.0f}" if m.sidecar_calls else "-",
+                f"{state} ({goal})" if m is filtered else "",
             ]
         )
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    for row in rows:
-        cells = [row[0].ljust(widths[0])] + [
-            c.rjust(w) for c, w in zip(row[1:], widths[1:], strict=True)
-        ]
-        lines.append("  ".join(cells).rstrip())
+    lines.append(table(rows))
     if result.without and result.with_filter:
         ratio = result.with_filter.requests_per_second / result.without.requests_per_second
         p50 = result.with_filter.p50_ms - result.without.p50_ms
         lines.append(
             f"rate limited / no filter: {ratio:.1%} of the requests/s, {p50:+.2f} ms at the median"
         )
+    measured = f"{filtered.sidecar_us_per_request:.0f}" if filtered else "not measured"
+    lines.append(f"target {state} (gateway {goal} behind Envoy): {measured}")
     if result.error:
         lines.append(f"{NAME} FAILED: {result.error}")
     return "\n".join(lines)

@@ -5,8 +5,12 @@ call that it answers `overall_code: OK`, runs a warm-up and then the measured h2
 reads the CPU time the server (and any backing service such as Redis) spent from /proc.
 It prints calls/s, p50/p99 latency, CPU µs per call and each scenario's share of the no-op
 servicer's calls/s; a scenario that cannot be measured is reported as failed, never with numbers.
-Then the gateway scenario (bench/gateway.py): wrk through Envoy to an upstream, with the rate
+Then the fixed-rate table: p50/p99 of the fast transport on Redis (and, for comparison, on the
+memory backend and its no-op server) at a fixed offered rate (h2load --rps), 10,000 and 5,000/s.
+Last the gateway scenario (bench/gateway.py): wrk through Envoy to an upstream, with the rate
 limit filter and without, requests/s and latency percentiles for both and their ratio.
+Issue 7's targets are judged beside their rows: CPU per call, p99 at 10,000 calls/s, and the
+sidecar's CPU per request behind Envoy.
 
     .venv/bin/python -m bench.run [--requests N] [--only NAME ...]
 
@@ -22,18 +26,20 @@ import signal
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 if not __package__:  # run as `python bench/run.py`: make the `bench` package importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench import gateway, load, probe, processes, scenarios
+from bench import gateway, load, probe, processes, report, scenarios
 from bench.processes import CLOCK_TICKS_PER_SECOND, BenchError
-from bench.scenarios import BASELINE, Scenario
+from bench.report import Result
+from bench.scenarios import Paced, Scenario
 from bench.services import STARTERS, Service
 
 DEFAULT_REQUESTS = 20_000
+DEFAULT_RATE_SECONDS = 4
 
 
 @dataclass
@@ -44,24 +50,33 @@ class Settings:
     streams: int
     start_timeout: float
     load_timeout: float
+    #: Seconds of load per fixed-rate row (after one second of warm-up at the same rate).
+    rate_seconds: int = DEFAULT_RATE_SECONDS
 
+    def flat_out(self) -> tuple[load.Load, load.Load]:
+        """The warm-up and the measured load of a throughput scenario."""
+        return (
+            load.Load(self.warmup, self.clients, self.streams),
+            load.Load(self.requests, self.clients, self.streams),
+        )
 
-@dataclass
-class Result:
-    scenario: Scenario
-    load: load.LoadResult | None = None
-    server_us_per_call: float = 0.0
-    service_us_per_call: dict[str, float] = field(default_factory=dict)
-    response: str = ""
-    error: str | None = None
+    def paced(self, rate: int) -> tuple[load.Load, load.Load]:
+        """The warm-up and the measured load at `rate` calls/s, split over the connections."""
+        per_client = max(1, rate // self.clients)
+        offered = per_client * self.clients
+        return (
+            load.Load(offered, self.clients, self.streams, per_client),
+            load.Load(offered * self.rate_seconds, self.clients, self.streams, per_client),
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
     try:
         selected = scenarios.select(args.only)
+        paced = scenarios.select_paced(args.only)
         with_gateway = scenarios.includes_gateway(args.only)
-        if selected:
+        if selected or paced:
             load.h2load_binary()
         if with_gateway:
             gateway.wrk_binary()
@@ -76,26 +91,31 @@ def main(argv: list[str] | None = None) -> int:
         streams=args.streams,
         start_timeout=args.start_timeout,
         load_timeout=args.load_timeout,
+        rate_seconds=args.rate_seconds,
     )
-    if selected:
-        _progress(_header(settings))
+    if selected or paced:
+        _progress(_header(settings, bool(selected), bool(paced)))
     # A CI timeout sends SIGTERM: unwind like Ctrl-C so `finally` stops every started server.
     signal.signal(signal.SIGTERM, _interrupt)
     services: dict[str, Service | BenchError] = {}
     results: list[Result] = []
+    paced_results: list[Result] = []
     gateway_result: gateway.Result | None = None
     try:
         with tempfile.TemporaryDirectory(prefix="bench-") as workdir:
             for scenario in selected:
                 _progress(f"{scenario.name}: {scenario.description}")
                 result = measure(scenario, settings, services, Path(workdir))
-                outcome = (
-                    f"FAILED: {result.error.splitlines()[0]}"
-                    if result.error
-                    else f"measured; answered {result.response}"
-                )
-                _progress(f"{scenario.name}: {outcome}")
+                _progress(f"{result.label}: {_outcome(result)}")
                 results.append(result)
+            for row in paced:
+                _progress(
+                    f"{row.label}: {row.scenario.name} at {row.calls_per_second:,} calls/s "
+                    f"for {settings.rate_seconds}s (h2load --rps)"
+                )
+                result = measure(row.scenario, settings, services, Path(workdir), row)
+                _progress(f"{result.label}: {_outcome(result)}")
+                paced_results.append(result)
             if with_gateway:
                 gateway_result = _gateway(args, services, Path(workdir))
     except KeyboardInterrupt:
@@ -106,13 +126,21 @@ def main(argv: list[str] | None = None) -> int:
             if isinstance(service, Service):
                 service.stop()
     if results:
-        print(report(results, settings))
+        print(report.throughput(results))
+    if paced_results:
+        print(report.fixed_rate(paced_results, settings.clients))
     if gateway_result is not None:
         print(gateway.report(gateway_result, _gateway_load(args)))
-    failed = any(result.error for result in results) or bool(
+    failed = any(result.error for result in results + paced_results) or bool(
         gateway_result and gateway_result.error
     )
     return 1 if failed else 0
+
+
+def _outcome(result: Result) -> str:
+    if result.error:
+        return f"FAILED: {result.error.splitlines()[0]}"
+    return f"measured; answered {result.response}"
 
 
 def _gateway(
@@ -146,10 +174,17 @@ def _gateway_load(args: argparse.Namespace) -> gateway.Load:
 
 
 def measure(
-    scenario: Scenario, settings: Settings, services: dict[str, Service | BenchError], workdir: Path
+    scenario: Scenario,
+    settings: Settings,
+    services: dict[str, Service | BenchError],
+    workdir: Path,
+    paced: Paced | None = None,
 ) -> Result:
-    """Start the scenario's server, load it, stop it; errors end up in `Result.error`."""
-    result = Result(scenario)
+    """Start the scenario's server, load it (flat out, or at `paced`'s rate), stop it.
+
+    Errors end up in `Result.error`.
+    """
+    result = Result(scenario, paced)
     try:
         needed = [_service(name, services, workdir) for name in scenario.services]
         placeholders = scenarios.base_placeholders()
@@ -163,30 +198,28 @@ def measure(
 
     port = int(placeholders["grpc_port"])
     message = probe.request(scenario.domain, scenario.entries)
-    body = workdir / f"{scenario.name}.body"
+    body = workdir / f"{result.label}.body"
     body.write_bytes(probe.grpc_frame(message))
     url = f"http://127.0.0.1:{port}{probe.METHOD}"
 
     try:
-        server = processes.start(scenario.name, argv, scenario.env, workdir)
+        server = processes.start(result.label, argv, scenario.env, workdir)
     except BenchError as exc:
         result.error = str(exc)
         return result
     try:
         result.response = probe.wait_until_ok(server, port, message, settings.start_timeout)
-        warmup = load.Load(settings.warmup, settings.clients, settings.streams)
-        load.run(url, body, warmup, workdir / f"{scenario.name}.warmup.tsv", settings.load_timeout)
+        warmup, measured = settings.paced(paced.calls_per_second) if paced else settings.flat_out()
+        log = workdir / f"{result.label}.tsv"
+        load.run(url, body, warmup, log.with_suffix(".warmup.tsv"), settings.load_timeout)
 
         server_before = server.cpu_ticks()
-        services_before = {service.name: service.cpu_ticks() for service in needed}
-        measured = load.Load(settings.requests, settings.clients, settings.streams)
-        result.load = load.run(
-            url, body, measured, workdir / f"{scenario.name}.tsv", settings.load_timeout
-        )
+        services_before = [service.cpu_ticks() for service in needed]
+        result.load = load.run(url, body, measured, log, settings.load_timeout)
         result.server_us_per_call = _us_per_call(server.cpu_ticks() - server_before, measured)
-        for service in needed:
-            ticks = service.cpu_ticks() - services_before[service.name]
-            result.service_us_per_call[service.name] = _us_per_call(ticks, measured)
+        for service, before in zip(needed, services_before, strict=True):
+            ticks = service.cpu_ticks() - before
+            result.service_us_per_call[service.kind] = _us_per_call(ticks, measured)
 
         # Still answering OK after the load: it did not degrade into errors halfway through.
         probe.wait_until_ok(server, port, message, timeout=5.0)
@@ -196,68 +229,6 @@ def measure(
     finally:
         server.stop()
     return result
-
-
-def report(results: list[Result], settings: Settings) -> str:
-    baseline = next((r for r in results if r.scenario.name == BASELINE and r.load), None)
-    service_names = sorted({name for r in results for name in r.service_us_per_call})
-    header = ["scenario", "calls/s", f"vs {BASELINE}", "p50 ms", "p99 ms", "server µs/call"]
-    header += [f"{name} µs/call" for name in service_names]
-    rows = [header]
-    for r in results:
-        if r.load is None:
-            rows.append([r.scenario.name, "FAILED"] + [""] * (len(header) - 2))
-            continue
-        row = [
-            r.scenario.name,
-            f"{r.load.calls_per_second:,.0f}",
-            f"{_ratio(r, baseline):.1%}" if baseline else "-",
-            f"{r.load.p50_ms:.2f}",
-            f"{r.load.p99_ms:.2f}",
-            f"{r.server_us_per_call:.0f}",
-        ]
-        row += [
-            f"{r.service_us_per_call[name]:.0f}" if name in r.service_us_per_call else "-"
-            for name in service_names
-        ]
-        rows.append(row)
-
-    lines = ["", _table(rows), ""]
-    for r in results:
-        if r.scenario.target_ratio is not None:
-            lines.append(_verdict(r, baseline))
-    for r in results:
-        if r.error:
-            lines.append(f"{r.scenario.name} FAILED: {r.error}")
-    return "\n".join(lines)
-
-
-def _verdict(result: Result, baseline: Result | None) -> str:
-    target = result.scenario.target_ratio
-    goal = f"{result.scenario.name} >= {target:.0%} of {BASELINE} calls/s"
-    if result.load is None:
-        return f"target missed ({goal}): {result.scenario.name} failed"
-    if baseline is None or baseline.load is None:
-        return f"target not judged ({goal}): no {BASELINE} run to compare with"
-    ratio = _ratio(result, baseline)
-    verdict = "target met" if target is not None and ratio >= target else "target missed"
-    return f"{verdict} ({goal}): {ratio:.1%}"
-
-
-def _ratio(result: Result, baseline: Result) -> float:
-    assert result.load is not None and baseline.load is not None
-    return result.load.calls_per_second / baseline.load.calls_per_second
-
-
-def _table(rows: list[list[str]]) -> str:
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = []
-    for row in rows:
-        cells = [row[0].ljust(widths[0])] + [
-            cell.rjust(width) for cell, width in zip(row[1:], widths[1:], strict=True)
-        ]
-        lines.append("  ".join(cells).rstrip())
-    return "\n".join(lines)
 
 
 def _service(name: str, services: dict[str, Service | BenchError], workdir: Path) -> Service:
@@ -280,15 +251,21 @@ def _us_per_call(ticks: int, measured: load.Load) -> float:
     return ticks / CLOCK_TICKS_PER_SECOND * 1e6 / measured.requests
 
 
-def _header(settings: Settings) -> str:
+def _header(settings: Settings, flat_out: bool, paced: bool) -> str:
     version = subprocess.run(
         [load.h2load_binary(), "--version"], capture_output=True, text=True, timeout=10
     ).stdout.strip()
-    return (
-        f"{version}; {os.cpu_count()} CPUs shared by h2load and the servers; "
-        f"{settings.requests} measured calls after {settings.warmup} warm-up calls, "
-        f"{settings.clients} connections x {settings.streams} streams"
-    )
+    parts = [f"{version}; {os.cpu_count()} CPUs shared by h2load and the servers"]
+    if flat_out:
+        parts.append(
+            f"{settings.requests} measured calls after {settings.warmup} warm-up calls flat out"
+        )
+    if paced:
+        parts.append(
+            f"fixed rates for {settings.rate_seconds}s after 1s of warm-up at the same rate"
+        )
+    parts.append(f"{settings.clients} connections x {settings.streams} streams")
+    return "; ".join(parts)
 
 
 def _interrupt(signum: int, frame: object) -> None:
@@ -328,6 +305,13 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="seconds of wrk load per gateway, with and without the filter (default 10)",
     )
     parser.add_argument("--streams", type=_positive_int, default=8, help="h2load -m (default 8)")
+    parser.add_argument(
+        "--rate-seconds",
+        type=_positive_int,
+        default=DEFAULT_RATE_SECONDS,
+        help="seconds of load per fixed-rate row, after 1 s of warm-up at the same rate "
+        f"(default {DEFAULT_RATE_SECONDS})",
+    )
     parser.add_argument(
         "--start-timeout", type=float, default=30.0, help="seconds for a server to answer OK"
     )

@@ -1,16 +1,19 @@
 """What the bench measures: one scenario per server configuration, all under the same load.
 
 A scenario is a command line with placeholders, extra environment, the backing services it needs
-and, optionally, a target as a share of the baseline's calls/s.
+and, optionally, its targets: a share of the baseline's calls/s, server CPU µs per call.
 To measure something new (another algorithm, a Redis Cluster, an Envoy in front), add a
 `Scenario` to `SCENARIOS`, a rules directory if it needs one, and a starter in `services.py` if it
 needs a new backing server.
 
 Placeholders: `{python}`, `{sidecar}`, `{bench_dir}`, `{rules}`, one free port per name in
-`ports` (the load goes to `{grpc_port}`), and those of each service (`{redis_url}`).
+`ports` (the load goes to `{grpc_port}`), and those of each service (`{redis_url}`,
+`{redis_cluster_url}`).
 
-One more name, `gateway`, is not a gRPC scenario: wrk drives HTTP through Envoy to an upstream,
-with the rate limit filter (and `GATEWAY_SIDECAR` beside it) and without, in `bench/gateway.py`.
+Two more names are not scenarios of their own:
+`fixed-rate` measures latency at a fixed offered rate (h2load `--rps`), on scenarios from this
+list (`PACED`), and `gateway` drives HTTP with wrk through Envoy to an upstream, with the rate
+limit filter (and `GATEWAY_SIDECAR` beside it) and without, in `bench/gateway.py`.
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ class Scenario:
     entries: tuple[tuple[str, str], ...] = (("user", "u1"),)
     # Minimum calls/s as a share of the baseline scenario's; None reports the ratio only.
     target_ratio: float | None = None
+    # Maximum server CPU µs per call under the flat-out load (issue 7); None: no target.
+    target_cpu_us: float | None = None
 
     def argv(self, placeholders: Mapping[str, str]) -> list[str]:
         try:
@@ -81,6 +86,13 @@ SCENARIOS: tuple[Scenario, ...] = (
         target_ratio=0.85,
     ),
     Scenario(
+        name="sidecar-cluster",
+        description="sidecar on grpc.aio (--transport grpcio), fixed window, 3-master Redis Cluster",
+        command=_sidecar("{redis_cluster_url}", "grpcio"),
+        services=("redis-cluster",),
+        ports=("grpc_port", "http_port"),
+    ),
+    Scenario(
         name="noop-fast",
         description="the fast transport's HTTP/2 server answering a constant OK (its floor)",
         command=(*_NOOP, "--transport", "fast"),
@@ -96,6 +108,14 @@ SCENARIOS: tuple[Scenario, ...] = (
         description="sidecar on its own HTTP/2 server (--transport fast), single Redis",
         command=_sidecar("{redis_url}", "fast"),
         services=("redis",),
+        ports=("grpc_port", "http_port"),
+        target_cpu_us=35.0,
+    ),
+    Scenario(
+        name="fast-cluster",
+        description="sidecar on its own HTTP/2 server (--transport fast), 3-master Redis Cluster",
+        command=_sidecar("{redis_cluster_url}", "fast"),
+        services=("redis-cluster",),
         ports=("grpc_port", "http_port"),
     ),
     # Each algorithm beside the fixed window above, same transport, same Redis (issue 3).
@@ -118,25 +138,59 @@ SCENARIOS: tuple[Scenario, ...] = (
 )
 
 
+@dataclass(frozen=True)
+class Paced:
+    """A scenario loaded at a fixed offered rate instead of flat out, for its latency."""
+
+    scenario: Scenario
+    calls_per_second: int
+    # Maximum p99 at this rate; None: the row is there for comparison.
+    target_p99_ms: float | None = None
+
+    @property
+    def label(self) -> str:
+        return f"{self.scenario.name}@{self.calls_per_second}"
+
+
+#: The fixed-rate table's name for `--only`, and its rows: the fast transport on Redis at the
+#: target rate (issue 7: p99 <= 2 ms at 10,000 calls/s) and at half of it, each after its no-op
+#: server at the same rate (what this machine and h2load add to any server), and the memory
+#: backend at the target rate (what Redis adds).
+FIXED_RATE = "fixed-rate"
+_BY_NAME = {scenario.name: scenario for scenario in SCENARIOS}
+PACED: tuple[Paced, ...] = (
+    Paced(_BY_NAME["noop-fast"], 10_000),
+    Paced(_BY_NAME["fast-memory"], 10_000),
+    Paced(_BY_NAME["fast-redis"], 10_000, target_p99_ms=2.0),
+    Paced(_BY_NAME["noop-fast"], 5_000),
+    Paced(_BY_NAME["fast-redis"], 5_000),
+)
+
 #: The gateway scenario's name, and the sidecar it runs beside Envoy (on Redis, as deployed).
 GATEWAY = "gateway"
 GATEWAY_SIDECAR = _sidecar("{redis_url}")
+#: Maximum sidecar CPU µs per request behind Envoy (issue 7).
+GATEWAY_TARGET_CPU_US = 70.0
 
 
 def names() -> list[str]:
-    """Every scenario name `--only` accepts, in the order a full run measures them."""
-    return [scenario.name for scenario in SCENARIOS] + [GATEWAY]
+    """Every name `--only` accepts, in the order a full run measures them."""
+    return [scenario.name for scenario in SCENARIOS] + [FIXED_RATE, GATEWAY]
 
 
 def select(only: list[str] | None) -> list[Scenario]:
-    """The gRPC scenarios named in `only` (all of them when it is empty)."""
+    """The flat-out gRPC scenarios named in `only` (all of them when it is empty)."""
     if not only:
         return list(SCENARIOS)
     unknown = [name for name in only if name not in names()]
     if unknown:
         raise ValueError(f"unknown scenario {', '.join(unknown)}; known: {', '.join(names())}")
-    known = {scenario.name: scenario for scenario in SCENARIOS}
-    return [known[name] for name in only if name in known]
+    return [_BY_NAME[name] for name in only if name in _BY_NAME]
+
+
+def select_paced(only: list[str] | None) -> list[Paced]:
+    """The fixed-rate rows, when `only` names them (or is empty)."""
+    return list(PACED) if not only or FIXED_RATE in only else []
 
 
 def includes_gateway(only: list[str] | None) -> bool:
