@@ -111,11 +111,15 @@ class PipelinedRedis:
 
     async def execute(self, *args: Any) -> Any:
         """Send one command and wait for its reply; error replies raise RedisReplyError."""
+        return await self.execute_packed(hiredis.pack_command(args))
+
+    async def execute_packed(self, packed: bytes) -> Any:
+        """Send one command already in RESP and wait for its reply (see `execute`)."""
         protocol = self._protocol
         if protocol is None or protocol.lost is not None:
             protocol = await self._connect()
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._send(protocol, hiredis.pack_command(args), future)
+        self._send(protocol, packed, future)
         try:
             reply = await future
         except asyncio.CancelledError:
