@@ -37,9 +37,9 @@ from typing import NamedTuple
 from sidecar.config import Domain, Level, Node, Rules
 from sidecar.errors import InvalidRequest, UnknownDomain
 from sidecar.frequency_plan import Cap, CheckPlan, Template, verdict
-from sidecar.limiter import MAX_VALUE_LENGTH, descriptor_hits
 from sidecar.matching import counter_value, lookup, match
 from sidecar.model import UNLIMITED_REMAINING, Dedupe, Entry, Hit
+from sidecar.plan import MAX_VALUE_LENGTH, descriptor_hits
 from sidecar.storage import Backend
 from sidecar.storage.keys import dedupe_key, field_head
 

@@ -114,8 +114,8 @@ class CheckPlan:
         """A plain window's name suffix, reset and limit, the same for every descriptor."""
         if not window.plain:
             return None
-        suffix, reset_ms, _ = plain_suffix(window, self.now_ms, grouped)
-        return suffix, reset_ms, window.requests_per_unit
+        suffix, _, end = plain_suffix(window, self.now_ms // 1000, grouped)
+        return suffix, end * 1000 - self.now_ms, window.requests_per_unit
 
     def judge(self, values: Sequence[State | None]) -> None:
         """Judge every cap added from the values read at `addresses`."""

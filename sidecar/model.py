@@ -1,13 +1,16 @@
 """The values that travel through the pipeline, from Envoy's descriptors to a decision.
 
-Everything here is pure and frozen: no protobuf, no Redis, no clock.
+Everything here is pure and immutable: no protobuf, no Redis, no clock. Values made on every
+call (Outcome, DescriptorStatus, Decision) are NamedTuples, which cost a third of a frozen
+dataclass to build; the others are frozen dataclasses.
 Names follow Envoy's vocabulary (`domain`, `descriptor`, `entry`, `hits_addend`, `unit`).
 """
 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import NamedTuple
 
 #: `limit_remaining` reported for an `unlimited` rule (the reference's MaxUint32).
 UNLIMITED_REMAINING = 4_294_967_295
@@ -189,8 +192,11 @@ class Hit:
 
     `hits == 0` is a check: it asks whether one more hit would be admitted and consumes nothing.
     `previous` is the previous window's counter (borrowing and sliding windows read it; `key`
-    when unused). `ttl` is how long a new counter must live, in seconds; `reset_ms` the time to
-    the end of the window and `elapsed_ms` the time since its start (fixed and sliding windows).
+    when unused). `ttl` is how long a new counter must live, in seconds; `start_ms` and `end_ms`
+    bound the window in Unix milliseconds (fixed and sliding windows; 0 for a token bucket). A
+    Hit names a counter and its window, not an instant: the same Hit serves every call of its
+    window (of its second, when `ttl` counts down to the window's end), and whoever holds `now`
+    works out the time to the reset and since the start.
     The windows of one descriptor share a `group`: the descriptor is admitted only when all are.
 
     `field` is empty for a counter stored under its own key (the reference's layout). Otherwise
@@ -206,8 +212,8 @@ class Hit:
     role: Role = Role.BLOCKING
     previous: bytes = b""
     ttl: int = 1
-    reset_ms: int = 0
-    elapsed_ms: int = 0
+    start_ms: int = 0
+    end_ms: int = 0
     field: bytes = b""
     previous_field: bytes = b""
 
@@ -231,8 +237,7 @@ class Dedupe:
     ttl_ms: int
 
 
-@dataclass(frozen=True, slots=True)
-class Outcome:
+class Outcome(NamedTuple):
     """A backend's answer for one Hit.
 
     over: the window would not admit the hit (a check: one more hit).
@@ -250,8 +255,7 @@ class Outcome:
     left_before: int = 0
 
 
-@dataclass(frozen=True, slots=True)
-class DescriptorStatus:
+class DescriptorStatus(NamedTuple):
     """The answer for one descriptor, in Envoy's terms. `limit` is None when no rule applies.
 
     `window` is the limit's window the status reports (its `current_limit`): the most restrictive
@@ -265,9 +269,8 @@ class DescriptorStatus:
     window: Window | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class Decision:
+class Decision(NamedTuple):
     """The answer for a whole request: `overall_code` and one status per descriptor, in request order."""
 
     overall_code: Code
-    statuses: tuple[DescriptorStatus, ...] = field(default_factory=tuple)
+    statuses: tuple[DescriptorStatus, ...] = ()

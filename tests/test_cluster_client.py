@@ -324,7 +324,7 @@ async def test_redirections_without_end_fail_the_call(
 
 
 def hit(key: bytes, hits: int, limit: int) -> Hit:
-    return Hit(key + b"|c", hits, Window(limit, Unit.MINUTE), reset_ms=RESET_MS, ttl=60)
+    return Hit(key + b"|c", hits, Window(limit, Unit.MINUTE), ttl=60, end_ms=NOW_MS + RESET_MS)
 
 
 async def test_noscript_on_one_master_sends_the_script_to_that_master_only(

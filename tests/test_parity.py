@@ -291,3 +291,31 @@ async def test_a_bucket_is_full_the_moment_its_state_expires(
     outcomes = [await model.apply(*request) for request in requests(scenario)]
     assert outcomes[-1] == [Outcome(False, 7, 0, True, 7)]
     await assert_agree(scenario, {"memory": MemoryBackend(), "redis": redis_backend})
+
+
+@settings(_settings, max_examples=200)
+@given(
+    limit=st.integers(0, 4),
+    role=st.sampled_from(list(Role)),
+    grouped=st.booleans(),
+    steps=st.lists(st.tuples(st.integers(0, 3), st.booleans(), st.integers(0, 40_000)), min_size=1),
+)
+async def test_memory_answers_one_plain_window_as_the_model(
+    limit: int, role: Role, grouped: bool, steps: list[tuple[int, bool, int]]
+) -> None:
+    """The memory backend's shortcut for a request of one plain window (the reference's case)
+    answers as the model: checks, costs above the limit, all-or-nothing, every role, both
+    layouts, across window ends."""
+    window = Window(limit, Unit.MINUTE)
+    parts = [("d", "x")]
+    model, memory = Model(), MemoryBackend()
+    now_ms = 1_800_000_000_000
+    for cost, all_or_nothing, after_ms in steps:
+        now_ms += after_ms
+        if grouped:
+            key, head = group_key("p", parts), field_head(parts)
+            hit = windows.field_hit(key, head, window, cost, 0, role, now_ms)
+        else:
+            hit = windows.window_hit(descriptor_prefix("p", parts), window, cost, 0, role, now_ms)
+        expected = await model.apply([hit], all_or_nothing, now_ms)
+        assert await memory.apply([hit], all_or_nothing, now_ms) == expected

@@ -44,6 +44,7 @@ C = b"rl{a}|c|60|0"
 # resets are realistic and TTLs, which Redis counts in real time, stay meaningful.
 NOW_MS = (int(time.time()) // 60 * 60 + 5) * 1000
 RESET_MS = 55_000
+START_MS, END_MS = NOW_MS - 5_000, NOW_MS + RESET_MS
 
 Request = tuple[Sequence[Hit], bool]
 
@@ -52,7 +53,7 @@ def hit(
     key: bytes, hits: int, limit: int, role: Role = Role.BLOCKING, ttl: int = 60, group: int = 0
 ) -> Hit:
     """A hit on a plain minute window (the reference's algorithm) whose counter is `key`."""
-    return Hit(key, hits, Window(limit, Unit.MINUTE), group, role, key, ttl, RESET_MS)
+    return Hit(key, hits, Window(limit, Unit.MINUTE), group, role, key, ttl, START_MS, END_MS)
 
 
 def request(*hits: Hit) -> list[Hit]:
@@ -153,8 +154,8 @@ GROUPED = (
         Window(1, Unit.MINUTE, borrow=1),
         previous=b"rl{b}|a|60b|-60",
         ttl=121,
-        reset_ms=RESET_MS,
-        elapsed_ms=5_000,
+        start_ms=START_MS,
+        end_ms=END_MS,
     ),
     Hit(
         b"rl{b}|a|60s|0",
@@ -162,8 +163,8 @@ GROUPED = (
         Window(4, Unit.MINUTE, Algorithm.SLIDING_WINDOW),
         previous=b"rl{b}|a|60s|-60",
         ttl=121,
-        reset_ms=RESET_MS,
-        elapsed_ms=5_000,
+        start_ms=START_MS,
+        end_ms=END_MS,
     ),
     Hit(b"rl{b}|a|60t2/3", 1, Window(2, Unit.MINUTE, Algorithm.TOKEN_BUCKET, burst=3)),
     hit(B, 1, 9, group=1),

@@ -107,7 +107,7 @@ def decide(
         applied = force or (not blocked and (algorithm == PLAIN or not group_over[hit.group]))
         remaining, reset_ms = j.after if applied else j.before
         if algorithm != BUCKET:
-            reset_ms = hit.reset_ms
+            reset_ms = hit.end_ms - now_ms
         outcomes.append(Outcome(j.over, remaining, reset_ms, applied, j.before[0]))
         if applied and hit.hits > 0:
             if algorithm == BUCKET:
@@ -152,7 +152,7 @@ def _judge(
         previous = _count(value(address(hit.previous, hit.previous_field)))
         window_ms = window.seconds * 1000
         over, before_left, after_left = sliding_window.judge(
-            previous, current, hit.elapsed_ms, window_ms, cost, limit
+            previous, current, now_ms - hit.start_ms, window_ms, cost, limit
         )
     else:
         previous = (
@@ -165,7 +165,8 @@ def _judge(
         )
     if algorithm == PLAIN or not over or force:
         seen[here] = current + cost
-    return _Judged(over, (before_left, hit.reset_ms), (after_left, hit.reset_ms), None)
+    reset_ms = hit.end_ms - now_ms
+    return _Judged(over, (before_left, reset_ms), (after_left, reset_ms), None)
 
 
 def _count(stored: State | None) -> int:

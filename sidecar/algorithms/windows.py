@@ -125,14 +125,13 @@ def window_hit(prefix: str, window: Window, cost: int, group: int, role: Role, n
         return Hit(bucket_key(prefix, kind), cost, window, group, role)
     now = now_ms // 1000
     if window.plain:
-        suffix, reset_ms, end = plain_suffix(window, now_ms, grouped=False)
+        suffix, start, end = plain_suffix(window, now, grouped=False)
         key = named(prefix, suffix)
         # A counter is needed until its window ends: the reference keeps it one unit from its
         # first hit, which also covers sidecars whose clocks run a little behind.
         ttl = window.seconds if not window.calendar else end - now + 1
-        return Hit(key, cost, window, group, role, key, ttl, reset_ms)
+        return Hit(key, cost, window, group, role, key, ttl, start * 1000, end * 1000)
     start, end = bounds(window, now)
-    reset_ms = end * 1000 - now_ms
     key = window_key(prefix, kind, start)
     # Borrowing and sliding windows read the previous window, so a counter lives until the end
     # of the window after its own.
@@ -146,8 +145,8 @@ def window_hit(prefix: str, window: Window, cost: int, group: int, role: Role, n
         role,
         window_key(prefix, kind, previous_start),
         next_end - now + 1,
-        reset_ms,
-        now_ms - start * 1000,
+        start * 1000,
+        end * 1000,
     )
 
 
@@ -230,13 +229,22 @@ def field_hit(
         return Hit(key, cost, window, group, role, key, 0, field=field, previous_field=field)
     now = now_ms // 1000
     if window.plain:
-        suffix, reset_ms, end = plain_suffix(window, now_ms, grouped=True)
+        suffix, start, end = plain_suffix(window, now, grouped=True)
         field = named(head, suffix)
         return Hit(
-            key, cost, window, group, role, key, end - now + FIELD_GRACE, reset_ms, 0, field, field
+            key,
+            cost,
+            window,
+            group,
+            role,
+            key,
+            end - now + FIELD_GRACE,
+            start * 1000,
+            end * 1000,
+            field,
+            field,
         )
     start, end = bounds(window, now)
-    reset_ms = end * 1000 - now_ms
     next_end = bounds(window, end)[1]
     return Hit(
         key,
@@ -246,21 +254,21 @@ def field_hit(
         role,
         key,
         next_end - now + FIELD_GRACE,
-        reset_ms,
-        now_ms - start * 1000,
+        start * 1000,
+        end * 1000,
         counter_field(head, window_code, keep_until_id(next_end, window.seconds < 60)),
         counter_field(head, window_code, keep_until_id(end, window.seconds < 60)),
     )
 
 
-def plain_suffix(window: Window, now_ms: int, grouped: bool) -> tuple[str, int, int]:
-    """How a plain window's counter at `now_ms` is named after its descriptor's part (`|tag|start`
-    in a key, `|<code><keep-until>` in a grouped field), the ms until the window resets, and its
+def plain_suffix(window: Window, now: int, grouped: bool) -> tuple[str, int, int]:
+    """How a plain window's counter at `now` (Unix seconds) is named after its descriptor's part
+    (`|tag|start` in a key, `|<code><keep-until>` in a grouped field), and the window's start and
     end (Unix seconds). Every descriptor with this window shares them, so a caller naming many
     counters at once (a frequency-cap check) works them out once."""
-    start, end = bounds(window, now_ms // 1000)
+    start, end = bounds(window, now)
     if grouped:
         suffix = field_suffix(code(window), keep_until_id(end, window.seconds < 60))
     else:
         suffix = window_suffix(tag(window), start)
-    return suffix, end * 1000 - now_ms, end
+    return suffix, start, end

@@ -18,12 +18,14 @@ from google.protobuf.message import DecodeError  # type: ignore[import-untyped]
 from sidecar.errors import InvalidRequest
 from sidecar.limiter import Limiter
 from sidecar.model import Code, Request
+from sidecar.plan import Plan
 from sidecar.rls import convert
 from sidecar.stats import Stats
 
-#: Parsed requests are kept by their bytes: Envoy sends the same bodies again and again (same
-#: route, same client), and parsing one costs more than deciding it. Bodies up to this size are
-#: kept, up to this many; the cache is emptied when full, so its memory stays bounded.
+#: Prepared requests (`sidecar.plan`) are kept by their bytes: Envoy sends the same bodies again
+#: and again (same route, same client), and parsing and matching one cost more than deciding
+#: it. Bodies up to this size are kept, up to this many; the cache is emptied when full, so its
+#: memory stays bounded. A plan made under rules since replaced is made again.
 PARSED_BODY_MAX_BYTES = 1_024
 PARSED_CACHE_SIZE = 4_096
 
@@ -33,7 +35,7 @@ class RateLimitService:
 
     def __init__(self, limiter: Limiter) -> None:
         self.limiter = limiter
-        self._parsed: dict[bytes, Request] = {}
+        self._plans: dict[bytes, Plan] = {}
 
     @property
     def stats(self) -> Stats:
@@ -41,24 +43,25 @@ class RateLimitService:
 
     async def should_rate_limit(self, body: bytes) -> bytes:
         """Decide one serialized `RateLimitRequest`; returns the serialized `RateLimitResponse`."""
-        request = self._parsed.get(body)
-        if request is None:
-            request = self._parse(body)
-        decision = await self.limiter.should_rate_limit(request)
+        limiter = self.limiter
+        plan = self._plans.get(body)
+        if plan is None or plan.rules is not limiter.rules:
+            plan = self._prepare(body)
+        decision = await limiter.decide(plan)
         return convert.response_bytes(decision)
 
-    def _parse(self, body: bytes) -> Request:
+    def _prepare(self, body: bytes) -> Plan:
         try:
             message = RateLimitRequest.FromString(body)
         except DecodeError as exc:
             raise self._refuse(f"malformed RateLimitRequest: {exc}") from exc
-        request = self._convert(message)
+        plan = self.limiter.prepare(self._convert(message))
         if len(body) <= PARSED_BODY_MAX_BYTES:
-            parsed = self._parsed
-            if len(parsed) >= PARSED_CACHE_SIZE:
-                parsed.clear()
-            parsed[bytes(body)] = request
-        return request
+            plans = self._plans
+            if len(plans) >= PARSED_CACHE_SIZE:
+                plans.clear()
+            plans[bytes(body)] = plan
+        return plan
 
     async def should_rate_limit_json(self, body: bytes) -> tuple[Code, str]:
         """Decide a `RateLimitRequest` in proto3 JSON; returns `overall_code` and the response JSON.

@@ -29,14 +29,15 @@ from sidecar.algorithms.decide import Address, State
 from sidecar.model import Dedupe, Hit, Outcome, Role
 from sidecar.storage.pipeline import CONNECTIONS, ConnectionLost, PipelinedRedis, RedisReplyError
 from sidecar.storage.redis import (
-    _SCRIPT,
     MODE_ADD,
     MODE_ALL_OR_NOTHING,
     MODE_READ,
+    ApplyPacker,
     Reply,
     _address,
     _command,
     _duplicates,
+    _eval,
     _failure,
     _gather_all,
     _outcomes,
@@ -295,6 +296,7 @@ class RedisClusterBackend:
         self._client = client
         self._timeout_ms = timeout_ms
         self._timeout = timeout_ms / 1000
+        self._packer = ApplyPacker()
 
     @classmethod
     def from_url(cls, url: str, timeout_ms: int = 50) -> Self:
@@ -337,7 +339,7 @@ class RedisClusterBackend:
                 if len(slots) == 1:
                     [slot] = slots
                     mode = MODE_ALL_OR_NOTHING if all_or_nothing else MODE_ADD
-                    return _outcomes(hits, await self._run(slot, _command(hits, mode, now_ms)))
+                    return _outcomes(hits, await self._apply_slot(slot, hits, mode, now_ms), now_ms)
                 if all_or_nothing:
                     return await self._apply_across_slots(hits, slots, now_ms)
                 return await self._apply_per_slot(hits, slots, MODE_ADD, now_ms)
@@ -417,16 +419,39 @@ class RedisClusterBackend:
     ) -> list[Outcome]:
         """Run the script on every slot's hits concurrently; Outcomes in the hits' order."""
         calls = [
-            self._run(slot, _command([hits[i] for i in group], mode, now_ms, quota_as_shadow))
+            self._apply_slot(slot, [hits[i] for i in group], mode, now_ms, quota_as_shadow)
             for slot, group in slots.items()
         ]
         replies = await _gather_all(calls)
         outcomes: list[Outcome | None] = [None] * len(hits)
         for group, reply in zip(slots.values(), replies, strict=True):
             slot_hits = [hits[i] for i in group]
-            for index, outcome in zip(group, _outcomes(slot_hits, reply), strict=True):
+            for index, outcome in zip(group, _outcomes(slot_hits, reply, now_ms), strict=True):
                 outcomes[index] = outcome
         return [o for o in outcomes if o is not None]
+
+    async def _apply_slot(
+        self,
+        slot: int,
+        hits: Sequence[Hit],
+        mode: int,
+        now_ms: int,
+        quota_as_shadow: bool = False,
+    ) -> Reply:
+        """Run the script on one slot's hits, packed by `ApplyPacker` (see `RedisBackend`)."""
+        if quota_as_shadow:  # the packer keeps each hit's own role
+            return await self._run(slot, _command(hits, mode, now_ms, quota_as_shadow))
+        try:
+            reply: Reply = await self._client.execute_packed(
+                slot, self._packer.command(hits, mode, now_ms)
+            )
+        except RedisReplyError as exc:
+            if not str(exc).startswith("NOSCRIPT"):
+                raise
+            # The master lost its script cache (see _run): EVAL at once.
+            command = _eval(_command(hits, mode, now_ms))
+            reply = await self._client.execute_packed(slot, hiredis.pack_command(tuple(command)))
+        return reply
 
     async def _run(self, slot: int, command: list[Any]) -> Reply:
         """Run the script on the master of `slot`, sending its text only when it lost it."""
@@ -439,7 +464,7 @@ class RedisClusterBackend:
                 raise
             # The master's script cache is empty (restart, failover, SCRIPT FLUSH, a new master).
             # EVAL runs the text and caches it there in one round trip.
-            command[0:2] = ["EVAL", _SCRIPT]
+            command = _eval(command)
             reply = await self._client.execute_packed(slot, hiredis.pack_command(tuple(command)))
         return reply
 

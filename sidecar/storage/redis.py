@@ -66,41 +66,112 @@ def _command(
     """The EVALSHA arguments that run the script on `hits`, as its header lays them out."""
     args: list[Any] = ["EVALSHA", _SHA, 2 * len(hits) + (2 if dedupe is not None else 0)]
     for hit in hits:
-        args += (hit.key, hit.previous or hit.key)
+        args += _hit_keys(hit)
     if dedupe is not None:
         args += (dedupe.current, dedupe.previous)
     args += (mode, now_ms, len(hits), FIELD_GRACE * 1000)
     for hit in hits:
-        role = hit.role
-        if quota_as_shadow and role is Role.QUOTA:
-            role = Role.SHADOW
-        window = hit.window
-        algorithm = decide.code(window)
-        if algorithm == decide.BUCKET:
-            params: tuple[int, ...] = (
-                window.requests_per_unit,
-                window.seconds * 1000,
-                window.capacity,
-                window.borrow,
-            )
-        elif algorithm == decide.SLIDING:
-            params = (window.requests_per_unit, 0, hit.elapsed_ms, window.seconds * 1000)
-        else:
-            params = (window.requests_per_unit, 0, window.borrow, 0)
-        # int(): redis-py would encode an IntEnum by its repr.
-        args += (
-            algorithm,
-            hit.hits,
-            hit.group,
-            int(role),
-            *params,
-            hit.ttl,
-            hit.field,
-            hit.previous_field or hit.field,
-        )
+        args += _hit_args(hit, quota_as_shadow)
     if dedupe is not None:
         args += (dedupe.ttl_ms, *dedupe.ids)
     return args
+
+
+def _hit_keys(hit: Hit) -> tuple[bytes, bytes]:
+    return hit.key, hit.previous or hit.key
+
+
+def _hit_args(hit: Hit, quota_as_shadow: bool = False) -> tuple[Any, ...]:
+    """A hit's eleven script arguments (see the script's header)."""
+    role = hit.role
+    if quota_as_shadow and role is Role.QUOTA:
+        role = Role.SHADOW
+    window = hit.window
+    algorithm = decide.code(window)
+    if algorithm == decide.BUCKET:
+        params: tuple[int, ...] = (
+            window.requests_per_unit,
+            window.seconds * 1000,
+            window.capacity,
+            window.borrow,
+        )
+    elif algorithm == decide.SLIDING:
+        params = (window.requests_per_unit, 0, hit.start_ms, window.seconds * 1000)
+    else:
+        params = (window.requests_per_unit, 0, window.borrow, 0)
+    # int(): an IntEnum must travel as its number.
+    return (
+        algorithm,
+        hit.hits,
+        hit.group,
+        int(role),
+        *params,
+        hit.ttl,
+        hit.field,
+        hit.previous_field or hit.field,
+    )
+
+
+#: How many hits' packed arguments `ApplyPacker` keeps before it starts over.
+PACKED_HITS = 16_384
+_EVALSHA = b"$7\r\nEVALSHA\r\n$40\r\n" + _SHA.encode() + b"\r\n"
+
+
+class ApplyPacker:
+    """The RESP bytes of an apply call, each hit's part packed once.
+
+    A request's hits are the same objects for every call in their window (`sidecar.plan`), so
+    their keys and eleven arguments are packed the first time and kept by the hit's identity
+    (the entry keeps the hit alive, so its id cannot be reused while the entry exists); only
+    the mode and the time are packed per call. The bytes equal hiredis's packing of `_command`.
+    """
+
+    def __init__(self, size: int = PACKED_HITS) -> None:
+        self._size = size
+        self._parts: dict[int, tuple[Hit, bytes, bytes]] = {}
+
+    def command(self, hits: Sequence[Hit], mode: int, now_ms: int) -> bytes:
+        parts = self._parts
+        keys: list[bytes] = []
+        args: list[bytes] = []
+        for hit in hits:
+            entry = parts.get(id(hit))
+            if entry is None:
+                if len(parts) >= self._size:
+                    parts.clear()
+                entry = parts[id(hit)] = (
+                    hit,
+                    b"".join(map(_bulk, _hit_keys(hit))),
+                    b"".join(map(_bulk, _hit_args(hit))),
+                )
+            keys.append(entry[1])
+            args.append(entry[2])
+        n = len(hits)
+        return b"".join(
+            (
+                b"*%d\r\n" % (7 + 13 * n),
+                _EVALSHA,
+                _bulk(2 * n),
+                *keys,
+                _bulk(mode),
+                _bulk(now_ms),
+                _bulk(n),
+                _GRACE,
+                *args,
+            )
+        )
+
+
+def _bulk(value: bytes | str | int) -> bytes:
+    """One RESP bulk string, as hiredis packs a command argument."""
+    if isinstance(value, int):
+        value = b"%d" % value
+    elif isinstance(value, str):
+        value = value.encode()
+    return b"$%d\r\n%s\r\n" % (len(value), value)
+
+
+_GRACE = _bulk(FIELD_GRACE * 1000)
 
 
 def _record_commands(batches: Sequence[tuple[Sequence[Hit], Dedupe]], now_ms: int) -> list[Any]:
@@ -151,13 +222,13 @@ def _duplicates(reply: Reply) -> list[bool]:
     return [flag == 1 for flag in reply]
 
 
-def _outcomes(hits: Sequence[Hit], reply: Reply) -> list[Outcome]:
+def _outcomes(hits: Sequence[Hit], reply: Reply, now_ms: int) -> list[Outcome]:
     """The script's five integers per hit, as Outcomes (window resets come from the hit)."""
     outcomes = []
     for index, hit in enumerate(hits):
         over, remaining, reset_ms, applied, left_before = reply[5 * index : 5 * index + 5]
-        if decide.code(hit.window) != decide.BUCKET:
-            reset_ms = hit.reset_ms
+        if hit.end_ms:  # a window (a bucket has no end: the script works out its reset)
+            reset_ms = hit.end_ms - now_ms
         outcomes.append(Outcome(over == 1, remaining, reset_ms, applied == 1, left_before))
     return outcomes
 
@@ -202,6 +273,7 @@ class RedisBackend:
         self._client = client
         self._timeout_ms = timeout_ms
         self._timeout = timeout_ms / 1000
+        self._packer = ApplyPacker()
 
     @classmethod
     def from_url(cls, url: str, timeout_ms: int = 50) -> Self:
@@ -233,13 +305,21 @@ class RedisBackend:
     async def apply(self, hits: Sequence[Hit], all_or_nothing: bool, now_ms: int) -> list[Outcome]:
         if not hits:
             return []
-        command = _command(hits, MODE_ALL_OR_NOTHING if all_or_nothing else MODE_ADD, now_ms)
+        mode = MODE_ALL_OR_NOTHING if all_or_nothing else MODE_ADD
         try:
             async with asyncio.timeout(self._timeout):
-                reply = await _run_pipelined(self._client, command)
+                try:
+                    reply = await self._client.execute_packed(
+                        self._packer.command(hits, mode, now_ms)
+                    )
+                except RedisReplyError as exc:
+                    if not str(exc).startswith("NOSCRIPT"):
+                        raise
+                    # The script cache is empty (see _run_pipelined): EVAL at once.
+                    reply = await self._client.execute(*_eval(_command(hits, mode, now_ms)))
         except Exception as exc:  # every failure, see _failure
             raise _failure(self.name, self._timeout_ms, exc) from exc
-        return _outcomes(hits, reply)
+        return _outcomes(hits, reply, now_ms)
 
     async def record(
         self, batches: Sequence[tuple[Sequence[Hit], Dedupe]], now_ms: int
@@ -298,9 +378,13 @@ async def _run_pipelined(client: PipelinedRedis, command: list[Any]) -> Reply:
             raise
         # The script cache is empty (restart, failover, SCRIPT FLUSH). EVAL runs the text and
         # caches it in one round trip, where SCRIPT LOAD + EVALSHA would take two.
-        command[0:2] = ["EVAL", _SCRIPT]
-        reply = await client.execute(*command)
+        reply = await client.execute(*_eval(command))
     return reply
+
+
+def _eval(command: list[Any]) -> list[Any]:
+    """The EVAL form of an EVALSHA command: the script's text in place of its hash."""
+    return ["EVAL", _SCRIPT, *command[2:]]
 
 
 def _ssl_context(options: dict[str, Any]) -> ssl.SSLContext:

@@ -20,7 +20,7 @@
 --   group      the descriptor: a descriptor is over when any of its windows is (mode 3: the
 --              impression, numbered from 0)
 --   role       0 blocking, 1 shadow (never blocks), 2 quota (blocks when every quota one is over)
---   p1..p4     windows: limit, unused, borrow (1) or elapsed ms (2), window ms (2)
+--   p1..p4     windows: limit, unused, borrow (1) or the window's start, Unix ms (2), window ms (2)
 --              buckets: rate, period ms, capacity, borrow
 --   ttl        seconds a new counter key (or the hash, for a new field) must live
 --   field      '' for a counter stored at its own key; else its field in the hash KEYS[2i-1],
@@ -163,7 +163,8 @@ for i = 1, n do
         local debt = math.max(0, count(KEYS[2 * i], ARGV[base + 10]) - limit)
         if debt > 0 then capacity = limit - debt else capacity = limit + p3 end
       elseif algorithm == 2 then
-        estimate = count(KEYS[2 * i], ARGV[base + 10]) * (p4 - p3) / p4 + current
+        local elapsed = now - p3
+        estimate = count(KEYS[2 * i], ARGV[base + 10]) * (p4 - elapsed) / p4 + current
       end
       is_over = estimate + need > capacity
       before_left[i] = math.max(0, math.floor(capacity - estimate))

@@ -1,0 +1,215 @@
+"""A request prepared once: validated, matched to its rules, its counters named, so that every
+later call with the same body only asks the backend and reads the answer.
+
+Envoy sends the same few bodies again and again (one per route and client), and matching,
+naming keys and building hits cost more than the rest of a decision. `prepare` does that work
+once per body and rules; `Plan` keeps it. Nothing in a plan depends on the time except the
+hits of its windows, which `WindowHits` rebuilds when the window (or, for windows whose ttl
+counts down to their end, the second) changes. Pure: no clock, no I/O.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sidecar.algorithms.windows import field_hit, window_hit
+from sidecar.config import Rules
+from sidecar.errors import InvalidRequest
+from sidecar.matching import Match, match, sanitize
+from sidecar.model import (
+    UNLIMITED_REMAINING,
+    Algorithm,
+    Code,
+    Decision,
+    Descriptor,
+    DescriptorStatus,
+    Hit,
+    Request,
+    Role,
+    single,
+)
+from sidecar.storage.keys import descriptor_prefix, field_head, group_key
+
+#: Bounds on what one request may carry; beyond them it is refused with INVALID_ARGUMENT.
+MAX_HITS_ADDEND = 4_294_967_295
+MAX_DESCRIPTORS = 128
+MAX_ENTRIES = 32
+MAX_KEY_LENGTH = 256
+MAX_VALUE_LENGTH = 8_192
+
+OK = DescriptorStatus(Code.OK)
+UNLIMITED = DescriptorStatus(Code.OK, limit_remaining=UNLIMITED_REMAINING)
+
+
+class WindowHits:
+    """The hits of one descriptor's windows, rebuilt only when they change.
+
+    A plain epoch window's hit changes when its window does; any other window's ttl counts
+    down to its end, so its hit changes every second; a token bucket's never changes. The hits
+    are kept with the span of time `[valid_from, valid_until)` over which they hold.
+    """
+
+    __slots__ = ("_cost", "_domain", "_from", "_group", "_hits", "_match", "_steady", "_until")
+
+    def __init__(self, domain: str, found: Match, cost: int, group: int) -> None:
+        self._domain = domain
+        self._match = found
+        self._cost = cost
+        self._group = group
+        windows = found.limit.windows
+        #: Whether the hits hold until the shortest window ends (plain epoch windows under their
+        #: own keys, whose ttl is a constant, and token buckets, which have no window).
+        self._steady = all(
+            w.algorithm is Algorithm.TOKEN_BUCKET
+            or (w.plain and not w.calendar and not found.grouped)
+            for w in windows
+        )
+        self._hits: list[Hit] = []
+        self._from = 1
+        self._until = 0
+
+    def at(self, now_ms: int) -> list[Hit]:
+        """The hits for a call at `now_ms` (the same list object while they hold: do not change it)."""
+        if self._from <= now_ms < self._until:
+            return self._hits
+        hits = descriptor_hits(self._domain, self._match, self._cost, self._group, now_ms)
+        second = now_ms - now_ms % 1000
+        if self._steady:
+            ends = [hit.end_ms for hit in hits if hit.end_ms]
+            starts = [hit.start_ms for hit in hits if hit.end_ms]
+            self._from = max(starts, default=0)
+            self._until = min(ends, default=_FOREVER)
+        else:
+            self._from, self._until = second, second + 1000
+        self._hits = hits
+        return hits
+
+
+_FOREVER = 1 << 62
+
+
+@dataclass(frozen=True, slots=True)
+class Counted:
+    """A descriptor the backend must decide: its position, rule, cost and windows' hits."""
+
+    index: int
+    match: Match
+    cost: int
+    windows: WindowHits
+
+    @property
+    def role(self) -> Role:
+        return self.match.limit.role
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """What is known about a request before the backend is asked.
+
+    `rules` are the rules it was prepared against (a reload makes it stale). `statuses` holds
+    every descriptor's answer when no backend call decides it (OK for no rule or a replaced one,
+    the unlimited answer); the `counted` descriptors overwrite theirs. `blocking_only`: every
+    counted descriptor blocks, so the request is over exactly when one of them is.
+    """
+
+    rules: Rules
+    request: Request
+    known_domain: bool
+    statuses: tuple[DescriptorStatus, ...]
+    counted: tuple[Counted, ...]
+    blocking_only: bool
+
+    @property
+    def decided(self) -> Decision | None:
+        """The answer when no descriptor needs the backend (None when some do)."""
+        if self.counted:
+            return None
+        return Decision(Code.OK, self.statuses)
+
+
+def prepare(rules: Rules, request: Request) -> Plan:
+    """The plan of `request` under `rules`; raises InvalidRequest for a request that breaks the
+    protocol (empty domain or descriptors, absurd sizes, an override it cannot honour)."""
+    validate(request)
+    descriptors = request.descriptors
+    domain = rules.domains.get(request.domain)
+    if domain is None:
+        return Plan(rules, request, False, (OK,) * len(descriptors), (), True)
+
+    default_hits = request.hits_addend or 1
+    matches: list[Match | None] = [
+        _override(request.domain, d)
+        if d.override is not None and d.entries
+        else match(domain, d.entries)
+        for d in descriptors
+    ]
+    replaced = {name for m in matches if m is not None for name in m.limit.replaces}
+    statuses = [OK] * len(descriptors)
+    counted: list[Counted] = []
+    for index, (descriptor, found) in enumerate(zip(descriptors, matches, strict=True)):
+        if found is None:
+            continue
+        limit = found.limit
+        if limit.unlimited:
+            statuses[index] = UNLIMITED
+            continue
+        if replaced and any(n in replaced for n in limit.names):
+            continue
+        cost = descriptor.hits_addend if descriptor.hits_addend is not None else default_hits
+        windows = WindowHits(request.domain, found, cost, index)
+        counted.append(Counted(index, found, cost, windows))
+    blocking_only = all(c.role is Role.BLOCKING for c in counted)
+    return Plan(rules, request, True, tuple(statuses), tuple(counted), blocking_only)
+
+
+def descriptor_hits(domain: str, found: Match, cost: int, group: int, now_ms: int) -> list[Hit]:
+    """The hits asking `cost` of every window of the rule `found`, in the layout its tree uses:
+    a key per counter, or fields of its first entry's hash (`group_counters`)."""
+    limit = found.limit
+    role = limit.role
+    parts = found.counter_parts
+    if found.grouped:
+        key = group_key(domain, parts)
+        head = field_head(parts)
+        return [field_hit(key, head, w, cost, group, role, now_ms) for w in limit.windows]
+    prefix = descriptor_prefix(domain, parts)
+    return [window_hit(prefix, w, cost, group, role, now_ms) for w in limit.windows]
+
+
+def _override(domain: str, descriptor: Descriptor) -> Match:
+    """A rule from Envoy's per-descriptor `limit`, named by every entry as the reference does."""
+    override = descriptor.override
+    assert override is not None
+    metric_key = domain + "".join(f".{e.key}_{sanitize(e.value)}" for e in descriptor.entries)
+    limit = single(override.requests_per_unit, override.unit, rule_key=metric_key)
+    parts = tuple((e.key, e.value) for e in descriptor.entries)
+    return Match(limit, parts, metric_key)
+
+
+def validate(request: Request) -> None:
+    """Raise InvalidRequest for a request the service refuses (INVALID_ARGUMENT)."""
+    if not request.domain:
+        raise InvalidRequest("rate limit domain must not be empty")
+    descriptors = request.descriptors
+    if not descriptors:
+        raise InvalidRequest("rate limit descriptor list must not be empty")
+    if len(descriptors) > MAX_DESCRIPTORS:
+        raise InvalidRequest(
+            f"too many descriptors: {len(descriptors)} (at most {MAX_DESCRIPTORS})"
+        )
+    for index, descriptor in enumerate(descriptors):
+        if descriptor.hits_addend is not None and descriptor.hits_addend > MAX_HITS_ADDEND:
+            raise InvalidRequest(
+                f"descriptors[{index}].hits_addend {descriptor.hits_addend} exceeds {MAX_HITS_ADDEND}"
+            )
+        entries = descriptor.entries
+        if len(entries) > MAX_ENTRIES:
+            raise InvalidRequest(
+                f"descriptors[{index}] has {len(entries)} entries (at most {MAX_ENTRIES})"
+            )
+        for entry in entries:
+            if len(entry.key) > MAX_KEY_LENGTH or len(entry.value) > MAX_VALUE_LENGTH:
+                raise InvalidRequest(
+                    f"descriptors[{index}]: entry too long (keys at most {MAX_KEY_LENGTH} "
+                    f"characters, values at most {MAX_VALUE_LENGTH})"
+                )

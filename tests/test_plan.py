@@ -1,0 +1,129 @@
+"""Prepared requests (`sidecar.plan`) and the packed script call: the work done once per request
+body must give exactly the answers of doing it on every call."""
+
+from __future__ import annotations
+
+import hiredis
+from envoy.service.ratelimit.v3.rls_pb2 import (  # type: ignore[import-untyped]
+    RateLimitRequest,
+    RateLimitResponse,
+)
+
+from sidecar import config
+from sidecar.limiter import Limiter
+from sidecar.model import Algorithm, Code, Descriptor, Entry, Hit, Request, Role, Unit, Window
+from sidecar.plan import prepare
+from sidecar.rls.service import RateLimitService
+from sidecar.storage.memory import MemoryBackend
+from sidecar.storage.redis import ApplyPacker, _command
+from tests.clock import Clock
+
+RULES = """
+domain: d
+descriptors:
+  - key: user
+    rate_limit: {unit: minute, requests_per_unit: 2}
+  - key: app
+    rate_limits:
+      - {unit: second, requests_per_unit: 100}
+      - {unit: day, requests_per_unit: 1000, calendar: true, timezone: Asia/Shanghai}
+  - key: bucket
+    rate_limit: {algorithm: token_bucket, unit: second, requests_per_unit: 5}
+"""
+
+
+def _rules(text: str = RULES) -> config.Rules:
+    rules = config.Rules()
+    domain = config.parse(text, "rules.yaml")
+    rules.domains[domain.name] = domain
+    return rules
+
+
+def _plan(key: str) -> tuple[config.Rules, Request]:
+    return _rules(), Request("d", (Descriptor((Entry(key, "v"),)),))
+
+
+def test_plain_epoch_hits_are_kept_for_their_whole_window() -> None:
+    """A plain epoch window's hits are the same objects for every call of the window, and new
+    ones name the next window's counter."""
+    rules, request = _plan("user")
+    windows = prepare(rules, request).counted[0].windows
+    first = windows.at(120_000)
+    assert windows.at(150_500) is first
+    assert windows.at(179_999) is first
+    following = windows.at(180_000)
+    assert following is not first
+    assert following[0].key.endswith(b"|60|180")
+    assert (following[0].start_ms, following[0].end_ms) == (180_000, 240_000)
+
+
+def test_hits_whose_ttl_counts_down_are_rebuilt_every_second() -> None:
+    """A calendar window's ttl runs to its end, so its hits hold for one second only."""
+    rules, request = _plan("app")
+    windows = prepare(rules, request).counted[0].windows
+    first = windows.at(1_800_000_000_100)
+    assert windows.at(1_800_000_000_999) is first
+    later = windows.at(1_800_000_001_000)
+    assert later is not first
+    assert later[1].ttl == first[1].ttl - 1
+
+
+def test_a_token_buckets_hits_never_change() -> None:
+    """A token bucket has no window: its hit is built once."""
+    rules, request = _plan("bucket")
+    windows = prepare(rules, request).counted[0].windows
+    assert windows.at(1_000) is windows.at(9_000_000_000)
+
+
+def test_a_clock_that_goes_back_gets_the_earlier_windows_hits() -> None:
+    """Hits are rebuilt when the time falls before the window they were made for."""
+    rules, request = _plan("user")
+    windows = prepare(rules, request).counted[0].windows
+    windows.at(180_000)
+    assert windows.at(179_000)[0].key.endswith(b"|60|120")
+
+
+async def test_a_reload_makes_cached_plans_stale() -> None:
+    """A body seen under the old rules is matched again under the new ones."""
+    limiter = Limiter(_rules(), MemoryBackend(), clock=Clock(1_000.0))
+    service = RateLimitService(limiter)
+    message = RateLimitRequest(domain="d")
+    entry = message.descriptors.add().entries.add()
+    entry.key, entry.value = "user", "u"
+    body = message.SerializeToString()
+    before = RateLimitResponse.FromString(await service.should_rate_limit(body))
+    assert before.statuses[0].current_limit.requests_per_unit == 2
+    limiter.rules = _rules(RULES.replace("requests_per_unit: 2}", "requests_per_unit: 7}"))
+    after = RateLimitResponse.FromString(await service.should_rate_limit(body))
+    assert after.statuses[0].current_limit.requests_per_unit == 7
+    assert after.overall_code == Code.OK
+
+
+def test_packed_script_call_is_hiredis_packing_of_the_arguments() -> None:
+    """The packer's bytes are exactly what hiredis packs for `_command`, whatever the hits hold
+    (every algorithm, grouped fields, non-ASCII bytes, a role), in both modes and repeatedly."""
+    hits = [
+        Hit(
+            b"rl{d|u|\xc3\xa9}|60|0", 3, Window(5, Unit.MINUTE), 0, Role.QUOTA, b"k", 60, 0, 60_000
+        ),
+        Hit(b"b", 1, Window(5, Unit.SECOND, Algorithm.TOKEN_BUCKET, burst=7, borrow=2), 1),
+        Hit(
+            b"h",
+            0,
+            Window(9, Unit.HOUR, Algorithm.SLIDING_WINDOW),
+            2,
+            Role.SHADOW,
+            b"p",
+            7,
+            1_000,
+            3_601_000,
+            b"f|x",
+            b"f|y",
+        ),
+        Hit(b"w", 2, Window(9, Unit.DAY, borrow=4), 3, Role.BLOCKING, b"w0", 172_801, 5, 9),
+    ]
+    packer = ApplyPacker(size=2)  # smaller than the request: the cache starts over mid-call
+    for mode in (0, 1, 0):
+        for now_ms in (0, 1_800_000_000_123):
+            expected = hiredis.pack_command(tuple(_command(hits, mode, now_ms)))
+            assert packer.command(hits, mode, now_ms) == expected
