@@ -13,7 +13,12 @@ import pytest
 from conftest import require_binary
 from servers import RedisServer, ServerError, start_server
 
-from sidecar.storage.pipeline import ConnectionLost, PipelinedRedis, RedisReplyError
+from sidecar.storage.pipeline import (
+    ConnectionLost,
+    DeadlineExceeded,
+    PipelinedRedis,
+    RedisReplyError,
+)
 from sidecar.storage.redis import RedisBackend
 
 pytestmark = pytest.mark.redis
@@ -152,6 +157,60 @@ async def test_a_call_that_gives_up_does_not_shift_later_replies(client: Pipelin
         async with asyncio.timeout(0.05):
             await client.execute("BLPOP", "nothing-here", "0.2")
     assert await client.execute("ECHO", "next") == b"next"
+
+
+async def test_a_call_past_its_own_deadline_fails_and_later_replies_stay_in_step(
+    client: PipelinedRedis,
+) -> None:
+    """A call given a deadline fails with DeadlineExceeded once it passes (no task timeout
+    needed); its late reply is dropped and the next call gets its own."""
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    with pytest.raises(DeadlineExceeded):
+        await client.execute("BLPOP", "nothing-here", "0.2", deadline=started + 0.05)
+    assert loop.time() - started < 0.2  # before the reply, which comes at 0.2 s
+    assert await client.execute("ECHO", "next", deadline=loop.time() + 1) == b"next"
+    await asyncio.sleep(0.25)  # the late BLPOP reply arrives and is dropped
+    assert await client.execute("ECHO", "after", deadline=loop.time() + 1) == b"after"
+
+
+async def test_deadlines_expire_in_their_own_order(client: PipelinedRedis) -> None:
+    """A call whose deadline comes first fails first, even behind a call with a later one on
+    the same connection, and a call answered in time is not failed by the timer."""
+    await connected(client)
+    loop = asyncio.get_running_loop()
+    now = loop.time()
+    late = asyncio.ensure_future(
+        client.execute("BLPOP", "nothing-here", "0.3", deadline=now + 0.25)
+    )
+    early = asyncio.ensure_future(client.execute("ECHO", "x", deadline=now + 0.05))
+    quick = asyncio.ensure_future(client.execute("PING", deadline=now + 0.05))
+    # All three left in one tick, on one connection: the ECHO and PING wait behind the BLPOP.
+    with pytest.raises(DeadlineExceeded):
+        await early
+    assert not late.done()
+    with pytest.raises(DeadlineExceeded):
+        await quick
+    with pytest.raises(DeadlineExceeded):
+        await late
+    assert loop.time() - now < 0.3
+    answered = await client.execute("PING", deadline=loop.time() + 1)
+    assert answered == b"PONG"
+
+
+async def test_many_calls_with_deadlines_leave_no_pending_deadline(
+    client: PipelinedRedis,
+) -> None:
+    """Deadlines of calls answered in time are dropped by the connection's one timer; none is
+    left once it has fired."""
+    loop = asyncio.get_running_loop()
+    replies = await asyncio.gather(
+        *(client.execute("ECHO", str(i), deadline=loop.time() + 0.05) for i in range(500))
+    )
+    assert replies == [str(i).encode() for i in range(500)]
+    await asyncio.sleep(0.1)
+    for protocol in client._connections:
+        assert protocol is None or (protocol.deadlines == [] and protocol.timer is None)
 
 
 @pytest.fixture

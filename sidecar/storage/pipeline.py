@@ -8,10 +8,14 @@ once at the end of the tick, and `data_received` feeds hiredis's reader and reso
 first in, first out. No task is created per call.
 
 A client keeps a few connections to its server and gives each tick to the next one in turn (see
-`PipelinedRedis`). Deadlines are the caller's (`asyncio.timeout` around `execute`): a call that
-gives up leaves its future cancelled, and its reply, when it comes, is dropped without disturbing
-the order. A connection that has not answered anything for a whole deadline while calls wait is
-closed, so a hung server fails fast instead of piling up calls. A lost connection fails every
+`PipelinedRedis`). A call has a deadline: its own (`deadline=`, in the event loop's time), or
+the caller's (`asyncio.timeout` around `execute`). Its own costs no timer per call: the
+connection keeps the deadlines of its calls in a heap and one timer for the earliest, so under
+load the timer fires about once per deadline's length instead of being set and cancelled on
+every call. Either way a call that gives up leaves its future done (DeadlineExceeded, or
+cancelled), and its reply, when it comes, is dropped without disturbing the order. A connection
+that has not answered anything for a whole connect timeout while calls wait is closed, so a
+hung server fails fast instead of piling up calls. A lost connection fails every
 call waiting on it; it is reopened in the background while another connection serves, or by the
 next call when none is open, at most once per `RECONNECT_BACKOFF` after a failed attempt (calls
 in between fail at once, so the failure mode answers without waiting). AUTH and SELECT run first
@@ -22,6 +26,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import heapq
+import itertools
 import ssl
 import time
 from collections.abc import Callable, Sequence
@@ -44,6 +50,10 @@ class ConnectionLost(ConnectionError):
     """The connection closed, or could not be opened, before the reply came."""
 
 
+class DeadlineExceeded(TimeoutError):
+    """No reply came before the call's deadline."""
+
+
 class _Protocol(asyncio.Protocol):
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
@@ -54,6 +64,10 @@ class _Protocol(asyncio.Protocol):
         # Commands of the current tick, written together when it ends.
         self.buffer: list[bytes] = []
         self.flush_scheduled = False
+        # (deadline, order, future) of the calls with a deadline of their own, and the timer
+        # set for the earliest; entries whose future is done are dropped when they come up.
+        self.deadlines: list[tuple[float, int, asyncio.Future[Any]]] = []
+        self.timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
@@ -78,6 +92,10 @@ class _Protocol(asyncio.Protocol):
 
     def fail(self, exc: Exception) -> None:
         self.lost = self.lost or exc
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        self.deadlines.clear()
         waiters = self.waiters
         while waiters:
             future = waiters.popleft()
@@ -129,19 +147,40 @@ class PipelinedRedis:
         # The connection the current tick's calls go to; None until the tick's first call.
         self._tick: _Protocol | None = None
         self._failed_at = -RECONNECT_BACKOFF
+        self._order = itertools.count()
 
-    async def execute(self, *args: Any) -> Any:
-        """Send one command and wait for its reply; error replies raise RedisReplyError."""
-        return await self.execute_packed(hiredis.pack_command(args))
+    async def execute(self, *args: Any, deadline: float | None = None) -> Any:
+        """Send one command and wait for its reply; error replies raise RedisReplyError.
 
-    async def execute_packed(self, packed: bytes) -> Any:
+        `deadline` (the event loop's time): no reply by then raises DeadlineExceeded.
+        """
+        return await self.execute_packed(hiredis.pack_command(args), deadline)
+
+    async def execute_packed(self, packed: bytes, deadline: float | None = None) -> Any:
         """Send one command already encoded in RESP (as `hiredis.pack_command` encodes it) and
-        wait for its reply; error replies raise RedisReplyError."""
+        wait for its reply; error replies raise RedisReplyError (`deadline`: see `execute`)."""
         protocol = self._tick
         if protocol is None or protocol.lost is not None:
-            protocol = self._pick() or await self._connect()
-        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+            protocol = self._pick()
+            if protocol is None:
+                if deadline is None:
+                    protocol = await self._connect()
+                else:
+                    try:
+                        async with asyncio.timeout_at(deadline):
+                            protocol = await self._connect()
+                    except TimeoutError:
+                        raise DeadlineExceeded("no connection to redis in time") from None
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Any] = loop.create_future()
         self._send(protocol, packed, future)
+        if deadline is not None:
+            heapq.heappush(protocol.deadlines, (deadline, next(self._order), future))
+            timer = protocol.timer
+            if timer is None or deadline < timer.when():
+                if timer is not None:
+                    timer.cancel()
+                protocol.timer = loop.call_at(deadline, self._expire, protocol)
         try:
             reply = await future
         except asyncio.CancelledError:
@@ -201,6 +240,26 @@ class PipelinedRedis:
             if self._opening[index] is None and not self._backing_off():
                 self._open_later(index)
         return None
+
+    def _expire(self, protocol: _Protocol) -> None:
+        """Fail the calls whose deadline has passed; set the timer for the next one."""
+        protocol.timer = None
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        deadlines = protocol.deadlines
+        expired = False
+        while deadlines:
+            deadline, _, future = deadlines[0]
+            if not future.done():
+                if deadline > now:
+                    break
+                future.set_exception(DeadlineExceeded("no reply from redis in time"))
+                expired = True
+            heapq.heappop(deadlines)
+        if expired:
+            self._check_stalled(protocol)
+        if deadlines and protocol.lost is None:
+            protocol.timer = loop.call_at(deadlines[0][0], self._expire, protocol)
 
     def _check_stalled(self, protocol: _Protocol) -> None:
         """A call gave up: if the server has answered nothing for as long, drop the connection."""

@@ -306,17 +306,21 @@ class RedisBackend:
         if not hits:
             return []
         mode = MODE_ALL_OR_NOTHING if all_or_nothing else MODE_ADD
+        # The client keeps the deadline (one timer per connection, not one per call: this is
+        # the hot path); a retry after NOSCRIPT keeps the same one.
+        deadline = asyncio.get_running_loop().time() + self._timeout
+        client = self._client
         try:
-            async with asyncio.timeout(self._timeout):
-                try:
-                    reply = await self._client.execute_packed(
-                        self._packer.command(hits, mode, now_ms)
-                    )
-                except RedisReplyError as exc:
-                    if not str(exc).startswith("NOSCRIPT"):
-                        raise
-                    # The script cache is empty (see _run_pipelined): EVAL at once.
-                    reply = await self._client.execute(*_eval(_command(hits, mode, now_ms)))
+            try:
+                reply = await client.execute_packed(
+                    self._packer.command(hits, mode, now_ms), deadline
+                )
+            except RedisReplyError as exc:
+                if not str(exc).startswith("NOSCRIPT"):
+                    raise
+                # The script cache is empty (see _run_pipelined): EVAL at once.
+                command = _eval(_command(hits, mode, now_ms))
+                reply = await client.execute(*command, deadline=deadline)
         except Exception as exc:  # every failure, see _failure
             raise _failure(self.name, self._timeout_ms, exc) from exc
         return _outcomes(hits, reply, now_ms)
