@@ -125,6 +125,8 @@ def _current_limit(window: Window) -> bytes:
 def _varint(value: int) -> bytes:
     if value < 0x80:
         return _SMALL_VARINTS[value]
+    if value < 0x4000:  # most limits: two bytes, without the loop
+        return bytes(((value & 0x7F) | 0x80, value >> 7))
     out = bytearray()
     while value > 0x7F:
         out.append((value & 0x7F) | 0x80)

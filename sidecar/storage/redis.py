@@ -147,14 +147,13 @@ class ApplyPacker:
             keys.append(entry[1])
             args.append(entry[2])
         n = len(hits)
+        now = b"%d" % now_ms
         return b"".join(
             (
-                b"*%d\r\n" % (7 + 13 * n),
-                _EVALSHA,
-                _bulk(2 * n),
+                _head(n),
                 *keys,
                 _bulk(mode),
-                _bulk(now_ms),
+                b"$%d\r\n%s\r\n" % (len(now), now),
                 _bulk(n),
                 _GRACE,
                 *args,
@@ -162,8 +161,20 @@ class ApplyPacker:
         )
 
 
+@functools.lru_cache(maxsize=256)
+def _head(n: int) -> bytes:
+    """The start of a call on `n` hits: the array's length, EVALSHA, the hash, the key count."""
+    return b"*%d\r\n" % (7 + 13 * n) + _EVALSHA + _bulk(2 * n)
+
+
 def _bulk(value: bytes | str | int) -> bytes:
     """One RESP bulk string, as hiredis packs a command argument."""
+    if type(value) is int and 0 <= value < _SMALL:
+        return _SMALL_BULKS[value]
+    return _bulk_any(value)
+
+
+def _bulk_any(value: bytes | str | int) -> bytes:
     if isinstance(value, int):
         value = b"%d" % value
     elif isinstance(value, str):
@@ -171,6 +182,9 @@ def _bulk(value: bytes | str | int) -> bytes:
     return b"$%d\r\n%s\r\n" % (len(value), value)
 
 
+#: Modes, hit counts, groups and the like: small numbers, packed once.
+_SMALL = 256
+_SMALL_BULKS = tuple(_bulk_any(number) for number in range(_SMALL))
 _GRACE = _bulk(FIELD_GRACE * 1000)
 
 
