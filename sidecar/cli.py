@@ -53,7 +53,10 @@ rules) and GET /metrics (Prometheus). The gRPC health service reports SERVING fo
 Rules are envoyproxy/ratelimit YAML files, one domain per file. A bad file stops the start
 with 'FILE: PATH: message' and exit status 1; a backend URL that cannot be used exits with 2.
 SIGTERM or SIGINT: report unhealthy, refuse new calls, let calls in flight finish (5 s),
-then exit 0.
+then exit 0. To replace a sidecar (--transport fast) without failing a call, start the new
+one on the same addresses first (--reuse-port on both for TCP; a unix:PATH is taken over as
+it is), then send SIGTERM to the old one: its clients finish their calls there and open
+their next connection to the new one.
 
 --transport fast (the default) serves gRPC with the sidecar's own HTTP/2 server: unary calls
 only (ShouldRateLimit, Health/Check), cleartext, over TCP or a Unix socket (unix:PATH).
@@ -266,8 +269,14 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, _Flags]]:
         type=_count(1),
         metavar="N",
     )
+    serve.add(
+        "--reuse-port",
+        "share the gRPC and HTTP ports with other sidecars (SO_REUSEPORT), as --workers does: "
+        "a replacement started on them takes the new connections once this one gets SIGTERM",
+        action="store_true",
+        default=False,
+    )
     # Set by `--workers N` on the processes it starts, never by hand.
-    serve.parser.add_argument("--reuse-port", action="store_true", help=argparse.SUPPRESS)
     serve.parser.add_argument("--grpc-socket-fd", type=int, help=argparse.SUPPRESS)
     serve.add(
         "--redis-timeout-ms",

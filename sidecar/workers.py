@@ -5,7 +5,8 @@ On TCP every worker binds the ports itself with SO_REUSEPORT, so each has its ow
 and the kernel spreads *connections* over them, not calls: Envoy opens about one connection per
 worker thread, so a sidecar behind an Envoy with fewer threads than workers leaves workers idle.
 A Unix socket cannot be shared that way; the parent listens on it once and the workers inherit
-it. The parent only supervises: it forwards SIGTERM and SIGINT to each worker by its PID, and
+it, and on the way out removes its file unless a replacement has bound its own there meanwhile.
+The parent only supervises: it forwards SIGTERM and SIGINT to each worker by its PID, and
 when a worker exits on its own, it stops the others and exits with that worker's status.
 """
 
@@ -24,7 +25,7 @@ from types import FrameType
 import structlog
 
 from sidecar.app import split_address
-from sidecar.rls.h2.server import BACKLOG, unix_path
+from sidecar.rls.h2.server import BACKLOG, socket_file, unix_path, unlink_socket
 
 log = structlog.get_logger("sidecar.workers")
 
@@ -49,9 +50,11 @@ def _grpc_listener(address: str, held: contextlib.ExitStack) -> tuple[list[str],
     sock = held.enter_context(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM))
     with contextlib.suppress(FileNotFoundError):
         if stat.S_ISSOCK(os.stat(path).st_mode):
-            os.unlink(path)  # a stale socket from an earlier run, as asyncio would remove it
+            # Left by an earlier run, or still served by the sidecars this one replaces: either
+            # way new connections come here from now on, as asyncio would do it.
+            os.unlink(path)
     sock.bind(path)
-    held.callback(_unlink, path)
+    held.callback(unlink_socket, path, socket_file(path))
     sock.listen(BACKLOG)
     sock.set_inheritable(True)
     fd = sock.fileno()
@@ -72,11 +75,6 @@ def _reserve(address: str, held: contextlib.ExitStack) -> str:
         raise OSError(f"cannot listen on {address}: {exc.strerror or exc}") from exc
     bound = sock.getsockname()[1]
     return f"[{host}]:{bound}" if family == socket.AF_INET6 else f"{host}:{bound}"
-
-
-def _unlink(path: str) -> None:
-    with contextlib.suppress(OSError):
-        os.unlink(path)
 
 
 def _supervise(argv: list[str], workers: int, fds: tuple[int, ...]) -> int:

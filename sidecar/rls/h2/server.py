@@ -7,6 +7,8 @@ CallError becomes its status; any other exception is a bug, answered INTERNAL an
 Shutdown follows RFC 9113 §6.8: GOAWAY with the largest stream id and a PING, then, once the
 PING comes back (or after SHUTDOWN_PING_TIMEOUT), GOAWAY with the last stream taken. Calls
 taken are answered; the connection closes when none is left, or when the grace period ends.
+A Unix socket's file is removed on the way out only if it is still this server's: a
+replacement started on the same path has put its own there.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ class H2Server:
         self.protocols: set[_Protocol] = set()
         self.tasks: set[asyncio.Task[None]] = set()
         self._listeners: list[asyncio.Server] = []
-        self._unix_paths: list[str] = []
+        self._unix_paths: list[tuple[str, SocketFile]] = []
 
     async def listen(
         self, address: str, *, reuse_port: bool = False, sock: socket.socket | None = None
@@ -57,7 +59,7 @@ class H2Server:
                 listener = await loop.create_server(self._protocol, sock=sock, backlog=BACKLOG)
             elif path is not None:
                 listener = await loop.create_unix_server(self._protocol, path, backlog=BACKLOG)
-                self._unix_paths.append(path)
+                self._unix_paths.append((path, socket_file(path)))
             else:
                 host, _, port = address.rpartition(":")
                 listener = await loop.create_server(
@@ -95,9 +97,8 @@ class H2Server:
         for listener in self._listeners:
             await listener.wait_closed()
         self._listeners.clear()
-        for path in self._unix_paths:
-            with contextlib.suppress(OSError):
-                os.unlink(path)
+        for path, bound in self._unix_paths:
+            unlink_socket(path, bound)
         self._unix_paths.clear()
 
 
@@ -108,6 +109,28 @@ def unix_path(address: str) -> str | None:
     if address.startswith("unix:"):
         return address[len("unix:") :]
     return None
+
+
+#: What tells one socket file from another at the same path: its device and inode.
+SocketFile = tuple[int, int]
+
+
+def socket_file(path: str) -> SocketFile:
+    """The file a Unix socket was just bound to, to recognise it when it is time to remove it."""
+    found = os.stat(path)
+    return found.st_dev, found.st_ino
+
+
+def unlink_socket(path: str, bound: SocketFile) -> None:
+    """Remove the socket file at `path` if it is still the one bound (`socket_file`).
+
+    A replacement started on the same path before this server stopped has removed that file
+    and bound a new one (as asyncio and `serve --workers` do with a socket file they find):
+    unlinking it would leave the replacement listening on a socket nobody can reach.
+    """
+    with contextlib.suppress(OSError):
+        if socket_file(path) == bound:
+            os.unlink(path)
 
 
 class _Protocol(asyncio.Protocol):
