@@ -8,10 +8,13 @@ Every wait polls with a deadline; none sleeps longer than a poll interval.
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import http.server
 import importlib.util
+import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -23,6 +26,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 HOST = "127.0.0.1"
 START_TIMEOUT = 30.0
@@ -66,6 +70,29 @@ def free_port() -> int:
     return port
 
 
+def steady_port() -> int:
+    """A free loopback port below the kernel's ephemeral range, for a server that is restarted,
+    replaced or polled while it starts.
+
+    A port from `free_port` lies inside that range: while nothing listens on it, a client's
+    connection to it (a readiness poll, Envoy reconnecting) can get that very port as its
+    source port and connect to itself, and the server then finds its port in use. No source
+    port is ever chosen below the range.
+    """
+    low = 32_768
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for _ in range(1_000):
+        port = random.randint(10_000, low - 1)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind((HOST, port))
+            except OSError:
+                continue
+        return port
+    raise ProcessError(f"no free port between 10000 and {low} on {HOST}")
+
+
 def _tail(path: Path, lines: int = 15) -> str:
     try:
         text = path.read_text(errors="replace")
@@ -86,6 +113,10 @@ class Process:
     @property
     def running(self) -> bool:
         return self._popen is not None and self._popen.poll() is None
+
+    @property
+    def pid(self) -> int | None:
+        return self._popen.pid if self._popen is not None else None
 
     def ready(self) -> bool:
         raise NotImplementedError
@@ -114,6 +145,20 @@ class Process:
     def stop(self) -> None:
         """SIGTERM, then SIGKILL if it does not exit within 10 s."""
         self._end(signal.SIGTERM)
+
+    def terminate(self) -> None:
+        """SIGTERM, without waiting: the process drains while the test watches (see `wait`)."""
+        if self._popen is not None and self._popen.poll() is None:
+            self._popen.send_signal(signal.SIGTERM)
+
+    def wait(self, timeout: float) -> int:
+        """Wait for the process to exit and return its status; raises subprocess.TimeoutExpired
+        (the process left running, for `stop` to end) when it takes longer than `timeout`."""
+        if self._popen is None:
+            raise ProcessError(f"{self.name} is not running")
+        code = self._popen.wait(timeout=timeout)
+        self._popen = None
+        return code
 
     def _end(self, how: signal.Signals) -> None:
         popen, self._popen = self._popen, None
@@ -151,9 +196,21 @@ class Envoy(Process):
     def ready(self) -> bool:
         try:
             status, _, body = _get_raw(self.admin_port, "/ready", timeout=1.0)
-        except OSError:
+        except (OSError, http.client.HTTPException):
+            # HTTPException: a probe of a port nobody listens on yet can connect to itself
+            # (TCP simultaneous open) and read its own request back.
             return False
         return status == 200 and body.strip() == b"LIVE"
+
+    def stats(self) -> dict[str, int]:
+        """Every counter and gauge of the admin interface's /stats (histograms left out)."""
+        _, _, body = _get_raw(self.admin_port, "/stats", timeout=5.0)
+        values = {}
+        for line in body.decode().splitlines():
+            key, _, value = line.partition(": ")
+            if value.isdigit():
+                values[key] = int(value)
+        return values
 
     def stat(self, name: str) -> int:
         """One counter from the admin interface's /stats (0 when Envoy has not created it yet)."""
@@ -168,14 +225,25 @@ class Envoy(Process):
 class Sidecar(Process):
     """`python -m sidecar serve` on fixed ports, so it can be killed and started again there."""
 
-    def __init__(self, args: Sequence[str], grpc_port: int, http_port: int, log: Path) -> None:
+    def __init__(
+        self,
+        args: Sequence[str],
+        grpc_port: int,
+        http_port: int,
+        log: Path,
+        *,
+        grpc_address: str | None = None,
+        log_level: str = "warning",
+    ) -> None:
+        """`grpc_address` (e.g. `unix:PATH`) replaces `HOST:grpc_port` when given; at `log_level`
+        info the log has the `started` and `stopped` events (`events`)."""
         super().__init__(
             "sidecar",
             [
                 sys.executable, "-m", "sidecar", "serve", *args,
-                "--grpc-address", f"{HOST}:{grpc_port}",
+                "--grpc-address", grpc_address or f"{HOST}:{grpc_port}",
                 "--http-address", f"{HOST}:{http_port}",
-                "--log-level", "warning",
+                "--log-level", log_level,
             ],
             log,
         )  # fmt: skip
@@ -185,7 +253,7 @@ class Sidecar(Process):
     def ready(self) -> bool:
         try:
             status, _, _ = _get_raw(self.http_port, "/healthcheck", timeout=1.0)
-        except OSError:
+        except (OSError, http.client.HTTPException):  # see Envoy.ready
             return False
         return status == 200
 
@@ -199,6 +267,28 @@ class Sidecar(Process):
             if head == sample:
                 return float(value)
         return 0.0
+
+    def metrics(self) -> dict[str, float]:
+        """Every Prometheus sample of /metrics, by its name and labels as written there."""
+        _, _, body = _get_raw(self.http_port, "/metrics", timeout=5.0)
+        samples = {}
+        for line in body.decode().splitlines():
+            if line and not line.startswith("#"):
+                head, _, value = line.rpartition(" ")
+                samples[head] = float(value)
+        return samples
+
+    def events(self) -> list[dict[str, Any]]:
+        """The JSON log events in the log file so far (lines that are not JSON left out)."""
+        found = []
+        for line in self.log.read_text(errors="replace").splitlines():
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(event, dict):
+                found.append(event)
+        return found
 
     def calls(self) -> int:
         """ShouldRateLimit calls answered since the process started."""
