@@ -277,8 +277,9 @@ def _failure(backend: str, timeout_ms: int, exc: Exception) -> StorageError:
 class RedisBackend:
     """A standalone Redis (or any single endpoint: a proxy, a managed primary).
 
-    Calls go through the pipelined client (`pipeline.py`): one connection, every script call of
-    an event-loop tick in one write.
+    Calls go through the pipelined client (`pipeline.py`): every script call of an event-loop
+    tick in one write, ticks taking turns on its connections, each call's script arguments
+    packed once per window (`ApplyPacker`) and its deadline kept by the client.
     """
 
     name = "redis"
