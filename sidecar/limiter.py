@@ -20,17 +20,7 @@ from sidecar.config import Rules
 from sidecar.errors import InvalidRequest, StorageError
 from sidecar.model import Code, Decision, DescriptorStatus, Hit, Request, Role
 from sidecar.over_limit_cache import OverLimitCache
-from sidecar.plan import (  # noqa: F401 (re-exported: the limits are the limiter's contract)
-    MAX_DESCRIPTORS,
-    MAX_ENTRIES,
-    MAX_HITS_ADDEND,
-    MAX_KEY_LENGTH,
-    MAX_VALUE_LENGTH,
-    Counted,
-    Plan,
-    descriptor_hits,
-    prepare,
-)
+from sidecar.plan import Counted, Plan, prepare
 from sidecar.stats import Stats
 from sidecar.storage import Backend
 

@@ -20,7 +20,6 @@ from sidecar.model import (
     UNLIMITED_REMAINING,
     Algorithm,
     Code,
-    Decision,
     Descriptor,
     DescriptorStatus,
     Hit,
@@ -118,13 +117,6 @@ class Plan:
     statuses: tuple[DescriptorStatus, ...]
     counted: tuple[Counted, ...]
     blocking_only: bool
-
-    @property
-    def decided(self) -> Decision | None:
-        """The answer when no descriptor needs the backend (None when some do)."""
-        if self.counted:
-            return None
-        return Decision(Code.OK, self.statuses)
 
 
 def prepare(rules: Rules, request: Request) -> Plan:

@@ -25,7 +25,7 @@ from sidecar.frequency import (
     Recorded,
     Verdict,
 )
-from sidecar.limiter import Limiter, descriptor_hits, most_restrictive
+from sidecar.limiter import Limiter, most_restrictive
 from sidecar.matching import match
 from sidecar.model import (
     UNLIMITED_REMAINING,
@@ -38,6 +38,7 @@ from sidecar.model import (
     Request,
     Role,
 )
+from sidecar.plan import descriptor_hits
 from sidecar.storage import Backend, open_backend
 
 RULES = """
