@@ -28,7 +28,9 @@ pytestmark = pytest.mark.cluster
 NOW_MS = (int(time.time()) // 60 * 60 + 5) * 1000
 RESET_MS = 55_000
 DEADLINE_MS = 250
-SLACK = 0.1
+# How far past its deadline a failing call may end: the failure guarded against is a call that
+# hangs, so the allowance can absorb a busy CI machine's scheduling delays.
+SLACK = 0.4
 
 
 @pytest.fixture(scope="module")
