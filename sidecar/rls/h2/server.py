@@ -1,5 +1,6 @@
 """The asyncio side of the HTTP/2 server: listening sockets, one Protocol per connection, each
-call a task, write back-pressure, and graceful shutdown.
+call started at once without a Task (`sidecar.rls.h2.calls`), write back-pressure, and graceful
+shutdown.
 
 Methods are looked up by `:path`; an unknown path is answered UNIMPLEMENTED. A method's
 CallError becomes its status; any other exception is a bug, answered INTERNAL and logged.
@@ -21,6 +22,7 @@ from collections.abc import Mapping
 
 import structlog
 
+from sidecar.rls.h2.calls import Calls
 from sidecar.rls.h2.connection import DEFAULT_LIMITS, Connection, Limits
 from sidecar.rls.h2.unary import CallError, Method, Status
 
@@ -42,7 +44,7 @@ class H2Server:
         self.limits = limits
         self.stopping = False
         self.protocols: set[_Protocol] = set()
-        self.tasks: set[asyncio.Task[None]] = set()
+        self.calls = Calls()
         self._listeners: list[asyncio.Server] = []
         self._unix_paths: list[tuple[str, SocketFile]] = []
 
@@ -85,15 +87,12 @@ class H2Server:
             listener.close()
         for protocol in list(self.protocols):
             protocol.shut_down()
-        waiting = [protocol.finished for protocol in self.protocols] + list(self.tasks)
-        if waiting:
-            await asyncio.wait(waiting, timeout=grace)
+        waiting = [protocol.finished for protocol in self.protocols] + [self.calls.idle()]
+        await asyncio.wait(waiting, timeout=grace)
         for protocol in list(self.protocols):
             protocol.abort()
-        for task in list(self.tasks):
-            task.cancel()
-        if self.tasks:
-            await asyncio.wait(list(self.tasks))
+        self.calls.cancel_all()
+        await self.calls.idle()
         for listener in self._listeners:
             await listener.wait_closed()
         self._listeners.clear()
@@ -213,7 +212,7 @@ class _Protocol(asyncio.Protocol):
         if method is None:
             self.conn.respond_error(stream_id, Status.UNIMPLEMENTED, f"unknown method {path}")
             return
-        self.server.tasks.add(self.loop.create_task(self._call(stream_id, path, method, message)))
+        self.server.calls.start(self._call(stream_id, path, method, message))
 
     async def _call(self, stream_id: int, path: str, method: Method, message: bytes) -> None:
         try:
@@ -227,9 +226,6 @@ class _Protocol(asyncio.Protocol):
             )
         else:
             self.conn.respond(stream_id, response)
-        finally:
-            # Cheaper than a done callback, which would cost the loop one more turn per call.
-            self.server.tasks.discard(asyncio.current_task())
         if not self._flush_scheduled:
             self._flush_scheduled = True
             self.loop.call_soon(self._flush)
