@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import os
 import signal
 import socket
@@ -316,14 +317,21 @@ class App:
 
     async def run(self) -> int:
         """Start, serve until SIGTERM or SIGINT, stop; returns the exit status (0)."""
-        await self.start()
         loop = asyncio.get_running_loop()
         stopping = asyncio.Event()
         signals = (signal.SIGTERM, signal.SIGINT)
+        # Before starting: a SIGTERM that comes as soon as "started" is logged (a supervisor
+        # stopping its workers) must stop the sidecar in order, not kill it.
         for signum in signals:
             loop.add_signal_handler(signum, stopping.set)
-        loop.add_signal_handler(signal.SIGHUP, self.reload)
         try:
+            await self.start()
+            loop.add_signal_handler(signal.SIGHUP, self.reload)
+            # What exists now (modules, rules, servers) lives as long as the process: out of the
+            # cycle collector's sight, its collections walk only what serving allocates, which
+            # shortens the pauses they add to calls' latency.
+            gc.collect()
+            gc.freeze()
             await stopping.wait()
             log.info("stopping", grace_seconds=SHUTDOWN_GRACE)
             await self.stop()
