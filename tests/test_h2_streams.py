@@ -349,3 +349,19 @@ async def test_a_connection_that_never_sends_its_preface_is_closed(
     await silent.close()
 
     assert silent.goaways() == []
+
+
+def test_closed_streams_are_remembered_in_bulk_without_growing() -> None:
+    """However many streams close, the most recent CLOSED_STREAMS_REMEMBERED are remembered with
+    how they closed, and the record stays under twice that size."""
+    from sidecar.rls.h2.streams import CLOSED_STREAMS_REMEMBERED, Streams
+
+    streams = Streams()
+    last = 10 * CLOSED_STREAMS_REMEMBERED
+    for stream_id in range(1, last + 1, 2):
+        streams.remember(stream_id, stream_id % 3 == 0)
+    remembered = streams.closed_streams
+    assert CLOSED_STREAMS_REMEMBERED <= len(remembered) <= 2 * CLOSED_STREAMS_REMEMBERED
+    recent = range(last - 2 * CLOSED_STREAMS_REMEMBERED + 1, last + 1, 2)
+    assert all(remembered[stream_id] is (stream_id % 3 == 0) for stream_id in recent)
+    assert 1 not in remembered

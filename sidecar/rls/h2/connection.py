@@ -25,6 +25,8 @@ from sidecar.rls.h2.unary import MAX_MESSAGE_BYTES, PREFIX_SIZE, CallError, Stat
 
 OnCall = Callable[[int, str, bytes], None]
 
+_PADDED_OR_PRIORITY = frames.PADDED | frames.PRIORITY_FLAG
+
 
 @dataclass(frozen=True)
 class Limits:
@@ -173,8 +175,11 @@ class Connection(Streams):
     def _on_headers(self, flags: int, stream_id: int, payload: bytes) -> None:
         if not stream_id:
             raise H2ConnectionError(ErrorCode.PROTOCOL_ERROR, "HEADERS on stream 0")
-        block, dependency = frames.header_block(payload, flags)
-        self_dependent = dependency == stream_id
+        if flags & _PADDED_OR_PRIORITY:
+            block, dependency = frames.header_block(payload, flags)
+            self_dependent = dependency == stream_id
+        else:
+            block, self_dependent = payload, False
         if flags & frames.END_HEADERS:
             self._on_header_block(stream_id, block, flags, self_dependent)
             return
@@ -255,12 +260,20 @@ class Connection(Streams):
         stream.recv_window -= size
         if stream.recv_window < 0:
             raise H2StreamError(stream_id, ErrorCode.FLOW_CONTROL_ERROR, "stream window exceeded")
-        data = frames.unpad(payload, flags)
+        data = frames.unpad(payload, flags) if flags & frames.PADDED else payload
         stream.received += len(data)
-        length = stream.head.content_length
+        head = stream.head
+        length = head.content_length
         if length is not None and stream.received > length:
             raise H2StreamError(stream_id, ErrorCode.PROTOCOL_ERROR, "body over content-length")
-        if stream.head.rejection is None:
+        if flags & frames.END_STREAM and not stream.size and head.rejection is None:
+            # The usual request: its whole body in one frame, used as it is.
+            if stream.received > PREFIX_SIZE + MAX_MESSAGE_BYTES:
+                self._answer_early(stream, "request message larger than the limit")
+                return
+            self._end_request(stream, data)
+            return
+        if head.rejection is None:
             if stream.received > PREFIX_SIZE + MAX_MESSAGE_BYTES:
                 self._answer_early(stream, "request message larger than the limit")
                 return
@@ -287,7 +300,9 @@ class Connection(Streams):
     def _answer_early(self, stream: Stream, reason: str) -> None:
         self.answer(stream, fields.trailers_only(Status.RESOURCE_EXHAUSTED, reason))
 
-    def _end_request(self, stream: Stream) -> None:
+    def _end_request(self, stream: Stream, body: bytes | None = None) -> None:
+        """The request is complete: answer its rejection or framing error, or call it. `body`
+        is its whole body when it came in one frame, else the stream's buffer holds it."""
         stream.receiving = False
         head = stream.head
         if head.content_length is not None and stream.received != head.content_length:
@@ -299,13 +314,19 @@ class Connection(Streams):
             )
             self.answer(stream, block)
             return
-        body = stream.take_body()
-        self.buffered -= len(body)
-        try:
-            message = read_message(body)
-        except CallError as exc:
-            self.answer(stream, fields.trailers_only(exc.status, exc.message))
-            return
+        if body is None:
+            body = stream.take_body()
+            self.buffered -= len(body)
+        # One uncompressed message, exactly as long as its prefix says: the usual case, read
+        # here; anything else goes to read_message for the error it deserves.
+        if body[:1] == b"\0" and int.from_bytes(body[1:PREFIX_SIZE]) == len(body) - PREFIX_SIZE:
+            message = body[PREFIX_SIZE:]
+        else:
+            try:
+                message = read_message(body)
+            except CallError as exc:
+                self.answer(stream, fields.trailers_only(exc.status, exc.message))
+                return
         self.calls.add(stream.id)
         self.on_call(stream.id, head.path, message)
 

@@ -15,9 +15,10 @@ from __future__ import annotations
 from sidecar.rls.h2 import fields, frames
 from sidecar.rls.h2.fields import Head
 from sidecar.rls.h2.frames import ErrorCode, H2ConnectionError, H2StreamError
-from sidecar.rls.h2.unary import Status, message_frame
+from sidecar.rls.h2.unary import PREFIX_SIZE, Status, message_frame
 
-#: Streams remembered after they close, to tell a late frame (ignored) from a broken rule.
+#: Streams remembered after they close (at least; up to twice as many), to tell a late frame
+#: (ignored) from a broken rule.
 CLOSED_STREAMS_REMEMBERED = 1_024
 #: The opaque data of the PING sent between the two GOAWAY frames of a graceful shutdown.
 SHUTDOWN_PING = b"drain\x00\x00\x00"
@@ -111,8 +112,39 @@ class Streams:
     def respond(self, stream_id: int, message: bytes) -> None:
         """Answer a call with OK and `message` (dropped if the stream is gone)."""
         stream = self._take_call(stream_id)
-        if stream is not None:
-            self.answer(stream, _RESPONSE_HEADERS, message_frame(message), _TRAILERS_OK)
+        if stream is None:
+            return
+        size = len(message) + PREFIX_SIZE
+        if (
+            size <= stream.send_window
+            and size <= self.send_window
+            and size <= self.peer_max_frame
+            and not self._size_update
+            and not stream.receiving
+        ):
+            # The usual answer: it fits the windows and ends a request already complete, so
+            # its three frames leave together and the stream closes. `answer` does the rest.
+            self.send_window -= size
+            stream.send_window -= size
+            stream_id = stream.id
+            self.out.append(
+                b"".join(
+                    (
+                        _FRAME(0, len(_RESPONSE_HEADERS), _HEADERS, _END_HEADERS, stream_id),
+                        _RESPONSE_HEADERS,
+                        _FRAME(size >> 16, size & 0xFFFF, _DATA, 0, stream_id),
+                        b"\0",
+                        len(message).to_bytes(4),
+                        message,
+                        _FRAME(0, len(_TRAILERS_OK), _HEADERS, _END_ALL, stream_id),
+                        _TRAILERS_OK,
+                    )
+                )
+            )
+            del self.streams[stream_id]
+            self.remember(stream_id, False)
+            return
+        self.answer(stream, _RESPONSE_HEADERS, message_frame(message), _TRAILERS_OK)
 
     def respond_error(self, stream_id: int, status: Status, message: str) -> None:
         """Answer a call with a gRPC status other than OK."""
@@ -246,10 +278,14 @@ class Streams:
         self.remember(stream.id, False)
 
     def remember(self, stream_id: int, closed_by_us: bool) -> None:
+        """Keep how `stream_id` closed: the last CLOSED_STREAMS_REMEMBERED streams at least."""
         remembered = self.closed_streams
         remembered[stream_id] = closed_by_us
-        if len(remembered) > CLOSED_STREAMS_REMEMBERED:
-            del remembered[next(iter(remembered))]
+        if len(remembered) > 2 * CLOSED_STREAMS_REMEMBERED:
+            # Forgotten in bulk: dropping the oldest one at a time from a dict costs a walk
+            # over the holes earlier deletions left at its front.
+            kept = list(remembered.items())[-CLOSED_STREAMS_REMEMBERED:]
+            self.closed_streams = dict(kept)
 
     def fail(self, code: ErrorCode, reason: str) -> None:
         """A connection error: GOAWAY with `code`, then nothing more is read or answered."""
