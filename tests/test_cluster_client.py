@@ -12,6 +12,7 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
+import hiredis
 import pytest
 from conftest import require_binary
 from redis.crc import key_slot
@@ -21,6 +22,7 @@ from sidecar.errors import StorageError
 from sidecar.model import Hit, Outcome, Unit, Window
 from sidecar.storage import open_backend
 from sidecar.storage.cluster import MAX_REDIRECTS, ClusterError, PipelinedCluster
+from sidecar.storage.pipeline import DeadlineExceeded
 from sidecar.storage.redis import _SHA
 
 pytestmark = pytest.mark.cluster
@@ -425,3 +427,39 @@ async def test_a_stopped_master_fails_in_time_and_serves_again_when_back(own: Re
         assert await backend.ping()
     finally:
         await backend.close()
+
+
+async def test_a_silent_master_fails_calls_by_their_own_deadline(own: RedisCluster) -> None:
+    """A master that holds its connections but never answers: a call with a deadline raises
+    DeadlineExceeded by then, with no asyncio.timeout around it, and the backend's apply (which
+    passes its deadline down) is a StorageError in time while another master answers."""
+    silent, other = own.nodes[1], own.nodes[0]
+    key_silent, key_other = key_on(own, silent, "silent"), key_on(own, other, "other")
+    backend = open_backend(own.url, timeout_ms=DEADLINE_MS)
+    client = client_of(own)
+    try:
+        await backend.apply([hit(key_silent, 1, 100)], False, NOW_MS)
+        assert await client.execute("SET", key_silent, "1") == b"OK"
+        silent.pause()
+        loop = asyncio.get_running_loop()
+        started = time.monotonic()
+        with pytest.raises(DeadlineExceeded):
+            await client.execute_packed(
+                key_slot(key_silent),
+                hiredis.pack_command(("GET", key_silent)),
+                loop.time() + DEADLINE_MS / 1000,
+            )
+        assert time.monotonic() - started < DEADLINE_MS / 1000 + SLACK
+        started = time.monotonic()
+        failed, [answered] = await asyncio.gather(
+            backend.apply([hit(key_silent, 1, 100)], False, NOW_MS),
+            backend.apply([hit(key_other, 1, 100)], False, NOW_MS),
+            return_exceptions=True,
+        )
+        assert isinstance(failed, StorageError)
+        assert time.monotonic() - started < DEADLINE_MS / 1000 + SLACK
+        assert answered.applied
+    finally:
+        silent.resume()
+        await backend.close()
+        await client.close()

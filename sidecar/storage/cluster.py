@@ -7,7 +7,8 @@ updates that slot's entry, retries there and reloads the whole map in the backgr
 slot is being migrated and this key has left) sends ASKING and the command to the named node in
 one write, and changes nothing in the map. A lost connection reloads the map too, at most once
 per `REFRESH_INTERVAL`, so a dead master costs one CLUSTER SLOTS per interval, not one per call.
-Deadlines are the caller's (`asyncio.timeout` around calls), as in `pipeline.py`.
+A call's deadline (`deadline=`, the event loop's time) is kept by the masters' clients as in
+`pipeline.py`, across redirections; a caller may also put `asyncio.timeout` around calls.
 
 `RedisClusterBackend` runs `decide.lua` (its commands are built in `redis.py`) once per slot.
 """
@@ -27,7 +28,13 @@ from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 from sidecar.algorithms import fixed_window
 from sidecar.algorithms.decide import Address, State
 from sidecar.model import Dedupe, Hit, Outcome, Role
-from sidecar.storage.pipeline import CONNECTIONS, ConnectionLost, PipelinedRedis, RedisReplyError
+from sidecar.storage.pipeline import (
+    CONNECTIONS,
+    ConnectionLost,
+    DeadlineExceeded,
+    PipelinedRedis,
+    RedisReplyError,
+)
 from sidecar.storage.redis import (
     MODE_ADD,
     MODE_ALL_OR_NOTHING,
@@ -105,22 +112,35 @@ class PipelinedCluster:
         KEYS entry) and wait for the reply; error replies raise RedisReplyError."""
         return await self.execute_packed(key_slot(_first_key(args)), hiredis.pack_command(args))
 
-    async def execute_packed(self, slot: int, packed: bytes) -> Any:
+    async def execute_packed(self, slot: int, packed: bytes, deadline: float | None = None) -> Any:
         """Send one RESP-encoded command to the master of `slot` and wait for the reply,
-        following redirections; error replies raise RedisReplyError."""
+        following redirections; error replies raise RedisReplyError. `deadline` (the event
+        loop's time): no reply by then raises DeadlineExceeded."""
         node = self._slots[slot]
         if node is None:
-            node = await self._master(slot)
+            if deadline is None:
+                node = await self._master(slot)
+            else:
+                try:
+                    async with asyncio.timeout_at(deadline):
+                        node = await self._master(slot)
+                except TimeoutError:
+                    raise DeadlineExceeded("no slot map from the cluster in time") from None
         try:
-            return await node.execute_packed(packed)
+            return await node.execute_packed(packed, deadline)
         except RedisReplyError as exc:
-            return await self._redirected(slot, packed, node, exc)
+            return await self._redirected(slot, packed, node, exc, deadline)
         except ConnectionLost:
             self.refresh_soon()
             raise
 
     async def _redirected(
-        self, slot: int, packed: bytes, node: PipelinedRedis, error: RedisReplyError
+        self,
+        slot: int,
+        packed: bytes,
+        node: PipelinedRedis,
+        error: RedisReplyError,
+        deadline: float | None,
     ) -> Any:
         """Follow MOVED, ASK and TRYAGAIN replies, up to MAX_REDIRECTS; raise any other error."""
         asking = False
@@ -135,6 +155,9 @@ class PipelinedCluster:
                 node = self._node_at(where, node)
                 asking = True
             elif kind == "TRYAGAIN":
+                loop = asyncio.get_running_loop()
+                if deadline is not None and loop.time() + TRYAGAIN_DELAY >= deadline:
+                    raise DeadlineExceeded(f"slot {slot}: TRYAGAIN until the deadline")
                 await asyncio.sleep(TRYAGAIN_DELAY)
             else:
                 if kind == "CLUSTERDOWN":
@@ -142,9 +165,9 @@ class PipelinedCluster:
                 raise error
             try:
                 if not asking:
-                    return await node.execute_packed(packed)
+                    return await node.execute_packed(packed, deadline)
                 # ASKING holds for the next command on its connection only: both go together.
-                _, reply = await node.execute_packed_many((_ASKING, packed))
+                _, reply = await node.execute_packed_many((_ASKING, packed), deadline)
                 if isinstance(reply, RedisReplyError):
                     raise reply
                 return reply
@@ -334,15 +357,18 @@ class RedisClusterBackend:
         slots: dict[int, list[int]] = {}
         for index, hit in enumerate(hits):
             slots.setdefault(key_slot(hit.key), []).append(index)
+        # The clients keep the deadline (one timer per connection, not one per call: this is
+        # the hot path), for every round trip of the request together.
+        deadline = asyncio.get_running_loop().time() + self._timeout
         try:
-            async with asyncio.timeout(self._timeout):
-                if len(slots) == 1:
-                    [slot] = slots
-                    mode = MODE_ALL_OR_NOTHING if all_or_nothing else MODE_ADD
-                    return _outcomes(hits, await self._apply_slot(slot, hits, mode, now_ms), now_ms)
-                if all_or_nothing:
-                    return await self._apply_across_slots(hits, slots, now_ms)
-                return await self._apply_per_slot(hits, slots, MODE_ADD, now_ms)
+            if len(slots) == 1:
+                [slot] = slots
+                mode = MODE_ALL_OR_NOTHING if all_or_nothing else MODE_ADD
+                reply = await self._apply_slot(slot, hits, mode, now_ms, deadline)
+                return _outcomes(hits, reply, now_ms)
+            if all_or_nothing:
+                return await self._apply_across_slots(hits, slots, now_ms, deadline)
+            return await self._apply_per_slot(hits, slots, MODE_ADD, now_ms, deadline)
         except Exception as exc:  # every failure, see _failure
             raise _failure(self.name, self._timeout_ms, exc) from exc
 
@@ -375,7 +401,7 @@ class RedisClusterBackend:
         return _values(len(addresses), positions, replies)
 
     async def _apply_across_slots(
-        self, hits: Sequence[Hit], slots: dict[int, list[int]], now_ms: int
+        self, hits: Sequence[Hit], slots: dict[int, list[int]], now_ms: int, deadline: float
     ) -> list[Outcome]:
         """All-or-nothing over several slots: read every slot, decide, then add slot by slot.
 
@@ -392,7 +418,7 @@ class RedisClusterBackend:
         because of this. Quota counters are judged across slots in phase 1; in phase 2 they
         block only when they all live in one slot, since a slot cannot see the others'.
         """
-        phase1 = await self._apply_per_slot(hits, slots, MODE_READ, now_ms)
+        phase1 = await self._apply_per_slot(hits, slots, MODE_READ, now_ms, deadline)
         group_over: dict[int, bool] = {}
         group_role: dict[int, Role] = {}
         for outcome, hit in zip(phase1, hits, strict=True):
@@ -406,7 +432,12 @@ class RedisClusterBackend:
             slot for slot, group in slots.items() for i in group if hits[i].role is Role.QUOTA
         }
         return await self._apply_per_slot(
-            hits, slots, MODE_ALL_OR_NOTHING, now_ms, quota_as_shadow=len(quota_slots) > 1
+            hits,
+            slots,
+            MODE_ALL_OR_NOTHING,
+            now_ms,
+            deadline,
+            quota_as_shadow=len(quota_slots) > 1,
         )
 
     async def _apply_per_slot(
@@ -415,11 +446,14 @@ class RedisClusterBackend:
         slots: dict[int, list[int]],
         mode: int,
         now_ms: int,
+        deadline: float,
         quota_as_shadow: bool = False,
     ) -> list[Outcome]:
         """Run the script on every slot's hits concurrently; Outcomes in the hits' order."""
         calls = [
-            self._apply_slot(slot, [hits[i] for i in group], mode, now_ms, quota_as_shadow)
+            self._apply_slot(
+                slot, [hits[i] for i in group], mode, now_ms, deadline, quota_as_shadow
+            )
             for slot, group in slots.items()
         ]
         replies = await _gather_all(calls)
@@ -436,28 +470,34 @@ class RedisClusterBackend:
         hits: Sequence[Hit],
         mode: int,
         now_ms: int,
+        deadline: float,
         quota_as_shadow: bool = False,
     ) -> Reply:
         """Run the script on one slot's hits, packed by `ApplyPacker` (see `RedisBackend`)."""
         if quota_as_shadow:  # the packer keeps each hit's own role
-            return await self._run(slot, _command(hits, mode, now_ms, quota_as_shadow))
+            command = _command(hits, mode, now_ms, quota_as_shadow)
+            return await self._run(slot, command, deadline)
+        client = self._client
         try:
-            reply: Reply = await self._client.execute_packed(
-                slot, self._packer.command(hits, mode, now_ms)
+            reply: Reply = await client.execute_packed(
+                slot, self._packer.command(hits, mode, now_ms), deadline
             )
         except RedisReplyError as exc:
             if not str(exc).startswith("NOSCRIPT"):
                 raise
             # The master lost its script cache (see _run): EVAL at once.
             command = _eval(_command(hits, mode, now_ms))
-            reply = await self._client.execute_packed(slot, hiredis.pack_command(tuple(command)))
+            reply = await client.execute_packed(
+                slot, hiredis.pack_command(tuple(command)), deadline
+            )
         return reply
 
-    async def _run(self, slot: int, command: list[Any]) -> Reply:
+    async def _run(self, slot: int, command: list[Any], deadline: float | None = None) -> Reply:
         """Run the script on the master of `slot`, sending its text only when it lost it."""
+        client = self._client
         try:
-            reply: Reply = await self._client.execute_packed(
-                slot, hiredis.pack_command(tuple(command))
+            reply: Reply = await client.execute_packed(
+                slot, hiredis.pack_command(tuple(command)), deadline
             )
         except RedisReplyError as exc:
             if not str(exc).startswith("NOSCRIPT"):
@@ -465,7 +505,9 @@ class RedisClusterBackend:
             # The master's script cache is empty (restart, failover, SCRIPT FLUSH, a new master).
             # EVAL runs the text and caches it there in one round trip.
             command = _eval(command)
-            reply = await self._client.execute_packed(slot, hiredis.pack_command(tuple(command)))
+            reply = await client.execute_packed(
+                slot, hiredis.pack_command(tuple(command)), deadline
+            )
         return reply
 
     async def ping(self) -> bool:

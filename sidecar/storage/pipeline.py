@@ -161,26 +161,11 @@ class PipelinedRedis:
         wait for its reply; error replies raise RedisReplyError (`deadline`: see `execute`)."""
         protocol = self._tick
         if protocol is None or protocol.lost is not None:
-            protocol = self._pick()
-            if protocol is None:
-                if deadline is None:
-                    protocol = await self._connect()
-                else:
-                    try:
-                        async with asyncio.timeout_at(deadline):
-                            protocol = await self._connect()
-                    except TimeoutError:
-                        raise DeadlineExceeded("no connection to redis in time") from None
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[Any] = loop.create_future()
+            protocol = await self._protocol(deadline)
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._send(protocol, packed, future)
         if deadline is not None:
-            heapq.heappush(protocol.deadlines, (deadline, next(self._order), future))
-            timer = protocol.timer
-            if timer is None or deadline < timer.when():
-                if timer is not None:
-                    timer.cancel()
-                protocol.timer = loop.call_at(deadline, self._expire, protocol)
+            self._keep_deadline(protocol, deadline, future)
         try:
             reply = await future
         except asyncio.CancelledError:
@@ -190,18 +175,20 @@ class PipelinedRedis:
             raise RedisReplyError(str(reply))
         return reply
 
-    async def execute_packed_many(self, packed: Sequence[bytes]) -> list[Any]:
+    async def execute_packed_many(
+        self, packed: Sequence[bytes], deadline: float | None = None
+    ) -> list[Any]:
         """Send encoded commands back to back on one connection, in one write, and wait for
         every reply. Error replies come back as RedisReplyError values, not raised: the caller
-        judges them (ASKING and the command it prefixes, say)."""
-        protocol = self._tick
-        if protocol is None or protocol.lost is not None:
-            protocol = self._pick() or await self._connect()
+        judges them (ASKING and the command it prefixes, say). `deadline`: see `execute`."""
+        protocol = await self._protocol(deadline)
         loop = asyncio.get_running_loop()
         futures: list[asyncio.Future[Any]] = []
         for command in packed:
             futures.append(loop.create_future())
             self._send(protocol, command, futures[-1])
+            if deadline is not None:
+                self._keep_deadline(protocol, deadline, futures[-1])
         try:
             replies = await asyncio.gather(*futures)
         except asyncio.CancelledError:
@@ -211,6 +198,34 @@ class PipelinedRedis:
             RedisReplyError(str(reply)) if isinstance(reply, hiredis.ReplyError) else reply
             for reply in replies
         ]
+
+    async def _protocol(self, deadline: float | None) -> _Protocol:
+        """The connection this tick's calls go to, opened if none is (by `deadline`)."""
+        protocol = self._tick
+        if protocol is not None and protocol.lost is None:
+            return protocol
+        protocol = self._pick()
+        if protocol is not None:
+            return protocol
+        if deadline is None:
+            return await self._connect()
+        try:
+            async with asyncio.timeout_at(deadline):
+                return await self._connect()
+        except TimeoutError:
+            raise DeadlineExceeded("no connection to redis in time") from None
+
+    def _keep_deadline(
+        self, protocol: _Protocol, deadline: float, future: asyncio.Future[Any]
+    ) -> None:
+        """Fail `future` at `deadline` unless answered: the connection's heap, and its one timer
+        moved earlier when this deadline is the earliest."""
+        heapq.heappush(protocol.deadlines, (deadline, next(self._order), future))
+        timer = protocol.timer
+        if timer is None or deadline < timer.when():
+            if timer is not None:
+                timer.cancel()
+            protocol.timer = asyncio.get_running_loop().call_at(deadline, self._expire, protocol)
 
     def _send(self, protocol: _Protocol, packed: bytes, future: asyncio.Future[Any]) -> None:
         protocol.waiters.append(future)
