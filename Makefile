@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 SUDO := $(shell [ "$$(id -u)" = 0 ] || command -v sudo)
 PYTEST_ARGS ?=
 
-.PHONY: venv run gateway envoy-config k8s-config test test-deps bench bench-deps lint clean
+.PHONY: venv run gateway envoy-config k8s-config test test-deps bench bench-deps bench-instructions lint clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -54,6 +54,11 @@ test-deps:
 bench: venv bench-deps
 	$(BIN)/python -m bench.run
 	$(BIN)/python -m bench.caps
+
+# Instructions per call under callgrind: steady on a shared machine, where CPU per call is not.
+bench-instructions: venv test-deps
+	@command -v valgrind >/dev/null || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq valgrind >/dev/null; }
+	$(BIN)/python -m bench.instructions
 
 bench-deps: test-deps
 	@if ! command -v h2load >/dev/null; then \

@@ -1,0 +1,197 @@
+"""Instructions per call of the fast path, counted by callgrind: a figure that does not move with
+the load of a shared machine, where CPU per call moves by a quarter between runs.
+
+One process holds the whole sidecar path: recorded HTTP/2 bytes (h2's client, 8 calls per read)
+go into the fast transport's protocol, through the service, the limiter and the backend, and
+the answers come out into a transport that only keeps them. It runs under
+`valgrind --tool=callgrind` twice, replaying the calls once and three times; the difference over
+the extra calls is the cost of a call, start-up excluded. Backends: memory, and Redis (a
+redis-server this script starts and stops by its PID; its own CPU is not counted).
+
+    python -m bench.instructions            # memory and redis, about three minutes
+    python -m bench.instructions --only memory
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+PATH = "/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit"
+CALLS = 1_000
+PER_READ = 8
+RULES = Path(__file__).parent / "rules"
+
+
+def _body() -> bytes:
+    from envoy.service.ratelimit.v3.rls_pb2 import (  # type: ignore[import-untyped]
+        RateLimitRequest,
+    )
+
+    request = RateLimitRequest(domain="bench")
+    entry = request.descriptors.add().entries.add()
+    entry.key, entry.value = "user", "u1"
+    message: bytes = request.SerializeToString()
+    return b"\x00" + len(message).to_bytes(4, "big") + message
+
+
+async def replay(url: str, rounds: int) -> None:
+    """Record CALLS calls once with a live h2 client, then replay their bytes `rounds` times,
+    each on a new connection, waiting for every answer of a read before the next read."""
+    import h2.config
+    import h2.connection
+    import h2.events
+
+    from sidecar import config
+    from sidecar.limiter import Limiter
+    from sidecar.rls.fast import FastServer
+    from sidecar.rls.h2.server import _Protocol
+    from sidecar.rls.service import RateLimitService
+    from sidecar.storage import open_backend
+
+    class Transport(asyncio.Transport):
+        """Keeps what the server writes, and tells when no call is left in flight."""
+
+        def __init__(self, client: Any = None) -> None:
+            super().__init__()
+            self.client = client
+            self.protocol: Any = None
+            self.idle: asyncio.Event | None = None
+
+        def write(self, data: Any) -> None:
+            if self.client is not None:
+                for event in self.client.receive_data(bytes(data)):
+                    if isinstance(event, h2.events.DataReceived):
+                        self.client.acknowledge_received_data(
+                            event.flow_controlled_length, event.stream_id
+                        )
+            if self.idle is not None and not self.protocol.conn.calls:
+                self.idle.set()
+
+        def is_closing(self) -> bool:
+            return False
+
+        def close(self) -> None:
+            pass
+
+    backend = open_backend(url, 1_000)
+    service = RateLimitService(Limiter(config.load([str(RULES)]), backend))
+    fast = FastServer(service, "127.0.0.1:0")
+    await fast.set_serving(True)
+    server: Any = fast._server
+
+    async def feed(transport: Transport, protocol: Any, data: bytes) -> None:
+        transport.idle = asyncio.Event()
+        protocol.data_received(data)
+        if protocol.conn.calls:
+            await transport.idle.wait()
+        transport.idle = None
+
+    def connect(client: Any = None) -> tuple[Transport, Any]:
+        transport = Transport(client)
+        protocol = _Protocol(server)
+        transport.protocol = protocol
+        protocol.connection_made(transport)
+        return transport, protocol
+
+    body = _body()
+    headers = [
+        (":method", "POST"),
+        (":scheme", "http"),
+        (":path", PATH),
+        (":authority", "sidecar"),
+        ("content-type", "application/grpc"),
+        ("te", "trailers"),
+    ]
+    client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    client.initiate_connection()
+    transport, protocol = connect(client)
+    preface = client.data_to_send()
+    await feed(transport, protocol, preface)
+    reads = []
+    for _ in range(CALLS // PER_READ):
+        for _ in range(PER_READ):
+            stream_id = client.get_next_available_stream_id()
+            client.send_headers(stream_id, headers)
+            client.send_data(stream_id, body, end_stream=True)
+        reads.append(client.data_to_send())
+        await feed(transport, protocol, reads[-1])
+        reads[-1] += client.data_to_send()  # WINDOW_UPDATEs for the answers, as a peer sends
+    for _ in range(rounds):
+        transport, protocol = connect()
+        await feed(transport, protocol, preface)
+        for data in reads:
+            await feed(transport, protocol, data)
+    await backend.close()
+
+
+def _instructions(url: str, rounds: int) -> int:
+    out = subprocess.run(
+        [
+            "valgrind",
+            "--tool=callgrind",
+            "--callgrind-out-file=/dev/null",
+            sys.executable,
+            "-m",
+            "bench.instructions",
+            "--replay",
+            url,
+            "--rounds",
+            str(rounds),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=Path(__file__).parent.parent,
+    )
+    found = re.search(r"Collected : (\d+)", out.stderr)
+    if found is None:
+        raise RuntimeError(f"no callgrind total in:\n{out.stderr[-2000:]}")
+    return int(found.group(1))
+
+
+def per_call(url: str) -> int:
+    """Instructions per call: (3 rounds - 1 round) / (2 × CALLS)."""
+    return (_instructions(url, 3) - _instructions(url, 1)) // (2 * CALLS)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(prog="bench.instructions", description=__doc__.split("\n")[0])
+    parser.add_argument("--only", choices=("memory", "redis"), action="append")
+    parser.add_argument("--replay", help=argparse.SUPPRESS)
+    parser.add_argument("--rounds", type=int, default=1, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.replay:
+        asyncio.run(replay(args.replay, args.rounds))
+        return 0
+    if shutil.which("valgrind") is None:
+        print("bench.instructions: valgrind is not installed (apt-get install valgrind)")
+        return 1
+    from bench.services import start_redis
+
+    print(f"instructions per call (callgrind; {CALLS:,} calls, {PER_READ} per read, in-process)")
+    for name in args.only or ("memory", "redis"):
+        if name == "memory":
+            print(f"  fast transport, memory: {per_call('memory://'):>9,}", flush=True)
+            continue
+        with tempfile.TemporaryDirectory() as logs:
+            redis = start_redis(Path(logs))
+            try:
+                count = per_call(redis.placeholders["redis_url"])
+            finally:
+                redis.stop()
+        print(f"  fast transport, redis:  {count:>9,}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONHASHSEED", "0")
+    sys.exit(main())
