@@ -55,7 +55,7 @@ class Calls:
         if outer is not None:
             _leave_task(loop, outer)
         try:
-            call.resume()
+            call.run_first()
         finally:
             if outer is not None:
                 _enter_task(loop, outer)
@@ -134,29 +134,31 @@ class Call:
 
     # --- driving -------------------------------------------------------------------------------
 
+    def run_first(self) -> None:
+        """The first step, in the call's context."""
+        self._context.run(self.step)
+
     def _finish(self) -> None:
         self.done = True
         self._calls.finished(self)
 
-    def _wake(self, future: asyncio.Future[Any]) -> None:
-        self._waiting = None
-        try:
-            value = future.result()
-        except BaseException as exc:  # handed to the coroutine, as a Task does
-            self._context.run(self.step, None, exc)
-        else:
-            self._context.run(self.step, value, None)
-
-    def resume(self) -> None:
-        """Step on with nothing sent in, in the call's context."""
-        self._context.run(self.step, None, None)
-
-    def step(self, value: Any, error: BaseException | None) -> None:
-        """Send `value` (or throw `error`) into the coroutine and wait on what it awaits next."""
-        loop = self._loop
+    def step(
+        self, future: asyncio.Future[Any] | None = None, error: BaseException | None = None
+    ) -> None:
+        """Send the result of `future` (or throw its exception, or `error`) into the coroutine,
+        and wait on what it awaits next. Run in the call's context: the loop runs it there as
+        the done callback and the bare-yield callback it is registered as."""
+        value = None
+        if future is not None:
+            self._waiting = None
+            try:
+                value = future.result()
+            except BaseException as exc:  # handed to the coroutine, as a Task does
+                error = exc
         if self._cancel_requested:
             self._cancel_requested = False
             error = asyncio.CancelledError()
+        loop = self._loop
         _enter(loop, self)
         try:
             awaited = self._coro.send(value) if error is None else self._coro.throw(error)
@@ -173,15 +175,14 @@ class Call:
         finally:
             _leave(loop, self)
         if awaited is None:
-            loop.call_soon(self.resume)  # a bare yield: one turn of the loop
+            loop.call_soon(self.step, context=self._context)  # a bare yield: one turn
             return
-        blocking = getattr(awaited, "_asyncio_future_blocking", None)
-        if blocking:
+        if getattr(awaited, "_asyncio_future_blocking", None):
             awaited._asyncio_future_blocking = False
             self._waiting = awaited
-            awaited.add_done_callback(self._wake)
+            awaited.add_done_callback(self.step, context=self._context)
             if self._cancel_requested and awaited.cancel():
                 self._cancel_requested = False
             return
         problem = RuntimeError(f"a call awaited something that is not a future: {awaited!r}")
-        loop.call_soon(self._context.run, self.step, None, problem)
+        loop.call_soon(self.step, None, problem, context=self._context)
