@@ -44,7 +44,7 @@ class Calls:
     def start(self, coro: Coroutine[Any, Any, None]) -> Call:
         """Run `coro` until it first waits, now; it goes on as what it awaits completes.
 
-        The call steps in its own context copy, the one current now.
+        The call steps in its own copy of the context current now.
         """
         call = Call(coro, self)
         self.running.add(call)
