@@ -71,12 +71,12 @@ class Calls:
 
     def idle(self) -> asyncio.Future[None]:
         """A future done once no call is running (done already when none is)."""
+        if not self.running:
+            done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            done.set_result(None)
+            return done
         if self._idle is None:
             self._idle = asyncio.get_running_loop().create_future()
-            if not self.running:
-                self._idle.set_result(None)
-                idle, self._idle = self._idle, None
-                return idle
         return self._idle
 
     def cancel_all(self) -> None:

@@ -266,16 +266,13 @@ class Connection(Streams):
         length = head.content_length
         if length is not None and stream.received > length:
             raise H2StreamError(stream_id, ErrorCode.PROTOCOL_ERROR, "body over content-length")
-        if flags & frames.END_STREAM and not stream.size and head.rejection is None:
-            # The usual request: its whole body in one frame, used as it is.
-            if stream.received > PREFIX_SIZE + MAX_MESSAGE_BYTES:
-                self._answer_early(stream, "request message larger than the limit")
-                return
-            self._end_request(stream, data)
-            return
         if head.rejection is None:
             if stream.received > PREFIX_SIZE + MAX_MESSAGE_BYTES:
                 self._answer_early(stream, "request message larger than the limit")
+                return
+            if flags & frames.END_STREAM and not stream.size:
+                # The usual request: its whole body in one frame, used as it is.
+                self._end_request(stream, data)
                 return
             if self.buffered + len(data) > self.limits.max_buffered_bytes:
                 self._answer_early(stream, "too many request bytes buffered on this connection")

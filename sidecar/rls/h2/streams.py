@@ -123,7 +123,9 @@ class Streams:
             and not stream.receiving
         ):
             # The usual answer: it fits the windows and ends a request already complete, so
-            # its three frames leave together and the stream closes. `answer` does the rest.
+            # its three frames leave together and the stream closes. `answer` does the rest. This
+            # mirrors its path for an answer that fits, inline: the calls it saves are a twentieth
+            # of the state machine's instructions per call.
             self.send_window -= size
             stream.send_window -= size
             stream_id = stream.id
