@@ -51,6 +51,7 @@ async def replay(url: str, rounds: int) -> None:
     import h2.events
 
     from sidecar import config
+    from sidecar.app import Options
     from sidecar.limiter import Limiter
     from sidecar.rls.fast import FastServer
     from sidecar.rls.h2.server import _Protocol
@@ -83,7 +84,9 @@ async def replay(url: str, rounds: int) -> None:
             pass
 
     backend = open_backend(url, 1_000)
-    service = RateLimitService(Limiter(config.load([str(RULES)]), backend))
+    # The limiter as `serve` builds it by default: the over-limit cache on.
+    cache = Options(config=[]).over_limit_cache
+    service = RateLimitService(Limiter(config.load([str(RULES)]), backend, over_limit_cache=cache))
     fast = FastServer(service, "127.0.0.1:0")
     await fast.set_serving(True)
     server: Any = fast._server

@@ -18,7 +18,7 @@ import structlog
 from sidecar.algorithms import fixed_window
 from sidecar.config import Rules
 from sidecar.errors import InvalidRequest, StorageError
-from sidecar.model import Code, Decision, DescriptorStatus, Hit, Request, Role
+from sidecar.model import Code, Decision, DescriptorStatus, Hit, Outcome, Request, Role
 from sidecar.over_limit_cache import OverLimitCache
 from sidecar.plan import Counted, Plan, prepare
 from sidecar.stats import Stats
@@ -46,6 +46,18 @@ class Settings:
     failure_mode: FailureMode = "allow"
 
 
+#: What `Limiter._begin` hands on when the store must be asked: the statuses so far, the
+#: (over, role) of descriptors judged without the store, the counted descriptors with the
+#: position of their first hit, the hits, and the time.
+_Begun = tuple[
+    list[DescriptorStatus],
+    list[tuple[bool, Role]],
+    Sequence[tuple[Counted, int]],
+    list[Hit],
+    int,
+]
+
+
 class Limiter:
     def __init__(
         self,
@@ -63,6 +75,10 @@ class Limiter:
         self.stats = stats or Stats()
         self._clock = clock
         self._backend_failing = False
+        #: A request that ends OVER_LIMIT adds nothing (`--rejected-hits skip`, not in shadow).
+        self._all_or_nothing = (
+            self.settings.rejected_hits == "skip" and not self.settings.shadow_mode
+        )
         #: Plain windows known to be over, answered without the backend (None: off).
         self.over_limit_cache = (
             OverLimitCache(over_limit_cache)
@@ -86,6 +102,53 @@ class Limiter:
 
     async def decide(self, plan: Plan) -> Decision:
         """Decide a prepared request (prepared against `self.rules`: see `prepare`)."""
+        begun = self._begin(plan)
+        if isinstance(begun, Decision):
+            return begun
+        statuses, judged, counted, hits, now_ms = begun
+        try:
+            outcomes = await self.backend.apply(hits, self._all_or_nothing, now_ms)
+        except StorageError as exc:
+            return self._on_backend_failure(exc, statuses, counted, hits, judged, now_ms)
+        return self._finish(plan, statuses, judged, counted, hits, now_ms, outcomes)
+
+    @property
+    def answers_then(self) -> bool:
+        """Whether `decide_then` runs without a coroutine (the backend has `apply_then`)."""
+        return hasattr(self.backend, "apply_then")
+
+    def decide_then(self, plan: Plan, done: Callable[[Decision | Exception], None]) -> None:
+        """`decide` through a callback, for a backend with `apply_then` (see `answers_then`):
+        `done` gets the decision, or the exception `decide` would raise once the store has
+        answered (a bug), at once when no store call is needed, else when the store answers.
+        What goes wrong before that is raised here."""
+        begun = self._begin(plan)
+        if isinstance(begun, Decision):
+            done(begun)
+            return
+        statuses, judged, counted, hits, now_ms = begun
+
+        def applied(outcomes: list[Outcome] | Exception) -> None:
+            decision: Decision | Exception
+            try:
+                if type(outcomes) is list:
+                    decision = self._finish(plan, statuses, judged, counted, hits, now_ms, outcomes)
+                elif isinstance(outcomes, StorageError):
+                    decision = self._on_backend_failure(
+                        outcomes, statuses, counted, hits, judged, now_ms
+                    )
+                else:
+                    decision = outcomes  # type: ignore[assignment]
+            except Exception as exc:
+                decision = exc
+            done(decision)
+
+        self.backend.apply_then(  # type: ignore[attr-defined]
+            hits, self._all_or_nothing, now_ms, applied
+        )
+
+    def _begin(self, plan: Plan) -> Decision | _Begun:
+        """The decision when no store call is needed, else what to ask the store (`_Begun`)."""
         stats = self.stats
         stats.total_requests += 1
         if not plan.known_domain:
@@ -117,17 +180,24 @@ class Limiter:
                 hits += windows
             if not hits:
                 return self._overall(judged, statuses)
+        return statuses, judged, counted, hits, now_ms
 
-        settings = self.settings
-        all_or_nothing = settings.rejected_hits == "skip" and not settings.shadow_mode
-        try:
-            outcomes = await self.backend.apply(hits, all_or_nothing, now_ms)
-        except StorageError as exc:
-            return self._on_backend_failure(exc, statuses, counted, hits, judged, now_ms)
+    def _finish(
+        self,
+        plan: Plan,
+        statuses: list[DescriptorStatus],
+        judged: list[tuple[bool, Role]],
+        counted: Sequence[tuple[Counted, int]],
+        hits: list[Hit],
+        now_ms: int,
+        outcomes: list[Outcome],
+    ) -> Decision:
+        """The decision once the store has answered `outcomes` for `hits`."""
         if self._backend_failing:
             self._backend_failing = False
             log.info("backend_recovered", backend=self.backend.name)
-
+        stats = self.stats
+        cache = self.over_limit_cache if self.settings.rejected_hits == "count" else None
         any_over = False
         for item, first in counted:
             found = item.match

@@ -18,6 +18,7 @@ from sidecars import NOW, Clock, client, request, running_app, serve_process, wr
 
 from sidecar.app import TRANSPORTS
 from sidecar.model import Hit, Outcome
+from sidecar.storage.base import Applied
 from sidecar.storage.memory import MemoryBackend
 
 OK = RateLimitResponse.OK
@@ -199,7 +200,8 @@ async def test_an_absurd_hits_addend_is_invalid_argument(rules: Path, transport:
 
 
 class _BrokenOnce(MemoryBackend):
-    """A backend with a bug: its first apply raises something no layer expects."""
+    """A backend with a bug: its first apply raises something no layer expects (through a
+    coroutine or a callback, whichever the transport calls)."""
 
     def __init__(self, clock: Clock) -> None:
         super().__init__()
@@ -210,6 +212,14 @@ class _BrokenOnce(MemoryBackend):
             self.broken = False
             raise ZeroDivisionError("a bug")
         return await super().apply(hits, all_or_nothing, now_ms)
+
+    def apply_then(
+        self, hits: Sequence[Hit], all_or_nothing: bool, now_ms: int, done: Applied
+    ) -> None:
+        if self.broken:
+            self.broken = False
+            raise ZeroDivisionError("a bug")
+        super().apply_then(hits, all_or_nothing, now_ms, done)
 
 
 async def test_an_unexpected_error_is_internal_and_the_server_goes_on(
@@ -282,17 +292,29 @@ async def test_many_concurrent_calls_on_one_channel_are_all_answered(
 
 
 class _Gate(MemoryBackend):
-    """A backend that holds every apply until the test opens the gate."""
+    """A backend that holds every apply until the test opens the gate (through a coroutine or a
+    callback, whichever the transport calls)."""
 
     def __init__(self, clock: Clock) -> None:
         super().__init__()
         self.gate = asyncio.Event()
         self.waiting = 0
+        self.held: set[asyncio.Task[bool]] = set()
 
     async def apply(self, hits: Sequence[Hit], all_or_nothing: bool, now_ms: int) -> list[Outcome]:
         self.waiting += 1
         await self.gate.wait()
         return await super().apply(hits, all_or_nothing, now_ms)
+
+    def apply_then(
+        self, hits: Sequence[Hit], all_or_nothing: bool, now_ms: int, done: Applied
+    ) -> None:
+        self.waiting += 1
+        held = asyncio.ensure_future(self.gate.wait())
+        self.held.add(held)
+        held.add_done_callback(
+            lambda _: MemoryBackend.apply_then(self, hits, all_or_nothing, now_ms, done)
+        )
 
 
 async def test_stopping_lets_calls_in_flight_finish_and_refuses_new_ones(

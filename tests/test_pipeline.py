@@ -297,3 +297,131 @@ async def test_a_hung_server_drops_the_connection_and_recovers(
     finally:
         restartable_redis.resume()
         await backend.close()
+
+
+class Answers:
+    """Collects what `call_packed` hands its callbacks, and when each came."""
+
+    def __init__(self) -> None:
+        self.got: list[Any] = []
+        self.at: list[float] = []
+        self.arrived = asyncio.Event()
+
+    def callback(self, outcome: Any) -> None:
+        self.got.append(outcome)
+        self.at.append(asyncio.get_running_loop().time())
+        self.arrived.set()
+
+    async def wait(self, count: int) -> list[Any]:
+        while len(self.got) < count:
+            self.arrived.clear()
+            await asyncio.wait_for(self.arrived.wait(), 5)
+        return self.got
+
+
+def pack(*args: Any) -> bytes:
+    return hiredis.pack_command(args)
+
+
+async def test_call_packed_hands_each_reply_to_its_callback_in_one_write(
+    client: PipelinedRedis,
+) -> None:
+    """Calls through callbacks leave in one write per tick like awaited ones, each callback gets
+    its own reply once, and an error reply arrives as RedisReplyError without disturbing the
+    others."""
+    await connected(client)
+    writes = count_writes(client)
+    answers = Answers()
+    deadline = asyncio.get_running_loop().time() + 1
+    for i in range(50):
+        client.call_packed(pack("ECHO", str(i)), deadline, answers.callback)
+    client.call_packed(pack("NOSUCHCOMMAND"), deadline, answers.callback)
+    client.call_packed(pack("ECHO", "last"), deadline, answers.callback)
+    got = await answers.wait(52)
+    assert got[:50] == [str(i).encode() for i in range(50)]
+    assert isinstance(got[50], RedisReplyError) and "unknown command" in str(got[50])
+    assert got[51] == b"last"
+    assert sum(writes.values()) == 1
+    await asyncio.sleep(0.05)
+    assert len(answers.got) == 52  # nothing twice
+
+
+async def test_call_packed_fails_by_its_deadline_and_later_replies_stay_in_step(
+    client: PipelinedRedis,
+) -> None:
+    """A callback call past its deadline gets DeadlineExceeded then, not the late reply; the
+    next call on the connection gets its own reply."""
+    await connected(client)
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    answers = Answers()
+    client.call_packed(pack("BLPOP", "nothing-here", "0.2"), started + 0.05, answers.callback)
+    got = await answers.wait(1)
+    assert isinstance(got[0], DeadlineExceeded)
+    assert answers.at[0] - started < 0.2
+    client.call_packed(pack("ECHO", "next"), loop.time() + 1, answers.callback)
+    assert (await answers.wait(2))[1] == b"next"
+    await asyncio.sleep(0.25)  # the BLPOP's late reply arrives and is dropped
+    assert len(answers.got) == 2
+
+
+async def test_call_packed_with_no_connection_open_waits_for_one(
+    redis_server: RedisServer,
+) -> None:
+    """The first call of a new client opens a connection and gets its reply (not a failure)."""
+    redis_server.start()
+    fresh = PipelinedRedis("127.0.0.1", redis_server.port, connect_timeout=1.0)
+    try:
+        answers = Answers()
+        deadline = asyncio.get_running_loop().time() + 1
+        fresh.call_packed(pack("ECHO", "first"), deadline, answers.callback)
+        fresh.call_packed(pack("ECHO", "second"), deadline, answers.callback)
+        assert await answers.wait(2) == [b"first", b"second"]
+    finally:
+        await fresh.close()
+
+
+async def test_call_packed_fails_when_the_server_is_gone_or_the_client_closes(
+    restartable_redis: RedisServer,
+) -> None:
+    """A lost connection hands ConnectionLost to the calls it carried, a call with no server to
+    reach gets ConnectionLost at once, and closing the client ends a call still waiting for a
+    connection."""
+    client = PipelinedRedis("127.0.0.1", restartable_redis.port, connect_timeout=1.0)
+    loop = asyncio.get_running_loop()
+    try:
+        await connected(client)
+        answers = Answers()
+        client.call_packed(pack("BLPOP", "nothing-here", "5"), loop.time() + 5, answers.callback)
+        await asyncio.sleep(0.05)
+        restartable_redis.stop()
+        assert isinstance((await answers.wait(1))[0], ConnectionLost)
+        started = loop.time()
+        client.call_packed(pack("PING"), loop.time() + 5, answers.callback)
+        assert isinstance((await answers.wait(2))[1], ConnectionLost)
+        assert answers.at[1] - started < 0.5
+        restartable_redis.start()
+        await asyncio.sleep(0.15)  # past the reconnect back-off
+        client.call_packed(pack("PING"), loop.time() + 5, answers.callback)
+        await client.close()  # before the new connection is open
+        assert isinstance((await answers.wait(3))[2], ConnectionLost)
+    finally:
+        await client.close()
+
+
+async def test_a_failing_callback_does_not_disturb_the_other_calls(
+    client: PipelinedRedis,
+) -> None:
+    """A callback that raises is logged; the calls behind it on the connection get their replies."""
+    await connected(client)
+    answers = Answers()
+
+    def broken(outcome: Any) -> None:
+        raise ZeroDivisionError("a bug in a callback")
+
+    deadline = asyncio.get_running_loop().time() + 1
+    client.call_packed(pack("ECHO", "a"), deadline, answers.callback)
+    client.call_packed(pack("ECHO", "b"), deadline, broken)
+    client.call_packed(pack("ECHO", "c"), deadline, answers.callback)
+    assert await answers.wait(2) == [b"a", b"c"]
+    assert await client.execute("ECHO", "d") == b"d"

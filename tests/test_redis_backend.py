@@ -12,6 +12,7 @@ import socket
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import replace
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -81,26 +82,52 @@ async def reference(requests: Sequence[Request]) -> list[list[Outcome]]:
         await memory.close()
 
 
+class Callbacks:
+    """A backend's callback form, `apply_then` (the fast transport's path), seen as `apply`, so
+    that the same tests hold it to the same outcomes and failures."""
+
+    def __init__(self, backend: Any) -> None:
+        self.backend = backend
+        self.name = backend.name
+
+    async def apply(self, hits: Sequence[Hit], all_or_nothing: bool, now_ms: int) -> list[Outcome]:
+        future: asyncio.Future[list[Outcome] | Exception] = (
+            asyncio.get_running_loop().create_future()
+        )
+        self.backend.apply_then(hits, all_or_nothing, now_ms, future.set_result)
+        result = await future
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.backend, name)
+
+
 @pytest.fixture(
     params=[
         pytest.param("memory"),
         pytest.param("redis", marks=pytest.mark.redis),
         pytest.param("cluster", marks=pytest.mark.cluster),
+        pytest.param("memory-callbacks"),
+        pytest.param("redis-callbacks", marks=pytest.mark.redis),
     ]
 )
 def backend_url(request: pytest.FixtureRequest) -> str:
-    if request.param == "memory":
-        return "memory://"
-    fixture = "redis_url" if request.param == "redis" else "cluster_url"
-    url: str = request.getfixturevalue(fixture)
-    return url
+    kind, _, form = request.param.partition("-")
+    if kind == "memory":
+        url = "memory://"
+    else:
+        url = request.getfixturevalue("redis_url" if kind == "redis" else "cluster_url")
+    return f"{url}#{form}" if form else url
 
 
 @pytest.fixture
 async def backend(backend_url: str) -> AsyncIterator[Backend]:
-    backend = open_backend(backend_url, timeout_ms=TIMEOUT_MS)
-    yield backend
-    await backend.close()
+    url, _, form = backend_url.partition("#")
+    opened = open_backend(url, timeout_ms=TIMEOUT_MS)
+    yield Callbacks(opened) if form else opened
+    await opened.close()
 
 
 @pytest.fixture(
@@ -391,6 +418,26 @@ async def test_script_cache_loss_is_recovered(
     assert any(cached)
 
 
+@pytest.mark.redis
+async def test_script_cache_loss_is_recovered_through_callbacks(
+    redis_url: str, redis_server: RedisServer
+) -> None:
+    """`apply_then` after SCRIPT FLUSH: the EVALSHA's NOSCRIPT is answered by EVAL, by the same
+    deadline, and the outcome is the one `apply` gives."""
+    backend = RedisBackend.from_url(redis_url, timeout_ms=TIMEOUT_MS)
+    through = Callbacks(backend)
+    try:
+        hits = request(hit(A, 1, 10), hit(B, 1, 10))
+        assert await through.apply(hits, False, NOW_MS) == [outcome(False, 9, True, 10)] * 2
+        with redis_server.client() as client:
+            client.script_flush()
+        assert await through.apply(hits, False, NOW_MS) == [outcome(False, 8, True, 9)] * 2
+        with redis_server.client() as client:
+            assert client.script_exists(_SHA) == [True]
+    finally:
+        await backend.close()
+
+
 @pytest.mark.cluster
 async def test_cluster_rejection_across_slots_writes_nothing(
     redis_cluster: RedisCluster, cluster_url: str
@@ -475,6 +522,29 @@ async def test_stopped_redis_fails_in_time_and_recovers(restartable_redis: Redis
         assert await backend.apply([hit(A, 1, 10)], False, NOW_MS) == [outcome(False, 9, True, 10)]
         assert await backend.ping() is True
     finally:
+        await backend.close()
+
+
+@pytest.mark.redis
+async def test_stopped_or_paused_redis_fails_through_callbacks_in_time(
+    restartable_redis: RedisServer,
+) -> None:
+    """`apply_then` hands its callback a StorageError by the deadline while Redis is stopped or
+    frozen, and the outcome again once Redis is back."""
+    backend = RedisBackend.from_url(restartable_redis.url, timeout_ms=RECOVERY_DEADLINE_MS)
+    through: Any = Callbacks(backend)
+    try:
+        assert await through.apply([hit(A, 1, 10)], False, NOW_MS) == [outcome(False, 9, True, 10)]
+        restartable_redis.pause()
+        await expect_storage_error(through, RECOVERY_DEADLINE_MS)
+        restartable_redis.resume()
+        await asyncio.to_thread(restartable_redis.stop)
+        await expect_storage_error(through, RECOVERY_DEADLINE_MS)
+        await asyncio.to_thread(restartable_redis.start)
+        assert await answers_within(backend, 1.0)
+        assert await through.apply([hit(A, 1, 10)], False, NOW_MS) == [outcome(False, 9, True, 10)]
+    finally:
+        restartable_redis.resume()
         await backend.close()
 
 

@@ -22,7 +22,7 @@ from sidecar.errors import InvalidRequest, StorageError, UnknownDomain
 from sidecar.metrics import Latency
 from sidecar.rls import frequency
 from sidecar.rls.h2.server import H2Server
-from sidecar.rls.h2.unary import CallError, Method, Status
+from sidecar.rls.h2.unary import Answer, CallbackMethod, CallError, Method, Status
 from sidecar.rls.server import HEALTH_SERVICE_NAME, METHOD
 from sidecar.rls.service import RateLimitService
 
@@ -59,7 +59,13 @@ class FastServer:
         self._health: dict[str, bytes] = {"": _NOT_SERVING, HEALTH_SERVICE_NAME: _NOT_SERVING}
         self._stopping = False
         self._logged_errors: set[type[BaseException]] = set()
-        methods: dict[str, Method] = {METHOD: self._should_rate_limit, HEALTH_CHECK: self._check}
+        methods: dict[str, Method | CallbackMethod] = {
+            # Through a callback when the backend answers so (memory, Redis): the hot path.
+            METHOD: CallbackMethod(self._should_rate_limit_then)
+            if service.limiter.answers_then
+            else self._should_rate_limit,
+            HEALTH_CHECK: self._check,
+        }
         if frequency_service is not None:
             methods[frequency.CHECK_ADS] = self._frequency_call(
                 frequency.CHECK_ADS, frequency_service.check_ads
@@ -90,13 +96,30 @@ class FastServer:
         started = time.perf_counter()
         try:
             return await self.service.should_rate_limit(request)
-        except InvalidRequest as exc:
-            raise CallError(Status.INVALID_ARGUMENT, str(exc)) from exc
         except Exception as exc:
-            self.service.stats.service_error += 1
-            raise self._internal(METHOD, exc) from exc
+            raise self._should_rate_limit_error(exc) from exc
         finally:
             self.latency.observe(time.perf_counter() - started)
+
+    def _should_rate_limit_then(self, request: bytes, answer: Answer) -> None:
+        """`_should_rate_limit` for a limiter that answers through a callback."""
+        started = time.perf_counter()
+
+        def done(result: bytes | Exception) -> None:
+            self.latency.observe(time.perf_counter() - started)
+            answer(result if isinstance(result, bytes) else self._should_rate_limit_error(result))
+
+        try:
+            self.service.should_rate_limit_then(request, done)
+        except Exception as exc:  # the server ignores this answer if `done` has answered
+            done(exc)
+
+    def _should_rate_limit_error(self, exc: Exception) -> CallError:
+        """The status for what ShouldRateLimit raised: INVALID_ARGUMENT, else a bug (INTERNAL)."""
+        if isinstance(exc, InvalidRequest):
+            return CallError(Status.INVALID_ARGUMENT, str(exc))
+        self.service.stats.service_error += 1
+        return self._internal(METHOD, exc)
 
     def _frequency_call(self, path: str, call: Callable[[bytes], Awaitable[bytes]]) -> Method:
         async def handle(request: bytes) -> bytes:
@@ -118,7 +141,7 @@ class FastServer:
         kind = type(exc)
         if kind not in self._logged_errors:
             self._logged_errors.add(kind)
-            log.exception("unexpected_error", method=path, error=repr(exc))
+            log.error("unexpected_error", method=path, error=repr(exc), exc_info=exc)
         return CallError(Status.INTERNAL, f"internal error: {kind.__name__}: {exc}")
 
     async def _check(self, request: bytes) -> bytes:

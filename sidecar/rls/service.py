@@ -8,6 +8,7 @@ transport reports as INVALID_ARGUMENT and the HTTP `/json` endpoint as 400.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 
 from envoy.service.ratelimit.v3.rls_pb2 import (  # type: ignore[import-untyped]
     RateLimitRequest,
@@ -17,7 +18,7 @@ from google.protobuf.message import DecodeError  # type: ignore[import-untyped]
 
 from sidecar.errors import InvalidRequest
 from sidecar.limiter import Limiter
-from sidecar.model import Code, Request
+from sidecar.model import Code, Decision, Request
 from sidecar.plan import Plan
 from sidecar.rls import convert
 from sidecar.stats import Stats
@@ -49,6 +50,31 @@ class RateLimitService:
             plan = self._prepare(body)
         decision = await limiter.decide(plan)
         return convert.response_bytes(decision)
+
+    def should_rate_limit_then(
+        self, body: bytes, done: Callable[[bytes | Exception], None]
+    ) -> None:
+        """`should_rate_limit` through a callback, when `limiter.answers_then`: `done` gets the
+        serialized response, or what `should_rate_limit` raises once the store has answered (a
+        bug). What goes wrong before that (InvalidRequest for a request that breaks the
+        protocol) is raised here."""
+        limiter = self.limiter
+        plan = self._plans.get(body)
+        if plan is None or plan.rules is not limiter.rules:
+            plan = self._prepare(body)
+
+        def decided(decision: Decision | Exception) -> None:
+            if isinstance(decision, Exception):
+                done(decision)
+                return
+            try:
+                response = convert.response_bytes(decision)
+            except Exception as exc:
+                done(exc)
+                return
+            done(response)
+
+        limiter.decide_then(plan, decided)
 
     def _prepare(self, body: bytes) -> Plan:
         try:

@@ -6,7 +6,7 @@ Backend URLs: ``memory://`` (the default), ``redis://[user:password@]host:port[/
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 from urllib.parse import urlsplit
 
@@ -51,6 +51,27 @@ class Backend(Protocol):
         ...
 
     async def close(self) -> None: ...
+
+
+#: What `apply_then` hands its callback: the outcomes, or the exception the call ended with
+#: (StorageError when the store failed; anything else is a bug).
+Applied = Callable[[list[Outcome] | Exception], None]
+
+
+class AppliesThen(Protocol):
+    """A backend that can also answer `apply` through a callback: the hot path's form.
+
+    `apply_then` does what `apply` does and calls `done` exactly once with what `apply` would
+    return or raise: at once when the answer is known at once (memory), else from the event
+    loop when the store answers (Redis: from the connection's `data_received`). No coroutine,
+    task or future is made for it, which is most of what a call costs in Python once the
+    store's own work is small. Backends without it (the cluster's MOVED and ASK handling is a
+    coroutine) are called through `apply`.
+    """
+
+    def apply_then(
+        self, hits: Sequence[Hit], all_or_nothing: bool, now_ms: int, done: Applied
+    ) -> None: ...
 
 
 def open_backend(url: str, timeout_ms: int = 50) -> Backend:

@@ -20,6 +20,7 @@ from sidecar.algorithms import fixed_window
 from sidecar.algorithms.decide import Address, State, decide
 from sidecar.algorithms.windows import FIELD_GRACE
 from sidecar.model import Dedupe, Hit, Outcome, Role
+from sidecar.storage.base import Applied
 
 
 class MemoryBackend:
@@ -43,6 +44,22 @@ class MemoryBackend:
 
     async def apply(
         self, hits: Sequence[Hit], all_or_nothing: bool, now_ms: int, read_only: bool = False
+    ) -> list[Outcome]:
+        return self._apply(hits, all_or_nothing, now_ms, read_only)
+
+    def apply_then(
+        self, hits: Sequence[Hit], all_or_nothing: bool, now_ms: int, done: Applied
+    ) -> None:
+        """`apply`, answered at once through `done` (see `AppliesThen`)."""
+        try:
+            outcomes = self._apply(hits, all_or_nothing, now_ms, False)
+        except Exception as exc:  # a bug: answered as one, as an exception out of `apply` is
+            done(exc)
+            return
+        done(outcomes)
+
+    def _apply(
+        self, hits: Sequence[Hit], all_or_nothing: bool, now_ms: int, read_only: bool
     ) -> list[Outcome]:
         self._evict(now_ms)
         if len(hits) == 1 and not read_only and hits[0].window.plain:

@@ -5,7 +5,8 @@ redis-py spends more CPU per call than the whole decision (a connection checked 
 call, commands packed in Python, a task per call in places). Here a call packs its command with
 hiredis's C packer, appends it to the tick's buffer and waits on a future; the buffer is written
 once at the end of the tick, and `data_received` feeds hiredis's reader and resolves the futures
-first in, first out. No task is created per call.
+first in, first out. No task is created per call. `call_packed` goes one step further for the
+hot path: no future and no coroutine, the reply is handed to a callback from `data_received`.
 
 A client keeps a few connections to its server and gives each tick to the next one in turn (see
 `PipelinedRedis`). A call has a deadline: its own (`deadline=`, in the event loop's time), or
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import heapq
 import itertools
 import ssl
@@ -34,12 +36,15 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import hiredis
+import structlog
 
 #: After a failed connection attempt, calls fail at once for this long before the next attempt.
 RECONNECT_BACKOFF = 0.1
 
 #: Connections per server, unless told otherwise.
 CONNECTIONS = 2
+
+log = structlog.get_logger("sidecar.storage.pipeline")
 
 
 class RedisReplyError(Exception):
@@ -54,10 +59,55 @@ class DeadlineExceeded(TimeoutError):
     """No reply came before the call's deadline."""
 
 
+class Reply:
+    """What a `call_packed` call waits on: it takes a future's place in a connection's queue and
+    deadline heap, and hands the outcome to its callback at once, where a future would schedule
+    its callbacks for the next turn of the loop. The callback runs exactly once: with the reply,
+    or with the exception that ended the call (RedisReplyError for an error reply,
+    DeadlineExceeded, ConnectionLost)."""
+
+    __slots__ = ("_callback", "_done")
+
+    def __init__(self, callback: Callable[[Any], None]) -> None:
+        self._callback = callback
+        self._done = False
+
+    def done(self) -> bool:
+        return self._done
+
+    def set_result(self, reply: Any) -> None:
+        self._settle(
+            RedisReplyError(str(reply)) if isinstance(reply, hiredis.ReplyError) else reply
+        )
+
+    def set_exception(self, exc: BaseException) -> None:
+        self._settle(exc)
+
+    def _settle(self, outcome: Any) -> None:
+        if self._done:
+            return
+        self._done = True
+        # Let go of the callback (and all it holds): a done entry may wait in the deadline heap
+        # until its deadline comes up.
+        callback, self._callback = self._callback, _settled
+        try:
+            callback(outcome)
+        except Exception as exc:  # a bug in the callback: the connection's other calls go on
+            log.exception("redis_callback_failed", error=repr(exc))
+
+
+def _settled(outcome: Any) -> None:
+    """A settled Reply's callback: never called."""
+
+
+#: What waits for a reply in a connection's queue: a future, or a `Reply` for `call_packed`.
+Waiter = asyncio.Future[Any] | Reply
+
+
 class _Protocol(asyncio.Protocol):
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
-        self.waiters: collections.deque[asyncio.Future[Any]] = collections.deque()
+        self.waiters: collections.deque[Waiter] = collections.deque()
         self.reader = hiredis.Reader()
         self.last_reply = time.monotonic()
         self.lost: Exception | None = None
@@ -66,7 +116,7 @@ class _Protocol(asyncio.Protocol):
         self.flush_scheduled = False
         # (deadline, order, future) of the calls with a deadline of their own, and the timer
         # set for the earliest; entries whose future is done are dropped when they come up.
-        self.deadlines: list[tuple[float, int, asyncio.Future[Any]]] = []
+        self.deadlines: list[tuple[float, int, Waiter]] = []
         self.timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -148,6 +198,8 @@ class PipelinedRedis:
         self._tick: _Protocol | None = None
         self._failed_at = -RECONNECT_BACKOFF
         self._order = itertools.count()
+        # Calls of `call_packed` waiting for a connection (kept: the loop holds tasks weakly).
+        self._waiting: set[asyncio.Task[None]] = set()
 
     async def execute(self, *args: Any, deadline: float | None = None) -> Any:
         """Send one command and wait for its reply; error replies raise RedisReplyError.
@@ -174,6 +226,44 @@ class PipelinedRedis:
         if isinstance(reply, hiredis.ReplyError):
             raise RedisReplyError(str(reply))
         return reply
+
+    def call_packed(self, packed: bytes, deadline: float, callback: Callable[[Any], None]) -> None:
+        """Send one encoded command (see `execute_packed`) and hand what comes back to
+        `callback`, exactly once: the reply, or the exception that ended the call
+        (RedisReplyError for an error reply, DeadlineExceeded by `deadline`, ConnectionLost).
+
+        No future and no coroutine: the callback runs from the connection's `data_received`
+        (or the deadline's timer, or the connection's loss), so it must be quick and must not
+        block; an exception it raises is logged and does not disturb the other calls. With no
+        connection open, the call waits for one in a task, as `execute_packed` would.
+        """
+        reply = Reply(callback)
+        protocol = self._tick
+        if protocol is None or protocol.lost is not None:
+            protocol = self._pick()
+            if protocol is None:
+                task = asyncio.get_running_loop().create_task(
+                    self._call_when_open(packed, deadline, reply)
+                )
+                self._waiting.add(task)
+                task.add_done_callback(functools.partial(self._call_ended, reply))
+                return
+        self._send(protocol, packed, reply)
+        self._keep_deadline(protocol, deadline, reply)
+
+    async def _call_when_open(self, packed: bytes, deadline: float, reply: Reply) -> None:
+        try:
+            protocol = await self._protocol(deadline)
+        except Exception as exc:
+            reply.set_exception(exc)
+            return
+        self._send(protocol, packed, reply)
+        self._keep_deadline(protocol, deadline, reply)
+
+    def _call_ended(self, reply: Reply, task: asyncio.Task[None]) -> None:
+        self._waiting.discard(task)
+        if task.cancelled():  # by `close`, perhaps before it began: the call ends with the client
+            reply.set_exception(ConnectionLost("client closed"))
 
     async def execute_packed_many(
         self, packed: Sequence[bytes], deadline: float | None = None
@@ -215,9 +305,7 @@ class PipelinedRedis:
         except TimeoutError:
             raise DeadlineExceeded("no connection to redis in time") from None
 
-    def _keep_deadline(
-        self, protocol: _Protocol, deadline: float, future: asyncio.Future[Any]
-    ) -> None:
+    def _keep_deadline(self, protocol: _Protocol, deadline: float, future: Waiter) -> None:
         """Fail `future` at `deadline` unless answered: the connection's heap, and its one timer
         moved earlier when this deadline is the earliest."""
         heapq.heappush(protocol.deadlines, (deadline, next(self._order), future))
@@ -227,7 +315,7 @@ class PipelinedRedis:
                 timer.cancel()
             protocol.timer = asyncio.get_running_loop().call_at(deadline, self._expire, protocol)
 
-    def _send(self, protocol: _Protocol, packed: bytes, future: asyncio.Future[Any]) -> None:
+    def _send(self, protocol: _Protocol, packed: bytes, future: Waiter) -> None:
         protocol.waiters.append(future)
         protocol.buffer.append(packed)
         if not protocol.flush_scheduled:
@@ -363,10 +451,10 @@ class PipelinedRedis:
 
     async def close(self) -> None:
         """Close every connection (waiting calls fail); a later call opens new ones."""
-        opening = [task for task in self._opening if task is not None]
-        for task in opening:
+        tasks = [task for task in self._opening if task is not None] + list(self._waiting)
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*opening, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         # A task cancelled before it started never ran the line that forgets it.
         self._opening = [None] * len(self._opening)
         connections, self._connections = self._connections, [None] * len(self._connections)

@@ -26,6 +26,7 @@ from importlib.resources import files
 from typing import Any, Self
 from urllib.parse import parse_qsl, unquote, urlsplit
 
+import hiredis
 from redis.crc import key_slot
 from redis.exceptions import RedisError
 
@@ -35,6 +36,7 @@ from sidecar.algorithms.token_bucket import Bucket
 from sidecar.algorithms.windows import FIELD_GRACE
 from sidecar.errors import StorageError
 from sidecar.model import Dedupe, Hit, Outcome, Role
+from sidecar.storage.base import Applied
 from sidecar.storage.pipeline import PipelinedRedis, RedisReplyError
 
 _SCRIPT = (files("sidecar.algorithms") / "lua" / "decide.lua").read_text(encoding="utf-8")
@@ -339,6 +341,43 @@ class RedisBackend:
         except Exception as exc:  # every failure, see _failure
             raise _failure(self.name, self._timeout_ms, exc) from exc
         return _outcomes(hits, reply, now_ms)
+
+    def apply_then(
+        self, hits: Sequence[Hit], all_or_nothing: bool, now_ms: int, done: Applied
+    ) -> None:
+        """`apply` through a callback (see `AppliesThen`): the same script call, its reply
+        handed to `done` from the client's `data_received`, with no coroutine or future."""
+        if not hits:
+            done([])
+            return
+        mode = MODE_ALL_OR_NOTHING if all_or_nothing else MODE_ADD
+        deadline = asyncio.get_running_loop().time() + self._timeout
+
+        def replied(reply: Any) -> None:
+            if isinstance(reply, RedisReplyError) and str(reply).startswith("NOSCRIPT"):
+                # The script cache is empty (see _run_pipelined): EVAL, by the same deadline.
+                command = tuple(_eval(_command(hits, mode, now_ms)))
+                self._client.call_packed(
+                    hiredis.pack_command(command),
+                    deadline,
+                    lambda reply: self._applied(hits, now_ms, reply, done),
+                )
+                return
+            self._applied(hits, now_ms, reply, done)
+
+        self._client.call_packed(self._packer.command(hits, mode, now_ms), deadline, replied)
+
+    def _applied(self, hits: Sequence[Hit], now_ms: int, reply: Any, done: Applied) -> None:
+        """Hand `done` the outcomes of a script call's reply, or the failure it ended with."""
+        if isinstance(reply, Exception):
+            done(_failure(self.name, self._timeout_ms, reply))
+            return
+        try:
+            outcomes = _outcomes(hits, reply, now_ms)
+        except Exception as exc:  # a reply of the wrong shape: a bug, not an outage
+            done(exc)
+            return
+        done(outcomes)
 
     async def record(
         self, batches: Sequence[tuple[Sequence[Hit], Dedupe]], now_ms: int

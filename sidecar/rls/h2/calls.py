@@ -35,10 +35,16 @@ _leave: Callable[[asyncio.AbstractEventLoop, Call], None] = _leave_task  # type:
 
 
 class Calls:
-    """The calls running on one event loop, and a way to wait until none is left."""
+    """The calls running on one event loop, and a way to wait until none is left.
+
+    Besides the coroutines it drives (`start`), it counts the calls that answer through a
+    callback (`opened`, `answered`): those cannot be cancelled, and end by their own deadline.
+    """
 
     def __init__(self) -> None:
         self.running: set[Call] = set()
+        #: Calls answering through a callback, not answered yet.
+        self.answering = 0
         self._idle: asyncio.Future[None] | None = None
 
     def start(self, coro: Coroutine[Any, Any, None]) -> Call:
@@ -63,15 +69,29 @@ class Calls:
 
     def finished(self, call: Call) -> None:
         self.running.discard(call)
+        if self._idle is not None:
+            self._check_idle()
+
+    def opened(self) -> None:
+        """A call that answers through a callback has started."""
+        self.answering += 1
+
+    def answered(self) -> None:
+        """A call that answers through a callback has answered."""
+        self.answering -= 1
+        if self._idle is not None:
+            self._check_idle()
+
+    def _check_idle(self) -> None:
         idle = self._idle
-        if not self.running and idle is not None:
+        if idle is not None and not self.running and not self.answering:
             self._idle = None
             if not idle.done():
                 idle.set_result(None)
 
     def idle(self) -> asyncio.Future[None]:
         """A future done once no call is running (done already when none is)."""
-        if not self.running:
+        if not self.running and not self.answering:
             done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             done.set_result(None)
             return done
@@ -80,6 +100,7 @@ class Calls:
         return self._idle
 
     def cancel_all(self) -> None:
+        """Cancel the coroutines; calls answering through a callback end by their deadline."""
         for call in list(self.running):
             call.cancel()
 

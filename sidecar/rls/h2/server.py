@@ -24,7 +24,7 @@ import structlog
 
 from sidecar.rls.h2.calls import Calls
 from sidecar.rls.h2.connection import DEFAULT_LIMITS, Connection, Limits
-from sidecar.rls.h2.unary import CallError, Method, Status
+from sidecar.rls.h2.unary import CallbackMethod, CallError, Method, Status
 
 #: Seconds to wait for the PING ACK between the two GOAWAY frames of a shutdown.
 SHUTDOWN_PING_TIMEOUT = 1.0
@@ -39,7 +39,9 @@ log = structlog.get_logger("sidecar.rls.h2")
 class H2Server:
     """Serves `methods` ({":path": method}) on any number of listening sockets."""
 
-    def __init__(self, methods: Mapping[str, Method], limits: Limits = DEFAULT_LIMITS) -> None:
+    def __init__(
+        self, methods: Mapping[str, Method | CallbackMethod], limits: Limits = DEFAULT_LIMITS
+    ) -> None:
         self.methods = dict(methods)
         self.limits = limits
         self.stopping = False
@@ -212,20 +214,48 @@ class _Protocol(asyncio.Protocol):
         if method is None:
             self.conn.respond_error(stream_id, Status.UNIMPLEMENTED, f"unknown method {path}")
             return
+        if isinstance(method, CallbackMethod):
+            self._call_back(stream_id, path, method, message)
+            return
         self.server.calls.start(self._call(stream_id, path, method, message))
 
     async def _call(self, stream_id: int, path: str, method: Method, message: bytes) -> None:
         try:
             response = await method(message)
-        except CallError as exc:
-            self.conn.respond_error(stream_id, exc.status, exc.message)
         except Exception as exc:
-            log.exception("unexpected_error", method=path, error=repr(exc))
-            self.conn.respond_error(
-                stream_id, Status.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
-            )
+            self._answer(stream_id, path, exc)
         else:
-            self.conn.respond(stream_id, response)
+            self._answer(stream_id, path, response)
+
+    def _call_back(self, stream_id: int, path: str, method: CallbackMethod, message: bytes) -> None:
+        calls = self.server.calls
+        calls.opened()
+        answered = False
+
+        def answer(result: bytes | Exception) -> None:
+            nonlocal answered
+            if answered:
+                return
+            answered = True
+            calls.answered()
+            self._answer(stream_id, path, result)
+
+        try:
+            method.handle(message, answer)
+        except Exception as exc:
+            answer(exc)
+
+    def _answer(self, stream_id: int, path: str, result: bytes | Exception) -> None:
+        """Answer a call with its response, or the status its exception stands for."""
+        if isinstance(result, bytes):
+            self.conn.respond(stream_id, result)
+        elif isinstance(result, CallError):
+            self.conn.respond_error(stream_id, result.status, result.message)
+        else:
+            log.error("unexpected_error", method=path, error=repr(result), exc_info=result)
+            self.conn.respond_error(
+                stream_id, Status.INTERNAL, f"internal error: {type(result).__name__}: {result}"
+            )
         if not self._flush_scheduled:
             self._flush_scheduled = True
             self.loop.call_soon(self._flush)

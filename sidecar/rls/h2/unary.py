@@ -19,6 +19,24 @@ MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 #: by raising CallError.
 Method = Callable[[bytes], Awaitable[bytes]]
 
+#: How a `CallbackMethod` answers: with the response message, or with an exception (CallError
+#: for another status; anything else is a bug, answered INTERNAL).
+Answer = Callable[[bytes | Exception], None]
+
+
+class CallbackMethod:
+    """A method that answers through a callback instead of being awaited, for the hot path: a
+    call then costs no coroutine, task or future of the server's.
+
+    `handle(message, answer)` calls `answer` exactly once, at once or later from the event loop
+    (a second answer is ignored). An exception `handle` raises before it answers is the answer.
+    """
+
+    __slots__ = ("handle",)
+
+    def __init__(self, handle: Callable[[bytes, Answer], None]) -> None:
+        self.handle = handle
+
 
 class Status(enum.IntEnum):
     """gRPC status codes (grpc/doc/statuscodes.md)."""
