@@ -163,10 +163,14 @@ class Limiter:
         statuses = list(plan.statuses)
         judged: list[tuple[bool, Role]] = []  # (over, role) of descriptors judged without a call
         cache = self.over_limit_cache if self.settings.rejected_hits == "count" else None
-        if len(counted_all) == 1 and cache is None:
+        if len(counted_all) == 1:
             # The common request: one limited descriptor, its hits as they are kept.
-            counted: Sequence[tuple[Counted, int]] = ((counted_all[0], 0),)
-            hits = counted_all[0].windows.at(now_ms)
+            item = counted_all[0]
+            hits = item.windows.at(now_ms)
+            if cache is not None and (status := self._cached(cache, item, hits, now_ms)):
+                statuses[item.index] = status
+                return self._overall([(True, item.match.limit.role)], statuses)
+            counted: Sequence[tuple[Counted, int]] = ((item, 0),)
         else:
             counted = []
             hits = []
