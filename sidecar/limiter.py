@@ -4,6 +4,9 @@ prepare (once per request body and rules, `sidecar.plan`): validate, match each 
 rule, drop replaced and unlimited rules, name the counters → decide (every call): one
 `backend.apply` for all remaining counters → per-descriptor statuses → `overall_code` (shadow
 and quota modes) → stats. The clock is injected; nothing here knows about protobuf, gRPC or Redis.
+
+`decide` is a coroutine; `decide_then` is the same decision through callbacks (`_begin` before
+the store is asked, `_finish` after), for the hot path on backends with `apply_then`.
 """
 
 from __future__ import annotations

@@ -44,11 +44,7 @@ class RateLimitService:
 
     async def should_rate_limit(self, body: bytes) -> bytes:
         """Decide one serialized `RateLimitRequest`; returns the serialized `RateLimitResponse`."""
-        limiter = self.limiter
-        plan = self._plans.get(body)
-        if plan is None or plan.rules is not limiter.rules:
-            plan = self._prepare(body)
-        decision = await limiter.decide(plan)
+        decision = await self.limiter.decide(self._plan(body))
         return convert.response_bytes(decision)
 
     def should_rate_limit_then(
@@ -58,10 +54,7 @@ class RateLimitService:
         serialized response, or what `should_rate_limit` raises once the store has answered (a
         bug). What goes wrong before that (InvalidRequest for a request that breaks the
         protocol) is raised here."""
-        limiter = self.limiter
-        plan = self._plans.get(body)
-        if plan is None or plan.rules is not limiter.rules:
-            plan = self._prepare(body)
+        plan = self._plan(body)
 
         def decided(decision: Decision | Exception) -> None:
             if isinstance(decision, Exception):
@@ -74,7 +67,14 @@ class RateLimitService:
                 return
             done(response)
 
-        limiter.decide_then(plan, decided)
+        self.limiter.decide_then(plan, decided)
+
+    def _plan(self, body: bytes) -> Plan:
+        """The plan of a request body: the one kept, unless made under rules since replaced."""
+        plan = self._plans.get(body)
+        if plan is None or plan.rules is not self.limiter.rules:
+            plan = self._prepare(body)
+        return plan
 
     def _prepare(self, body: bytes) -> Plan:
         try:
