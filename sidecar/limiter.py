@@ -134,14 +134,14 @@ class Limiter:
         def applied(outcomes: list[Outcome] | Exception) -> None:
             decision: Decision | Exception
             try:
-                if type(outcomes) is list:
+                if isinstance(outcomes, list):
                     decision = self._finish(plan, statuses, judged, counted, hits, now_ms, outcomes)
                 elif isinstance(outcomes, StorageError):
                     decision = self._on_backend_failure(
                         outcomes, statuses, counted, hits, judged, now_ms
                     )
                 else:
-                    decision = outcomes  # type: ignore[assignment]
+                    decision = outcomes  # a bug behind the store's answer
             except Exception as exc:
                 decision = exc
             done(decision)
