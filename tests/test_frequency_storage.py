@@ -15,14 +15,14 @@ from zoneinfo import available_timezones
 import pytest
 import redis
 from clock import Clock
+from model_store import Model
 from servers import RedisServer
 
 from sidecar import config
 from sidecar.algorithms import windows
-from sidecar.algorithms.decide import Address, State, decide
 from sidecar.algorithms.windows import FIELD_GRACE, code, field_hit, kind, zone_code
 from sidecar.frequency import Candidate, FrequencyCaps, Impression
-from sidecar.model import Algorithm, Dedupe, Hit, Outcome, Role, Unit, Window
+from sidecar.model import Algorithm, Dedupe, Hit, Role, Unit, Window
 from sidecar.storage import Backend, open_backend
 from sidecar.storage.keys import base36, dedupe_key, field_head, group_key, keep_until_id
 from sidecar.storage.memory import MemoryBackend
@@ -324,49 +324,6 @@ def batches_of(step: Step, horizon_s: int) -> list[tuple[list[Hit], Dedupe]]:
         )
         for user, parts in by_user.items()
     ]
-
-
-class Model:
-    """The pure decision over dicts that keep everything forever: what every backend must answer
-    (ended windows are never read again, so keeping them changes nothing)."""
-
-    def __init__(self) -> None:
-        self.values: dict[Address, State] = {}
-        self.ids: dict[bytes, set[str]] = {}
-
-    async def apply(self, hits: Sequence[Hit], all_or_nothing: bool, now_ms: int) -> list[Outcome]:
-        return self._decide(hits, all_or_nothing, now_ms, force=False)
-
-    async def record(
-        self, batches: Sequence[tuple[Sequence[Hit], Dedupe]], now_ms: int
-    ) -> list[list[bool]]:
-        answers = []
-        for hits, dedupe in batches:
-            current = self.ids.setdefault(dedupe.current, set())
-            previous = self.ids.get(dedupe.previous, set())
-            duplicates = []
-            for identifier in dedupe.ids:
-                seen = identifier in current or identifier in previous
-                duplicates.append(seen)
-                if not seen:
-                    current.add(identifier)
-            fresh = [hit for hit in hits if not duplicates[hit.group]]
-            self._decide(fresh, False, now_ms, force=True)
-            answers.append(duplicates)
-        return answers
-
-    def _decide(
-        self, hits: Sequence[Hit], all_or_nothing: bool, now_ms: int, force: bool
-    ) -> list[Outcome]:
-        outcomes, writes = decide(self.values.get, hits, now_ms, all_or_nothing, force=force)
-        for write in writes:
-            if write.state is not None:
-                self.values[write.address] = write.state
-            else:
-                count = self.values.get(write.address, 0)
-                assert isinstance(count, int)
-                self.values[write.address] = count + write.amount
-        return outcomes
 
 
 @pytest.fixture(

@@ -18,16 +18,16 @@ buckets refill slowly), far longer than an example runs.
 from __future__ import annotations
 
 import itertools
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 from datetime import datetime
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from model_store import Model
 
 from sidecar.algorithms import windows
-from sidecar.algorithms.decide import Address, State, decide
 from sidecar.model import Algorithm, Hit, Outcome, Role, Unit, Window
 from sidecar.storage import Backend, open_backend
 from sidecar.storage.keys import descriptor_prefix, field_head, group_key
@@ -190,25 +190,6 @@ def requests(scenario: Scenario) -> list[tuple[list[Hit], bool, int]]:
                 hits.append(hit)
         result.append((hits, step.all_or_nothing, now_ms))
     return result
-
-
-class Model:
-    """The pure decision over a dict that keeps every value forever (grouped counters by hash key
-    and field): what every backend must answer."""
-
-    def __init__(self) -> None:
-        self.values: dict[Address, State] = {}
-
-    async def apply(self, hits: Sequence[Hit], all_or_nothing: bool, now_ms: int) -> list[Outcome]:
-        outcomes, writes = decide(self.values.get, hits, now_ms, all_or_nothing)
-        for write in writes:
-            if write.state is not None:
-                self.values[write.address] = write.state
-            else:
-                count = self.values.get(write.address, 0)
-                assert isinstance(count, int)
-                self.values[write.address] = count + write.amount
-        return outcomes
 
 
 async def assert_agree(scenario: Scenario, stores: dict[str, Model | Backend]) -> None:
