@@ -320,33 +320,28 @@ class RedisBackend:
         return cls(client, timeout_ms)
 
     async def apply(self, hits: Sequence[Hit], all_or_nothing: bool, now_ms: int) -> list[Outcome]:
-        if not hits:
-            return []
-        mode = MODE_ALL_OR_NOTHING if all_or_nothing else MODE_ADD
-        # The client keeps the deadline (one timer per connection, not one per call: this is
-        # the hot path); a retry after NOSCRIPT keeps the same one.
-        deadline = asyncio.get_running_loop().time() + self._timeout
-        client = self._client
-        try:
-            try:
-                reply = await client.execute_packed(
-                    self._packer.command(hits, mode, now_ms), deadline
-                )
-            except RedisReplyError as exc:
-                if not str(exc).startswith("NOSCRIPT"):
-                    raise
-                # The script cache is empty (see _run_pipelined): EVAL at once.
-                command = _eval(_command(hits, mode, now_ms))
-                reply = await client.execute(*command, deadline=deadline)
-        except Exception as exc:  # every failure, see _failure
-            raise _failure(self.name, self._timeout_ms, exc) from exc
-        return _outcomes(hits, reply, now_ms)
+        # One implementation of the script call: `apply_then`, awaited.
+        answer: asyncio.Future[list[Outcome] | Exception] = (
+            asyncio.get_running_loop().create_future()
+        )
+
+        def done(got: list[Outcome] | Exception) -> None:
+            if not answer.done():  # the caller may have given up (its own timeout)
+                answer.set_result(got)
+
+        self.apply_then(hits, all_or_nothing, now_ms, done)
+        got = await answer
+        if isinstance(got, Exception):
+            raise got
+        return got
 
     def apply_then(
         self, hits: Sequence[Hit], all_or_nothing: bool, now_ms: int, done: Applied
     ) -> None:
-        """`apply` through a callback (see `AppliesThen`): the same script call, its reply
-        handed to `done` from the client's `data_received`, with no coroutine or future."""
+        """`apply` through a callback (see `AppliesThen`): one script call, its reply handed to
+        `done` from the client's `data_received`, with no coroutine or future. The client keeps
+        the deadline (one timer per connection, not one per call); a retry after NOSCRIPT keeps
+        the same one."""
         if not hits:
             done([])
             return
@@ -370,7 +365,9 @@ class RedisBackend:
     def _applied(self, hits: Sequence[Hit], now_ms: int, reply: Any, done: Applied) -> None:
         """Hand `done` the outcomes of a script call's reply, or the failure it ended with."""
         if isinstance(reply, Exception):
-            done(_failure(self.name, self._timeout_ms, reply))
+            failure = _failure(self.name, self._timeout_ms, reply)
+            failure.__cause__ = reply
+            done(failure)
             return
         try:
             outcomes = _outcomes(hits, reply, now_ms)
