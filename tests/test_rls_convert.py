@@ -122,3 +122,22 @@ def test_a_limit_object_is_never_confused_with_another() -> None:
         limit = single(requests, Unit.HOUR)
         decision = Decision(Code.OK, (DescriptorStatus(Code.OK, limit, 0, 1),))
         assert convert.response_bytes(decision) == _protobuf(decision)
+
+
+#: Each side of every varint length: 1 to 5 bytes (all of uint32), and longer int64 resets.
+_VARINT_EDGES = sorted(
+    {0, 1}
+    | {(1 << bits) + delta for bits in (7, 14, 21, 28, 35, 42, 56) for delta in (-1, 0)}
+    | {4_294_967_295, (1 << 63) - 1}
+)
+
+
+@pytest.mark.parametrize("value", _VARINT_EDGES)
+def test_numbers_at_every_varint_length_encode_as_protobuf_does(value: int) -> None:
+    """Remaining counts (uint32) and resets (int64 seconds) on each side of every varint length
+    boundary are the bytes protobuf writes."""
+    limit = single(max(1, min(value, 4_294_967_295)), Unit.SECOND, rule_key="d.edge")
+    decision = Decision(
+        Code.OK, (DescriptorStatus(Code.OK, limit, min(value, 4_294_967_295), value),)
+    )
+    assert convert.response_bytes(decision) == _protobuf(decision)

@@ -40,10 +40,15 @@ def address(key: bytes, field: bytes) -> Address:
     return (key, field) if field else key
 
 
+#: Read on every call: on Python 3.11 an enum member read through its class is a Python call.
+_TOKEN_BUCKET, _SLIDING_WINDOW = Algorithm.TOKEN_BUCKET, Algorithm.SLIDING_WINDOW
+
+
 def code(window: Window) -> int:
-    if window.algorithm is Algorithm.TOKEN_BUCKET:
+    algorithm = window.algorithm
+    if algorithm is _TOKEN_BUCKET:
         return BUCKET
-    if window.algorithm is Algorithm.SLIDING_WINDOW:
+    if algorithm is _SLIDING_WINDOW:
         return SLIDING
     return BORROWING if window.borrow else PLAIN
 

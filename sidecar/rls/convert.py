@@ -123,10 +123,28 @@ def _current_limit(window: Window) -> bytes:
 
 
 def _varint(value: int) -> bytes:
+    # Unrolled by length up to five bytes (every uint32: a limit, what remains of it, a reset in
+    # seconds): a loop costs several times as much, and large limits are common.
     if value < 0x80:
         return _SMALL_VARINTS[value]
-    if value < 0x4000:  # most limits: two bytes, without the loop
-        return bytes(((value & 0x7F) | 0x80, value >> 7))
+    if value < 0x4000:
+        return bytes((value & 0x7F | 0x80, value >> 7))
+    if value < 0x200000:
+        return bytes((value & 0x7F | 0x80, value >> 7 & 0x7F | 0x80, value >> 14))
+    if value < 0x10000000:
+        return bytes(
+            (value & 0x7F | 0x80, value >> 7 & 0x7F | 0x80, value >> 14 & 0x7F | 0x80, value >> 21)
+        )
+    if value < 0x800000000:
+        return bytes(
+            (
+                value & 0x7F | 0x80,
+                value >> 7 & 0x7F | 0x80,
+                value >> 14 & 0x7F | 0x80,
+                value >> 21 & 0x7F | 0x80,
+                value >> 28,
+            )
+        )
     out = bytearray()
     while value > 0x7F:
         out.append((value & 0x7F) | 0x80)
