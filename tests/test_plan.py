@@ -127,3 +127,6 @@ def test_packed_script_call_is_hiredis_packing_of_the_arguments() -> None:
         for now_ms in (0, 1_800_000_000_123):
             expected = hiredis.pack_command(tuple(_command(hits, mode, now_ms)))
             assert packer.command(hits, mode, now_ms) == expected
+            for hit in hits:  # a call on one hit, packed whole but for its mode and time
+                expected = hiredis.pack_command(tuple(_command([hit], mode, now_ms)))
+                assert packer.command([hit], mode, now_ms) == expected

@@ -125,42 +125,39 @@ class ApplyPacker:
     A request's hits are the same objects for every call in their window (`sidecar.plan`), so
     their keys and eleven arguments are packed the first time and kept by the hit's identity
     (the entry keeps the hit alive, so its id cannot be reused while the entry exists); only
-    the mode and the time are packed per call. The bytes equal hiredis's packing of `_command`.
+    the mode and the time are packed per call. A call on one hit, the common request, is kept
+    whole around those two. The bytes equal hiredis's packing of `_command`.
     """
 
     def __init__(self, size: int = PACKED_HITS) -> None:
         self._size = size
-        self._parts: dict[int, tuple[Hit, bytes, bytes]] = {}
+        # id(hit) -> (hit, its keys, its arguments, a call on it alone up to the mode, the
+        # same call from the hit count on)
+        self._parts: dict[int, tuple[Hit, bytes, bytes, bytes, bytes]] = {}
 
     def command(self, hits: Sequence[Hit], mode: int, now_ms: int) -> bytes:
-        parts = self._parts
+        now = b"%d" % now_ms
+        now = b"$%d\r\n%s\r\n" % (len(now), now)
+        if len(hits) == 1:
+            entry = self._parts.get(id(hits[0])) or self._pack(hits[0])
+            return b"".join((entry[3], _SMALL_BULKS[mode], now, entry[4]))
         keys: list[bytes] = []
         args: list[bytes] = []
         for hit in hits:
-            entry = parts.get(id(hit))
-            if entry is None:
-                if len(parts) >= self._size:
-                    parts.clear()
-                entry = parts[id(hit)] = (
-                    hit,
-                    b"".join(map(_bulk, _hit_keys(hit))),
-                    b"".join(map(_bulk, _hit_args(hit))),
-                )
+            entry = self._parts.get(id(hit)) or self._pack(hit)
             keys.append(entry[1])
             args.append(entry[2])
         n = len(hits)
-        now = b"%d" % now_ms
-        return b"".join(
-            (
-                _head(n),
-                *keys,
-                _bulk(mode),
-                b"$%d\r\n%s\r\n" % (len(now), now),
-                _bulk(n),
-                _GRACE,
-                *args,
-            )
-        )
+        return b"".join((_head(n), *keys, _bulk(mode), now, _bulk(n), _GRACE, *args))
+
+    def _pack(self, hit: Hit) -> tuple[Hit, bytes, bytes, bytes, bytes]:
+        parts = self._parts
+        if len(parts) >= self._size:
+            parts.clear()
+        keys = b"".join(map(_bulk, _hit_keys(hit)))
+        args = b"".join(map(_bulk, _hit_args(hit)))
+        entry = parts[id(hit)] = (hit, keys, args, _head(1) + keys, _bulk(1) + _GRACE + args)
+        return entry
 
 
 @functools.lru_cache(maxsize=256)
@@ -240,6 +237,14 @@ def _duplicates(reply: Reply) -> list[bool]:
 
 def _outcomes(hits: Sequence[Hit], reply: Reply, now_ms: int) -> list[Outcome]:
     """The script's five integers per hit, as Outcomes (window resets come from the hit)."""
+    if len(hits) == 1:  # the common call, without the slicing
+        over, remaining, reset_ms, applied, left_before = reply
+        end_ms = hits[0].end_ms
+        return [
+            Outcome(
+                over == 1, remaining, end_ms - now_ms if end_ms else reset_ms, applied == 1, left_before
+            )
+        ]
     outcomes = []
     for index, hit in enumerate(hits):
         over, remaining, reset_ms, applied, left_before = reply[5 * index : 5 * index + 5]
