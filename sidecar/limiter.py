@@ -92,6 +92,9 @@ class Limiter:
             if over_limit_cache and backend.name != "memory"
             else None
         )
+        #: The cache as decisions use it: not with `--rejected-hits skip`, where a refused
+        #: request must still be judged as a whole.
+        self._cache = self.over_limit_cache if self.settings.rejected_hits == "count" else None
 
     def prepare(self, request: Request) -> Plan:
         """The plan of `request` under the current rules (see `sidecar.plan`); raises
@@ -169,7 +172,7 @@ class Limiter:
         now_ms = int(self._clock() * 1000)
         statuses = list(plan.statuses)
         judged: list[tuple[bool, Role]] = []  # (over, role) of descriptors judged without a call
-        cache = self.over_limit_cache if self.settings.rejected_hits == "count" else None
+        cache = self._cache
         if len(counted_all) == 1:
             # The common request: one limited descriptor, its hits as they are kept.
             item = counted_all[0]
@@ -207,8 +210,8 @@ class Limiter:
         if self._backend_failing:
             self._backend_failing = False
             log.info("backend_recovered", backend=self.backend.name)
-        stats = self.stats
-        cache = self.over_limit_cache if self.settings.rejected_hits == "count" else None
+        rules = self.stats.rules
+        cache = self._cache
         any_over = False
         for item, first in counted:
             found = item.match
@@ -217,29 +220,28 @@ class Limiter:
             chosen = first
             if count > 1:
                 chosen += most_restrictive(outcomes[first : first + count])
-            outcome = outcomes[chosen]
+            over, remaining, reset_ms, _, left_before = outcomes[chosen]
             window = hits[chosen].window
-            over = outcome.over
-            if over:
-                any_over = True
             judged.append((over, limit.role))
             allowed = window.requests_per_unit
             shadow = limit.shadow_mode
-            stats.rules[found.metric_key].record(
-                allowed, max(0, allowed - outcome.left_before), item.cost, over, shadow
+            rules[found.metric_key].record(
+                allowed, max(0, allowed - left_before), item.cost, over, shadow
             )
             statuses[item.index] = DescriptorStatus(
                 _OVER_LIMIT if over and not shadow else _OK,
                 limit,
-                outcome.remaining,
-                -(-outcome.reset_ms // 1000),
+                remaining,
+                -(-reset_ms // 1000),
                 window,
             )
-            if cache is not None and over:
-                for position in range(first, first + count):
-                    hit = hits[position]
-                    if outcomes[position].over and hit.window.plain:
-                        cache.put(_cache_key(hit), hit.limit, hit.end_ms, now_ms)
+            if over:
+                any_over = True
+                if cache is not None:
+                    for position in range(first, first + count):
+                        hit = hits[position]
+                        if outcomes[position].over and hit.window.plain:
+                            cache.put(_cache_key(hit), hit.limit, hit.end_ms, now_ms)
         if plan.blocking_only:
             # Every descriptor blocks: the request is over exactly when one is (one answered
             # from the over-limit cache is over).
@@ -266,9 +268,10 @@ class Limiter:
     ) -> DescriptorStatus | None:
         """The status of a descriptor one of whose plain windows is known to be over, if any."""
         for hit in windows:
-            if not hit.window.plain:
+            window = hit.window
+            if not window.plain:
                 continue
-            end = cache.get(_cache_key(hit), hit.limit, now_ms)
+            end = cache.get(_cache_key(hit), window.requests_per_unit, now_ms)
             if end is None:
                 continue
             limit = item.match.limit
