@@ -236,7 +236,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, _Flags]]:
     serve.add(
         "--backend",
         "where counters live: memory://, redis://[user:password@]host:port[/db], "
-        "rediss://... (TLS) or redis+cluster://host:port[,host:port...]",
+        "rediss://... (TLS), redis+cluster://host:port[,host:port...] or rediss+cluster://... "
+        "(TLS)",
         default="memory://",
         metavar="URL",
     )

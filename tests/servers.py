@@ -64,10 +64,18 @@ def free_cluster_port(taken: set[int]) -> int:
 class RedisServer:
     """One `redis-server` process that can be stopped, paused and started again on its port."""
 
-    def __init__(self, workdir: Path, port: int, extra_args: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        port: int,
+        extra_args: tuple[str, ...] = (),
+        tls_port: int | None = None,
+    ) -> None:
         self.workdir = workdir
         self.port = port
         self.extra_args = extra_args
+        #: The port that speaks TLS (see `tls_args`), beside the plain one the fixtures use.
+        self.tls_port = tls_port
         self._process: subprocess.Popen[bytes] | None = None
         workdir.mkdir(parents=True, exist_ok=True)
 
@@ -172,11 +180,39 @@ class RedisServer:
             return False
 
 
-def start_server(workdir: Path, extra_args: tuple[str, ...] = ()) -> RedisServer:
-    """A started standalone server on a free port, retrying when the port is taken meanwhile."""
+def tls_args(
+    certificate: tuple[Path, Path], tls_port: int, auth_clients: str = "no"
+) -> tuple[str, ...]:
+    """redis-server flags for TLS on `tls_port`, with a self-signed certificate (its own CA,
+    see `certs.py`) as the server's and, with ``--tls-cluster yes``, the cluster bus's.
+    `auth_clients`: ``yes`` requires a client certificate signed by that CA."""
+    cert_file, key_file = certificate
+    return (
+        "--tls-port", str(tls_port),
+        "--tls-cert-file", str(cert_file),
+        "--tls-key-file", str(key_file),
+        "--tls-ca-cert-file", str(cert_file),
+        "--tls-auth-clients", auth_clients,
+    )  # fmt: skip
+
+
+def start_server(
+    workdir: Path,
+    extra_args: tuple[str, ...] = (),
+    certificate: tuple[Path, Path] | None = None,
+    auth_clients: str = "no",
+) -> RedisServer:
+    """A started standalone server on a free port, retrying when the port is taken meanwhile;
+    with `certificate`, also on a TLS port (see `tls_args`)."""
     error: ServerError | None = None
     for attempt in range(START_ATTEMPTS):
-        server = RedisServer(workdir / f"attempt-{attempt}", free_port(), extra_args)
+        port = free_port()
+        tls_port = None
+        args = extra_args
+        if certificate is not None:
+            tls_port = next(p for p in iter(free_port, None) if p != port)
+            args += tls_args(certificate, tls_port, auth_clients)
+        server = RedisServer(workdir / f"attempt-{attempt}", port, args, tls_port)
         try:
             server.start()
         except ServerError as exc:
@@ -218,8 +254,14 @@ class RedisCluster:
             client.close()
 
 
-def start_cluster(workdir: Path, size: int = 3) -> RedisCluster:
-    """A started cluster of `size` masters, every node reporting ``cluster_state:ok``."""
+def start_cluster(
+    workdir: Path, size: int = 3, certificate: tuple[Path, Path] | None = None
+) -> RedisCluster:
+    """A started cluster of `size` masters, every node reporting ``cluster_state:ok``.
+
+    With `certificate`, every node also listens on a TLS port and the cluster bus runs over TLS
+    (``--tls-cluster yes``): the cluster then announces its TLS ports to clients that connect
+    over TLS, and its plain ports to the others (the fixtures)."""
     error: ServerError | None = None
     for attempt in range(START_ATTEMPTS):
         taken: set[int] = set()
@@ -228,12 +270,18 @@ def start_cluster(workdir: Path, size: int = 3) -> RedisCluster:
             for index in range(size):
                 port = free_cluster_port(taken)
                 taken.update((port, port + CLUSTER_BUS_OFFSET))
-                node = RedisServer(
-                    workdir / f"attempt-{attempt}" / f"node-{index}",
-                    port,
-                    ("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
-                     "--cluster-node-timeout", "5000"),
+                args: tuple[str, ...] = (
+                    "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+                    "--cluster-node-timeout", "5000",
                 )  # fmt: skip
+                tls_port = None
+                if certificate is not None:
+                    tls_port = next(p for p in iter(free_port, None) if p not in taken)
+                    taken.add(tls_port)
+                    args += (*tls_args(certificate, tls_port), "--tls-cluster", "yes")
+                node = RedisServer(
+                    workdir / f"attempt-{attempt}" / f"node-{index}", port, args, tls_port
+                )
                 nodes.append(node)
                 node.start()
             _create_cluster(nodes)

@@ -227,7 +227,7 @@ def test_a_pod_that_does_not_ask_gets_nothing(annotations: dict[str, str] | None
             {"ratelimit-sidecar/backend": "http://redis:6379"},
             "ratelimit-sidecar/backend: unsupported backend URL 'http://redis:6379': use "
             "memory://, redis://host:port, rediss://host:port or "
-            "redis+cluster://host:port[,host:port...]",
+            "redis+cluster://host:port[,host:port...] (rediss+cluster:// for TLS)",
         ),
         (
             {"ratelimit-sidecar/failure-mode": "open"},
@@ -320,6 +320,7 @@ ACCEPTED = [
     "rediss://redis:6380?ssl_cert_reqs=required&ssl_ca_certs=/etc/ca.pem",
     "redis+cluster://10.0.0.1:7000,10.0.0.2:7000,10.0.0.3:7000",
     "redis+cluster://:secret@node-0.redis:6379/0",
+    "rediss+cluster://10.0.0.1:7000,10.0.0.2:7000?ssl_ca_certs=/etc/ca.pem&ssl_cert_reqs=required",
 ]
 REFUSED = [
     "",
@@ -339,6 +340,10 @@ REFUSED = [
     "redis+cluster://a:1,b:x",
     "redis+cluster://a:1/2",
     "redis+cluster://a:1?x=1",
+    "redis+cluster://a:1?ssl_ca_certs=/etc/ca.pem",
+    "rediss+cluster://a:1?verify=1",
+    "rediss+cluster://a:1?ssl_cert_reqs=maybe",
+    "rediss+cluster://a:1#frag",
     "memory://somewhere",
     "redis://re dis:6379",
     "redis://redis:6379\n",
@@ -362,7 +367,9 @@ def test_backend_urls_the_sidecar_cannot_use_are_refused(url: str) -> None:
 
 
 URL_PARTS = st.tuples(
-    st.sampled_from(["memory", "redis", "rediss", "redis+cluster", "http", "", "REDIS"]),
+    st.sampled_from(
+        ["memory", "redis", "rediss", "redis+cluster", "rediss+cluster", "http", "", "REDIS"]
+    ),
     st.sampled_from(["", "user@", "user:pw@", ":pw@", "a:b:c@"]),
     st.lists(
         st.tuples(
@@ -485,7 +492,7 @@ def test_inject_command_reports_bad_input_and_exits_1(tmp_path: Path) -> None:
     assert err == (
         "ratelimit-sidecar inject: <stdin>: document 1 (Pod gateway): ratelimit-sidecar/backend: "
         "unsupported backend URL 'x://': use memory://, redis://host:port, rediss://host:port "
-        "or redis+cluster://host:port[,host:port...]\n"
+        "or redis+cluster://host:port[,host:port...] (rediss+cluster:// for TLS)\n"
     )
 
 

@@ -661,7 +661,9 @@ async def test_closed_port_fails_in_time(scheme: str) -> None:
         ("redis+cluster://a:7000,b:port", "bad port"),
         ("redis+cluster://a:7000/2", "only database 0"),
         ("redis+cluster://a:7000?read_from_replicas=yes", "takes no query"),
-        ("rediss+cluster://a:7000", "unsupported backend URL"),
+        ("rediss+cluster://a:7000?verify=no", "unknown query parameter 'verify'"),
+        ("rediss+cluster://a:7000#frag", "takes no query or fragment"),
+        ("redis+cluster://a:7000?ssl_cert_reqs=none", "takes no query"),
     ],
 )
 def test_bad_urls_are_refused_with_a_reason(url: str, reason: str) -> None:
@@ -693,6 +695,7 @@ def test_timeout_must_be_positive() -> None:
         ("rediss://localhost:6380?ssl_cert_reqs=none", RedisBackend),
         ("redis+cluster://127.0.0.1:7000,127.0.0.1:7001", RedisClusterBackend),
         ("redis+cluster://user:pw@[::1]:7000/", RedisClusterBackend),
+        ("rediss+cluster://127.0.0.1:7000?ssl_cert_reqs=none", RedisClusterBackend),
     ],
 )
 async def test_good_urls_open_without_connecting(url: str, kind: type) -> None:

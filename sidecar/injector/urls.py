@@ -2,7 +2,8 @@
 
 The rules mirror what `sidecar.storage` accepts when the sidecar starts (``memory://``,
 ``redis://[user:password@]host[:port][/db]``, ``rediss://...`` with its TLS query parameters,
-``redis+cluster://host:port[,host:port...]``): a URL that passes here starts a sidecar, so a
+``redis+cluster://host:port[,host:port...]``, ``rediss+cluster://`` with the same TLS
+parameters): a URL that passes here starts a sidecar, so a
 typo becomes an admission error instead of a pod in CrashLoopBackOff. Messages never show a
 password, because they end up in events and `kubectl` output.
 """
@@ -18,7 +19,7 @@ _TLS_OPTIONS = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs")
 _CERT_REQS = ("none", "optional", "required")
 _SCHEMES = (
     "use memory://, redis://host:port, rediss://host:port "
-    "or redis+cluster://host:port[,host:port...]"
+    "or redis+cluster://host:port[,host:port...] (rediss+cluster:// for TLS)"
 )
 
 
@@ -39,8 +40,8 @@ def validate_url(url: str) -> None:
             raise ValueError(f"{redact(url)!r}: memory:// takes no host, path or query")
     elif parts.scheme in ("redis", "rediss"):
         _check_redis(url, parts.scheme == "rediss")
-    elif parts.scheme == "redis+cluster":
-        _check_cluster(url)
+    elif parts.scheme in ("redis+cluster", "rediss+cluster"):
+        _check_cluster(url, parts.scheme == "rediss+cluster")
     else:
         raise ValueError(f"unsupported backend URL {redact(url)!r}: {_SCHEMES}")
 
@@ -64,7 +65,14 @@ def _check_redis(url: str, tls: bool) -> None:
     database = parts.path.lstrip("/")
     if database and not database.isdigit():
         raise ValueError(f"{redact(url)!r}: database must be a number like /0, not {parts.path!r}")
-    for name, value in parse_qsl(parts.query, keep_blank_values=True):
+    _check_tls_options(url, parts.query, tls)
+    if parts.fragment:
+        raise ValueError(f"{redact(url)!r}: unexpected fragment '#{parts.fragment}'")
+
+
+def _check_tls_options(url: str, query: str, tls: bool) -> None:
+    """The query of a URL: TLS parameters, each with a value the sidecar accepts, or nothing."""
+    for name, value in parse_qsl(query, keep_blank_values=True):
         if not tls or name not in _TLS_OPTIONS:
             allowed = ", ".join(sorted(_TLS_OPTIONS)) if tls else "none"
             raise ValueError(
@@ -74,11 +82,9 @@ def _check_redis(url: str, tls: bool) -> None:
             raise ValueError(
                 f"{redact(url)!r}: ssl_cert_reqs must be none, optional or required, not {value!r}"
             )
-    if parts.fragment:
-        raise ValueError(f"{redact(url)!r}: unexpected fragment '#{parts.fragment}'")
 
 
-def _check_cluster(url: str) -> None:
+def _check_cluster(url: str, tls: bool) -> None:
     parts = urlsplit(url)
     hosts = parts.netloc.rpartition("@")[2]
     if not hosts:
@@ -87,8 +93,9 @@ def _check_cluster(url: str) -> None:
         _check_address(url, address)
     if parts.path not in ("", "/", "/0"):
         raise ValueError(f"{redact(url)!r}: Redis Cluster has only database 0, not {parts.path!r}")
-    if parts.query or parts.fragment:
-        raise ValueError(f"{redact(url)!r}: redis+cluster:// takes no query or fragment")
+    if parts.fragment or (parts.query and not tls):
+        raise ValueError(f"{redact(url)!r}: {parts.scheme}:// takes no query or fragment")
+    _check_tls_options(url, parts.query, tls)
 
 
 def _check_address(url: str, address: str) -> None:

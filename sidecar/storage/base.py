@@ -1,7 +1,8 @@
 """The one interface every counter store implements, and the URL that picks one.
 
 Backend URLs: ``memory://`` (the default), ``redis://[user:password@]host:port[/db]``,
-``rediss://...`` (TLS) and ``redis+cluster://host:port[,host:port...]``.
+``rediss://...`` (TLS) and ``redis+cluster://host:port[,host:port...]`` (``rediss+cluster://``
+for TLS).
 """
 
 from __future__ import annotations
@@ -85,11 +86,11 @@ def open_backend(url: str, timeout_ms: int = 50) -> Backend:
         from sidecar.storage.redis import RedisBackend
 
         return RedisBackend.from_url(url, timeout_ms=timeout_ms)
-    if scheme == "redis+cluster":
+    if scheme in ("redis+cluster", "rediss+cluster"):
         from sidecar.storage.cluster import RedisClusterBackend
 
         return RedisClusterBackend.from_url(url, timeout_ms=timeout_ms)
     raise ValueError(
         f"unsupported backend URL {url!r}: use memory://, redis://host:port, rediss://host:port "
-        "or redis+cluster://host:port[,host:port...]"
+        "or redis+cluster://host:port[,host:port...] (rediss+cluster:// for TLS)"
     )

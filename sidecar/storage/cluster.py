@@ -16,6 +16,7 @@ A call's deadline (`deadline=`, the event loop's time) is kept by the masters' c
 from __future__ import annotations
 
 import asyncio
+import functools
 import ssl
 import time
 from collections.abc import Callable, Sequence
@@ -51,7 +52,9 @@ from sidecar.storage.redis import (
     _read_commands,
     _record_commands,
     _redact,
+    _ssl_context,
     _timeout_seconds,
+    _tls_options,
     _values,
 )
 
@@ -323,14 +326,21 @@ class RedisClusterBackend:
 
     @classmethod
     def from_url(cls, url: str, timeout_ms: int = 50) -> Self:
-        """A backend for ``redis+cluster://[user:password@]host:port[,host:port...]``.
+        """A backend for ``redis+cluster://[user:password@]host:port[,host:port...]``, or
+        ``rediss+cluster://`` for TLS to every node, with the TLS query parameters of
+        ``rediss://`` (see `RedisBackend.from_url`).
 
-        The nodes listed are only where discovery starts; the client learns the others.
-        Nothing connects yet.
+        The nodes listed are only where discovery starts; the client learns the others. Over
+        TLS the cluster announces its nodes' TLS ports, and each node's certificate is checked
+        against the address the cluster announces for it (an IP address, unless the cluster
+        announces host names). Nothing connects yet.
         """
         parts = urlsplit(url)
-        if parts.scheme != "redis+cluster":
-            raise ValueError(f"{_redact(url)}: scheme must be redis+cluster://")
+        if parts.scheme not in ("redis+cluster", "rediss+cluster"):
+            raise ValueError(
+                f"{_redact(url)}: scheme must be redis+cluster:// or rediss+cluster://"
+            )
+        tls = parts.scheme == "rediss+cluster"
         timeout = _timeout_seconds(url, timeout_ms)
         userinfo, _, hosts = parts.netloc.rpartition("@")
         if not hosts:
@@ -340,13 +350,15 @@ class RedisClusterBackend:
             raise ValueError(
                 f"{_redact(url)}: Redis Cluster has only database 0, not {parts.path!r}"
             )
-        if parts.query or parts.fragment:
-            raise ValueError(f"{_redact(url)}: redis+cluster:// takes no query or fragment")
+        if parts.fragment or (parts.query and not tls):
+            raise ValueError(f"{_redact(url)}: {parts.scheme}:// takes no query or fragment")
+        options = _tls_options(url, parts.query, tls)
         username, has_password, password = userinfo.partition(":")
         client = PipelinedCluster(
             nodes,
             username=unquote(username) or None,
             password=unquote(password) if has_password else None,
+            ssl_context=functools.partial(_ssl_context, options) if tls else None,
             connect_timeout=timeout,
         )
         return cls(client, timeout_ms)

@@ -242,7 +242,11 @@ def _outcomes(hits: Sequence[Hit], reply: Reply, now_ms: int) -> list[Outcome]:
         end_ms = hits[0].end_ms
         return [
             Outcome(
-                over == 1, remaining, end_ms - now_ms if end_ms else reset_ms, applied == 1, left_before
+                over == 1,
+                remaining,
+                end_ms - now_ms if end_ms else reset_ms,
+                applied == 1,
+                left_before,
             )
         ]
     outcomes = []
