@@ -463,3 +463,120 @@ async def test_a_silent_master_fails_calls_by_their_own_deadline(own: RedisClust
         silent.resume()
         await backend.close()
         await client.close()
+
+
+# --- the backend through callbacks (the fast transport's path) -------------------------------
+
+
+async def applied_then(backend: Any, hits: list[Hit]) -> list[Outcome]:
+    """`apply_then`, awaited: its outcomes, or the exception it answered raised."""
+    future: asyncio.Future[list[Outcome] | Exception] = asyncio.get_running_loop().create_future()
+    backend.apply_then(hits, False, NOW_MS, future.set_result)
+    result = await future
+    if isinstance(result, Exception):
+        raise result
+    return result
+
+
+async def test_callbacks_reach_the_master_without_a_coroutine_once_the_map_is_loaded(
+    own: RedisCluster,
+) -> None:
+    """The first call loads the slot map on the coroutine path; after that a one-slot request is
+    one EVALSHA on its master's pipeline, with no coroutine, in one write per tick."""
+    keys = [key_on(own, node, "direct") for node in own.nodes]
+    backend: Any = open_backend(own.url, timeout_ms=2_000)
+    try:
+        assert [o.remaining for o in await applied_then(backend, [hit(keys[0], 1, 10)])] == [9]
+
+        async def no_coroutine(*args: Any) -> list[Outcome]:
+            raise AssertionError("a one-slot request with a known master took the coroutine")
+
+        backend._apply = no_coroutine
+        reset_stats(own)
+        calls = [applied_then(backend, [hit(key, 1, 10)]) for key in keys for _ in range(2)]
+        outcomes = await asyncio.gather(*calls)
+        assert sorted(o.remaining for [o] in outcomes) == [7, 8, 8, 8, 9, 9]
+        for node in own.nodes:
+            assert stat(node, "cmdstat_evalsha") == 2
+    finally:
+        await backend.close()
+
+
+async def test_moved_through_callbacks_is_followed_and_counted_once(own: RedisCluster) -> None:
+    """After the slot moves, the callback's call is answered MOVED (it did not run), `apply`
+    sends it again and follows the redirection: the counter moves on by one, on the new master,
+    and the next call goes there directly."""
+    key = key_on(own, own.nodes[0], "movedcb")
+    counted = hit(key, 1, 10)
+    backend = open_backend(own.url, timeout_ms=2_000)
+    try:
+        assert [o.remaining for o in await applied_then(backend, [counted])] == [9]
+        slot = key_slot(counted.key)
+        source = owner(own, slot)
+        target = other_than(own, source)
+        start_migration(own, slot, target)
+        finish_migration(own, slot, source, target)
+        reset_stats(own)
+
+        assert [o.remaining for o in await applied_then(backend, [counted])] == [8]
+        with target.client() as sync:
+            assert int(sync.get(counted.key)) == 2
+        assert stat(target, "cmdstat_evalsha") == 1
+        moved = stat(source, "errorstat_MOVED", "count")
+        assert moved >= 1
+
+        assert [o.remaining for o in await applied_then(backend, [counted])] == [7]
+        assert stat(source, "errorstat_MOVED", "count") == moved
+        assert stat(target, "cmdstat_evalsha") == 2
+    finally:
+        await backend.close()
+
+
+async def test_noscript_through_callbacks_runs_the_script_once(own: RedisCluster) -> None:
+    """A master that lost its script cache answers the callback's EVALSHA with NOSCRIPT; `apply`
+    then sends the text (EVAL) there: one count, and the script cached again."""
+    flushed = own.nodes[1]
+    key = key_on(own, flushed, "noscriptcb")
+    backend = open_backend(own.url, timeout_ms=2_000)
+    try:
+        assert [o.remaining for o in await applied_then(backend, [hit(key, 1, 10)])] == [9]
+        with flushed.client() as sync:
+            sync.script_flush()
+        reset_stats(own)
+        assert [o.remaining for o in await applied_then(backend, [hit(key, 1, 10)])] == [8]
+        assert stat(flushed, "cmdstat_eval") == 1
+        with flushed.client() as sync:
+            assert int(sync.get(hit(key, 1, 10).key)) == 2
+            assert sync.script_exists(_SHA) == [True]
+    finally:
+        await backend.close()
+
+
+async def test_a_stopped_master_fails_callbacks_in_time(own: RedisCluster) -> None:
+    """Through callbacks, a call for a stopped master's slot is a StorageError by its deadline
+    while another master serves; once the master is back, the same backend counts there again."""
+    down, up = own.nodes[2], own.nodes[0]
+    key_down, key_up = key_on(own, down, "downcb"), key_on(own, up, "upcb")
+    backend = open_backend(own.url, timeout_ms=DEADLINE_MS)
+    try:
+        await applied_then(backend, [hit(key_down, 1, 100)])
+        await asyncio.to_thread(down.stop)
+        for _ in range(5):
+            started = time.monotonic()
+            with pytest.raises(StorageError):
+                await applied_then(backend, [hit(key_down, 1, 100)])
+            assert time.monotonic() - started < DEADLINE_MS / 1000 + SLACK
+            assert (await applied_then(backend, [hit(key_up, 1, 100)]))[0].applied
+        await asyncio.to_thread(down.start)
+        deadline = time.monotonic() + 15
+        while True:
+            try:
+                [outcome] = await applied_then(backend, [hit(key_down, 1, 100)])
+                break
+            except StorageError:  # CLUSTERDOWN for a moment after the restart
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.1)
+        assert outcome.left_before == 100  # the restarted master saved nothing
+    finally:
+        await backend.close()

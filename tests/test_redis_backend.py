@@ -111,6 +111,7 @@ class Callbacks:
         pytest.param("cluster", marks=pytest.mark.cluster),
         pytest.param("memory-callbacks"),
         pytest.param("redis-callbacks", marks=pytest.mark.redis),
+        pytest.param("cluster-callbacks", marks=pytest.mark.cluster),
     ]
 )
 def backend_url(request: pytest.FixtureRequest) -> str:

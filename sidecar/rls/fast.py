@@ -60,7 +60,7 @@ class FastServer:
         self._stopping = False
         self._logged_errors: set[type[BaseException]] = set()
         methods: dict[str, Method | CallbackMethod] = {
-            # Through a callback when the backend answers so (memory, Redis): the hot path.
+            # Through a callback when the backend answers so (every backend here): the hot path.
             METHOD: CallbackMethod(self._should_rate_limit_then)
             if service.limiter.answers_then
             else self._should_rate_limit,

@@ -28,7 +28,9 @@ from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 
 from sidecar.algorithms import fixed_window
 from sidecar.algorithms.decide import Address, State
+from sidecar.errors import StorageError
 from sidecar.model import Dedupe, Hit, Outcome, Role
+from sidecar.storage.base import Applied
 from sidecar.storage.pipeline import (
     CONNECTIONS,
     ConnectionLost,
@@ -56,6 +58,7 @@ from sidecar.storage.redis import (
     _timeout_seconds,
     _tls_options,
     _values,
+    applied,
 )
 
 #: Redirections (MOVED, ASK, TRYAGAIN) one call follows before it fails: a slot that keeps
@@ -67,6 +70,10 @@ REFRESH_INTERVAL = 1.0
 
 #: The pause before a call answered TRYAGAIN (its keys are split by a migration) is sent again.
 TRYAGAIN_DELAY = 0.005
+
+#: Error replies that say a script call did not run where it was sent: it is sent again (by
+#: `apply`), where the cluster says, and counts once.
+_NOT_RUN = frozenset({"MOVED", "ASK", "TRYAGAIN", "CLUSTERDOWN", "NOSCRIPT"})
 
 _ASKING = hiredis.pack_command(("ASKING",))
 _SCRIPT_COMMANDS = frozenset({"EVAL", "EVALSHA", "EVAL_RO", "EVALSHA_RO", "FCALL", "FCALL_RO"})
@@ -180,6 +187,10 @@ class PipelinedCluster:
                 self.refresh_soon()
                 raise
         raise ClusterError(f"slot {slot}: still redirected after {MAX_REDIRECTS} tries ({error})")
+
+    def master_of(self, slot: int) -> PipelinedRedis | None:
+        """The master the slot map names for `slot`; None before the map is loaded."""
+        return self._slots[slot]
 
     async def masters(self) -> list[PipelinedRedis]:
         """The clients of every master, once the slot map is loaded."""
@@ -323,6 +334,8 @@ class RedisClusterBackend:
         self._timeout_ms = timeout_ms
         self._timeout = timeout_ms / 1000
         self._packer = ApplyPacker()
+        # `apply_then` calls running `apply`'s coroutine (kept: the loop holds tasks weakly).
+        self._tasks: set[asyncio.Task[None]] = set()
 
     @classmethod
     def from_url(cls, url: str, timeout_ms: int = 50) -> Self:
@@ -364,14 +377,19 @@ class RedisClusterBackend:
         return cls(client, timeout_ms)
 
     async def apply(self, hits: Sequence[Hit], all_or_nothing: bool, now_ms: int) -> list[Outcome]:
+        # The clients keep the deadline (one timer per connection, not one per call: this is
+        # the hot path), for every round trip of the request together.
+        deadline = asyncio.get_running_loop().time() + self._timeout
+        return await self._apply(hits, all_or_nothing, now_ms, deadline)
+
+    async def _apply(
+        self, hits: Sequence[Hit], all_or_nothing: bool, now_ms: int, deadline: float
+    ) -> list[Outcome]:
         if not hits:
             return []
         slots: dict[int, list[int]] = {}
         for index, hit in enumerate(hits):
             slots.setdefault(key_slot(hit.key), []).append(index)
-        # The clients keep the deadline (one timer per connection, not one per call: this is
-        # the hot path), for every round trip of the request together.
-        deadline = asyncio.get_running_loop().time() + self._timeout
         try:
             if len(slots) == 1:
                 [slot] = slots
@@ -383,6 +401,72 @@ class RedisClusterBackend:
             return await self._apply_per_slot(hits, slots, MODE_ADD, now_ms, deadline)
         except Exception as exc:  # every failure, see _failure
             raise _failure(self.name, self._timeout_ms, exc) from exc
+
+    def apply_then(
+        self, hits: Sequence[Hit], all_or_nothing: bool, now_ms: int, done: Applied
+    ) -> None:
+        """`apply` through a callback (see `AppliesThen`).
+
+        The usual request, whose hits share one slot whose master the slot map knows, is one
+        `call_packed` on that master's pipeline, with no coroutine. Anything else is `apply`'s
+        coroutine in a task, by the same deadline: hits over several slots, no slot map yet,
+        and a reply saying the script did not run on that master (MOVED, ASK, TRYAGAIN,
+        CLUSTERDOWN, NOSCRIPT), after which the coroutine sends the call again and follows
+        the redirection. Nothing ran, so nothing is counted twice.
+        """
+        deadline = asyncio.get_running_loop().time() + self._timeout
+        master = self._master_of_all(hits)
+        if master is None:
+            self._apply_in_task(hits, all_or_nothing, now_ms, deadline, done)
+            return
+        mode = MODE_ALL_OR_NOTHING if all_or_nothing else MODE_ADD
+
+        def replied(reply: Any) -> None:
+            if isinstance(reply, RedisReplyError) and str(reply).split(" ", 1)[0] in _NOT_RUN:
+                self._apply_in_task(hits, all_or_nothing, now_ms, deadline, done)
+                return
+            if isinstance(reply, ConnectionLost):
+                self._client.refresh_soon()  # as `PipelinedCluster.execute_packed` does
+            applied(self.name, self._timeout_ms, hits, now_ms, reply, done)
+
+        master.call_packed(self._packer.command(hits, mode, now_ms), deadline, replied)
+
+    def _master_of_all(self, hits: Sequence[Hit]) -> PipelinedRedis | None:
+        """The master of the one slot all `hits` share, if the slot map names it; else None."""
+        if not hits:
+            return None
+        slot = key_slot(hits[0].key)
+        for hit in hits[1:]:
+            if key_slot(hit.key) != slot:
+                return None
+        return self._client.master_of(slot)
+
+    def _apply_in_task(
+        self,
+        hits: Sequence[Hit],
+        all_or_nothing: bool,
+        now_ms: int,
+        deadline: float,
+        done: Applied,
+    ) -> None:
+        """`_apply` in a task, its outcome handed to `done` (a StorageError once closed)."""
+
+        async def run() -> None:
+            try:
+                outcomes = await self._apply(hits, all_or_nothing, now_ms, deadline)
+            except Exception as exc:  # StorageError, or a bug: `done` judges
+                done(exc)
+                return
+            done(outcomes)
+
+        task = asyncio.get_running_loop().create_task(run())
+        self._tasks.add(task)
+        task.add_done_callback(functools.partial(self._task_ended, done))
+
+    def _task_ended(self, done: Applied, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if task.cancelled():  # by `close`, perhaps before it began: the call ends with it
+            done(StorageError(f"{self.name}: client closed"))
 
     async def record(
         self, batches: Sequence[tuple[Sequence[Hit], Dedupe]], now_ms: int
@@ -533,4 +617,8 @@ class RedisClusterBackend:
         return bool(masters) and all(reply == b"PONG" for reply in replies)
 
     async def close(self) -> None:
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         await self._client.close()

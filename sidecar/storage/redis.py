@@ -258,6 +258,24 @@ def _outcomes(hits: Sequence[Hit], reply: Reply, now_ms: int) -> list[Outcome]:
     return outcomes
 
 
+def applied(
+    backend: str, timeout_ms: int, hits: Sequence[Hit], now_ms: int, reply: Any, done: Applied
+) -> None:
+    """Hand `done` the outcomes of a script call's reply, or the failure it ended with (a
+    StorageError whose cause is what the client raised)."""
+    if isinstance(reply, Exception):
+        failure = _failure(backend, timeout_ms, reply)
+        failure.__cause__ = reply
+        done(failure)
+        return
+    try:
+        outcomes = _outcomes(hits, reply, now_ms)
+    except Exception as exc:  # a reply of the wrong shape: a bug, not an outage
+        done(exc)
+        return
+    done(outcomes)
+
+
 async def _gather_all(calls: Iterable[Awaitable[Any]]) -> list[Any]:
     """Await every call, then raise the first failure.
 
@@ -372,18 +390,7 @@ class RedisBackend:
         self._client.call_packed(self._packer.command(hits, mode, now_ms), deadline, replied)
 
     def _applied(self, hits: Sequence[Hit], now_ms: int, reply: Any, done: Applied) -> None:
-        """Hand `done` the outcomes of a script call's reply, or the failure it ended with."""
-        if isinstance(reply, Exception):
-            failure = _failure(self.name, self._timeout_ms, reply)
-            failure.__cause__ = reply
-            done(failure)
-            return
-        try:
-            outcomes = _outcomes(hits, reply, now_ms)
-        except Exception as exc:  # a reply of the wrong shape: a bug, not an outage
-            done(exc)
-            return
-        done(outcomes)
+        applied(self.name, self._timeout_ms, hits, now_ms, reply, done)
 
     async def record(
         self, batches: Sequence[tuple[Sequence[Hit], Dedupe]], now_ms: int
