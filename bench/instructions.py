@@ -5,10 +5,11 @@ One process holds the whole sidecar path: recorded HTTP/2 bytes (h2's client, 8 
 go into the fast transport's protocol, through the service, the limiter and the backend, and
 the answers come out into a transport that only keeps them. It runs under
 `valgrind --tool=callgrind` twice, replaying the calls once and three times; the difference over
-the extra calls is the cost of a call, start-up excluded. Backends: memory, and Redis (a
-redis-server this script starts and stops by its PID; its own CPU is not counted).
+the extra calls is the cost of a call, start-up excluded. Backends: memory, Redis and a
+3-master Redis Cluster (redis-servers this script starts and stops by their PIDs; their own
+CPU is not counted).
 
-    python -m bench.instructions            # memory and redis, about three minutes
+    python -m bench.instructions            # memory, redis and cluster, about four minutes
     python -m bench.instructions --only memory
 """
 
@@ -168,7 +169,7 @@ def per_call(url: str) -> int:
 
 def main() -> int:
     parser = argparse.ArgumentParser(prog="bench.instructions", description=__doc__.split("\n")[0])
-    parser.add_argument("--only", choices=("memory", "redis"), action="append")
+    parser.add_argument("--only", choices=("memory", "redis", "cluster"), action="append")
     parser.add_argument("--replay", help=argparse.SUPPRESS)
     parser.add_argument("--rounds", type=int, default=1, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -178,20 +179,25 @@ def main() -> int:
     if shutil.which("valgrind") is None:
         print("bench.instructions: valgrind is not installed (apt-get install valgrind)")
         return 1
-    from bench.services import start_redis
+    from bench.services import start_redis, start_redis_cluster
 
     print(f"instructions per call (callgrind; {CALLS:,} calls, {PER_READ} per read, in-process)")
-    for name in args.only or ("memory", "redis"):
+    for name in args.only or ("memory", "redis", "cluster"):
         if name == "memory":
-            print(f"  fast transport, memory: {per_call('memory://'):>9,}", flush=True)
+            print(f"  fast transport, memory:  {per_call('memory://'):>9,}", flush=True)
             continue
         with tempfile.TemporaryDirectory() as logs:
-            redis = start_redis(Path(logs))
+            if name == "redis":
+                service = start_redis(Path(logs))
+                url = service.placeholders["redis_url"]
+            else:
+                service = start_redis_cluster(Path(logs))
+                url = service.placeholders["redis_cluster_url"]
             try:
-                count = per_call(redis.placeholders["redis_url"])
+                count = per_call(url)
             finally:
-                redis.stop()
-        print(f"  fast transport, redis:  {count:>9,}", flush=True)
+                service.stop()
+        print(f"  fast transport, {name + ':':<8} {count:>9,}", flush=True)
     return 0
 
 

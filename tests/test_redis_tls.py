@@ -92,6 +92,19 @@ async def apply_and_close(backend: Backend, hits: list[Hit], calls: int = 1) -> 
         await backend.close()
 
 
+def with_client_certificate(
+    server: RedisServer, ca: Path, certificate: tuple[Path, Path]
+) -> Backend:
+    """A rediss:// backend for `server`'s TLS port that trusts `ca` and sends `certificate`."""
+    cert_file, key_file = certificate
+    assert server.tls_port is not None
+    return open_backend(
+        url("rediss", [server.tls_port], ssl_ca_certs=str(ca), ssl_certfile=str(cert_file),
+            ssl_keyfile=str(key_file)),
+        timeout_ms=TIMEOUT_MS,
+    )  # fmt: skip
+
+
 def stored(server: RedisServer, key: bytes) -> int | None:
     """The counter at `key`, read over the server's plain port."""
     with server.client() as client:
@@ -104,13 +117,7 @@ async def test_rediss_verifies_the_server_and_sends_a_client_certificate(
 ) -> None:
     """With the CA and a client certificate, calls go over TLS to a server that requires one,
     and count in Redis."""
-    cert_file, key_file = certificate
-    assert tls_redis.tls_port is not None
-    backend = open_backend(
-        url("rediss", [tls_redis.tls_port], ssl_ca_certs=str(cert_file),
-            ssl_certfile=str(cert_file), ssl_keyfile=str(key_file)),
-        timeout_ms=TIMEOUT_MS,
-    )  # fmt: skip
+    backend = with_client_certificate(tls_redis, certificate[0], certificate)
     key = b"rl{mutual}|tls|60|0"
     assert await apply_and_close(backend, [hit(key)], calls=3) == [7]
     assert stored(tls_redis, key) == 3
@@ -122,13 +129,7 @@ async def test_rediss_refuses_a_server_signed_by_another_ca(
     """A server whose certificate the given CA did not sign fails each call with StorageError
     that names the verification failure; nothing is counted."""
     other_ca, _ = write_certificate(tmp_path)
-    cert_file, key_file = certificate
-    assert tls_redis.tls_port is not None
-    backend = open_backend(
-        url("rediss", [tls_redis.tls_port], ssl_ca_certs=str(other_ca),
-            ssl_certfile=str(cert_file), ssl_keyfile=str(key_file)),
-        timeout_ms=TIMEOUT_MS,
-    )  # fmt: skip
+    backend = with_client_certificate(tls_redis, other_ca, certificate)
     key = b"rl{untrusted}|tls|60|0"
     with pytest.raises(StorageError, match="CERTIFICATE_VERIFY_FAILED"):
         await apply_and_close(backend, [hit(key)])
