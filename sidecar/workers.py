@@ -7,7 +7,9 @@ worker thread, so a sidecar behind an Envoy with fewer threads than workers leav
 A Unix socket cannot be shared that way; the parent listens on it once and the workers inherit
 it, and on the way out removes its file unless a replacement has bound its own there meanwhile.
 The parent only supervises: it forwards SIGTERM and SIGINT to each worker by its PID, and
-when a worker exits on its own, it stops the others and exits with that worker's status.
+when a worker exits on its own, it stops the others and exits with that worker's status. A
+worker the forwarded signal kills while still starting (before its handlers exist) has taken no
+call: that is a clean stop.
 """
 
 from __future__ import annotations
@@ -28,6 +30,9 @@ from sidecar.app import split_address
 from sidecar.rls.h2.server import BACKLOG, socket_file, unix_path, unlink_socket
 
 log = structlog.get_logger("sidecar.workers")
+
+#: How a worker ends when a signal the parent forwards kills it (see `_supervise`).
+_STOPPED_BY_US = frozenset({-signal.SIGTERM, -signal.SIGINT})
 
 
 def run(base_argv: Sequence[str], workers: int, grpc_address: str, http_address: str) -> int:
@@ -105,7 +110,12 @@ def _supervise(argv: list[str], workers: int, fds: tuple[int, ...]) -> int:
             child = children.pop(pid)
             code = os.waitstatus_to_exitcode(wait_status)
             child.returncode = code
-            if code and not status:
+            if stopping and code in _STOPPED_BY_US:
+                # Killed by the signal forwarded to it before its handlers existed: it was still
+                # starting (a worker installs them before it listens or accepts), so it had taken
+                # no call, and that is a clean stop.
+                log.info("worker_stopped_while_starting", worker_pid=pid)
+            elif code and not status:
                 status = code if code > 0 else 128 - code
             if not stopping:
                 log.error("worker_exited", worker_pid=pid, exit_status=code)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -173,3 +174,52 @@ async def _call(target: str) -> RateLimitResponse:
         )
         answer: RateLimitResponse = await call(request("test", USER), timeout=10)
         return answer
+
+
+_SUPERVISOR = """
+import sys
+from sidecar import workers
+sys.exit(workers._supervise([sys.executable, "-c", sys.argv[1]], 2, ()))
+"""
+
+
+async def _supervised(worker: str, *, terminate: bool) -> tuple[int, str]:
+    """Run the supervisor over two copies of the `worker` program; once both have printed
+    "up", SIGTERM the supervisor (a process this test started, by its PID) if `terminate`.
+    Returns its exit status and what it and the workers wrote."""
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", _SUPERVISOR, worker,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+    )  # fmt: skip
+    assert process.stdout is not None
+    output = b""
+    try:
+        async with asyncio.timeout(60):
+            if terminate:
+                while output.count(b"up\n") < 2:
+                    line = await process.stdout.readline()
+                    assert line, f"the workers did not start:\n{output.decode()}"
+                    output += line
+                process.send_signal(signal.SIGTERM)
+            output += await process.stdout.read()
+            status = await process.wait()
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+    return status, output.decode()
+
+
+async def test_a_worker_stopped_while_still_starting_is_a_clean_stop() -> None:
+    """A SIGTERM that reaches a worker before it has installed its signal handlers (it installs
+    them before it listens or accepts, so it has taken no call) kills it by that signal; the
+    parent, which forwarded it, counts that as a clean stop and exits 0. A worker that exits
+    with an error on its own still makes the parent fail with its status."""
+    starting = "import time; print('up', flush=True); time.sleep(60)"
+    status, output = await _supervised(starting, terminate=True)
+    assert status == 0, output
+    assert output.count("worker_stopped_while_starting") == 2
+
+    status, output = await _supervised("import sys; sys.exit(3)", terminate=False)
+    assert status == 3, output
+    assert "worker_exited" in output
