@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Iterator
 from typing import Any
 
 import hiredis
 import pytest
+from callbacks import Callbacks
 from conftest import require_binary
 from redis.crc import key_slot
 from servers import HOST, RedisCluster, RedisServer, ServerError, start_cluster
@@ -468,14 +469,9 @@ async def test_a_silent_master_fails_calls_by_their_own_deadline(own: RedisClust
 # --- the backend through callbacks (the fast transport's path) -------------------------------
 
 
-async def applied_then(backend: Any, hits: list[Hit]) -> list[Outcome]:
-    """`apply_then`, awaited: its outcomes, or the exception it answered raised."""
-    future: asyncio.Future[list[Outcome] | Exception] = asyncio.get_running_loop().create_future()
-    backend.apply_then(hits, False, NOW_MS, future.set_result)
-    result = await future
-    if isinstance(result, Exception):
-        raise result
-    return result
+def applied_then(backend: Any, hits: list[Hit]) -> Awaitable[list[Outcome]]:
+    """`apply_then` on `hits` (no all-or-nothing, at NOW_MS), awaited as `apply` is."""
+    return Callbacks(backend).apply(hits, False, NOW_MS)
 
 
 async def test_callbacks_reach_the_master_without_a_coroutine_once_the_map_is_loaded(

@@ -15,6 +15,7 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
+from callbacks import Callbacks
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from redis.crc import key_slot
@@ -80,28 +81,6 @@ async def reference(requests: Sequence[Request]) -> list[list[Outcome]]:
         return await run(memory, requests)
     finally:
         await memory.close()
-
-
-class Callbacks:
-    """A backend's callback form, `apply_then` (the fast transport's path), seen as `apply`, so
-    that the same tests hold it to the same outcomes and failures."""
-
-    def __init__(self, backend: Any) -> None:
-        self.backend = backend
-        self.name = backend.name
-
-    async def apply(self, hits: Sequence[Hit], all_or_nothing: bool, now_ms: int) -> list[Outcome]:
-        future: asyncio.Future[list[Outcome] | Exception] = (
-            asyncio.get_running_loop().create_future()
-        )
-        self.backend.apply_then(hits, all_or_nothing, now_ms, future.set_result)
-        result = await future
-        if isinstance(result, Exception):
-            raise result
-        return result
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.backend, name)
 
 
 @pytest.fixture(

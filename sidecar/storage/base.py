@@ -65,9 +65,10 @@ class AppliesThen(Protocol):
     `apply_then` does what `apply` does and calls `done` exactly once with what `apply` would
     return or raise: at once when the answer is known at once (memory), else from the event
     loop when the store answers (Redis: from the connection's `data_received`). No coroutine,
-    task or future is made for it, which is most of what a call costs in Python once the
-    store's own work is small. Backends without it (the cluster's MOVED and ASK handling is a
-    coroutine) are called through `apply`.
+    task or future is made for it in the usual call, which is most of what a call costs in
+    Python once the store's own work is small (a cluster falls back to `apply`'s coroutine for
+    the rest: several slots, redirections). Every backend here has it; a backend without it
+    is called through `apply`.
     """
 
     def apply_then(

@@ -382,15 +382,12 @@ class RedisBackend:
                 self._client.call_packed(
                     hiredis.pack_command(command),
                     deadline,
-                    lambda reply: self._applied(hits, now_ms, reply, done),
+                    lambda reply: applied(self.name, self._timeout_ms, hits, now_ms, reply, done),
                 )
                 return
-            self._applied(hits, now_ms, reply, done)
+            applied(self.name, self._timeout_ms, hits, now_ms, reply, done)
 
         self._client.call_packed(self._packer.command(hits, mode, now_ms), deadline, replied)
-
-    def _applied(self, hits: Sequence[Hit], now_ms: int, reply: Any, done: Applied) -> None:
-        applied(self.name, self._timeout_ms, hits, now_ms, reply, done)
 
     async def record(
         self, batches: Sequence[tuple[Sequence[Hit], Dedupe]], now_ms: int
