@@ -13,6 +13,7 @@ import pytest
 from conftest import require_binary
 from servers import RedisServer, ServerError, start_server
 
+from sidecar import batching
 from sidecar.storage.pipeline import (
     ConnectionLost,
     DeadlineExceeded,
@@ -344,6 +345,38 @@ async def test_call_packed_hands_each_reply_to_its_callback_in_one_write(
     assert sum(writes.values()) == 1
     await asyncio.sleep(0.05)
     assert len(answers.got) == 52  # nothing twice
+
+
+async def test_calls_made_while_a_read_is_handled_leave_when_it_ends(
+    client: PipelinedRedis,
+) -> None:
+    """Calls made while a protocol handles a read (inside batching's begin and end) leave in
+    one write as the read ends, without waiting for the loop's next turn; a callback that calls
+    again, run from the client's own read, sends at the end of that read too."""
+    await connected(client)
+    writes = count_writes(client)
+    answers = Answers()
+    deadline = asyncio.get_running_loop().time() + 1
+    assert batching.begin()
+    for i in range(3):
+        client.call_packed(pack("ECHO", str(i)), deadline, answers.callback)
+    assert sum(writes.values()) == 0
+    batching.end()
+    assert sum(writes.values()) == 1
+    assert await answers.wait(3) == [b"0", b"1", b"2"]
+
+    sent_by_callback: list[int] = []
+
+    def again(outcome: Any) -> None:
+        answers.callback(outcome)
+        client.call_packed(pack("ECHO", "again"), deadline, answers.callback)
+        sent_by_callback.append(sum(writes.values()))
+
+    client.call_packed(pack("ECHO", "first"), deadline, again)
+    await answers.wait(4)
+    written_when_the_read_ended = sum(writes.values())
+    assert sent_by_callback == [2] and written_when_the_read_ended == 3
+    assert await answers.wait(5) == [b"0", b"1", b"2", b"first", b"again"]
 
 
 async def test_call_packed_fails_by_its_deadline_and_later_replies_stay_in_step(

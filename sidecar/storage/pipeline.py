@@ -5,7 +5,9 @@ redis-py spends more CPU per call than the whole decision (a connection checked 
 call, commands packed in Python, a task per call in places). Here a call packs its command with
 hiredis's C packer, appends it to the tick's buffer and waits on a future; the buffer is written
 once at the end of the tick, and `data_received` feeds hiredis's reader and resolves the futures
-first in, first out. No task is created per call. `call_packed` goes one step further for the
+first in, first out. No task is created per call. A call made while a protocol handles a read
+(the fast transport's request, this client's own reply; see `sidecar.batching`) ends its tick
+with that read: the write leaves before the loop polls again, instead of one turn later. `call_packed` goes one step further for the
 hot path: no future and no coroutine, the reply is handed to a callback from `data_received`.
 
 A client keeps a few connections to its server and gives each tick to the next one in turn (see
@@ -37,6 +39,8 @@ from typing import Any
 
 import hiredis
 import structlog
+
+from sidecar import batching
 
 #: After a failed connection attempt, calls fail at once for this long before the next attempt.
 RECONNECT_BACKOFF = 0.1
@@ -128,6 +132,8 @@ class _Protocol(asyncio.Protocol):
         reader = self.reader
         reader.feed(data)
         waiters = self.waiters
+        # The answers these replies complete leave when they are all handed out (see batching).
+        held = batching.begin()
         try:
             while (reply := reader.gets()) is not False:
                 future = waiters.popleft()
@@ -136,6 +142,9 @@ class _Protocol(asyncio.Protocol):
         except (hiredis.ProtocolError, IndexError) as exc:
             # A reply nobody asked for, or bytes that are not RESP: the stream is out of step.
             self.close(ConnectionLost(f"redis protocol error: {exc!r}"))
+        finally:
+            if held:
+                batching.end()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.fail(ConnectionLost(f"connection lost: {exc}" if exc else "connection closed"))
@@ -321,7 +330,8 @@ class PipelinedRedis:
         if not protocol.flush_scheduled:
             protocol.flush_scheduled = True
             self._tick = protocol
-            asyncio.get_running_loop().call_soon(self._flush, protocol)
+            if not batching.defer(self._flush, protocol):
+                asyncio.get_running_loop().call_soon(self._flush, protocol)
 
     def _flush(self, protocol: _Protocol) -> None:
         protocol.flush_scheduled = False

@@ -22,6 +22,7 @@ from collections.abc import Mapping
 
 import structlog
 
+from sidecar import batching
 from sidecar.rls.h2.calls import Calls
 from sidecar.rls.h2.connection import DEFAULT_LIMITS, Connection, Limits
 from sidecar.rls.h2.unary import CallbackMethod, CallError, Method, Status
@@ -161,7 +162,16 @@ class _Protocol(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         conn = self.conn
-        conn.receive(data)
+        # Calls answered within this read are written below, with the frames the read itself
+        # caused, and the Redis commands the calls sent leave before the loop polls again.
+        self._flush_scheduled = True
+        held = batching.begin()
+        try:
+            conn.receive(data)
+        finally:
+            self._flush_scheduled = False
+            if held:
+                batching.end()
         out = conn.data_to_send()
         transport = self.transport
         assert transport is not None
@@ -258,7 +268,8 @@ class _Protocol(asyncio.Protocol):
             )
         if not self._flush_scheduled:
             self._flush_scheduled = True
-            self.loop.call_soon(self._flush)
+            if not batching.defer(self._flush):
+                self.loop.call_soon(self._flush)
 
     def _flush(self) -> None:
         """Write what the connection queued; close it once it has nothing left to do."""
