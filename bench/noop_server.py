@@ -16,6 +16,8 @@ import signal
 import grpc
 from envoy.service.ratelimit.v3 import rls_pb2
 
+from sidecar.cli import LOOP_CHOICES, event_loop_factory
+
 SERVICE = "envoy.service.ratelimit.v3.RateLimitService"
 METHOD = "ShouldRateLimit"
 
@@ -70,8 +72,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--address", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0, help="0 picks a free port (default)")
     parser.add_argument("--transport", choices=("grpcio", "fast"), default="grpcio")
+    parser.add_argument(
+        "--loop", choices=LOOP_CHOICES, default="auto", help="event loop, as `serve --loop`"
+    )
     args = parser.parse_args(argv)
-    asyncio.run((serve_fast if args.transport == "fast" else serve)(args.address, args.port))
+    # The same loop the sidecar's `serve` runs on, so the floor is measured on equal terms.
+    with asyncio.Runner(loop_factory=event_loop_factory(args.loop)) as runner:
+        runner.run((serve_fast if args.transport == "fast" else serve)(args.address, args.port))
 
 
 if __name__ == "__main__":

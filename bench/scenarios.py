@@ -118,6 +118,13 @@ SCENARIOS: tuple[Scenario, ...] = (
         services=("redis-cluster",),
         ports=("grpc_port", "http_port"),
     ),
+    Scenario(
+        name="fast-redis-asyncio",
+        description="as fast-redis, on asyncio's own event loop (--loop asyncio) instead of uvloop",
+        command=(*_sidecar("{redis_url}", "fast"), "--loop", "asyncio"),
+        services=("redis",),
+        ports=("grpc_port", "http_port"),
+    ),
     # Each algorithm beside the fixed window above, same transport, same Redis (issue 3).
     *(
         Scenario(

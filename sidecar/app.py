@@ -87,6 +87,11 @@ class Options:
     config_poll_seconds: float = 2.0
 
 
+def loop_name(loop: asyncio.AbstractEventLoop) -> str:
+    """ "uvloop" or "asyncio": which event loop runs the sidecar (logged when it starts)."""
+    return "uvloop" if type(loop).__module__.startswith("uvloop") else "asyncio"
+
+
 def check_grpc_address(address: str) -> None:
     """`HOST:PORT` or `unix:PATH`; raises InvalidOption if malformed."""
     path = unix_path(address)
@@ -203,6 +208,7 @@ class App:
             grpc_address=options.grpc_address,
             http_address=options.http_address,
             transport=options.transport,
+            loop=loop_name(asyncio.get_running_loop()),
             backend=backend.name,
             healthy=health.healthy,
             failure_mode=options.failure_mode,

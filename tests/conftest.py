@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -183,3 +184,35 @@ async def raw(served: Served) -> AsyncIterator[Peer]:
 
 
 # --- end of HTTP/2 fixtures ------------------------------------------------------------------
+
+
+# ---------------------------------------------------------------------------------------------
+# Event loops: `serve` runs on uvloop when it is installed (`--loop auto`), and on asyncio's own
+# loop with `--loop asyncio`. The tests of the parts that touch the loop directly (the HTTP/2
+# server, the task stand-in of its calls, the pipelined Redis client, TLS, the transports end
+# to end) run on both; the others on asyncio's.
+# ---------------------------------------------------------------------------------------------
+
+BOTH_LOOPS = {
+    "test_batching.py",
+    "test_grpc.py",
+    "test_h2_calls.py",
+    "test_h2_conformance.py",
+    "test_h2_streams.py",
+    "test_pipeline.py",
+    "test_redis_backend.py",
+    "test_redis_tls.py",
+}
+
+
+def pytest_asyncio_loop_factories(
+    config: pytest.Config, item: pytest.Item
+) -> dict[str, Callable[[], asyncio.AbstractEventLoop]]:
+    if item.path.name not in BOTH_LOOPS:
+        return {"asyncio": asyncio.new_event_loop}
+    import uvloop
+
+    return {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
+
+
+# --- end of event loop hooks -----------------------------------------------------------------

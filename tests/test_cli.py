@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -169,6 +171,46 @@ async def test_serve_exits_2_on_a_backend_url_it_cannot_use(tmp_path: Path) -> N
 
     assert status == 2
     assert "unsupported backend URL 'postgres://db'" in served.output()
+
+
+async def test_serve_runs_on_uvloop_when_installed_and_on_asyncio_when_told(
+    tmp_path: Path,
+) -> None:
+    """`--loop auto` (the default) picks uvloop, installed with the package here; `--loop
+    asyncio` and RLS_LOOP=asyncio keep the standard library's loop. The `started` event names
+    the loop."""
+    rules = write_rules(tmp_path)
+    base = [
+        "--config",
+        str(rules),
+        "--grpc-address",
+        "127.0.0.1:0",
+        "--http-address",
+        "127.0.0.1:0",
+    ]
+    started: list[str] = []
+    for args, env in (([], {}), (["--loop", "asyncio"], {}), ([], {"RLS_LOOP": "asyncio"})):
+        async with serve_process([*base, *args], env=env) as served:
+            started += [e["loop"] for e in served.events() if e["event"] == "started"]
+    assert started == ["uvloop", "asyncio", "asyncio"]
+
+
+def test_loop_uvloop_without_uvloop_is_a_usage_error(tmp_path: Path) -> None:
+    """Where uvloop is not installed, `--loop auto` falls back to asyncio's loop, and `--loop
+    uvloop` stops the start with exit 2 and the fix. (A process of its own, with uvloop
+    blocked from importing, since `serve` configures logging for the whole process.)"""
+    rules = write_rules(tmp_path)
+    program = (
+        "import sys; sys.modules['uvloop'] = None\n"  # `import uvloop` raises ImportError
+        "from sidecar import cli\n"
+        "assert cli.event_loop_factory('auto') is None\n"
+        f"sys.exit(cli.main(['serve', '--config', {str(rules)!r}, '--loop', 'uvloop'], {{}}))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", program], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 2, done.stderr
+    assert "--loop uvloop: uvloop is not installed (pip install uvloop)" in done.stderr
 
 
 def _closed_port() -> int:

@@ -346,9 +346,11 @@ async def test_stopping_lets_calls_in_flight_finish_and_refuses_new_ones(
     assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
-async def test_sigterm_drains_and_exits_zero(rules: Path, transport: str) -> None:
-    """`python -m sidecar serve` on SIGTERM: every call the server decided is answered (calls that
-    race the signal may be refused, never cut off), it logs `stopped` and exits 0."""
+@pytest.mark.parametrize("loop", ["uvloop", "asyncio"])
+async def test_sigterm_drains_and_exits_zero(rules: Path, transport: str, loop: str) -> None:
+    """`python -m sidecar serve` on SIGTERM, on either event loop: every call the server decided
+    is answered (calls that race the signal may be refused, never cut off), it logs `stopped`
+    and exits 0."""
     args = [
         "--config",
         str(rules),
@@ -358,6 +360,8 @@ async def test_sigterm_drains_and_exits_zero(rules: Path, transport: str) -> Non
         "127.0.0.1:0",
         "--transport",
         transport,
+        "--loop",
+        loop,
     ]
     async with serve_process(args) as served, client(served.grpc_port) as rls:
         first = await rls.should_rate_limit(request("test", USER))
@@ -379,6 +383,7 @@ async def test_sigterm_drains_and_exits_zero(rules: Path, transport: str) -> Non
     assert status == 0, served.output()
     events = served.events()
     assert len(events) == len(served.lines), "every line on stderr is a JSON log event"
+    assert [e["loop"] for e in events if e["event"] == "started"] == [loop]
     assert [e["event"] for e in events][-2:] == ["stopping", "stopped"]
     answered = 1 + codes.count(grpc.StatusCode.OK)
     assert events[-1]["total_requests"] == answered

@@ -43,19 +43,29 @@ async def connected(client: PipelinedRedis) -> None:
     raise AssertionError("the client's connections did not open")
 
 
+class CountingTransport:
+    """A connection's transport that counts its writes (uvloop's transports take no new
+    attributes, so the protocol is handed this stand-in instead)."""
+
+    def __init__(self, transport: Any, writes: dict[int, int], index: int) -> None:
+        self._transport = transport
+        self._writes = writes
+        self._index = index
+
+    def write(self, data: bytes) -> None:
+        self._writes[self._index] += 1
+        self._transport.write(data)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+
 def count_writes(client: PipelinedRedis) -> dict[int, int]:
     """From now on, count the writes on each open connection of `client`, by its index."""
     writes = dict.fromkeys(range(len(client._connections)), 0)
     for index, protocol in enumerate(client._connections):
         assert protocol is not None and protocol.transport is not None
-        transport: Any = protocol.transport
-        write = transport.write
-
-        def counting(data: bytes, index: int = index, write: Any = write) -> None:
-            writes[index] += 1
-            write(data)
-
-        transport.write = counting
+        protocol.transport = CountingTransport(protocol.transport, writes, index)  # type: ignore[assignment]
     return writes
 
 

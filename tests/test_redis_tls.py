@@ -117,6 +117,8 @@ async def test_rediss_verifies_the_server_and_sends_a_client_certificate(
 ) -> None:
     """With the CA and a client certificate, calls go over TLS to a server that requires one,
     and count in Redis."""
+    with tls_redis.client() as plain:  # the module's server: counts of earlier tests go
+        plain.flushall()
     backend = with_client_certificate(tls_redis, certificate[0], certificate)
     key = b"rl{mutual}|tls|60|0"
     assert await apply_and_close(backend, [hit(key)], calls=3) == [7]
@@ -169,6 +171,7 @@ async def test_rediss_cluster_reaches_every_master_over_tls(
     """rediss+cluster:// starts from one node's TLS port, learns the others' TLS ports from the
     cluster, verifies each node's certificate, and counts on all three masters."""
     cert_file, _ = certificate
+    tls_cluster.flushall()  # the module's cluster: counts of earlier tests go
     first = tls_cluster.nodes[0].tls_port
     assert first is not None
     backend = open_backend(

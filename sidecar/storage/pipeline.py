@@ -35,7 +35,7 @@ import itertools
 import ssl
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import hiredis
 import structlog
@@ -124,8 +124,8 @@ class _Protocol(asyncio.Protocol):
         self.timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        # uvloop's transports have asyncio.Transport's methods without being its subclasses.
+        self.transport = cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
         self.last_reply = time.monotonic()

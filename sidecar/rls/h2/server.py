@@ -19,6 +19,7 @@ import contextlib
 import os
 import socket
 from collections.abc import Mapping
+from typing import cast
 
 import structlog
 
@@ -150,8 +151,8 @@ class _Protocol(asyncio.Protocol):
         self._handshake_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        # uvloop's transports have asyncio.Transport's methods without being its subclasses.
+        self.transport = cast(asyncio.Transport, transport)
         self.server.protocols.add(self)
         self.conn.initiate()
         self._handshake_timer = self.loop.call_later(HANDSHAKE_TIMEOUT, self._handshake_expired)
