@@ -46,6 +46,9 @@ ROOT = Path(__file__).resolve().parent.parent
 GATEWAY = ROOT / "envoy" / "gateway.yaml"
 #: Envoy's deadline for one ShouldRateLimit call.
 ENVOY_TIMEOUT = 1.0
+#: How early Envoy's timer may fire as this process measures it: Envoy starts the timer from the
+#: time its dispatcher cached at the start of the loop iteration (seen: 0.99998 s for 1 s).
+TIMER_SLACK = 0.01
 #: The sidecar's deadline for one Redis call: longer than Envoy's, so a frozen Redis makes the
 #: sidecar answer after Envoy gave up.
 REDIS_TIMEOUT = 10.0
@@ -316,7 +319,7 @@ def test_a_call_slower_than_envoys_timeout_is_reset_and_its_late_answer_dropped(
     for response in frozen:
         assert response.status == 200
         assert "x-ratelimit-limit" not in response.headers
-        assert response.seconds >= ENVOY_TIMEOUT
+        assert response.seconds >= ENVOY_TIMEOUT - TIMER_SLACK
     assert report.socket_errors == NO_SOCKET_ERRORS
     assert report.statuses == {200: report.responses}
     timeouts = moved(before, after, RLS + "upstream_rq_timeout")
