@@ -88,7 +88,7 @@ class Options:
 
 
 def loop_name(loop: asyncio.AbstractEventLoop) -> str:
-    """ "uvloop" or "asyncio": which event loop runs the sidecar (logged when it starts)."""
+    """Which event loop runs the sidecar, "uvloop" or "asyncio" (logged when it starts)."""
     return "uvloop" if type(loop).__module__.startswith("uvloop") else "asyncio"
 
 

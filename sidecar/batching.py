@@ -2,9 +2,9 @@
 
 The HTTP/2 server and the pipelined Redis client both queue what they have to send and write
 it once per batch. Left to themselves they flush with `call_soon`, and each such flush costs
-one more turn of the event loop (an `epoll_wait` and the loop's own bookkeeping). Behind Envoy
-a turn often carries a call or two, so those turns cost about as much as the calls: a request
-read from Envoy queues a Redis command, and a reply read from Redis queues an answer.
+one more turn of the event loop (an `epoll_wait` and the loop's own bookkeeping). When calls
+come one at a time (an Envoy with little traffic), those turns cost about as much as the calls:
+a request read from Envoy queues a Redis command, and a reply read from Redis queues an answer.
 
 While a protocol handles a read inside `begin()`/`end()`, `defer` holds such flushes instead,
 and `end` runs them when the read is handled: the Redis commands a request caused, and the

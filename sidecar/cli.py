@@ -485,8 +485,8 @@ def _serve(args: argparse.Namespace) -> int:
 def event_loop_factory(name: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
     """What makes `serve`'s event loop: uvloop's for "uvloop" (and for "auto" when uvloop is
     installed), None for the standard library's. uvloop runs the loop itself (polling, timers,
-    socket reads and writes) in C: behind Envoy, where a turn of the loop carries a call or
-    two, that is about a fifth of the CPU per call."""
+    socket reads and writes) in C: when calls come one at a time, that is about a fifth of the
+    CPU per call."""
     from sidecar.app import InvalidOption
 
     if name == "asyncio":

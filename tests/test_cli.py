@@ -180,14 +180,8 @@ async def test_serve_runs_on_uvloop_when_installed_and_on_asyncio_when_told(
     asyncio` and RLS_LOOP=asyncio keep the standard library's loop. The `started` event names
     the loop."""
     rules = write_rules(tmp_path)
-    base = [
-        "--config",
-        str(rules),
-        "--grpc-address",
-        "127.0.0.1:0",
-        "--http-address",
-        "127.0.0.1:0",
-    ]
+    base = ["--config", str(rules), "--grpc-address", "127.0.0.1:0",
+            "--http-address", "127.0.0.1:0"]  # fmt: skip
     started: list[str] = []
     for args, env in (([], {}), (["--loop", "asyncio"], {}), ([], {"RLS_LOOP": "asyncio"})):
         async with serve_process([*base, *args], env=env) as served:

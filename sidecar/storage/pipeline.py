@@ -5,10 +5,11 @@ redis-py spends more CPU per call than the whole decision (a connection checked 
 call, commands packed in Python, a task per call in places). Here a call packs its command with
 hiredis's C packer, appends it to the tick's buffer and waits on a future; the buffer is written
 once at the end of the tick, and `data_received` feeds hiredis's reader and resolves the futures
-first in, first out. No task is created per call. A call made while a protocol handles a read
-(the fast transport's request, this client's own reply; see `sidecar.batching`) ends its tick
-with that read: the write leaves before the loop polls again, instead of one turn later. `call_packed` goes one step further for the
+first in, first out. No task is created per call. `call_packed` goes one step further for the
 hot path: no future and no coroutine, the reply is handed to a callback from `data_received`.
+A call made while a protocol handles a read (the fast transport's request, this client's own
+reply; see `sidecar.batching`) ends its tick with that read: the write leaves before the loop
+polls again, instead of one turn later.
 
 A client keeps a few connections to its server and gives each tick to the next one in turn (see
 `PipelinedRedis`). A call has a deadline: its own (`deadline=`, in the event loop's time), or
