@@ -163,14 +163,12 @@ class _Protocol(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         conn = self.conn
-        # Calls answered within this read are written below, with the frames the read itself
-        # caused, and the Redis commands the calls sent leave before the loop polls again.
-        self._flush_scheduled = True
+        # What the calls of this read answered and sent to Redis leaves as the read ends (see
+        # batching), before the loop polls again; the write below takes what is left.
         held = batching.begin()
         try:
             conn.receive(data)
         finally:
-            self._flush_scheduled = False
             if held:
                 batching.end()
         out = conn.data_to_send()
