@@ -8,6 +8,7 @@ Names follow Envoy's vocabulary (`domain`, `descriptor`, `entry`, `hits_addend`,
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -214,6 +215,9 @@ class Hit:
     the counter is one field of the hash at `key` (`group_counters`, see `storage.keys`), and
     `previous_field` names the previous window's field in that hash; `ttl` is then how long the
     hash must live at least for this field.
+
+    `counter` is what the over-limit cache knows the counter by: its key, its field and the
+    window's limit (worked out once, as `Window.plain` is: it is read on every call).
     """
 
     key: bytes
@@ -227,6 +231,11 @@ class Hit:
     end_ms: int = 0
     field: bytes = b""
     previous_field: bytes = b""
+    # (`field` here is the attribute above: the function is reached through its module.)
+    counter: tuple[bytes, bytes, int] = dataclasses.field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        _derived(self, "counter", (self.key, self.field, self.window.requests_per_unit))
 
     @property
     def limit(self) -> int:
@@ -285,3 +294,10 @@ class Decision(NamedTuple):
 
     overall_code: Code
     statuses: tuple[DescriptorStatus, ...] = ()
+
+
+#: Builds one of the NamedTuples above from all its fields, in order, as
+#: `new(Outcome, (over, remaining, reset_ms, applied, left_before))`. A NamedTuple's own
+#: `__new__` is a Python function (it fills in the defaults) that costs twice as much: the hot
+#: path, which builds a few per call, uses this instead.
+new = tuple.__new__

@@ -414,11 +414,12 @@ class RedisClusterBackend:
         CLUSTERDOWN, NOSCRIPT), after which the coroutine sends the call again and follows
         the redirection. Nothing ran, so nothing is counted twice.
         """
-        deadline = asyncio.get_running_loop().time() + self._timeout
         master = self._master_of_all(hits)
         if master is None:
+            deadline = asyncio.get_running_loop().time() + self._timeout
             self._apply_in_task(hits, all_or_nothing, now_ms, deadline, done)
             return
+        deadline = master.time() + self._timeout
         mode = MODE_ALL_OR_NOTHING if all_or_nothing else MODE_ADD
 
         def replied(reply: Any) -> None:

@@ -49,7 +49,21 @@ RECONNECT_BACKOFF = 0.1
 #: Connections per server, unless told otherwise.
 CONNECTIONS = 2
 
+_NEVER = float("inf")
+
 log = structlog.get_logger("sidecar.storage.pipeline")
+
+
+def _running_loop_time() -> float:
+    return asyncio.get_running_loop().time()
+
+
+def _clock_of(loop: asyncio.AbstractEventLoop) -> Callable[[], float]:
+    """`loop.time`; for asyncio's own loops, the clock it reads (the same time, one Python call
+    less per read)."""
+    if type(loop).time is asyncio.BaseEventLoop.time:
+        return time.monotonic
+    return loop.time
 
 
 class RedisReplyError(Exception):
@@ -81,14 +95,19 @@ class Reply:
         return self._done
 
     def set_result(self, reply: Any) -> None:
-        self._settle(
-            RedisReplyError(str(reply)) if isinstance(reply, hiredis.ReplyError) else reply
-        )
+        # The settling of `set_exception`, written out: this runs once per call on the hot path.
+        if self._done:
+            return
+        self._done = True
+        callback, self._callback = self._callback, _settled
+        if isinstance(reply, hiredis.ReplyError):
+            reply = RedisReplyError(str(reply))
+        try:
+            callback(reply)
+        except Exception as exc:  # a bug in the callback: the connection's other calls go on
+            log.exception("redis_callback_failed", error=repr(exc))
 
     def set_exception(self, exc: BaseException) -> None:
-        self._settle(exc)
-
-    def _settle(self, outcome: Any) -> None:
         if self._done:
             return
         self._done = True
@@ -96,9 +115,9 @@ class Reply:
         # until its deadline comes up.
         callback, self._callback = self._callback, _settled
         try:
-            callback(outcome)
-        except Exception as exc:  # a bug in the callback: the connection's other calls go on
-            log.exception("redis_callback_failed", error=repr(exc))
+            callback(exc)
+        except Exception as error:  # a bug in the callback: the connection's other calls go on
+            log.exception("redis_callback_failed", error=repr(error))
 
 
 def _settled(outcome: Any) -> None:
@@ -123,6 +142,7 @@ class _Protocol(asyncio.Protocol):
         # set for the earliest; entries whose future is done are dropped when they come up.
         self.deadlines: list[tuple[float, int, Waiter]] = []
         self.timer: asyncio.TimerHandle | None = None
+        self.timer_at = _NEVER  # when `timer` fires (its `when()` is a call per call to read)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports have asyncio.Transport's methods without being its subclasses.
@@ -138,7 +158,8 @@ class _Protocol(asyncio.Protocol):
         try:
             while (reply := reader.gets()) is not False:
                 future = waiters.popleft()
-                if not future.done():
+                # A Reply settles once on its own: it needs no `done()` asked first.
+                if type(future) is Reply or not future.done():
                     future.set_result(reply)
         except (hiredis.ProtocolError, IndexError) as exc:
             # A reply nobody asked for, or bytes that are not RESP: the stream is out of step.
@@ -155,6 +176,7 @@ class _Protocol(asyncio.Protocol):
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
+            self.timer_at = _NEVER
         self.deadlines.clear()
         waiters = self.waiters
         while waiters:
@@ -210,6 +232,10 @@ class PipelinedRedis:
         self._order = itertools.count()
         # Calls of `call_packed` waiting for a connection (kept: the loop holds tasks weakly).
         self._waiting: set[asyncio.Task[None]] = set()
+        #: The event loop's time, which deadlines are in: the clock of the loop the connections
+        #: run on, once one is opened. Asking `asyncio.get_running_loop()` costs a system call
+        #: (getpid) on CPython 3.11, once per call on the hot path.
+        self.time: Callable[[], float] = _running_loop_time
 
     async def execute(self, *args: Any, deadline: float | None = None) -> Any:
         """Send one command and wait for its reply; error replies raise RedisReplyError.
@@ -258,6 +284,13 @@ class PipelinedRedis:
                 self._waiting.add(task)
                 task.add_done_callback(functools.partial(self._call_ended, reply))
                 return
+        elif deadline >= protocol.timer_at:
+            # The tick's connection, its timer already set to fire earlier: `_send` and
+            # `_keep_deadline` with nothing to schedule, inline, as most calls are.
+            protocol.waiters.append(reply)
+            protocol.buffer.append(packed)
+            heapq.heappush(protocol.deadlines, (deadline, next(self._order), reply))
+            return
         self._send(protocol, packed, reply)
         self._keep_deadline(protocol, deadline, reply)
 
@@ -319,11 +352,11 @@ class PipelinedRedis:
         """Fail `future` at `deadline` unless answered: the connection's heap, and its one timer
         moved earlier when this deadline is the earliest."""
         heapq.heappush(protocol.deadlines, (deadline, next(self._order), future))
-        timer = protocol.timer
-        if timer is None or deadline < timer.when():
-            if timer is not None:
-                timer.cancel()
+        if deadline < protocol.timer_at:
+            if protocol.timer is not None:
+                protocol.timer.cancel()
             protocol.timer = asyncio.get_running_loop().call_at(deadline, self._expire, protocol)
+            protocol.timer_at = deadline
 
     def _send(self, protocol: _Protocol, packed: bytes, future: Waiter) -> None:
         protocol.waiters.append(future)
@@ -358,6 +391,7 @@ class PipelinedRedis:
     def _expire(self, protocol: _Protocol) -> None:
         """Fail the calls whose deadline has passed; set the timer for the next one."""
         protocol.timer = None
+        protocol.timer_at = _NEVER
         loop = asyncio.get_running_loop()
         now = loop.time()
         deadlines = protocol.deadlines
@@ -373,7 +407,8 @@ class PipelinedRedis:
         if expired:
             self._check_stalled(protocol)
         if deadlines and protocol.lost is None:
-            protocol.timer = loop.call_at(deadlines[0][0], self._expire, protocol)
+            protocol.timer_at = deadlines[0][0]
+            protocol.timer = loop.call_at(protocol.timer_at, self._expire, protocol)
 
     def _check_stalled(self, protocol: _Protocol) -> None:
         """A call gave up: if the server has answered nothing for as long, drop the connection."""
@@ -422,6 +457,7 @@ class PipelinedRedis:
 
     async def _open(self) -> _Protocol:
         loop = asyncio.get_running_loop()
+        self.time = _clock_of(loop)
         async with asyncio.timeout(self._connect_timeout):
             _, protocol = await loop.create_connection(
                 _Protocol,
@@ -470,6 +506,7 @@ class PipelinedRedis:
         self._opening = [None] * len(self._opening)
         connections, self._connections = self._connections, [None] * len(self._connections)
         self._tick = None
+        self.time = _running_loop_time
         for protocol in connections:
             if protocol is not None and protocol.transport is not None:
                 protocol.fail(ConnectionLost("client closed"))

@@ -35,7 +35,7 @@ from sidecar.algorithms.decide import Address, State
 from sidecar.algorithms.token_bucket import Bucket
 from sidecar.algorithms.windows import FIELD_GRACE
 from sidecar.errors import StorageError
-from sidecar.model import Dedupe, Hit, Outcome, Role
+from sidecar.model import Dedupe, Hit, Outcome, Role, new
 from sidecar.storage.base import Applied
 from sidecar.storage.pipeline import PipelinedRedis, RedisReplyError
 
@@ -148,7 +148,8 @@ class ApplyPacker:
             keys.append(entry[1])
             args.append(entry[2])
         n = len(hits)
-        return b"".join((_head(n), *keys, _bulk(mode), now, _bulk(n), _GRACE, *args))
+        count = _SMALL_BULKS[n] if n < _SMALL else _bulk(n)
+        return b"".join((_head(n), *keys, _SMALL_BULKS[mode], now, count, _GRACE, *args))
 
     def _pack(self, hit: Hit) -> tuple[Hit, bytes, bytes, bytes, bytes]:
         parts = self._parts
@@ -241,12 +242,15 @@ def _outcomes(hits: Sequence[Hit], reply: Reply, now_ms: int) -> list[Outcome]:
         over, remaining, reset_ms, applied, left_before = reply
         end_ms = hits[0].end_ms
         return [
-            Outcome(
-                over == 1,
-                remaining,
-                end_ms - now_ms if end_ms else reset_ms,
-                applied == 1,
-                left_before,
+            new(
+                Outcome,
+                (
+                    over == 1,
+                    remaining,
+                    end_ms - now_ms if end_ms else reset_ms,
+                    applied == 1,
+                    left_before,
+                ),
             )
         ]
     outcomes = []
@@ -254,7 +258,7 @@ def _outcomes(hits: Sequence[Hit], reply: Reply, now_ms: int) -> list[Outcome]:
         over, remaining, reset_ms, applied, left_before = reply[5 * index : 5 * index + 5]
         if hit.end_ms:  # a window (a bucket has no end: the script works out its reset)
             reset_ms = hit.end_ms - now_ms
-        outcomes.append(Outcome(over == 1, remaining, reset_ms, applied == 1, left_before))
+        outcomes.append(new(Outcome, (over == 1, remaining, reset_ms, applied == 1, left_before)))
     return outcomes
 
 
@@ -373,9 +377,17 @@ class RedisBackend:
             done([])
             return
         mode = MODE_ALL_OR_NOTHING if all_or_nothing else MODE_ADD
-        deadline = asyncio.get_running_loop().time() + self._timeout
+        deadline = self._client.time() + self._timeout
 
         def replied(reply: Any) -> None:
+            if type(reply) is list:  # the script's answer: `applied`, inline
+                try:
+                    outcomes = _outcomes(hits, reply, now_ms)
+                except Exception as exc:  # a reply of the wrong shape: a bug, not an outage
+                    done(exc)
+                    return
+                done(outcomes)
+                return
             if isinstance(reply, RedisReplyError) and str(reply).startswith("NOSCRIPT"):
                 # The script cache is empty (see _run_pipelined): EVAL, by the same deadline.
                 command = tuple(_eval(_command(hits, mode, now_ms)))
