@@ -21,7 +21,7 @@ import structlog
 from sidecar.algorithms import fixed_window
 from sidecar.config import Rules
 from sidecar.errors import InvalidRequest, StorageError
-from sidecar.model import Code, Decision, DescriptorStatus, Hit, Outcome, Request, Role
+from sidecar.model import Code, Decision, DescriptorStatus, Hit, Outcome, Request, Role, new
 from sidecar.over_limit_cache import OverLimitCache
 from sidecar.plan import Counted, Plan, prepare
 from sidecar.stats import Stats
@@ -228,12 +228,15 @@ class Limiter:
             rules[found.metric_key].record(
                 allowed, max(0, allowed - left_before), item.cost, over, shadow
             )
-            statuses[item.index] = DescriptorStatus(
-                _OVER_LIMIT if over and not shadow else _OK,
-                limit,
-                remaining,
-                -(-reset_ms // 1000),
-                window,
+            statuses[item.index] = new(
+                DescriptorStatus,
+                (
+                    _OVER_LIMIT if over and not shadow else _OK,
+                    limit,
+                    remaining,
+                    -(-reset_ms // 1000),
+                    window,
+                ),
             )
             if over:
                 any_over = True
@@ -241,11 +244,13 @@ class Limiter:
                     for position in range(first, first + count):
                         hit = hits[position]
                         if outcomes[position].over and hit.window.plain:
-                            cache.put(_cache_key(hit), hit.limit, hit.end_ms, now_ms)
+                            cache.put(hit.counter, hit.end_ms, now_ms)
         if plan.blocking_only:
             # Every descriptor blocks: the request is over exactly when one is (one answered
             # from the over-limit cache is over).
-            return self._answer(any_over or len(judged) > len(counted), statuses)
+            if not any_over and len(judged) == len(counted):
+                return new(Decision, (_OK, tuple(statuses)))  # `_answer`, inline
+            return self._answer(True, statuses)
         return self._overall(judged, statuses)
 
     def _overall(
@@ -259,9 +264,9 @@ class Limiter:
         """The decision for a request that is `over` or not, after global shadow mode."""
         if over:
             if not self.settings.shadow_mode:
-                return Decision(_OVER_LIMIT, tuple(statuses))
+                return new(Decision, (_OVER_LIMIT, tuple(statuses)))
             self.stats.global_shadow_mode += 1
-        return Decision(_OK, tuple(statuses))
+        return new(Decision, (_OK, tuple(statuses)))
 
     def _cached(
         self, cache: OverLimitCache, item: Counted, windows: list[Hit], now_ms: int
@@ -271,7 +276,7 @@ class Limiter:
             window = hit.window
             if not window.plain:
                 continue
-            end = cache.get(_cache_key(hit), window.requests_per_unit, now_ms)
+            end = cache.get(hit.counter, now_ms)
             if end is None:
                 continue
             limit = item.match.limit
@@ -342,9 +347,3 @@ def most_restrictive(outcomes: Sequence[Judged]) -> int:
         if outcome.remaining < outcomes[chosen].remaining:
             chosen = position
     return chosen
-
-
-def _cache_key(hit: Hit) -> bytes:
-    """The over-limit cache's name for a hit's counter: its key, or hash key and field (a key
-    never has a NUL right after its hash tag, so the two kinds cannot meet)."""
-    return hit.key + b"\0" + hit.field if hit.field else hit.key

@@ -14,29 +14,32 @@ request must still be judged as a whole.
 
 from __future__ import annotations
 
+#: A counter as the cache knows it: its key, its field (empty for a counter under its own key)
+#: and its window's limit (`Hit.counter`), so a rule that changes the limit starts afresh.
+Counter = tuple[bytes, bytes, int]
+
 
 class OverLimitCache:
-    """Counter keys (with their limit) mapped to the Unix ms when their window ends."""
+    """Counters mapped to the Unix ms when their over-limit window ends."""
 
     def __init__(self, max_entries: int) -> None:
         self.max_entries = max_entries
-        self._ends: dict[tuple[bytes, int], int] = {}
+        self._ends: dict[Counter, int] = {}
 
     def __len__(self) -> int:
         return len(self._ends)
 
-    def get(self, key: bytes, limit: int, now_ms: int) -> int | None:
-        """When the over-limit window of `key` ends, or None if it is not known to be over."""
-        entry = (key, limit)
-        end = self._ends.get(entry)
+    def get(self, counter: Counter, now_ms: int) -> int | None:
+        """When the over-limit window of `counter` ends, or None if it is not known to be over."""
+        end = self._ends.get(counter)
         if end is None:
             return None
         if end <= now_ms:
-            del self._ends[entry]
+            del self._ends[counter]
             return None
         return end
 
-    def put(self, key: bytes, limit: int, end_ms: int, now_ms: int) -> None:
+    def put(self, counter: Counter, end_ms: int, now_ms: int) -> None:
         ends = self._ends
         if len(ends) >= self.max_entries:
             for stale in [e for e, end in ends.items() if end <= now_ms]:
@@ -44,4 +47,4 @@ class OverLimitCache:
             if len(ends) >= self.max_entries:
                 # Still full of live windows: start again rather than grow without bound.
                 ends.clear()
-        ends[(key, limit)] = end_ms
+        ends[counter] = end_ms

@@ -72,32 +72,38 @@ _CODE_FIELD = tuple(
 #: A whole status holding only its code, by Code number.
 _BARE_STATUS = tuple(b"\x12" + _SMALL_VARINTS[len(body)] + body for body in _CODE_FIELD)
 
-#: Encoded `current_limit` fields by the identity of their Window, which the entry keeps alive so
-#: the id cannot be reused. Rules give a handful of limits; overrides give one per request, so
-#: the cache is emptied whenever it grows past this size.
+#: A `duration_until_reset` of 1 to 127 seconds, the usual reset: a Duration of one small field.
+_SMALL_DURATIONS = (b"", *(b"\x22\x02\x08" + _SMALL_VARINTS[s] for s in range(1, 0x80)))
+
+#: A status's `code` and `current_limit` fields, by Code number, for each Window by its
+#: identity, which the entry keeps alive so the id cannot be reused. Rules give a handful of
+#: limits; overrides give one per request, so the cache is emptied whenever it grows past this
+#: size.
 _CURRENT_LIMIT_CACHE_SIZE = 4_096
-_current_limits: dict[int, tuple[Window, bytes]] = {}
+_current_limits: dict[int, tuple[Window, tuple[bytes, ...]]] = {}
 
 
 def response_bytes(decision: Decision) -> bytes:
     """The wire bytes of the `RateLimitResponse` for `decision`."""
-    parts = [_CODE_FIELD[decision.overall_code]]
+    overall, statuses = decision
+    parts = [_CODE_FIELD[overall]]
     # Unpacked in one step: a status's fields read by name cost a lookup each.
-    for code, limit, remaining, seconds, window in decision.statuses:
+    for code, limit, remaining, seconds, window in statuses:
         if limit is None and not remaining and seconds is None:
             parts.append(_BARE_STATUS[code])
             continue
-        body = _CODE_FIELD[code]
         if limit is not None and not limit.unlimited:
             if window is None:
                 window = limit.windows[0]
             cached = _current_limits.get(id(window))
-            body += cached[1] if cached is not None else _current_limit(window)
+            body = (cached[1] if cached is not None else _current_limit(window))[code]
+        else:
+            body = _CODE_FIELD[code]
         if remaining:
             body += b"\x18" + _varint(remaining)
         if seconds is not None:
-            if 0 < seconds < 0x80:  # the usual reset: a duration of one small field
-                body += b"\x22\x02\x08" + _SMALL_VARINTS[seconds]
+            if 0 < seconds < 0x80:
+                body += _SMALL_DURATIONS[seconds]
             elif seconds:
                 duration = b"\x08" + _varint(seconds)
                 body += b"\x22" + _SMALL_VARINTS[len(duration)] + duration
@@ -110,8 +116,8 @@ def response_bytes(decision: Decision) -> bytes:
     return b"".join(parts)
 
 
-def _current_limit(window: Window) -> bytes:
-    """Encode a window's `current_limit` field and remember it."""
+def _current_limit(window: Window) -> tuple[bytes, ...]:
+    """Encode a window's `current_limit` field after each `code` field, and remember them."""
     body = b""
     if window.requests_per_unit:
         body += b"\x08" + _varint(window.requests_per_unit)
@@ -122,8 +128,9 @@ def _current_limit(window: Window) -> bytes:
     encoded = b"\x12" + _varint(len(body)) + body
     if len(_current_limits) >= _CURRENT_LIMIT_CACHE_SIZE:
         _current_limits.clear()
-    _current_limits[id(window)] = (window, encoded)
-    return encoded
+    by_code = tuple(code + encoded for code in _CODE_FIELD)
+    _current_limits[id(window)] = (window, by_code)
+    return by_code
 
 
 def _varint(value: int) -> bytes:
