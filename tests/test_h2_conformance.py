@@ -7,6 +7,7 @@ for: answers, RST_STREAM codes for stream errors, GOAWAY codes for connection er
 
 from __future__ import annotations
 
+import asyncio
 import struct
 
 import pytest
@@ -46,7 +47,7 @@ from h2peer import (
     request_headers,
     stream_error,
 )
-from h2served import BUG, ECHO, FAIL, MAX_STREAMS, Served
+from h2served import BUG, ECHO, FAIL, MAX_STREAMS, THEN, Served
 from hyperframe.frame import (
     DataFrame,
     HeadersFrame,
@@ -115,6 +116,44 @@ async def test_a_call_that_fails_is_trailers_only(
         b"grpc-status": status,
         b"grpc-message": message,
     }
+
+
+@pytest.mark.parametrize(
+    ("message", "data", "trailers"),
+    [
+        (b"now", b"answered now", {b"grpc-status": b"0"}),
+        (b"later", b"answered later", {b"grpc-status": b"0"}),
+        (b"twice", b"first", {b"grpc-status": b"0"}),
+        (b"raise", None, (b"9", b"mapped KeyError('raised')")),
+        (b"error later", None, (b"9", b"mapped KeyError('answered')")),
+        (b"call-error", None, (b"5", b"as it is")),
+    ],
+    ids=["now", "later", "twice", "raise", "error-later", "call-error"],
+)
+async def test_a_callback_method_answers_once_its_errors_mapped_and_its_duration_observed(
+    peer: Peer,
+    served: Served,
+    message: bytes,
+    data: bytes | None,
+    trailers: dict[bytes, bytes] | tuple[bytes, bytes],
+) -> None:
+    """A CallbackMethod's first answer is the one sent, at once or later; an exception it
+    raises or answers goes through its `errors` (a CallError does not), and `observe` gets one
+    duration per call."""
+    peer.start()
+    stream_id = peer.call(THEN, message)
+    got = await answered(peer, stream_id)
+
+    if data is not None:
+        assert peer.data[stream_id] == grpc_message(data)
+        assert got == trailers
+    else:
+        assert isinstance(trailers, tuple)
+        assert peer.kinds(stream_id) == ["HeadersFrame"]
+        assert (got[b"grpc-status"], got[b"grpc-message"]) == trailers
+    await asyncio.sleep(0.01)  # a second answer, if any, has come and gone
+    assert len(served.methods.durations) == 1 and served.methods.durations[0] >= 0
+    assert len(peer.kinds(stream_id)) == (3 if data is not None else 1)  # one answer only
 
 
 # --- header blocks: CONTINUATION, padding, priority, HPACK -------------------------------------

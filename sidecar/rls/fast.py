@@ -22,7 +22,7 @@ from sidecar.errors import InvalidRequest, StorageError, UnknownDomain
 from sidecar.metrics import Latency
 from sidecar.rls import frequency
 from sidecar.rls.h2.server import H2Server
-from sidecar.rls.h2.unary import Answer, CallbackMethod, CallError, Method, Status
+from sidecar.rls.h2.unary import CallbackMethod, CallError, Method, Status
 from sidecar.rls.server import HEALTH_SERVICE_NAME, METHOD
 from sidecar.rls.service import RateLimitService
 
@@ -60,8 +60,13 @@ class FastServer:
         self._stopping = False
         self._logged_errors: set[type[BaseException]] = set()
         methods: dict[str, Method | CallbackMethod] = {
-            # Through a callback when the backend answers so (every backend here): the hot path.
-            METHOD: CallbackMethod(self._should_rate_limit_then)
+            # Through a callback when the backend answers so (every backend here): the hot path,
+            # the service's own method, timed and its errors turned into statuses by the server.
+            METHOD: CallbackMethod(
+                service.should_rate_limit_then,
+                errors=self._should_rate_limit_error,
+                observe=self.latency.observe,
+            )
             if service.limiter.answers_then
             else self._should_rate_limit,
             HEALTH_CHECK: self._check,
@@ -100,19 +105,6 @@ class FastServer:
             raise self._should_rate_limit_error(exc) from exc
         finally:
             self.latency.observe(time.perf_counter() - started)
-
-    def _should_rate_limit_then(self, request: bytes, answer: Answer) -> None:
-        """`_should_rate_limit` for a limiter that answers through a callback."""
-        started = time.perf_counter()
-
-        def done(result: bytes | Exception) -> None:
-            self.latency.observe(time.perf_counter() - started)
-            answer(result if isinstance(result, bytes) else self._should_rate_limit_error(result))
-
-        try:
-            self.service.should_rate_limit_then(request, done)
-        except Exception as exc:  # the server ignores this answer if `done` has answered
-            done(exc)
 
     def _should_rate_limit_error(self, exc: Exception) -> CallError:
         """The status for what ShouldRateLimit raised: INVALID_ARGUMENT, else a bug (INTERNAL)."""

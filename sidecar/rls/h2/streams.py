@@ -12,6 +12,8 @@ answer comes back (and is dropped): opening and resetting streams cannot pile up
 
 from __future__ import annotations
 
+import struct
+
 from sidecar.rls.h2 import fields, frames
 from sidecar.rls.h2.fields import Head
 from sidecar.rls.h2.frames import ErrorCode, H2ConnectionError, H2StreamError
@@ -31,6 +33,11 @@ _END_HEADERS = frames.END_HEADERS
 _END_ALL = frames.END_HEADERS | frames.END_STREAM
 _RESPONSE_HEADERS = fields.RESPONSE_HEADERS
 _TRAILERS_OK = fields.TRAILERS_OK
+#: The usual answer up to its message, in one pack: HEADERS (response headers), the DATA frame's
+#: header and the message's prefix. Then the message, and the trailers' frame.
+#: (Each frame header is `frames.HEADER`'s >BHBBL.)
+_ANSWER_HEAD = struct.Struct(f">BHBBL{len(_RESPONSE_HEADERS)}sBHBBLBL").pack
+_TRAILERS_OK_FRAME = struct.Struct(f">BHBBL{len(_TRAILERS_OK)}s").pack
 
 
 class Stream:
@@ -111,9 +118,14 @@ class Streams:
 
     def respond(self, stream_id: int, message: bytes) -> None:
         """Answer a call with OK and `message` (dropped if the stream is gone)."""
-        stream = self._take_call(stream_id)
-        if stream is None:
-            return
+        calls = self.calls
+        stream = self.streams.get(stream_id)
+        if stream is not None and stream_id in calls and not self.closed:
+            calls.remove(stream_id)  # `_take_call` for a call whose stream is open, inline
+        else:
+            stream = self._take_call(stream_id)
+            if stream is None:
+                return
         size = len(message) + PREFIX_SIZE
         if (
             size <= stream.send_window
@@ -130,21 +142,31 @@ class Streams:
             stream.send_window -= size
             stream_id = stream.id
             self.out.append(
-                b"".join(
-                    (
-                        _FRAME(0, len(_RESPONSE_HEADERS), _HEADERS, _END_HEADERS, stream_id),
-                        _RESPONSE_HEADERS,
-                        _FRAME(size >> 16, size & 0xFFFF, _DATA, 0, stream_id),
-                        b"\0",
-                        len(message).to_bytes(4),
-                        message,
-                        _FRAME(0, len(_TRAILERS_OK), _HEADERS, _END_ALL, stream_id),
-                        _TRAILERS_OK,
-                    )
+                _ANSWER_HEAD(
+                    0,
+                    len(_RESPONSE_HEADERS),
+                    _HEADERS,
+                    _END_HEADERS,
+                    stream_id,
+                    _RESPONSE_HEADERS,
+                    size >> 16,
+                    size & 0xFFFF,
+                    _DATA,
+                    0,
+                    stream_id,
+                    0,  # the message's prefix: not compressed, and its length
+                    size - PREFIX_SIZE,
+                )
+                + message
+                + _TRAILERS_OK_FRAME(
+                    0, len(_TRAILERS_OK), _HEADERS, _END_ALL, stream_id, _TRAILERS_OK
                 )
             )
             del self.streams[stream_id]
-            self.remember(stream_id, False)
+            remembered = self.closed_streams
+            remembered[stream_id] = False  # `remember`, inline
+            if len(remembered) > 2 * CLOSED_STREAMS_REMEMBERED:
+                self._forget_oldest()
             return
         self.answer(stream, _RESPONSE_HEADERS, message_frame(message), _TRAILERS_OK)
 
@@ -284,10 +306,13 @@ class Streams:
         remembered = self.closed_streams
         remembered[stream_id] = closed_by_us
         if len(remembered) > 2 * CLOSED_STREAMS_REMEMBERED:
-            # Forgotten in bulk: dropping the oldest one at a time from a dict costs a walk
-            # over the holes earlier deletions left at its front.
-            kept = list(remembered.items())[-CLOSED_STREAMS_REMEMBERED:]
-            self.closed_streams = dict(kept)
+            self._forget_oldest()
+
+    def _forget_oldest(self) -> None:
+        # Forgotten in bulk: dropping the oldest one at a time from a dict costs a walk over the
+        # holes earlier deletions left at its front.
+        kept = list(self.closed_streams.items())[-CLOSED_STREAMS_REMEMBERED:]
+        self.closed_streams = dict(kept)
 
     def fail(self, code: ErrorCode, reason: str) -> None:
         """A connection error: GOAWAY with `code`, then nothing more is read or answered."""

@@ -30,12 +30,23 @@ class CallbackMethod:
 
     `handle(message, answer)` calls `answer` exactly once, at once or later from the event loop
     (a second answer is ignored). An exception `handle` raises before it answers is the answer.
+    `errors` turns an exception other than CallError into the CallError to answer with (without
+    it, such an exception is a bug, answered INTERNAL). `observe` gets each call's duration in
+    seconds, from the request's arrival to its answer.
     """
 
-    __slots__ = ("handle",)
+    __slots__ = ("errors", "handle", "observe")
 
-    def __init__(self, handle: Callable[[bytes, Answer], None]) -> None:
+    def __init__(
+        self,
+        handle: Callable[[bytes, Answer], None],
+        *,
+        errors: Callable[[Exception], CallError] | None = None,
+        observe: Callable[[float], None] | None = None,
+    ) -> None:
         self.handle = handle
+        self.errors = errors
+        self.observe = observe
 
 
 class Status(enum.IntEnum):
