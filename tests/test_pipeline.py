@@ -225,6 +225,21 @@ async def test_many_calls_with_deadlines_leave_no_pending_deadline(
         assert protocol is None or (protocol.deadlines == [] and protocol.timer is None)
 
 
+async def test_the_clock_of_deadlines_is_the_loops_before_and_after_connecting(
+    client: PipelinedRedis,
+) -> None:
+    """`time()`, which deadlines are in, reads the running loop's time before any connection
+    and the connections' loop's clock after (no get_running_loop per call), on either loop;
+    a closed client asks the running loop again."""
+    loop = asyncio.get_running_loop()
+    assert abs(client.time() - loop.time()) < 0.05
+    await connected(client)
+    assert abs(client.time() - loop.time()) < 0.05
+    assert client.time in (time.monotonic, loop.time)  # asyncio's loop reads time.monotonic
+    await client.close()
+    assert abs(client.time() - loop.time()) < 0.05
+
+
 @pytest.fixture
 def protected(tmp_path: Path) -> Iterator[RedisServer]:
     """A redis-server of the test's own that wants a password."""
