@@ -380,14 +380,6 @@ class RedisBackend:
         deadline = self._client.time() + self._timeout
 
         def replied(reply: Any) -> None:
-            if type(reply) is list:  # the script's answer: `applied`, inline
-                try:
-                    outcomes = _outcomes(hits, reply, now_ms)
-                except Exception as exc:  # a reply of the wrong shape: a bug, not an outage
-                    done(exc)
-                    return
-                done(outcomes)
-                return
             if isinstance(reply, RedisReplyError) and str(reply).startswith("NOSCRIPT"):
                 # The script cache is empty (see _run_pipelined): EVAL, by the same deadline.
                 command = tuple(_eval(_command(hits, mode, now_ms)))
