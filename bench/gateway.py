@@ -77,6 +77,25 @@ class Result:
     without: Measurement | None = None
     with_filter: Measurement | None = None
     error: str | None = None
+    #: With `--repeat`: the sidecar's µs/request in each run, sorted; this is the median run.
+    runs: tuple[float, ...] = ()
+
+
+def median_run(runs: list[Result]) -> Result:
+    """The run whose sidecar CPU per request is the median (the lower middle one of an even
+    count); a failed run makes the scenario failed."""
+    failed = next((r for r in runs if r.error or r.with_filter is None), None)
+    if failed is not None:
+        return failed
+    ordered = sorted(runs, key=_us_per_request)
+    chosen = ordered[(len(ordered) - 1) // 2]
+    chosen.runs = tuple(_us_per_request(r) for r in ordered)
+    return chosen
+
+
+def _us_per_request(result: Result) -> float:
+    assert result.with_filter is not None
+    return result.with_filter.sidecar_us_per_request
 
 
 def wrk_binary() -> str:
@@ -227,6 +246,9 @@ def report(result: Result, load: Load) -> str:
         lines.append(
             f"rate limited / no filter: {ratio:.1%} of the requests/s, {p50:+.2f} ms at the median"
         )
+    if len(result.runs) > 1:
+        each = " ".join(f"{value:.0f}" for value in result.runs)
+        lines.append(f"median of {len(result.runs)} runs; sidecar µs/request in each: {each}")
     measured = f"{filtered.sidecar_us_per_request:.0f}" if filtered else "not measured"
     lines.append(f"target {state} (gateway {goal} behind Envoy): {measured}")
     if result.error:

@@ -51,6 +51,7 @@ def h2load_binary() -> str:
 
 def run(url: str, body: Path, load: Load, log_file: Path, timeout: float) -> LoadResult:
     """One h2load run against `url`, POSTing `body` as a gRPC call; raises BenchError on failure."""
+    log_file.unlink(missing_ok=True)  # h2load appends: a row run again (--repeat) starts empty
     argv = [
         h2load_binary(),
         "-n", str(load.requests),

@@ -1,12 +1,13 @@
 """The bench's tables: flat-out calls/s, latency and CPU per scenario, and latency at fixed rates.
 
 Each target of issue 7 is judged beside the row it is about (`met` or `missed`), and again in one
-line under its table, so a log can be searched for `target missed`.
+line under its table, so a log can be searched for `target missed`. A row run several times
+(`--repeat`) shows its median run, judged, and what each run measured.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from bench import load
@@ -28,17 +29,47 @@ class Result:
     service_us_per_call: dict[str, float] = field(default_factory=dict)
     response: str = ""
     error: str | None = None
+    #: With `--repeat`: what each run of the row measured (server µs/call flat out, p99 ms at a
+    #: fixed rate), sorted. This Result is the median run (see `median_run`).
+    runs: tuple[float, ...] = ()
 
     @property
     def label(self) -> str:
         return self.paced.label if self.paced else self.scenario.name
 
 
+def median_run(runs: Sequence[Result], key: Callable[[Result], float]) -> Result:
+    """The run of a repeated row whose `key` is the median (the lower middle one of an even
+    count), with every run's `key` in `runs`. A failed run makes the row failed."""
+    failed = next((r for r in runs if r.load is None), None)
+    if failed is not None:
+        return failed
+    ordered = sorted(runs, key=key)
+    chosen = ordered[(len(ordered) - 1) // 2]
+    chosen.runs = tuple(key(r) for r in ordered)
+    return chosen
+
+
+def server_us(result: Result) -> float:
+    return result.server_us_per_call
+
+
+def p99_ms(result: Result) -> float:
+    assert result.load is not None
+    return result.load.p99_ms
+
+
+def _runs_cell(result: Result, digits: int) -> str:
+    return " ".join(f"{value:.{digits}f}" for value in result.runs)
+
+
 def throughput(results: Sequence[Result]) -> str:
     """The flat-out table: calls/s, share of the no-op servicer, p50/p99, CPU per call, targets."""
     baseline = next((r for r in results if r.scenario.name == BASELINE and r.load), None)
     columns = _service_columns(results)
+    repeated = any(len(r.runs) > 1 for r in results)
     header = ["scenario", "calls/s", f"vs {BASELINE}", "p50 ms", "p99 ms", "server µs/call"]
+    header += ["each run"] if repeated else []
     header += [f"{name} µs/call" for name in columns] + ["target"]
     rows = [header]
     for r in results:
@@ -53,6 +84,7 @@ def throughput(results: Sequence[Result]) -> str:
                 f"{r.load.p50_ms:.2f}",
                 f"{r.load.p99_ms:.2f}",
                 f"{r.server_us_per_call:.0f}",
+                *([_runs_cell(r, 0)] if repeated else []),
                 *_service_cells(r, columns),
                 "; ".join(verdict.cell for verdict in _throughput_verdicts(r, baseline)),
             ]
@@ -66,8 +98,10 @@ def throughput(results: Sequence[Result]) -> str:
 def fixed_rate(results: Sequence[Result], clients: int) -> str:
     """The fixed-rate table: offered and achieved calls/s, p50/p99, CPU per call, the p99 target."""
     columns = _service_columns(results)
-    header = ["scenario", "offered/s", "achieved/s", "p50 ms", "p99 ms", "server µs/call"]
-    header += [f"{name} µs/call" for name in columns] + ["target"]
+    repeated = any(len(r.runs) > 1 for r in results)
+    header = ["scenario", "offered/s", "achieved/s", "p50 ms", "p99 ms"]
+    header += ["each run's p99"] if repeated else []
+    header += ["server µs/call"] + [f"{name} µs/call" for name in columns] + ["target"]
     rows = [header]
     verdicts = [_p99_verdict(r, _floor(r, results)) for r in results]
     for r, verdict in zip(results, verdicts, strict=True):
@@ -83,6 +117,7 @@ def fixed_rate(results: Sequence[Result], clients: int) -> str:
                 f"{r.load.calls_per_second:,.0f}",
                 f"{r.load.p50_ms:.2f}",
                 f"{r.load.p99_ms:.2f}",
+                *([_runs_cell(r, 2)] if repeated else []),
                 f"{r.server_us_per_call:.0f}",
                 *_service_cells(r, columns),
                 verdict.cell if verdict else "",

@@ -12,7 +12,11 @@ limit filter and without, requests/s and latency percentiles for both and their 
 Issue 7's targets are judged beside their rows: CPU per call, p99 at 10,000 calls/s, and the
 sidecar's CPU per request behind Envoy.
 
-    .venv/bin/python -m bench.run [--requests N] [--only NAME ...]
+    .venv/bin/python -m bench.run [--requests N] [--only NAME ...] [--repeat N]
+
+On a shared machine CPU per call moves by a quarter between runs; `--repeat N` runs every row N
+times, in rounds, and reports each row's median run (judged against its target) with what every
+run measured.
 
 Exit status: 0 when every scenario was measured (whether or not a target was met), 1 when a
 scenario failed, 2 for a usage error or missing tool.
@@ -98,26 +102,31 @@ def main(argv: list[str] | None = None) -> int:
     # A CI timeout sends SIGTERM: unwind like Ctrl-C so `finally` stops every started server.
     signal.signal(signal.SIGTERM, _interrupt)
     services: dict[str, Service | BenchError] = {}
-    results: list[Result] = []
-    paced_results: list[Result] = []
-    gateway_result: gateway.Result | None = None
+    # Each round runs every row once, so what disturbs the machine for a while falls on the
+    # rows of one round rather than on every run of one row.
+    flat_runs: dict[str, list[Result]] = {scenario.name: [] for scenario in selected}
+    paced_runs: dict[str, list[Result]] = {row.label: [] for row in paced}
+    gateway_runs: list[gateway.Result] = []
     try:
         with tempfile.TemporaryDirectory(prefix="bench-") as workdir:
-            for scenario in selected:
-                _progress(f"{scenario.name}: {scenario.description}")
-                result = measure(scenario, settings, services, Path(workdir))
-                _progress(f"{result.label}: {_outcome(result)}")
-                results.append(result)
-            for row in paced:
-                _progress(
-                    f"{row.label}: {row.scenario.name} at {row.calls_per_second:,} calls/s "
-                    f"for {settings.rate_seconds}s (h2load --rps)"
-                )
-                result = measure(row.scenario, settings, services, Path(workdir), row)
-                _progress(f"{result.label}: {_outcome(result)}")
-                paced_results.append(result)
-            if with_gateway:
-                gateway_result = _gateway(args, services, Path(workdir))
+            for round_ in range(1, args.repeat + 1):
+                if args.repeat > 1:
+                    _progress(f"round {round_} of {args.repeat}")
+                for scenario in selected:
+                    _progress(f"{scenario.name}: {scenario.description}")
+                    result = measure(scenario, settings, services, Path(workdir))
+                    _progress(f"{result.label}: {_outcome(result)}")
+                    flat_runs[scenario.name].append(result)
+                for row in paced:
+                    _progress(
+                        f"{row.label}: {row.scenario.name} at {row.calls_per_second:,} calls/s "
+                        f"for {settings.rate_seconds}s (h2load --rps)"
+                    )
+                    result = measure(row.scenario, settings, services, Path(workdir), row)
+                    _progress(f"{result.label}: {_outcome(result)}")
+                    paced_runs[row.label].append(result)
+                if with_gateway:
+                    gateway_runs.append(_gateway(args, services, Path(workdir)))
     except KeyboardInterrupt:
         print("bench: interrupted", file=sys.stderr)
         return 130
@@ -125,6 +134,9 @@ def main(argv: list[str] | None = None) -> int:
         for service in services.values():
             if isinstance(service, Service):
                 service.stop()
+    results = [report.median_run(runs, report.server_us) for runs in flat_runs.values()]
+    paced_results = [report.median_run(runs, report.p99_ms) for runs in paced_runs.values()]
+    gateway_result = gateway.median_run(gateway_runs) if gateway_runs else None
     if results:
         print(report.throughput(results))
     if paced_results:
@@ -298,6 +310,13 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         f"known: {', '.join(scenarios.names())}",
     )
     parser.add_argument("--clients", type=_positive_int, default=4, help="h2load -c (default 4)")
+    parser.add_argument(
+        "--repeat",
+        type=_positive_int,
+        default=1,
+        help="run every row this many times, in rounds, and report (and judge) each row's "
+        "median run beside what every run measured (default 1)",
+    )
     parser.add_argument(
         "--gateway-seconds",
         type=_positive_int,
