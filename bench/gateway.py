@@ -36,7 +36,7 @@ from bench.processes import (
     free_port,
     start,
 )
-from bench.report import table
+from bench.report import median, table
 from bench.scenarios import BENCH_DIR, GATEWAY_TARGET_CPU_US
 from bench.services import Service
 
@@ -82,14 +82,13 @@ class Result:
 
 
 def median_run(runs: list[Result]) -> Result:
-    """The run whose sidecar CPU per request is the median (the lower middle one of an even
-    count); a failed run makes the scenario failed."""
+    """The run whose sidecar CPU per request is the median (see `report.median`); a failed run
+    makes the scenario failed."""
     failed = next((r for r in runs if r.error or r.with_filter is None), None)
     if failed is not None:
         return failed
-    ordered = sorted(runs, key=_us_per_request)
-    chosen = ordered[(len(ordered) - 1) // 2]
-    chosen.runs = tuple(_us_per_request(r) for r in ordered)
+    chosen, chosen_runs = median(runs, _us_per_request)
+    chosen.runs = chosen_runs
     return chosen
 
 

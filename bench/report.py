@@ -9,9 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from bench import load
 from bench.scenarios import BASELINE, Paced, Scenario
+
+T = TypeVar("T")
 
 #: A fixed-rate row counts as run at its rate when h2load achieved at least this share of it.
 ACHIEVED_SHARE = 0.95
@@ -38,15 +41,22 @@ class Result:
         return self.paced.label if self.paced else self.scenario.name
 
 
+def median(runs: Sequence[T], key: Callable[[T], float]) -> tuple[T, tuple[float, ...]]:
+    """The run whose `key` is the median, and every run's `key`, sorted. Of an even count, the
+    upper middle one: every key here (CPU, latency) is better low, so a tie goes against the
+    target."""
+    ordered = sorted(runs, key=key)
+    return ordered[len(ordered) // 2], tuple(key(r) for r in ordered)
+
+
 def median_run(runs: Sequence[Result], key: Callable[[Result], float]) -> Result:
-    """The run of a repeated row whose `key` is the median (the lower middle one of an even
-    count), with every run's `key` in `runs`. A failed run makes the row failed."""
+    """The median run of a repeated row (see `median`), with every run's `key` in `runs`. A
+    failed run makes the row failed."""
     failed = next((r for r in runs if r.load is None), None)
     if failed is not None:
         return failed
-    ordered = sorted(runs, key=key)
-    chosen = ordered[(len(ordered) - 1) // 2]
-    chosen.runs = tuple(key(r) for r in ordered)
+    chosen, chosen_runs = median(runs, key)
+    chosen.runs = chosen_runs
     return chosen
 
 
