@@ -36,7 +36,7 @@ from bench.processes import (
     free_port,
     start,
 )
-from bench.report import median, table
+from bench.report import table
 from bench.scenarios import BENCH_DIR, GATEWAY_TARGET_CPU_US
 from bench.services import Service
 
@@ -81,18 +81,12 @@ class Result:
     runs: tuple[float, ...] = ()
 
 
-def median_run(runs: list[Result]) -> Result:
-    """The run whose sidecar CPU per request is the median (see `report.median`); a failed run
-    makes the scenario failed."""
-    failed = next((r for r in runs if r.error or r.with_filter is None), None)
-    if failed is not None:
-        return failed
-    chosen, chosen_runs = median(runs, _us_per_request)
-    chosen.runs = chosen_runs
-    return chosen
+def failed(result: Result) -> bool:
+    return bool(result.error) or result.with_filter is None
 
 
-def _us_per_request(result: Result) -> float:
+def us_per_request(result: Result) -> float:
+    """The sidecar's CPU per request with the filter: what a repeated gateway run is judged on."""
     assert result.with_filter is not None
     return result.with_filter.sidecar_us_per_request
 

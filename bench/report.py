@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 from bench import load
 from bench.scenarios import BASELINE, Paced, Scenario
 
-T = TypeVar("T")
+R = TypeVar("R", bound="Repeated")
 
 #: A fixed-rate row counts as run at its rate when h2load achieved at least this share of it.
 ACHIEVED_SHARE = 0.95
@@ -41,23 +41,27 @@ class Result:
         return self.paced.label if self.paced else self.scenario.name
 
 
-def median(runs: Sequence[T], key: Callable[[T], float]) -> tuple[T, tuple[float, ...]]:
-    """The run whose `key` is the median, and every run's `key`, sorted. Of an even count, the
-    upper middle one: every key here (CPU, latency) is better low, so a tie goes against the
-    target."""
+class Repeated(Protocol):
+    """A row that can be run several times: it keeps what each run measured."""
+
+    runs: tuple[float, ...]
+
+
+def median_run(runs: Sequence[R], key: Callable[[R], float], failed: Callable[[R], bool]) -> R:
+    """The run of a repeated row whose `key` is the median, with every run's `key`, sorted, in
+    its `runs`. Of an even count, the upper middle one: every key here (CPU, latency) is better
+    low, so a tie goes against the target. A failed run makes the row failed."""
+    failed_run = next((r for r in runs if failed(r)), None)
+    if failed_run is not None:
+        return failed_run
     ordered = sorted(runs, key=key)
-    return ordered[len(ordered) // 2], tuple(key(r) for r in ordered)
-
-
-def median_run(runs: Sequence[Result], key: Callable[[Result], float]) -> Result:
-    """The median run of a repeated row (see `median`), with every run's `key` in `runs`. A
-    failed run makes the row failed."""
-    failed = next((r for r in runs if r.load is None), None)
-    if failed is not None:
-        return failed
-    chosen, chosen_runs = median(runs, key)
-    chosen.runs = chosen_runs
+    chosen = ordered[len(ordered) // 2]
+    chosen.runs = tuple(key(r) for r in ordered)
     return chosen
+
+
+def failed(result: Result) -> bool:
+    return result.load is None
 
 
 def server_us(result: Result) -> float:

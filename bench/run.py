@@ -134,9 +134,12 @@ def main(argv: list[str] | None = None) -> int:
         for service in services.values():
             if isinstance(service, Service):
                 service.stop()
-    results = [report.median_run(runs, report.server_us) for runs in flat_runs.values()]
-    paced_results = [report.median_run(runs, report.p99_ms) for runs in paced_runs.values()]
-    gateway_result = gateway.median_run(gateway_runs) if gateway_runs else None
+    median_run = report.median_run
+    results = [median_run(runs, report.server_us, report.failed) for runs in flat_runs.values()]
+    paced_results = [median_run(runs, report.p99_ms, report.failed) for runs in paced_runs.values()]
+    gateway_result = (
+        median_run(gateway_runs, gateway.us_per_request, gateway.failed) if gateway_runs else None
+    )
     if results:
         print(report.throughput(results))
     if paced_results:
