@@ -248,9 +248,7 @@ class Limiter:
         if plan.blocking_only:
             # Every descriptor blocks: the request is over exactly when one is (one answered
             # from the over-limit cache is over).
-            if not any_over and len(judged) == len(counted):
-                return new(Decision, (_OK, tuple(statuses)))  # `_answer`, inline
-            return self._answer(True, statuses)
+            return self._answer(any_over or len(judged) > len(counted), statuses)
         return self._overall(judged, statuses)
 
     def _overall(
@@ -273,8 +271,7 @@ class Limiter:
     ) -> DescriptorStatus | None:
         """The status of a descriptor one of whose plain windows is known to be over, if any."""
         for hit in windows:
-            window = hit.window
-            if not window.plain:
+            if not hit.window.plain:
                 continue
             end = cache.get(hit.counter, now_ms)
             if end is None:

@@ -54,9 +54,7 @@ class RateLimitService:
         serialized response, or what `should_rate_limit` raises once the store has answered (a
         bug). What goes wrong before that (InvalidRequest for a request that breaks the
         protocol) is raised here."""
-        plan = self._plans.get(body)  # `_plan`, inline on the hot path
-        if plan is None or plan.rules is not self.limiter.rules:
-            plan = self._prepare(body)
+        plan = self._plan(body)
 
         def decided(decision: Decision | Exception) -> None:
             if isinstance(decision, Exception):

@@ -58,14 +58,6 @@ def _running_loop_time() -> float:
     return asyncio.get_running_loop().time()
 
 
-def _clock_of(loop: asyncio.AbstractEventLoop) -> Callable[[], float]:
-    """`loop.time`; for asyncio's own loops, the clock it reads (the same time, one Python call
-    less per read)."""
-    if type(loop).time is asyncio.BaseEventLoop.time:
-        return time.monotonic
-    return loop.time
-
-
 class RedisReplyError(Exception):
     """An error reply from Redis (`-ERR ...`, `-NOSCRIPT ...`, `-MOVED ...`)."""
 
@@ -95,10 +87,11 @@ class Reply:
         return self._done
 
     def set_result(self, reply: Any) -> None:
-        # The settling of `set_exception`, written out: this runs once per call on the hot path.
         if self._done:
             return
         self._done = True
+        # Let go of the callback (and all it holds): a done entry may wait in the deadline heap
+        # until its deadline comes up.
         callback, self._callback = self._callback, _settled
         if isinstance(reply, hiredis.ReplyError):
             reply = RedisReplyError(str(reply))
@@ -108,16 +101,7 @@ class Reply:
             log.exception("redis_callback_failed", error=repr(exc))
 
     def set_exception(self, exc: BaseException) -> None:
-        if self._done:
-            return
-        self._done = True
-        # Let go of the callback (and all it holds): a done entry may wait in the deadline heap
-        # until its deadline comes up.
-        callback, self._callback = self._callback, _settled
-        try:
-            callback(exc)
-        except Exception as error:  # a bug in the callback: the connection's other calls go on
-            log.exception("redis_callback_failed", error=repr(error))
+        self.set_result(exc)  # never a hiredis.ReplyError: handed over as it is
 
 
 def _settled(outcome: Any) -> None:
@@ -284,13 +268,6 @@ class PipelinedRedis:
                 self._waiting.add(task)
                 task.add_done_callback(functools.partial(self._call_ended, reply))
                 return
-        elif deadline >= protocol.timer_at:
-            # The tick's connection, its timer already set to fire earlier: `_send` and
-            # `_keep_deadline` with nothing to schedule, inline, as most calls are.
-            protocol.waiters.append(reply)
-            protocol.buffer.append(packed)
-            heapq.heappush(protocol.deadlines, (deadline, next(self._order), reply))
-            return
         self._send(protocol, packed, reply)
         self._keep_deadline(protocol, deadline, reply)
 
@@ -457,7 +434,7 @@ class PipelinedRedis:
 
     async def _open(self) -> _Protocol:
         loop = asyncio.get_running_loop()
-        self.time = _clock_of(loop)
+        self.time = loop.time
         async with asyncio.timeout(self._connect_timeout):
             _, protocol = await loop.create_connection(
                 _Protocol,

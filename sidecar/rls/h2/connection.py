@@ -26,7 +26,6 @@ from sidecar.rls.h2.unary import MAX_MESSAGE_BYTES, PREFIX_SIZE, CallError, Stat
 OnCall = Callable[[int, str, bytes], None]
 
 _PADDED_OR_PRIORITY = frames.PADDED | frames.PRIORITY_FLAG
-_WHOLE_PLAIN_BLOCK = _PADDED_OR_PRIORITY | frames.END_HEADERS
 
 
 @dataclass(frozen=True)
@@ -158,11 +157,7 @@ class Connection(Streams):
                 raise H2ConnectionError(ErrorCode.PROTOCOL_ERROR, "header block not continued")
             try:
                 if kind == frames.HEADERS:
-                    if flags & _WHOLE_PLAIN_BLOCK == frames.END_HEADERS and stream_id:
-                        # The usual request's HEADERS: its whole block, with no padding or priority.
-                        self._on_header_block(stream_id, payload, flags, False)
-                    else:
-                        self._on_headers(flags, stream_id, payload)
+                    self._on_headers(flags, stream_id, payload)
                 elif kind == frames.DATA:
                     self._on_data(flags, stream_id, payload)
                 else:
@@ -203,10 +198,7 @@ class Connection(Streams):
             self._on_header_block(stream_id, block, self._block_flags, self._block_self_dependent)
 
     def _on_header_block(self, stream_id: int, block: bytes, flags: int, self_dep: bool) -> None:
-        # Always, in order: the blocks share one HPACK table (a block found in the cache is one
-        # whose decoding changes nothing in it; looked up here, the usual case costs no call).
-        decoder = self._decoder
-        head = decoder.cache.get(block) or decoder.decode(block)
+        head = self._decoder.decode(block)  # always, in order: the blocks share one HPACK table
         end_stream = flags & frames.END_STREAM
         stream = self.streams.get(stream_id)
         if stream is not None:

@@ -65,12 +65,11 @@ class RequestDecoder:
     def __init__(self, max_header_list_size: int) -> None:
         self._decoder = hpack.Decoder(max_header_list_size=max_header_list_size)
         self._max_header_list_size = max_header_list_size
-        #: Decoded blocks whose decoding left the table unchanged, by their bytes (see `decode`).
-        self.cache: dict[bytes, Head] = {}
+        self._cache: dict[bytes, Head] = {}
 
     def decode(self, block: bytes) -> Head:
         """The meaning of one complete block; raises H2ConnectionError when it cannot be decoded."""
-        head = self.cache.get(block)
+        head = self._cache.get(block)
         if head is not None:
             return head
         table = self._decoder.header_table
@@ -95,11 +94,11 @@ class RequestDecoder:
             and (entries[0] if entries else None) is newest
         )
         if not unchanged:
-            self.cache.clear()
+            self._cache.clear()
         elif len(block) <= CACHED_BLOCK_MAX_BYTES:
-            if len(self.cache) >= CACHE_SIZE:
-                self.cache.clear()
-            self.cache[block] = head
+            if len(self._cache) >= CACHE_SIZE:
+                self._cache.clear()
+            self._cache[block] = head
         return head
 
 

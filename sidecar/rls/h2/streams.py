@@ -118,14 +118,9 @@ class Streams:
 
     def respond(self, stream_id: int, message: bytes) -> None:
         """Answer a call with OK and `message` (dropped if the stream is gone)."""
-        calls = self.calls
-        stream = self.streams.get(stream_id)
-        if stream is not None and stream_id in calls and not self.closed:
-            calls.remove(stream_id)  # `_take_call` for a call whose stream is open, inline
-        else:
-            stream = self._take_call(stream_id)
-            if stream is None:
-                return
+        stream = self._take_call(stream_id)
+        if stream is None:
+            return
         size = len(message) + PREFIX_SIZE
         if (
             size <= stream.send_window
@@ -163,10 +158,7 @@ class Streams:
                 )
             )
             del self.streams[stream_id]
-            remembered = self.closed_streams
-            remembered[stream_id] = False  # `remember`, inline
-            if len(remembered) > 2 * CLOSED_STREAMS_REMEMBERED:
-                self._forget_oldest()
+            self.remember(stream_id, False)
             return
         self.answer(stream, _RESPONSE_HEADERS, message_frame(message), _TRAILERS_OK)
 
@@ -306,13 +298,10 @@ class Streams:
         remembered = self.closed_streams
         remembered[stream_id] = closed_by_us
         if len(remembered) > 2 * CLOSED_STREAMS_REMEMBERED:
-            self._forget_oldest()
-
-    def _forget_oldest(self) -> None:
-        # Forgotten in bulk: dropping the oldest one at a time from a dict costs a walk over the
-        # holes earlier deletions left at its front.
-        kept = list(self.closed_streams.items())[-CLOSED_STREAMS_REMEMBERED:]
-        self.closed_streams = dict(kept)
+            # Forgotten in bulk: dropping the oldest one at a time from a dict costs a walk
+            # over the holes earlier deletions left at its front.
+            kept = list(remembered.items())[-CLOSED_STREAMS_REMEMBERED:]
+            self.closed_streams = dict(kept)
 
     def fail(self, code: ErrorCode, reason: str) -> None:
         """A connection error: GOAWAY with `code`, then nothing more is read or answered."""
