@@ -24,23 +24,24 @@ class OverLimitCache:
 
     def __init__(self, max_entries: int) -> None:
         self.max_entries = max_entries
-        self._ends: dict[Counter, int] = {}
+        #: counter -> when its window ends; empty when nothing is known to be over
+        self.ends: dict[Counter, int] = {}
 
     def __len__(self) -> int:
-        return len(self._ends)
+        return len(self.ends)
 
     def get(self, counter: Counter, now_ms: int) -> int | None:
         """When the over-limit window of `counter` ends, or None if it is not known to be over."""
-        end = self._ends.get(counter)
+        end = self.ends.get(counter)
         if end is None:
             return None
         if end <= now_ms:
-            del self._ends[counter]
+            del self.ends[counter]
             return None
         return end
 
     def put(self, counter: Counter, end_ms: int, now_ms: int) -> None:
-        ends = self._ends
+        ends = self.ends
         if len(ends) >= self.max_entries:
             for stale in [e for e, end in ends.items() if end <= now_ms]:
                 del ends[stale]

@@ -108,7 +108,9 @@ class Plan:
     `rules` are the rules it was prepared against (a reload makes it stale). `statuses` holds
     every descriptor's answer when no backend call decides it (OK for no rule or a replaced one,
     the unlimited answer); the `counted` descriptors overwrite theirs. `blocking_only`: every
-    counted descriptor blocks, so the request is over exactly when one of them is.
+    counted descriptor blocks, so the request is over exactly when one of them is. `straight`:
+    besides, there is one and each has one window, so each hit's outcome is its status (the
+    common request, decided in one pass: see `Limiter.decide_then`).
     """
 
     rules: Rules
@@ -117,6 +119,9 @@ class Plan:
     statuses: tuple[DescriptorStatus, ...]
     counted: tuple[Counted, ...]
     blocking_only: bool
+    straight: bool = False
+    #: Of a straight plan: each counted descriptor with the position of its hit.
+    positions: tuple[tuple[Counted, int], ...] = ()
 
 
 def prepare(rules: Rules, request: Request) -> Plan:
@@ -151,7 +156,13 @@ def prepare(rules: Rules, request: Request) -> Plan:
         windows = WindowHits(request.domain, found, cost, index)
         counted.append(Counted(index, found, cost, windows))
     blocking_only = all(c.role is Role.BLOCKING for c in counted)
-    return Plan(rules, request, True, tuple(statuses), tuple(counted), blocking_only)
+    straight = (
+        bool(counted) and blocking_only and all(len(c.match.limit.windows) == 1 for c in counted)
+    )
+    positions = tuple((item, position) for position, item in enumerate(counted)) if straight else ()
+    return Plan(
+        rules, request, True, tuple(statuses), tuple(counted), blocking_only, straight, positions
+    )
 
 
 def descriptor_hits(domain: str, found: Match, cost: int, group: int, now_ms: int) -> list[Hit]:

@@ -18,7 +18,7 @@ from google.protobuf.message import DecodeError  # type: ignore[import-untyped]
 
 from sidecar.errors import InvalidRequest
 from sidecar.limiter import Limiter
-from sidecar.model import Code, Decision, Request
+from sidecar.model import Code, Request
 from sidecar.plan import Plan
 from sidecar.rls import convert
 from sidecar.stats import Stats
@@ -54,20 +54,7 @@ class RateLimitService:
         serialized response, or what `should_rate_limit` raises once the store has answered (a
         bug). What goes wrong before that (InvalidRequest for a request that breaks the
         protocol) is raised here."""
-        plan = self._plan(body)
-
-        def decided(decision: Decision | Exception) -> None:
-            if isinstance(decision, Exception):
-                done(decision)
-                return
-            try:
-                response = convert.response_bytes(decision)
-            except Exception as exc:
-                done(exc)
-                return
-            done(response)
-
-        self.limiter.decide_then(plan, decided)
+        self.limiter.decide_then(self._plan(body), convert.response_bytes, done)
 
     def _plan(self, body: bytes) -> Plan:
         """The plan of a request body: the one kept, unless made under rules since replaced."""
