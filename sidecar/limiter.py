@@ -143,7 +143,7 @@ class Limiter:
         here."""
         cache = self._cache
         finish = self._finish
-        if plan.straight and (cache is None or not cache.ends):
+        if plan.positions and (cache is None or not cache.ends):  # a straight plan
             # The usual request (`Plan.straight`), with nothing known to be over: what `_begin`
             # would hand on, without its lookups, and `_finish_straight` to read the outcomes.
             self.stats.total_requests += 1

@@ -108,9 +108,8 @@ class Plan:
     `rules` are the rules it was prepared against (a reload makes it stale). `statuses` holds
     every descriptor's answer when no backend call decides it (OK for no rule or a replaced one,
     the unlimited answer); the `counted` descriptors overwrite theirs. `blocking_only`: every
-    counted descriptor blocks, so the request is over exactly when one of them is. `straight`:
-    besides, there is one and each has one window, so each hit's outcome is its status (the
-    common request, decided in one pass: see `Limiter.decide_then`).
+    counted descriptor blocks, so the request is over exactly when one of them is. `positions`
+    is empty unless the plan is `straight`.
     """
 
     rules: Rules
@@ -119,9 +118,15 @@ class Plan:
     statuses: tuple[DescriptorStatus, ...]
     counted: tuple[Counted, ...]
     blocking_only: bool
-    straight: bool = False
     #: Of a straight plan: each counted descriptor with the position of its hit.
     positions: tuple[tuple[Counted, int], ...] = ()
+
+    @property
+    def straight(self) -> bool:
+        """Some descriptor is counted, each counted one has one window and all block, so each
+        hit's outcome is its status (the usual request, decided in one pass: see
+        `Limiter.decide_then`)."""
+        return bool(self.positions)
 
 
 def prepare(rules: Rules, request: Request) -> Plan:
@@ -160,9 +165,7 @@ def prepare(rules: Rules, request: Request) -> Plan:
         bool(counted) and blocking_only and all(len(c.match.limit.windows) == 1 for c in counted)
     )
     positions = tuple((item, position) for position, item in enumerate(counted)) if straight else ()
-    return Plan(
-        rules, request, True, tuple(statuses), tuple(counted), blocking_only, straight, positions
-    )
+    return Plan(rules, request, True, tuple(statuses), tuple(counted), blocking_only, positions)
 
 
 def descriptor_hits(domain: str, found: Match, cost: int, group: int, now_ms: int) -> list[Hit]:

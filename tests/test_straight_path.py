@@ -96,7 +96,7 @@ def never_straight(limiter: Limiter) -> Limiter:
     prepare = limiter.prepare
 
     def general(request: Request) -> Plan:
-        return dataclasses.replace(prepare(request), straight=False, positions=())
+        return dataclasses.replace(prepare(request), positions=())
 
     limiter.prepare = general  # type: ignore[method-assign]
     return limiter
