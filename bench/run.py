@@ -12,7 +12,10 @@ limit filter and without, requests/s and latency percentiles for both and their 
 Issue 7's targets are judged beside their rows: CPU per call, p99 at 10,000 calls/s, and the
 sidecar's CPU per request behind Envoy.
 
-    .venv/bin/python -m bench.run [--requests N] [--only NAME ...] [--repeat N]
+    .venv/bin/python -m bench.run [--requests N] [--only NAME ...] [--repeat N] [--build DIR]
+
+Servers run from the sources, or with `--build build/compiled` from the compiled build that
+`make compiled` unpacks there (what the image ships; `make bench` measures that one).
 
 On a shared machine CPU per call moves by a quarter between runs; `--repeat N` runs every row N
 times, in rounds, and reports each row's median run (judged against its target) with what every
@@ -41,6 +44,7 @@ from bench.processes import CLOCK_TICKS_PER_SECOND, BenchError
 from bench.report import Result
 from bench.scenarios import Paced, Scenario
 from bench.services import STARTERS, Service
+from sidecar import build as sidecar_build
 
 DEFAULT_REQUESTS = 20_000
 DEFAULT_RATE_SECONDS = 4
@@ -85,6 +89,10 @@ def main(argv: list[str] | None = None) -> int:
         if with_gateway:
             gateway.wrk_binary()
             gateway.envoy_binary()
+        if args.build is not None:
+            # Inherited by every server started below.
+            root = Path(__file__).resolve().parent.parent
+            os.environ.update(sidecar_build.environ(args.build, also=[root]))
     except (ValueError, BenchError) as exc:
         print(f"bench: {exc}", file=sys.stderr)
         return 2
@@ -140,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     gateway_result = (
         median_run(gateway_runs, gateway.us_per_request, gateway.failed) if gateway_runs else None
     )
+    print(f"build: compiled ({args.build})" if args.build is not None else "build: sources")
     if results:
         print(report.throughput(results))
     if paced_results:
@@ -333,6 +342,12 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=DEFAULT_RATE_SECONDS,
         help="seconds of load per fixed-rate row, after 1 s of warm-up at the same rate "
         f"(default {DEFAULT_RATE_SECONDS})",
+    )
+    parser.add_argument(
+        "--build",
+        type=Path,
+        help="run the servers from the compiled build unpacked in this directory "
+        "(make compiled: build/compiled); default: the sources",
     )
     parser.add_argument(
         "--start-timeout", type=float, default=30.0, help="seconds for a server to answer OK"

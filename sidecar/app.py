@@ -22,7 +22,7 @@ from typing import Literal, Protocol
 
 import structlog
 
-from sidecar import config, metrics
+from sidecar import build, config, metrics
 from sidecar.admin import AdminServer
 from sidecar.errors import ConfigError
 from sidecar.frequency import DEDUPE_HORIZON, FrequencyCaps
@@ -208,6 +208,7 @@ class App:
             grpc_address=options.grpc_address,
             http_address=options.http_address,
             transport=options.transport,
+            build=build.name(),
             loop=loop_name(asyncio.get_running_loop()),
             backend=backend.name,
             healthy=health.healthy,

@@ -8,6 +8,7 @@ import shutil
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
+import builds  # noqa: F401  (first: it decides which build `sidecar` is imported from)
 import pytest
 from clock import Clock
 from h2peer import Peer

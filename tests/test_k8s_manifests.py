@@ -279,10 +279,15 @@ def test_every_container_runs_as_non_root_with_a_read_only_root() -> None:
 
 
 def test_the_dockerfile_builds_the_image_the_manifests_use() -> None:
-    """The Dockerfile: slim Python, a build stage, a final stage with no compilers, user 65532."""
+    """The Dockerfile: slim Python, a build stage that compiles the hot path and checks it runs
+    compiled, a final stage with no compilers, user 65532."""
     dockerfile = (ROOT / "Dockerfile").read_text()
     stages = re.split(r"^FROM ", dockerfile, flags=re.MULTILINE)[1:]
     assert len(stages) >= 2, "a build stage and a final stage"
+    built = stages[0]
+    assert "RATELIMIT_SIDECAR_COMPILE=1" in built and "--no-build-isolation" in built
+    assert "COPY pyproject.toml setup.py" in built
+    assert "build.name() == 'compiled'" in built
     final = stages[-1]
     assert re.match(r"python:\$\{PYTHON_VERSION\}-slim\n", final)
     assert re.search(r"^ARG PYTHON_VERSION=3\.1[1-9]$", dockerfile, re.MULTILINE)

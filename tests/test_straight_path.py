@@ -91,21 +91,17 @@ _settings = settings(
 )
 
 
-def never_straight(limiter: Limiter) -> Limiter:
-    """`limiter`, with every plan it prepares taking the general path."""
-    prepare = limiter.prepare
-
-    def general(request: Request) -> Plan:
-        return dataclasses.replace(prepare(request), positions=())
-
-    limiter.prepare = general  # type: ignore[method-assign]
-    return limiter
+def plan(limiter: Limiter, request: Request, straight: bool = True) -> Plan:
+    """`limiter`'s plan of `request`; with `straight` false, the same plan made to take the
+    general path (the plan is changed, not the limiter: a compiled Limiter cannot be patched)."""
+    prepared = limiter.prepare(request)
+    return prepared if straight else dataclasses.replace(prepared, positions=())
 
 
-async def decide(limiter: Limiter, request: Request) -> bytes:
-    """What the fast transport gets for `request`: `decide_then`'s encoded answer."""
+async def decide(limiter: Limiter, prepared: Plan) -> bytes:
+    """What the fast transport gets for a plan: `decide_then`'s encoded answer."""
     answered: asyncio.Future[bytes | Exception] = asyncio.get_running_loop().create_future()
-    limiter.decide_then(limiter.prepare(request), convert.response_bytes, answered.set_result)
+    limiter.decide_then(prepared, convert.response_bytes, answered.set_result)
     answer = await answered
     assert isinstance(answer, bytes), answer
     return answer
@@ -129,13 +125,17 @@ async def assert_same(
 ) -> None:
     number = next(_examples)
     domains = f"straight{number}x", f"general{number}x"
-    straight = make(domains[0])
-    general = never_straight(make(domains[1]))
+    straight, general = make(domains[0]), make(domains[1])
     for index, (after_ms, request_descriptors, hits_addend) in enumerate(steps):
         clock.now += after_ms / 1000
         answers = [
-            await decide(limiter, Request(domain, tuple(request_descriptors), hits_addend))
-            for limiter, domain in zip((straight, general), domains, strict=True)
+            await decide(
+                limiter,
+                plan(limiter, Request(domain, tuple(request_descriptors), hits_addend), path),
+            )
+            for limiter, domain, path in zip(
+                (straight, general), domains, (True, False), strict=True
+            )
         ]
         assert answers[0] == answers[1], f"request {index}: {request_descriptors}"
         assert stats_by_rule(straight.stats, domains[0]) == stats_by_rule(
@@ -200,21 +200,21 @@ def test_a_plan_is_straight_when_each_counted_descriptor_has_one_blocking_window
     rules = config.parse(RULES.format(domain="d"), "rules.yaml")
     limiter = Limiter(config.Rules({"d": rules}), open_backend("memory://"))
 
-    def plan(*keys: str) -> Plan:
+    def plan_of(*keys: str) -> Plan:
         return limiter.prepare(
             Request("d", tuple(Descriptor((Entry(key, "v"),)) for key in keys), 0)
         )
 
-    one = plan("user")
+    one = plan_of("user")
     assert one.straight
     assert one.positions == ((one.counted[0], 0),)
-    two = plan("user", "nothing", "bucket", "unlimited")
+    two = plan_of("user", "nothing", "bucket", "unlimited")
     assert two.straight
     assert [(item.index, position) for item, position in two.positions] == [(0, 0), (2, 1)]
-    assert not plan("shadow").straight
-    assert not plan("user", "both").straight
-    assert not plan("nothing", "unlimited").straight
-    assert plan("shadow").positions == ()
+    assert not plan_of("shadow").straight
+    assert not plan_of("user", "both").straight
+    assert not plan_of("nothing", "unlimited").straight
+    assert plan_of("shadow").positions == ()
 
 
 @pytest.mark.parametrize("failure_mode", ["allow", "deny"])
@@ -236,14 +236,13 @@ async def test_a_store_that_fails_is_answered_by_the_failure_mode_on_both_paths(
             settings=Settings(failure_mode=failure_mode),  # type: ignore[arg-type]
             clock=clock,
         )
-        if path == "general":
-            never_straight(limiter)
         request = Request(
             domain, (Descriptor((Entry("user", "a"),)), Descriptor((Entry("ip", "b"),))), 0
         )
-        assert limiter.prepare(request).straight == (path == "straight")
+        prepared = plan(limiter, request, path == "straight")
+        assert prepared.straight == (path == "straight")
         try:
-            answers.append(await decide(limiter, request))
+            answers.append(await decide(limiter, prepared))
         finally:
             await backend.close()
         assert limiter.stats.backend_error == 1

@@ -40,6 +40,7 @@ from typing import Any, cast
 
 import hiredis
 import structlog
+from mypy_extensions import mypyc_attr
 
 from sidecar import batching
 
@@ -62,10 +63,14 @@ class RedisReplyError(Exception):
     """An error reply from Redis (`-ERR ...`, `-NOSCRIPT ...`, `-MOVED ...`)."""
 
 
+# Not native classes in the compiled build (sidecar.build): mypyc compiles a subclass of
+# Exception, not of the other built-in exceptions.
+@mypyc_attr(native_class=False)
 class ConnectionLost(ConnectionError):
     """The connection closed, or could not be opened, before the reply came."""
 
 
+@mypyc_attr(native_class=False)
 class DeadlineExceeded(TimeoutError):
     """No reply came before the call's deadline."""
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import hpack
 
@@ -73,7 +74,9 @@ class RequestDecoder:
         if head is not None:
             return head
         table = self._decoder.header_table
-        entries = table.dynamic_entries
+        # Any: the compiled build (sidecar.build) would unbox a typed tuple[bytes, bytes] and box
+        # it anew, so the identity test below would never hold.
+        entries: Any = table.dynamic_entries
         count, newest, maxsize = len(entries), entries[0] if entries else None, table.maxsize
         try:
             fields = self._decoder.decode(block, raw=True)

@@ -20,7 +20,7 @@ import os
 import socket
 from collections.abc import Mapping
 from time import perf_counter
-from typing import cast
+from typing import Any, cast
 
 import structlog
 
@@ -83,7 +83,10 @@ class H2Server:
         except OSError as exc:
             raise OSError(f"cannot listen for gRPC on {address}: {exc.strerror or exc}") from exc
         self._listeners.append(listener)
-        bound = listener.sockets[0].getsockname()
+        # Any: `sockets` is a list on uvloop where the stubs say tuple, and the compiled build
+        # checks what a value's declared type says (sidecar.build).
+        sockets: Any = cast(Any, listener).sockets
+        bound = sockets[0].getsockname()
         return bound[1] if isinstance(bound, tuple) else 0
 
     def _protocol(self) -> _Protocol:
