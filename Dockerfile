@@ -18,14 +18,15 @@ RUN python -m venv /opt/ratelimit-sidecar
 COPY pyproject.toml setup.py README.md ./
 COPY sidecar ./sidecar
 # Every dependency ships manylinux wheels (grpcio, hiredis); only the package's hot path is
-# compiled, by mypyc, which type-checks it against the dependencies. So the package goes in
-# twice: first as it is, with its dependencies, setuptools and mypy; then compiled, built in
-# that environment (--no-build-isolation). Then mypy and its own dependencies leave with pip.
-RUN /opt/ratelimit-sidecar/bin/pip install setuptools mypy . \
+# compiled, by mypyc, which type-checks it against the dependencies and their stubs. So the
+# package goes in twice: first as it is, with its dependencies, setuptools, mypy and the stubs
+# of the dev extra; then compiled, built in that environment (--no-build-isolation). Then the
+# build tools leave with pip.
+RUN /opt/ratelimit-sidecar/bin/pip install --upgrade "setuptools>=70.1" mypy types-PyYAML . \
  && RATELIMIT_SIDECAR_COMPILE=1 /opt/ratelimit-sidecar/bin/pip install \
         --no-build-isolation --no-deps --force-reinstall . \
  && /opt/ratelimit-sidecar/bin/python -P -c "from sidecar import build; import sidecar.rls.fast, sidecar.storage.redis; assert build.name() == 'compiled', build.compiled()" \
- && /opt/ratelimit-sidecar/bin/pip uninstall --yes mypy ast-serialize librt pathspec pip setuptools \
+ && /opt/ratelimit-sidecar/bin/pip uninstall --yes mypy ast-serialize librt pathspec types-PyYAML pip setuptools \
  && find /opt/ratelimit-sidecar -name '__pycache__' -prune -exec rm -rf {} +
 
 FROM python:${PYTHON_VERSION}-slim

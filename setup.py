@@ -3,9 +3,11 @@
 
 Everything else about the package is in pyproject.toml. The compiled build needs mypy, a C
 compiler and the project's dependencies in the build environment, because mypyc type-checks
-the modules against them: build it with `make compiled`, or as the Dockerfile does,
+the modules against them and their stubs (mypy and types-PyYAML, as in the dev extra): build
+it with `make compiled`, or as the Dockerfile does, in an environment where the package and
+those are installed already,
 
-    RATELIMIT_SIDECAR_COMPILE=1 pip install --no-build-isolation .
+    RATELIMIT_SIDECAR_COMPILE=1 pip install --no-build-isolation --no-deps --force-reinstall .
 
 Never in an editable install: the extensions would sit beside the sources and shadow every
 later edit of them.
