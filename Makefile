@@ -70,15 +70,16 @@ test-deps:
 	fi
 	@# The apt package starts a system redis on :6379; the tests start their own on free ports.
 
-## Benchmarks (not tests): calls/s, latency and CPU per call, side by side.
-bench: venv bench-deps
-	$(BIN)/python -m bench.run
+## Benchmarks (not tests): calls/s, latency and CPU per call, side by side, of the compiled
+## build (what the image ships; `python -m bench.run` without --build measures the sources).
+bench: venv bench-deps compiled
+	$(BIN)/python -m bench.run --build $(COMPILED)
 	$(BIN)/python -m bench.caps
 
 # Instructions per call under callgrind: steady on a shared machine, where CPU per call is not.
-bench-instructions: venv test-deps
+bench-instructions: venv test-deps compiled
 	@command -v valgrind >/dev/null || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq valgrind >/dev/null; }
-	$(BIN)/python -m bench.instructions
+	$(BIN)/python -m bench.instructions --build $(COMPILED)
 
 bench-deps: test-deps
 	@if ! command -v h2load >/dev/null; then \

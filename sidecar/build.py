@@ -70,10 +70,10 @@ def environ(directory: str | Path, also: Sequence[str | Path] = ()) -> dict[str,
     """
     root = Path(directory).resolve()
     missing = [
-        name
-        for name in HOT_PATH
+        module
+        for module in HOT_PATH
         if not any(
-            (root / (name.replace(".", "/") + suffix)).is_file() for suffix in EXTENSION_SUFFIXES
+            (root / (module.replace(".", "/") + suffix)).is_file() for suffix in EXTENSION_SUFFIXES
         )
     ]
     if missing:
