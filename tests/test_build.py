@@ -35,14 +35,8 @@ async def test_a_served_sidecar_logs_the_build_it_runs(tmp_path: Path) -> None:
     """`python -m sidecar serve` started by a test runs the same build as the test (the
     `started` event says which): the compiled one under SIDECAR_BUILD, else the sources."""
     rules = write_rules(tmp_path)
-    args = [
-        "--config",
-        str(rules),
-        "--grpc-address",
-        "127.0.0.1:0",
-        "--http-address",
-        "127.0.0.1:0",
-    ]
+    args = ["--config", str(rules), "--grpc-address", "127.0.0.1:0",
+            "--http-address", "127.0.0.1:0"]  # fmt: skip
     async with serve_process(args) as served:
         started = [event for event in served.events() if event["event"] == "started"]
     assert [event["build"] for event in started] == [EXPECTED]
