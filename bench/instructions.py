@@ -143,9 +143,11 @@ async def replay(url: str, rounds: int) -> None:
     await backend.close()
 
 
-def _instructions(url: str, rounds: int, build: Path | None) -> int:
-    root = Path(__file__).parent.parent
-    env = {**os.environ, **(sidecar_build.environ(build, also=[root]) if build else {})}
+ROOT = Path(__file__).parent.parent
+
+
+def _instructions(url: str, rounds: int, build: dict[str, str] | None) -> int:
+    """The replay's instructions, on the sources or under `build`'s environment (`environ`)."""
     out = subprocess.run(
         [
             "valgrind",
@@ -162,24 +164,25 @@ def _instructions(url: str, rounds: int, build: Path | None) -> int:
         capture_output=True,
         text=True,
         check=True,
-        cwd=root,
-        env=env,
+        cwd=ROOT,
+        env={**os.environ, **(build or {})},
     )
     ran = out.stdout.split()[-1:]
     if ran != ["compiled" if build else "source"]:
-        raise RuntimeError(f"the replay ran the {ran} build, not {build or 'the sources'}")
+        raise RuntimeError(f"the replay ran the {ran} build, not the one asked for")
     found = re.search(r"Collected : (\d+)", out.stderr)
     if found is None:
         raise RuntimeError(f"no callgrind total in:\n{out.stderr[-2000:]}")
     return int(found.group(1))
 
 
-def per_call(url: str, build: Path | None = None) -> int:
-    """Instructions per call: (3 rounds - 1 round) / (2 × CALLS), on the sources or `build`."""
+def per_call(url: str, build: dict[str, str] | None = None) -> int:
+    """Instructions per call: (3 rounds - 1 round) / (2 × CALLS), on the sources or under
+    `build`'s environment."""
     return (_instructions(url, 3, build) - _instructions(url, 1, build)) // (2 * CALLS)
 
 
-def _counts(url: str, build: Path | None) -> str:
+def _counts(url: str, build: dict[str, str] | None) -> str:
     """The count on the sources, and beside it on `build` when there is one."""
     counts = f"{per_call(url):>9,}"
     if build is not None:
@@ -207,18 +210,19 @@ def main() -> int:
         return 1
     from bench.services import start_redis, start_redis_cluster
 
+    build = None
     if args.build is not None:
         try:
-            sidecar_build.environ(args.build)
+            build = sidecar_build.environ(args.build, also=[ROOT])
         except ValueError as exc:
             print(f"bench.instructions: {exc}")
             return 1
     print(f"instructions per call (callgrind; {CALLS:,} calls, {PER_READ} per read, in-process)")
-    if args.build is not None:
+    if build is not None:
         print(f"{'':25}{'sources':>9}  {'compiled':>9}")
     for name in args.only or ("memory", "redis", "cluster"):
         if name == "memory":
-            print(f"  fast transport, memory:  {_counts('memory://', args.build)}", flush=True)
+            print(f"  fast transport, memory:  {_counts('memory://', build)}", flush=True)
             continue
         with tempfile.TemporaryDirectory() as logs:
             if name == "redis":
@@ -228,7 +232,7 @@ def main() -> int:
                 service = start_redis_cluster(Path(logs))
                 url = service.placeholders["redis_cluster_url"]
             try:
-                counts = _counts(url, args.build)
+                counts = _counts(url, build)
             finally:
                 service.stop()
         print(f"  fast transport, {name + ':':<8} {counts}", flush=True)
