@@ -218,6 +218,9 @@ class Hit:
 
     `counter` is what the over-limit cache knows the counter by: its key, its field and the
     window's limit (worked out once, as `Window.plain` is: it is read on every call).
+    `adds_only` (worked out once too) says the hit adds to a plain window's counter stored under
+    its own key: unless the request is all or nothing, adding is then all a backend has to do,
+    and the answer follows from what the counter comes to (Redis runs `lua/count.lua`).
     """
 
     key: bytes
@@ -233,9 +236,11 @@ class Hit:
     previous_field: bytes = b""
     # (`field` here is the attribute above: the function is reached through its module.)
     counter: tuple[bytes, bytes, int] = dataclasses.field(init=False, repr=False, compare=False)
+    adds_only: bool = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         _derived(self, "counter", (self.key, self.field, self.window.requests_per_unit))
+        _derived(self, "adds_only", self.window.plain and not self.field and self.hits > 0)
 
     @property
     def limit(self) -> int:

@@ -24,7 +24,7 @@ from sidecar.model import Hit, Outcome, Unit, Window
 from sidecar.storage import open_backend
 from sidecar.storage.cluster import MAX_REDIRECTS, ClusterError, PipelinedCluster
 from sidecar.storage.pipeline import DeadlineExceeded
-from sidecar.storage.redis import _SHA
+from sidecar.storage.redis import _COUNT_SHA
 
 pytestmark = pytest.mark.cluster
 
@@ -336,7 +336,7 @@ async def test_noscript_on_one_master_sends_the_script_to_that_master_only(
     own: RedisCluster,
 ) -> None:
     """After one master loses its script cache, apply runs the script text there (once) and the
-    hashed call elsewhere; the counts are unaffected."""
+    hashed call elsewhere; the counts are unaffected. (Plain counters added: count.lua.)"""
     keys = [key_on(own, node, "script") for node in own.nodes]
     backend = open_backend(own.url, timeout_ms=2_000)
     try:
@@ -353,7 +353,7 @@ async def test_noscript_on_one_master_sends_the_script_to_that_master_only(
             assert stat(node, "cmdstat_eval") == (1 if node is flushed else 0)
             assert stat(node, "cmdstat_evalsha") == 1
         with flushed.client() as sync:
-            assert sync.script_exists(_SHA) == [True]
+            assert sync.script_exists(_COUNT_SHA) == [True]
     finally:
         await backend.close()
 
@@ -530,7 +530,7 @@ async def test_moved_through_callbacks_is_followed_and_counted_once(own: RedisCl
 
 async def test_noscript_through_callbacks_runs_the_script_once(own: RedisCluster) -> None:
     """A master that lost its script cache answers the callback's EVALSHA with NOSCRIPT; `apply`
-    then sends the text (EVAL) there: one count, and the script cached again."""
+    then sends the text (EVAL) there: one count, and the script (count.lua) cached again."""
     flushed = own.nodes[1]
     key = key_on(own, flushed, "noscriptcb")
     backend = open_backend(own.url, timeout_ms=2_000)
@@ -543,7 +543,7 @@ async def test_noscript_through_callbacks_runs_the_script_once(own: RedisCluster
         assert stat(flushed, "cmdstat_eval") == 1
         with flushed.client() as sync:
             assert int(sync.get(hit(key, 1, 10).key)) == 2
-            assert sync.script_exists(_SHA) == [True]
+            assert sync.script_exists(_COUNT_SHA) == [True]
     finally:
         await backend.close()
 

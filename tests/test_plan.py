@@ -15,7 +15,7 @@ from sidecar.model import Algorithm, Code, Descriptor, Entry, Hit, Request, Role
 from sidecar.plan import prepare
 from sidecar.rls.service import RateLimitService
 from sidecar.storage.memory import MemoryBackend
-from sidecar.storage.redis import ApplyPacker, _command
+from sidecar.storage.redis import ApplyPacker, _command, counts
 from tests.clock import Clock
 
 RULES = """
@@ -101,7 +101,8 @@ async def test_a_reload_makes_cached_plans_stale() -> None:
 
 def test_packed_script_call_is_hiredis_packing_of_the_arguments() -> None:
     """The packer's bytes are exactly what hiredis packs for `_command`, whatever the hits hold
-    (every algorithm, grouped fields, non-ASCII bytes, a role), in both modes and repeatedly."""
+    (every algorithm, grouped fields, non-ASCII bytes, a role), for either script, in both
+    modes and repeatedly."""
     hits = [
         Hit(
             b"rl{d|u|\xc3\xa9}|60|0", 3, Window(5, Unit.MINUTE), 0, Role.QUOTA, b"k", 60, 0, 60_000
@@ -122,11 +123,19 @@ def test_packed_script_call_is_hiredis_packing_of_the_arguments() -> None:
         ),
         Hit(b"w", 2, Window(9, Unit.DAY, borrow=4), 3, Role.BLOCKING, b"w0", 172_801, 5, 9),
     ]
+    # Hits that only add to plain windows' own counters: count.lua's call in mode 0.
+    adding = [
+        Hit(b"rl{d|u|\xc3\xa9}|60|0", 3, Window(5, Unit.MINUTE), 0, Role.QUOTA, ttl=60),
+        Hit(b"x" * 300, 1, Window(0, Unit.DAY, calendar=True), 1, ttl=86_400),
+        Hit(b"rl{d|u|\xc3\xa9}|60|0", 2, Window(5, Unit.MINUTE), 2, ttl=60),
+    ]
+    assert counts(adding, 0) and not counts(adding, 1) and not counts(hits, 0)
     packer = ApplyPacker(size=2)  # smaller than the request: the cache starts over mid-call
-    for mode in (0, 1, 0):
-        for now_ms in (0, 1_800_000_000_123):
-            expected = hiredis.pack_command(tuple(_command(hits, mode, now_ms)))
-            assert packer.command(hits, mode, now_ms) == expected
-            for hit in hits:  # a call on one hit, packed whole but for its mode and time
-                expected = hiredis.pack_command(tuple(_command([hit], mode, now_ms)))
-                assert packer.command([hit], mode, now_ms) == expected
+    for request in (hits, adding):
+        for mode in (0, 1, 0):
+            for now_ms in (0, 1_800_000_000_123):
+                expected = hiredis.pack_command(tuple(_command(request, mode, now_ms)))
+                assert packer.command(request, mode, now_ms) == expected
+                for hit in request:  # a call on one hit, kept whole (but for decide's mode, time)
+                    expected = hiredis.pack_command(tuple(_command([hit], mode, now_ms)))
+                    assert packer.command([hit], mode, now_ms) == expected

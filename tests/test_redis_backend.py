@@ -26,7 +26,17 @@ from sidecar.model import Algorithm, Hit, Outcome, Role, Unit, Window
 from sidecar.storage import Backend, open_backend
 from sidecar.storage.cluster import RedisClusterBackend
 from sidecar.storage.memory import MemoryBackend
-from sidecar.storage.redis import _SCRIPT, _SHA, RedisBackend
+from sidecar.storage.redis import (
+    _COUNT_SCRIPT,
+    _COUNT_SHA,
+    _SCRIPT,
+    _SHA,
+    MODE_ADD,
+    RedisBackend,
+    _decide_command,
+    _decided,
+    counts,
+)
 
 # Generous, so a loaded machine does not turn contract tests into timing tests.
 TIMEOUT_MS = 2_000
@@ -316,6 +326,56 @@ async def test_random_requests_count_like_memory(backend: Backend, requests: lis
     assert await run(backend, requests) == await reference(requests)
 
 
+_adding_hits = st.builds(
+    hit,
+    key=st.sampled_from([b"rl{e}|x", b"rl{e}|y", b"rl{e}|z"]),
+    hits=st.integers(1, 4),
+    limit=st.integers(0, 6),
+    role=st.sampled_from(Role),
+    ttl=st.sampled_from([60, 3_600, 86_400]),  # none expires during an example
+)
+
+
+@pytest.mark.redis
+@settings(
+    max_examples=50, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(requests=st.lists(st.lists(_adding_hits, min_size=1, max_size=4), min_size=1, max_size=8))
+async def test_count_script_answers_and_writes_as_the_decide_script(
+    redis_url: str, redis_server: RedisServer, requests: list[list[Hit]]
+) -> None:
+    """count.lua, which runs the usual request (every hit adds to a plain window's own counter,
+    not all or nothing), gives decide.lua's answers and writes: run side by side on twin
+    counters, the two scripts give the same Outcomes, the same counter values and the same
+    expiries after every request, with counters repeated in one request and limits passed."""
+    suffix = b"|example%d" % next(_example_ids)
+    backend = RedisBackend.from_url(redis_url, timeout_ms=TIMEOUT_MS)
+    try:
+        with redis_server.client() as client:
+            client.script_load(_SCRIPT)
+            for hits in requests:
+                counted, decided = (
+                    [
+                        replace(
+                            h, key=h.key + suffix + twin, previous=h.key + suffix + twin, group=i
+                        )
+                        for i, h in enumerate(hits)
+                    ]
+                    for twin in (b"|count", b"|decide")
+                )
+                assert counts(counted, MODE_ADD)
+                answer = await backend.apply(counted, False, NOW_MS)
+                reply = client.execute_command(*_decide_command(decided, MODE_ADD, NOW_MS))
+                assert answer == _decided(decided, reply, NOW_MS)
+                for one, other in zip(counted, decided, strict=True):
+                    assert client.get(one.key) == client.get(other.key)
+                    ttl, other_ttl = client.pttl(one.key), client.pttl(other.key)
+                    assert 0 < ttl <= 86_400_000
+                    assert abs(ttl - other_ttl) < 1_000  # set moments apart
+    finally:
+        await backend.close()
+
+
 @pytest.mark.parametrize("all_or_nothing", [False, True])
 async def test_concurrent_hits_admit_exactly_the_limit(
     backend: Backend, all_or_nothing: bool
@@ -369,6 +429,7 @@ async def test_one_script_call_per_hash_slot(
     for node in store.nodes:
         with node.client() as client:
             client.script_load(_SCRIPT)
+            client.script_load(_COUNT_SCRIPT)
     same_tag = request(*(hit(b"rl{b}|%d" % i, 1, 10) for i in range(5)))
     reset_stats(store)
     await store_backend.apply(same_tag, False, NOW_MS)
@@ -381,39 +442,52 @@ async def test_one_script_call_per_hash_slot(
     assert evalsha_calls(store) == (3 if isinstance(store, RedisCluster) else 1)
 
 
+# Plain counters added to run count.lua; all or nothing runs decide.lua.
+SCRIPTS = pytest.mark.parametrize(
+    ("all_or_nothing", "sha"), [(False, _COUNT_SHA), (True, _SHA)], ids=["count", "decide"]
+)
+
+
+@SCRIPTS
 async def test_script_cache_loss_is_recovered(
-    store: RedisServer | RedisCluster, store_backend: Backend
+    store: RedisServer | RedisCluster, store_backend: Backend, all_or_nothing: bool, sha: str
 ) -> None:
-    """After SCRIPT FLUSH (as after a restart or a failover) apply works and reloads the script."""
+    """After SCRIPT FLUSH (as after a restart or a failover) apply works and reloads the script
+    it runs, either script."""
     hits = request(hit(A, 1, 10), hit(B, 1, 10))
-    assert await store_backend.apply(hits, False, NOW_MS) == [outcome(False, 9, True, 10)] * 2
+    first = await store_backend.apply(hits, all_or_nothing, NOW_MS)
+    assert first == [outcome(False, 9, True, 10)] * 2
     for node in store.nodes:
         with node.client() as client:
             client.script_flush()
-    assert await store_backend.apply(hits, False, NOW_MS) == [outcome(False, 8, True, 9)] * 2
+    second = await store_backend.apply(hits, all_or_nothing, NOW_MS)
+    assert second == [outcome(False, 8, True, 9)] * 2
     cached = []
     for node in store.nodes:
         with node.client() as client:
-            cached += client.script_exists(_SHA)
+            cached += client.script_exists(sha)
     assert any(cached)
 
 
 @pytest.mark.redis
+@SCRIPTS
 async def test_script_cache_loss_is_recovered_through_callbacks(
-    redis_url: str, redis_server: RedisServer
+    redis_url: str, redis_server: RedisServer, all_or_nothing: bool, sha: str
 ) -> None:
-    """`apply_then` after SCRIPT FLUSH: the EVALSHA's NOSCRIPT is answered by EVAL, by the same
-    deadline, and the outcome is the one `apply` gives."""
+    """`apply_then` after SCRIPT FLUSH: the EVALSHA's NOSCRIPT is answered by EVAL of the same
+    script, by the same deadline, and the outcome is the one `apply` gives."""
     backend = RedisBackend.from_url(redis_url, timeout_ms=TIMEOUT_MS)
     through = Callbacks(backend)
     try:
         hits = request(hit(A, 1, 10), hit(B, 1, 10))
-        assert await through.apply(hits, False, NOW_MS) == [outcome(False, 9, True, 10)] * 2
+        first = await through.apply(hits, all_or_nothing, NOW_MS)
+        assert first == [outcome(False, 9, True, 10)] * 2
         with redis_server.client() as client:
             client.script_flush()
-        assert await through.apply(hits, False, NOW_MS) == [outcome(False, 8, True, 9)] * 2
+        second = await through.apply(hits, all_or_nothing, NOW_MS)
+        assert second == [outcome(False, 8, True, 9)] * 2
         with redis_server.client() as client:
-            assert client.script_exists(_SHA) == [True]
+            assert client.script_exists(sha) == [True]
     finally:
         await backend.close()
 

@@ -395,7 +395,7 @@ class RedisClusterBackend:
                 [slot] = slots
                 mode = MODE_ALL_OR_NOTHING if all_or_nothing else MODE_ADD
                 reply = await self._apply_slot(slot, hits, mode, now_ms, deadline)
-                return _outcomes(hits, reply, now_ms)
+                return _outcomes(hits, reply, now_ms, mode)
             if all_or_nothing:
                 return await self._apply_across_slots(hits, slots, now_ms, deadline)
             return await self._apply_per_slot(hits, slots, MODE_ADD, now_ms, deadline)
@@ -428,7 +428,7 @@ class RedisClusterBackend:
                 return
             if isinstance(reply, ConnectionLost):
                 self._client.refresh_soon()  # as `PipelinedCluster.execute_packed` does
-            applied(self.name, self._timeout_ms, hits, now_ms, reply, done)
+            applied(self.name, self._timeout_ms, hits, mode, now_ms, reply, done)
 
         master.call_packed(self._packer.command(hits, mode, now_ms), deadline, replied)
 
@@ -557,7 +557,9 @@ class RedisClusterBackend:
         outcomes: list[Outcome | None] = [None] * len(hits)
         for group, reply in zip(slots.values(), replies, strict=True):
             slot_hits = [hits[i] for i in group]
-            for index, outcome in zip(group, _outcomes(slot_hits, reply, now_ms), strict=True):
+            for index, outcome in zip(
+                group, _outcomes(slot_hits, reply, now_ms, mode), strict=True
+            ):
                 outcomes[index] = outcome
         return [o for o in outcomes if o is not None]
 

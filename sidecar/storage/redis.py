@@ -1,8 +1,11 @@
-"""Counters in Redis and Redis Cluster: one `decide.lua` call per hash slot per request.
+"""Counters in Redis and Redis Cluster: one script call per hash slot per request.
 
 The script decides and increments atomically on the server, so any number of sidecars can share
 the counters. A request whose hits share a hash slot costs one EVALSHA; on a cluster, hits are
-grouped by slot and the groups run concurrently. Every call has a deadline: whatever goes wrong
+grouped by slot and the groups run concurrently. The script is `decide.lua`, which knows every
+algorithm and mode; the usual request, whose hits only add to plain windows' counters
+(`Hit.adds_only`, not all or nothing), runs `count.lua` instead: it adds, and the answer is
+worked out here from what the counters come to, for a third of the server's CPU. Every call has a deadline: whatever goes wrong
 (refused connection, a server that never answers, a full connection pool, an error reply)
 surfaces as StorageError by then, so the service answers with its failure mode instead of
 making Envoy wait.
@@ -39,8 +42,13 @@ from sidecar.model import Dedupe, Hit, Outcome, Role, new
 from sidecar.storage.base import Applied
 from sidecar.storage.pipeline import PipelinedRedis, RedisReplyError
 
-_SCRIPT = (files("sidecar.algorithms") / "lua" / "decide.lua").read_text(encoding="utf-8")
+_LUA = files("sidecar.algorithms") / "lua"
+_SCRIPT = (_LUA / "decide.lua").read_text(encoding="utf-8")
 _SHA = hashlib.sha1(_SCRIPT.encode()).hexdigest()
+_COUNT_SCRIPT = (_LUA / "count.lua").read_text(encoding="utf-8")
+_COUNT_SHA = hashlib.sha1(_COUNT_SCRIPT.encode()).hexdigest()
+#: Each script's text by its hash, for EVAL when the server has lost it.
+_TEXTS = {_SHA: _SCRIPT, _COUNT_SHA: _COUNT_SCRIPT}
 
 # ARGV[1] of the script.
 MODE_ADD = 0
@@ -58,6 +66,17 @@ _CERT_REQS = {"none": ssl.CERT_NONE, "optional": ssl.CERT_OPTIONAL, "required": 
 Reply = list[int]
 
 
+def counts(hits: Sequence[Hit], mode: int) -> bool:
+    """Whether `count.lua` decides `hits` in `mode`: every hit only adds (`Hit.adds_only`), and
+    nothing makes one hit wait on another (mode 0, apply)."""
+    if mode != MODE_ADD:
+        return False
+    for hit in hits:  # noqa: SIM110 (all() of a generator costs more, on every call)
+        if not hit.adds_only:
+            return False
+    return True
+
+
 def _command(
     hits: Sequence[Hit],
     mode: int,
@@ -65,7 +84,21 @@ def _command(
     quota_as_shadow: bool = False,
     dedupe: Dedupe | None = None,
 ) -> list[Any]:
-    """The EVALSHA arguments that run the script on `hits`, as its header lays them out."""
+    """The EVALSHA arguments that run the script for `hits` in `mode`, as its header lays them
+    out: `count.lua` when it `counts` them, else `decide.lua`."""
+    if dedupe is None and counts(hits, mode):
+        return _count_command(hits)
+    return _decide_command(hits, mode, now_ms, quota_as_shadow, dedupe)
+
+
+def _decide_command(
+    hits: Sequence[Hit],
+    mode: int,
+    now_ms: int,
+    quota_as_shadow: bool = False,
+    dedupe: Dedupe | None = None,
+) -> list[Any]:
+    """`decide.lua`'s arguments, as its header lays them out."""
     args: list[Any] = ["EVALSHA", _SHA, 2 * len(hits) + (2 if dedupe is not None else 0)]
     for hit in hits:
         args += _hit_keys(hit)
@@ -76,6 +109,15 @@ def _command(
         args += _hit_args(hit, quota_as_shadow)
     if dedupe is not None:
         args += (dedupe.ttl_ms, *dedupe.ids)
+    return args
+
+
+def _count_command(hits: Sequence[Hit]) -> list[Any]:
+    """`count.lua`'s arguments: each hit's key, then each hit's count and ttl."""
+    args: list[Any] = ["EVALSHA", _COUNT_SHA, len(hits)]
+    args += [hit.key for hit in hits]
+    for hit in hits:
+        args += (hit.hits, hit.ttl)
     return args
 
 
@@ -117,54 +159,92 @@ def _hit_args(hit: Hit, quota_as_shadow: bool = False) -> tuple[Any, ...]:
 #: How many hits' packed arguments `ApplyPacker` keeps before it starts over.
 PACKED_HITS = 16_384
 _EVALSHA = b"$7\r\nEVALSHA\r\n$40\r\n" + _SHA.encode() + b"\r\n"
+_EVALSHA_COUNT = b"$7\r\nEVALSHA\r\n$40\r\n" + _COUNT_SHA.encode() + b"\r\n"
 
 
 class ApplyPacker:
     """The RESP bytes of an apply call, each hit's part packed once.
 
     A request's hits are the same objects for every call in their window (`sidecar.plan`), so
-    their keys and eleven arguments are packed the first time and kept by the hit's identity
-    (the entry keeps the hit alive, so its id cannot be reused while the entry exists); only
-    the mode and the time are packed per call. A call on one hit, the common request, is kept
-    whole around those two. The bytes equal hiredis's packing of `_command`.
+    their keys and arguments are packed the first time and kept by the hit's identity (the
+    entry keeps the hit alive, so its id cannot be reused while the entry exists); only
+    `decide.lua`'s mode and time are packed per call. A call on one hit, the common request, is
+    kept whole (`count.lua`'s) or whole around those two (`decide.lua`'s). The bytes equal
+    hiredis's packing of `_command`.
     """
 
     def __init__(self, size: int = PACKED_HITS) -> None:
         self._size = size
-        # id(hit) -> (hit, its keys, its arguments, a call on it alone up to the mode, the
-        # same call from the hit count on)
-        self._parts: dict[int, tuple[Hit, bytes, bytes, bytes, bytes]] = {}
+        self._parts: dict[int, _Parts] = {}
 
     def command(self, hits: Sequence[Hit], mode: int, now_ms: int) -> bytes:
-        now = b"%d" % now_ms
-        now = b"$%d\r\n%s\r\n" % (len(now), now)
         if len(hits) == 1:
-            entry = self._parts.get(id(hits[0])) or self._pack(hits[0])
-            return b"".join((entry[3], _SMALL_BULKS[mode], now, entry[4]))
-        keys: list[bytes] = []
-        args: list[bytes] = []
-        for hit in hits:
-            entry = self._parts.get(id(hit)) or self._pack(hit)
-            keys.append(entry[1])
-            args.append(entry[2])
+            parts = self._parts.get(id(hits[0])) or self._pack(hits[0])
+            if mode == MODE_ADD and parts.hit.adds_only:
+                return parts.count_alone
+            return b"".join((parts.alone_head, _SMALL_BULKS[mode], _now(now_ms), parts.alone_tail))
+        every = [self._parts.get(id(hit)) or self._pack(hit) for hit in hits]
         n = len(hits)
+        if counts(hits, mode):
+            return b"".join(
+                (
+                    _count_head(n),
+                    *[parts.count_key for parts in every],
+                    *[parts.count_args for parts in every],
+                )
+            )
         count = _SMALL_BULKS[n] if n < _SMALL else _bulk(n)
-        return b"".join((_head(n), *keys, _SMALL_BULKS[mode], now, count, _GRACE, *args))
+        return b"".join(
+            (
+                _head(n),
+                *[parts.keys for parts in every],
+                _SMALL_BULKS[mode],
+                _now(now_ms),
+                count,
+                _GRACE,
+                *[parts.args for parts in every],
+            )
+        )
 
-    def _pack(self, hit: Hit) -> tuple[Hit, bytes, bytes, bytes, bytes]:
-        parts = self._parts
-        if len(parts) >= self._size:
-            parts.clear()
-        keys = b"".join(map(_bulk, _hit_keys(hit)))
-        args = b"".join(map(_bulk, _hit_args(hit)))
-        entry = parts[id(hit)] = (hit, keys, args, _head(1) + keys, _bulk(1) + _GRACE + args)
-        return entry
+    def _pack(self, hit: Hit) -> _Parts:
+        if len(self._parts) >= self._size:
+            self._parts.clear()
+        parts = self._parts[id(hit)] = _Parts(hit)
+        return parts
+
+
+class _Parts:
+    """One hit's parts of either script's call, packed once (see `ApplyPacker`)."""
+
+    def __init__(self, hit: Hit) -> None:
+        self.hit = hit
+        # decide.lua: the hit's keys and its eleven arguments; a call on it alone, up to the
+        # mode, and from the hit count on.
+        self.keys = b"".join(map(_bulk, _hit_keys(hit)))
+        self.args = b"".join(map(_bulk, _hit_args(hit)))
+        self.alone_head = _head(1) + self.keys
+        self.alone_tail = _bulk(1) + _GRACE + self.args
+        # count.lua: the hit's key, its two arguments, and a whole call on it alone.
+        self.count_key = _bulk(hit.key)
+        self.count_args = _bulk(hit.hits) + _bulk(hit.ttl)
+        self.count_alone = _count_head(1) + self.count_key + self.count_args
+
+
+def _now(now_ms: int) -> bytes:
+    now = b"%d" % now_ms
+    return b"$%d\r\n%s\r\n" % (len(now), now)
 
 
 @functools.lru_cache(maxsize=256)
 def _head(n: int) -> bytes:
     """The start of a call on `n` hits: the array's length, EVALSHA, the hash, the key count."""
     return b"*%d\r\n" % (7 + 13 * n) + _EVALSHA + _bulk(2 * n)
+
+
+@functools.lru_cache(maxsize=256)
+def _count_head(n: int) -> bytes:
+    """The start of a `count.lua` call on `n` hits, up to its keys."""
+    return b"*%d\r\n" % (3 + 3 * n) + _EVALSHA_COUNT + _bulk(n)
 
 
 def _bulk(value: bytes | str | int) -> bytes:
@@ -236,8 +316,41 @@ def _duplicates(reply: Reply) -> list[bool]:
     return [flag == 1 for flag in reply]
 
 
-def _outcomes(hits: Sequence[Hit], reply: Reply, now_ms: int) -> list[Outcome]:
-    """The script's five integers per hit, as Outcomes (window resets come from the hit)."""
+def _outcomes(hits: Sequence[Hit], reply: Reply, now_ms: int, mode: int) -> list[Outcome]:
+    """The reply of the script `_command` chose for `hits` in `mode`, as Outcomes."""
+    if counts(hits, mode):
+        return _counted(hits, reply, now_ms)
+    return _decided(hits, reply, now_ms)
+
+
+def _counted(hits: Sequence[Hit], reply: Reply, now_ms: int) -> list[Outcome]:
+    """`count.lua`'s counters after the hits, as the Outcomes `decide.lua` gives."""
+    if len(reply) != len(hits):
+        raise ValueError(f"count.lua answered {len(reply)} values for {len(hits)} hits")
+    if len(hits) == 1:  # the common call, without the loop
+        return [_count_outcome(hits[0], reply[0], now_ms)]
+    return [_count_outcome(hit, reply[index], now_ms) for index, hit in enumerate(hits)]
+
+
+def _count_outcome(hit: Hit, count: int, now_ms: int) -> Outcome:
+    """A plain window's hit whose counter came to `count`: over when that passes the limit, and
+    applied either way (a plain window counts rejected hits)."""
+    after = hit.window.requests_per_unit - count
+    before = after + hit.hits
+    return new(
+        Outcome,
+        (
+            after < 0,
+            after if after > 0 else 0,
+            hit.end_ms - now_ms,
+            True,
+            before if before > 0 else 0,
+        ),
+    )
+
+
+def _decided(hits: Sequence[Hit], reply: Reply, now_ms: int) -> list[Outcome]:
+    """`decide.lua`'s five integers per hit, as Outcomes (window resets come from the hit)."""
     if len(hits) == 1:  # the common call, without the slicing
         over, remaining, reset_ms, applied, left_before = reply
         end_ms = hits[0].end_ms
@@ -263,17 +376,23 @@ def _outcomes(hits: Sequence[Hit], reply: Reply, now_ms: int) -> list[Outcome]:
 
 
 def applied(
-    backend: str, timeout_ms: int, hits: Sequence[Hit], now_ms: int, reply: Any, done: Applied
+    backend: str,
+    timeout_ms: int,
+    hits: Sequence[Hit],
+    mode: int,
+    now_ms: int,
+    reply: Any,
+    done: Applied,
 ) -> None:
-    """Hand `done` the outcomes of a script call's reply, or the failure it ended with (a
-    StorageError whose cause is what the client raised)."""
+    """Hand `done` the outcomes of the reply to `_command(hits, mode, now_ms)`, or the failure
+    it ended with (a StorageError whose cause is what the client raised)."""
     if isinstance(reply, Exception):
         failure = _failure(backend, timeout_ms, reply)
         failure.__cause__ = reply
         done(failure)
         return
     try:
-        outcomes = _outcomes(hits, reply, now_ms)
+        outcomes = _outcomes(hits, reply, now_ms, mode)
     except Exception as exc:  # a reply of the wrong shape: a bug, not an outage
         done(exc)
         return
@@ -386,10 +505,12 @@ class RedisBackend:
                 self._client.call_packed(
                     hiredis.pack_command(command),
                     deadline,
-                    lambda reply: applied(self.name, self._timeout_ms, hits, now_ms, reply, done),
+                    lambda reply: applied(
+                        self.name, self._timeout_ms, hits, mode, now_ms, reply, done
+                    ),
                 )
                 return
-            applied(self.name, self._timeout_ms, hits, now_ms, reply, done)
+            applied(self.name, self._timeout_ms, hits, mode, now_ms, reply, done)
 
         self._client.call_packed(self._packer.command(hits, mode, now_ms), deadline, replied)
 
@@ -456,7 +577,7 @@ async def _run_pipelined(client: PipelinedRedis, command: list[Any]) -> Reply:
 
 def _eval(command: list[Any]) -> list[Any]:
     """The EVAL form of an EVALSHA command: the script's text in place of its hash."""
-    return ["EVAL", _SCRIPT, *command[2:]]
+    return ["EVAL", _TEXTS[command[1]], *command[2:]]
 
 
 def _ssl_context(options: dict[str, Any]) -> ssl.SSLContext:

@@ -1,6 +1,8 @@
 -- One request's windows (or the part of it in one hash slot), decided together.
 -- Mirrors sidecar/algorithms/decide.py and the algorithm modules beside it, operation for
--- operation, so that Redis and memory agree to the last bit: keep them in step.
+-- operation, so that Redis and memory agree to the last bit: keep them in step. The usual request
+-- (mode 0, every hit adding to a plain window's own counter) runs count.lua instead, whose
+-- answers must stay this script's.
 --
 -- KEYS[2i-1]  hit i's counter, bucket, or grouped hash   KEYS[2i]  its previous window's counter
 --             (or KEYS[2i-1])
