@@ -46,6 +46,7 @@ from sidecar.storage.redis import (
     Reply,
     _address,
     _command,
+    _decide_command,
     _duplicates,
     _eval,
     _failure,
@@ -59,6 +60,7 @@ from sidecar.storage.redis import (
     _tls_options,
     _values,
     applied,
+    counts,
 )
 
 #: Redirections (MOVED, ASK, TRYAGAIN) one call follows before it fails: a slot that keeps
@@ -573,8 +575,10 @@ class RedisClusterBackend:
         quota_as_shadow: bool = False,
     ) -> Reply:
         """Run the script on one slot's hits, packed by `ApplyPacker` (see `RedisBackend`)."""
-        if quota_as_shadow:  # the packer keeps each hit's own role
-            command = _command(hits, mode, now_ms, quota_as_shadow)
+        # The packer keeps each hit's own role (count.lua, which `_outcomes` reads when it
+        # `counts` the hits, ignores roles).
+        if quota_as_shadow and not counts(hits, mode):
+            command = _decide_command(hits, mode, now_ms, quota_as_shadow)
             return await self._run(slot, command, deadline)
         client = self._client
         try:

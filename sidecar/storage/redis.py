@@ -77,18 +77,12 @@ def counts(hits: Sequence[Hit], mode: int) -> bool:
     return True
 
 
-def _command(
-    hits: Sequence[Hit],
-    mode: int,
-    now_ms: int,
-    quota_as_shadow: bool = False,
-    dedupe: Dedupe | None = None,
-) -> list[Any]:
-    """The EVALSHA arguments that run the script for `hits` in `mode`, as its header lays them
-    out: `count.lua` when it `counts` them, else `decide.lua`."""
-    if dedupe is None and counts(hits, mode):
+def _command(hits: Sequence[Hit], mode: int, now_ms: int) -> list[Any]:
+    """The EVALSHA arguments that apply (or read) `hits` in `mode`: `count.lua`'s when it
+    `counts` them, else `decide.lua`'s."""
+    if counts(hits, mode):
         return _count_command(hits)
-    return _decide_command(hits, mode, now_ms, quota_as_shadow, dedupe)
+    return _decide_command(hits, mode, now_ms)
 
 
 def _decide_command(
@@ -98,7 +92,8 @@ def _decide_command(
     quota_as_shadow: bool = False,
     dedupe: Dedupe | None = None,
 ) -> list[Any]:
-    """`decide.lua`'s arguments, as its header lays them out."""
+    """`decide.lua`'s arguments, as its header lays them out (the only script that records, or
+    reads quota counters as shadow ones)."""
     args: list[Any] = ["EVALSHA", _SHA, 2 * len(hits) + (2 if dedupe is not None else 0)]
     for hit in hits:
         args += _hit_keys(hit)
@@ -269,7 +264,7 @@ _GRACE = _bulk(FIELD_GRACE * 1000)
 
 
 def _record_commands(batches: Sequence[tuple[Sequence[Hit], Dedupe]], now_ms: int) -> list[Any]:
-    return [_command(hits, MODE_RECORD, now_ms, dedupe=dedupe) for hits, dedupe in batches]
+    return [_decide_command(hits, MODE_RECORD, now_ms, dedupe=dedupe) for hits, dedupe in batches]
 
 
 def _read_commands(addresses: Sequence[Address]) -> tuple[list[list[Any]], list[list[int]]]:
