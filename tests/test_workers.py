@@ -204,7 +204,7 @@ async def _supervised(worker: str, *, terminate: bool) -> tuple[int, str]:
             output += await process.stdout.read()
             status = await process.wait()
     except TimeoutError:
-        # Seen twice in whole-suite runs, never alone: say where it stood.
+        # Say where it stood (how the interleaved "up" lines were found).
         raise AssertionError(
             f"no end within 60 s; supervisor {process.pid} "
             f"{'running' if process.returncode is None else f'exited {process.returncode}'}, "
@@ -237,7 +237,9 @@ async def test_a_worker_stopped_while_still_starting_is_a_clean_stop() -> None:
     them before it listens or accepts, so it has taken no call) kills it by that signal; the
     parent, which forwarded it, counts that as a clean stop and exits 0. A worker that exits
     with an error on its own still makes the parent fail with its status."""
-    starting = "import time; print('up', flush=True); time.sleep(60)"
+    # "up\n" in one write: print() writes the text and the newline apart when stdout is
+    # unbuffered (PYTHONUNBUFFERED), and two workers once wrote "upup\n\n" in a whole-suite run.
+    starting = "import os, time; os.write(1, b'up\\n'); time.sleep(60)"
     status, output = await _supervised(starting, terminate=True)
     assert status == 0, output
     assert output.count("worker_stopped_while_starting") == 2
