@@ -5,12 +5,13 @@ the counters. A request whose hits share a hash slot costs one EVALSHA; on a clu
 grouped by slot and the groups run concurrently. The script is `decide.lua`, which knows every
 algorithm and mode; the usual request, whose hits only add to plain windows' counters
 (`Hit.adds_only`, not all or nothing), runs `count.lua` instead: it adds, and the answer is
-worked out here from what the counters come to, for a third of the server's CPU. Every call has a deadline: whatever goes wrong
-(refused connection, a server that never answers, a full connection pool, an error reply)
-surfaces as StorageError by then, so the service answers with its failure mode instead of
-making Envoy wait.
+worked out here from what the counters come to, for a third of the server's CPU.
 
-`record` runs the same script in its record mode, once per user (a batch is one hash slot); the
+Every call has a deadline: whatever goes wrong (refused connection, a server that never
+answers, a full connection pool, an error reply) surfaces as StorageError by then, so the
+service answers with its failure mode instead of making Envoy wait.
+
+`record` runs `decide.lua` in its record mode, once per user (a batch is one hash slot); the
 batches of one call run concurrently, which on a standalone Redis means one write and one round
 trip.
 
