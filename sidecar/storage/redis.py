@@ -176,7 +176,7 @@ class ApplyPacker:
     def command(self, hits: Sequence[Hit], mode: int, now_ms: int) -> bytes:
         if len(hits) == 1:
             parts = self._parts.get(id(hits[0])) or self._pack(hits[0])
-            if mode == MODE_ADD and parts.hit.adds_only:
+            if counts(hits, mode):
                 return parts.count_alone
             return b"".join((parts.alone_head, _SMALL_BULKS[mode], _now(now_ms), parts.alone_tail))
         every = [self._parts.get(id(hit)) or self._pack(hit) for hit in hits]

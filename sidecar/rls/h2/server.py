@@ -85,7 +85,7 @@ class H2Server:
         self._listeners.append(listener)
         # Any: `sockets` is a list on uvloop where the stubs say tuple, and the compiled build
         # checks what a value's declared type says (sidecar.build).
-        sockets: Any = cast(Any, listener).sockets
+        sockets = cast(Any, listener).sockets
         bound = sockets[0].getsockname()
         return bound[1] if isinstance(bound, tuple) else 0
 
