@@ -63,12 +63,17 @@ $(COMPILED)/.built: $(STAMP) setup.py $(shell find sidecar -name '*.py')
 	$(BIN)/python -m zipfile -e build/wheel/ratelimit_sidecar-*.whl $(COMPILED)
 	touch $@
 
+## Install the package of every binary in tests/binaries.txt that is missing from PATH (one
+## apt-get for all of them). The same list is what tests/conftest.py's require_binary accepts.
 test-deps:
-	@if ! command -v redis-server >/dev/null || ! command -v redis-cli >/dev/null; then \
-		echo "installing redis-server (apt-get)"; \
-		$(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq redis-server >/dev/null; \
+	@missing=$$(awk '!/^#/ && NF { print $$1, $$2 }' tests/binaries.txt | \
+		while read -r binary package; do command -v "$$binary" >/dev/null || echo "$$package"; done | \
+		sort -u | tr '\n' ' '); \
+	if [ -n "$$missing" ]; then \
+		echo "installing $$missing(apt-get, for tests/binaries.txt)"; \
+		$(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq $$missing >/dev/null; \
 	fi
-	@# The apt package starts a system redis on :6379; the tests start their own on free ports.
+	@# The redis-server package starts a system redis on :6379; the tests start their own on free ports.
 
 ## Benchmarks (not tests): calls/s, latency and CPU per call, side by side, of the compiled
 ## build (what the image ships; `python -m bench.run` without --build measures the sources).
@@ -81,15 +86,8 @@ bench-instructions: venv test-deps compiled
 	@command -v valgrind >/dev/null || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq valgrind >/dev/null; }
 	$(BIN)/python -m bench.instructions --build $(COMPILED)
 
+## The benchmarks use the tests' programs (h2load, wrk, redis-server); test-deps installs them.
 bench-deps: test-deps
-	@if ! command -v h2load >/dev/null; then \
-		echo "installing h2load (apt-get nghttp2-client)"; \
-		$(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq nghttp2-client >/dev/null; \
-	fi
-	@if ! command -v wrk >/dev/null; then \
-		echo "installing wrk (apt-get wrk) for the gateway scenario"; \
-		$(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq wrk >/dev/null; \
-	fi
 
 ## Regenerate the frequency-cap stubs in sidecar/proto from proto/ (a test checks they are current).
 .PHONY: proto

@@ -6,6 +6,7 @@ import asyncio
 import os
 import shutil
 from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import builds  # noqa: F401  (first: it decides which build `sidecar` is imported from)
@@ -25,13 +26,33 @@ from sidecar.storage import Backend, open_backend
 # ---------------------------------------------------------------------------------------------
 
 
+BINARIES_FILE = Path(__file__).with_name("binaries.txt")
+
+
+def listed_binaries() -> dict[str, str]:
+    """tests/binaries.txt: each binary a test may run, with the Debian package `make test`
+    installs it from."""
+    listed = {}
+    for line in BINARIES_FILE.read_text().splitlines():
+        fields = line.split("#", 1)[0].split()
+        if fields:
+            binary, package = fields
+            listed[binary] = package
+    return listed
+
+
 def require_binary(name: str) -> None:
-    """Skip a test whose server binary is missing, except under CI, where that is a failure."""
+    """Fail a test that asks for a binary tests/binaries.txt does not list (make test would not
+    install it); skip one whose listed binary is missing, except under CI, where that fails."""
+    if name not in listed_binaries():
+        pytest.fail(
+            f"{name} is not in {BINARIES_FILE.name}, so make test does not install it: add it"
+        )
     if shutil.which(name) is not None:
         return
     if os.environ.get("CI") == "true":
         pytest.fail(f"{name} not installed, and CI=true forbids skipping integration tests")
-    pytest.skip(f"{name} not installed (under CI=true this fails)")
+    pytest.skip(f"{name} not installed (make test installs it; under CI=true this fails)")
 
 
 @pytest.fixture(scope="session")

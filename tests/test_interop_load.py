@@ -235,8 +235,9 @@ def envoy_config(rules: Path, port: int, admin_port: int, grpc_port: int) -> str
 @pytest.fixture(scope="module")
 def rig(envoy_binary: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
     """Redis, the first sidecar and Envoy, started once for the module."""
-    for binary in ("redis-server", "wrk", "h2load"):
-        require_binary(binary)
+    require_binary("redis-server")
+    require_binary("wrk")
+    require_binary("h2load")
     workdir = tmp_path_factory.mktemp("interop")
     try:
         redis = start_server(workdir / "redis")
