@@ -2,7 +2,8 @@
 
 - `POST /json`: a `RateLimitRequest` in proto3 JSON; the response JSON with status 200 (OK),
   429 (OVER_LIMIT) or 500 (UNKNOWN); 400 with the reason for bad JSON or an invalid request;
-  413 for a body over 1 MiB.
+  413 for a body over 1 MiB; 503 when the backend has as many calls in flight as it answers
+  in time (Overloaded).
 - `GET /healthcheck`: 200 `OK`, or 500 after SIGTERM or while the backend fails its ping.
 - `GET /rlconfig`: the loaded rules, one line per rule (the reference's format).
 - `GET /metrics`: Prometheus text format.
@@ -22,7 +23,7 @@ from prometheus_client import CollectorRegistry
 
 from sidecar import frequency_json, metrics
 from sidecar.config import Rules
-from sidecar.errors import InvalidRequest, StorageError, UnknownDomain
+from sidecar.errors import InvalidRequest, Overloaded, StorageError, UnknownDomain
 from sidecar.frequency import FrequencyCaps
 from sidecar.health import Health
 from sidecar.model import Code
@@ -120,6 +121,8 @@ class AdminServer:
             code, text = await self.service.should_rate_limit_json(body)
         except InvalidRequest as exc:
             return web.Response(status=400, text=f"Bad Request: {exc}\n")
+        except Overloaded as exc:
+            return web.Response(status=503, text=f"Service Unavailable: {exc}\n")
         return web.Response(status=_JSON_STATUS[code], text=text, content_type="application/json")
 
     async def _healthcheck(self, request: web.Request) -> web.Response:
@@ -174,7 +177,7 @@ async def _caps_call(
         return _json_error(400, str(exc))
     except UnknownDomain as exc:
         return _json_error(404, str(exc))
-    except StorageError as exc:
+    except (StorageError, Overloaded) as exc:
         return _json_error(503, f"counters unavailable: {exc}")
     return web.json_response(answer, dumps=_dumps)
 

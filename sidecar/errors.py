@@ -5,6 +5,7 @@
     ├── InvalidRequest     a request Envoy (or a client) sent cannot be answered: INVALID_ARGUMENT
     ├── UnknownDomain      a frequency-cap call names a domain without caps: HTTP 404, NOT_FOUND
     ├── StorageError       a backend call failed or timed out; transient, the failure mode decides
+    ├── Overloaded         more backend calls in flight than can be answered in time: UNAVAILABLE
     └── InjectionError     a pod (or manifest) cannot get a working sidecar from its annotations
 
 Callers chain with ``raise ... from exc`` so the cause stays visible in logs.
@@ -50,6 +51,16 @@ class StorageError(SidecarError):
     """
 
     transient = True
+
+
+class Overloaded(SidecarError):
+    """The backend already has as many calls in flight as it can answer within their deadline.
+
+    Not a failure of the backend, which is answering: the sidecar is being asked for more than
+    it and its backend can decide in time. The call is refused at once, UNAVAILABLE on gRPC and
+    503 on HTTP, and never answered by the failure mode: failing open here would let a flood of
+    clients push admissions past any limit while Redis is healthy.
+    """
 
 
 class InjectionError(SidecarError):

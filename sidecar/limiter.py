@@ -22,7 +22,7 @@ import structlog
 
 from sidecar.algorithms import fixed_window
 from sidecar.config import Rules
-from sidecar.errors import InvalidRequest, StorageError
+from sidecar.errors import InvalidRequest, Overloaded, StorageError
 from sidecar.model import Code, Decision, DescriptorStatus, Hit, Outcome, Request, Role, new
 from sidecar.over_limit_cache import OverLimitCache
 from sidecar.plan import Counted, Plan, prepare
@@ -48,7 +48,9 @@ class Settings:
     rejected_hits: "count" adds rejected hits like the reference; "skip" makes a request that
     ends OVER_LIMIT add nothing to any counter.
     failure_mode: on a backend error, "allow" answers OK with no limit; "deny" answers
-    OVER_LIMIT for every limited descriptor.
+    OVER_LIMIT for every limited descriptor. A call the backend refuses as Overloaded (it has
+    as many calls in flight as it answers in time) is not a backend error: it is raised to
+    the transport, which answers UNAVAILABLE, and never answered by the failure mode.
     """
 
     shadow_mode: bool = False
@@ -123,6 +125,9 @@ class Limiter:
             outcomes = await self.backend.apply(hits, self._all_or_nothing, now_ms)
         except StorageError as exc:
             return self._on_backend_failure(exc, statuses, counted, hits, judged, now_ms)
+        except Overloaded:
+            self.stats.overloaded += 1
+            raise
         return self._finish(plan, statuses, judged, counted, hits, now_ms, outcomes)
 
     @property
@@ -173,7 +178,9 @@ class Limiter:
                         self._on_backend_failure(outcomes, statuses, counted, hits, judged, now_ms)
                     )
                 else:
-                    answer = outcomes  # a bug behind the store's answer
+                    if isinstance(outcomes, Overloaded):  # refused, not failed: no failure mode
+                        self.stats.overloaded += 1
+                    answer = outcomes  # Overloaded, or a bug behind the store's answer
             except Exception as exc:
                 answer = exc
             done(answer)

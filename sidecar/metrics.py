@@ -9,8 +9,10 @@ the reference keep working:
   over_limit, near_limit, within_limit, shadow_mode and over_limit_with_local_cache. The labels are the rule's metric key
   split on '.': `domain.key1` gives {domain, key1}; three or more parts give {domain, key1,
   key2}, and, as in the mapper, every level after the third folds into the same series.
-- `ratelimit_service_should_rate_limit_error{err_type="redis_error"|"service_error"}`
-  (a failing backend counts as `redis_error`, whatever the backend).
+- `ratelimit_service_should_rate_limit_error{err_type="redis_error"|"service_error"|"overloaded"}`
+  (a failing backend counts as `redis_error`, whatever the backend; `overloaded`, which the
+  reference does not have, counts calls refused UNAVAILABLE because the backend already had as
+  many in flight as it answers in time).
 - `ratelimit_service_total_requests{grpc_method="ShouldRateLimit"}` and the call latency
   histogram `ratelimit_service_response_time_seconds{grpc_method="ShouldRateLimit"}`.
 - `ratelimit_service_config_load_success`, `ratelimit_service_config_load_error`,
@@ -86,10 +88,13 @@ class StatsCollector(Collector):
         yield from _rule_metrics(stats.rules.items())
         yield _counter(
             "ratelimit_service_should_rate_limit_error",
-            "ShouldRateLimit calls that failed, by cause (redis_error: the backend failed).",
+            "ShouldRateLimit calls that failed, by cause (redis_error: the backend failed; "
+            "overloaded: refused UNAVAILABLE, the backend having as many calls in flight as it "
+            "answers in time).",
             [
                 ({"err_type": "redis_error"}, stats.backend_error),
                 ({"err_type": "service_error"}, stats.service_error),
+                ({"err_type": "overloaded"}, stats.overloaded),
             ],
         )
         yield _counter(

@@ -54,4 +54,6 @@ class Stats:
     global_shadow_mode: int = 0
     backend_error: int = 0
     service_error: int = 0
+    #: Calls refused because the backend had as many in flight as it answers in time.
+    overloaded: int = 0
     total_requests: int = 0

@@ -209,6 +209,30 @@ async def test_deadlines_expire_in_their_own_order(client: PipelinedRedis) -> No
     assert answered == b"PONG"
 
 
+async def test_a_reply_that_came_while_the_loop_was_busy_is_taken(
+    client: PipelinedRedis,
+) -> None:
+    """A reply that reached the socket before the loop got round to the call's deadline
+    answers the call: when the deadline's timer fires, the loop polls its sockets once more
+    before it fails a call. Under load the timer comes due in the same turn as a long run of
+    other work (here a callback busy for 0.25 s, due just before it; in service, the reads of
+    many connections), and the reply arrives during that work: the deadline measures Redis,
+    not the time this process took to look."""
+    await connected(client)
+    loop = asyncio.get_running_loop()
+    answered: list[Any] = []
+    now = loop.time()
+    # Redis answers the BLPOP with nil after 0.15 s: past the deadline of 0.05 s as the loop
+    # sees it, but before the loop could look.
+    command = hiredis.pack_command(("BLPOP", "nothing-here", "0.15"))
+    client.call_packed(command, now + 0.05, answered.append)
+    loop.call_at(now + 0.04, time.sleep, 0.25)
+    await asyncio.sleep(0)  # the write leaves
+    time.sleep(0.1)  # both timers come due while the loop is busy; they run in one turn
+    await asyncio.sleep(0.3)
+    assert answered == [None]
+
+
 async def test_many_calls_with_deadlines_leave_no_pending_deadline(
     client: PipelinedRedis,
 ) -> None:

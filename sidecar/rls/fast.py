@@ -3,7 +3,8 @@ FrequencyCaps on the sidecar's own HTTP/2 server (`sidecar.rls.h2`) instead of g
 
 It answers exactly as the grpc.aio transport (`sidecar.rls.server`) does: InvalidRequest is
 INVALID_ARGUMENT with its message, a bug is INTERNAL (the first exception of each type logged
-with its traceback), FrequencyCaps' UnknownDomain is NOT_FOUND and StorageError UNAVAILABLE,
+with its traceback), FrequencyCaps' UnknownDomain is NOT_FOUND and StorageError UNAVAILABLE, Overloaded is
+UNAVAILABLE,
 and health reports "" and "ratelimit", NOT_SERVING for good once stopping starts. Only unary
 calls exist here: Health/Watch, reflection and TLS are grpcio's.
 """
@@ -18,7 +19,7 @@ import structlog
 from google.protobuf.message import DecodeError  # type: ignore[import-untyped]
 from grpc_health.v1 import health_pb2  # type: ignore[import-untyped]
 
-from sidecar.errors import InvalidRequest, StorageError, UnknownDomain
+from sidecar.errors import InvalidRequest, Overloaded, StorageError, UnknownDomain
 from sidecar.metrics import Latency
 from sidecar.rls import frequency
 from sidecar.rls.h2.server import H2Server
@@ -107,9 +108,12 @@ class FastServer:
             self.latency.observe(time.perf_counter() - started)
 
     def _should_rate_limit_error(self, exc: Exception) -> CallError:
-        """The status for what ShouldRateLimit raised: INVALID_ARGUMENT, else a bug (INTERNAL)."""
+        """The status for what ShouldRateLimit raised: INVALID_ARGUMENT, UNAVAILABLE when
+        overloaded, else a bug (INTERNAL)."""
         if isinstance(exc, InvalidRequest):
             return CallError(Status.INVALID_ARGUMENT, str(exc))
+        if isinstance(exc, Overloaded):  # counted by the limiter
+            return CallError(Status.UNAVAILABLE, str(exc))
         self.service.stats.service_error += 1
         return self._internal(METHOD, exc)
 
@@ -121,7 +125,7 @@ class FastServer:
                 raise CallError(Status.INVALID_ARGUMENT, str(exc)) from exc
             except UnknownDomain as exc:
                 raise CallError(Status.NOT_FOUND, str(exc)) from exc
-            except StorageError as exc:
+            except (StorageError, Overloaded) as exc:
                 raise CallError(Status.UNAVAILABLE, str(exc)) from exc
             except Exception as exc:
                 raise self._internal(path, exc) from exc

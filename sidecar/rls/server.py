@@ -21,7 +21,7 @@ import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # type: ignore[import-untyped]
 from grpc_health.v1.health import aio as health_aio  # type: ignore[import-untyped]
 
-from sidecar.errors import InvalidRequest, StorageError, UnknownDomain
+from sidecar.errors import InvalidRequest, Overloaded, StorageError, UnknownDomain
 from sidecar.metrics import Latency
 from sidecar.rls import frequency
 from sidecar.rls.service import RateLimitService
@@ -102,6 +102,9 @@ class GrpcServer:
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             raise  # unreachable: abort raises
+        except Overloaded as exc:  # counted by the limiter
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+            raise
         except Exception as exc:
             self.service.stats.service_error += 1
             kind = type(exc)
@@ -140,7 +143,7 @@ class GrpcServer:
             except UnknownDomain as exc:
                 await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
                 raise
-            except StorageError as exc:
+            except (StorageError, Overloaded) as exc:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
                 raise
             except Exception as exc:

@@ -22,7 +22,8 @@ class Backend(Protocol):
     each window counts as its algorithm says, and with ``all_or_nothing`` a request that is
     OVER_LIMIT applies nothing. `now_ms` is the sidecar's clock, so every backend (and every
     sidecar sharing a Redis) places hits in the same windows. It raises StorageError on failure
-    or when the deadline passes, never anything else.
+    or when the deadline passes, and Overloaded (nothing applied) when the store already has as
+    many calls in flight as it answers in time; never anything else.
     """
 
     name: str
@@ -55,7 +56,8 @@ class Backend(Protocol):
 
 
 #: What `apply_then` hands its callback: the outcomes, or the exception the call ended with
-#: (StorageError when the store failed; anything else is a bug).
+#: (StorageError when the store failed, Overloaded when it refused the call; anything else is a
+#: bug).
 Applied = Callable[[list[Outcome] | Exception], None]
 
 

@@ -24,6 +24,10 @@ call waiting on it; it is reopened in the background while another connection se
 next call when none is open, at most once per `RECONNECT_BACKOFF` after a failed attempt (calls
 in between fail at once, so the failure mode answers without waiting). AUTH and SELECT run first
 on every new connection; TLS is the event loop's.
+
+A server has a bound on the calls waiting for its replies (`in_flight_bound`: what it answers
+within the deadline), so a flood of requests cannot queue more calls in Redis than it answers
+in time; a call past it is refused at once with Overloaded, which is not a failure of Redis.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import collections
 import functools
 import heapq
 import itertools
+import select
 import ssl
 import time
 from collections.abc import Callable, Sequence
@@ -43,6 +48,7 @@ import structlog
 from mypy_extensions import mypyc_attr
 
 from sidecar import batching
+from sidecar.errors import Overloaded
 
 #: After a failed connection attempt, calls fail at once for this long before the next attempt.
 RECONNECT_BACKOFF = 0.1
@@ -50,9 +56,39 @@ RECONNECT_BACKOFF = 0.1
 #: Connections per server, unless told otherwise.
 CONNECTIONS = 2
 
+#: What one call may cost Redis at most, to size how many a server may have in flight: the
+#: decision script costs it 20-27 µs, the counting one 7-9 (README, Performance); twice the
+#: larger leaves room for a server that is busy with others too.
+WORST_CALL_SECONDS = 50e-6
+#: The fewest calls a server may have in flight, however short the deadline.
+MIN_IN_FLIGHT = 64
+
 _NEVER = float("inf")
 
 log = structlog.get_logger("sidecar.storage.pipeline")
+
+
+def in_flight_bound(timeout: float) -> int:
+    """How many calls one server may have waiting for their replies: as many as it answers
+    within `timeout` at `WORST_CALL_SECONDS` each (at least MIN_IN_FLIGHT). Past that a
+    call's deadline would expire in Redis's queue, behind our own calls, and the failure mode
+    would answer a request Redis is healthy enough to decide: the call is refused instead
+    (`Overloaded`). 1,000 for the default 50 ms."""
+    return max(MIN_IN_FLIGHT, int(timeout / WORST_CALL_SECONDS))
+
+
+def _unread(protocol: _Protocol) -> bool:
+    """Whether bytes from the server wait in the connection's socket, not read yet (one
+    non-blocking poll of its descriptor; only asked when a call has given up)."""
+    transport = protocol.transport
+    sock = transport.get_extra_info("socket") if transport is not None else None
+    if sock is None:
+        return False
+    try:
+        readable, _, _ = select.select([sock.fileno()], [], [], 0)
+    except (OSError, ValueError):  # closed meanwhile
+        return False
+    return bool(readable)
 
 
 def _running_loop_time() -> float:
@@ -202,9 +238,15 @@ class PipelinedRedis:
         password: str | None = None,
         ssl_context: Callable[[], ssl.SSLContext] | None = None,
         connect_timeout: float = 1.0,
+        max_in_flight: int | None = None,
     ) -> None:
         if connections < 1:
             raise ValueError(f"connections must be at least 1, not {connections}")
+        if max_in_flight is None:
+            max_in_flight = in_flight_bound(connect_timeout)
+        #: Calls one connection may have waiting for replies (the server's share, `max_in_flight`
+        #: split between the connections); a call past it is refused with Overloaded.
+        self.max_pending = -(-max_in_flight // connections)
         self.host = host
         self.port = port
         self._db = db
@@ -239,6 +281,8 @@ class PipelinedRedis:
         protocol = self._tick
         if protocol is None or protocol.lost is not None:
             protocol = await self._protocol(deadline)
+        if len(protocol.waiters) >= self.max_pending:
+            raise self._overloaded()
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._send(protocol, packed, future)
         if deadline is not None:
@@ -255,7 +299,8 @@ class PipelinedRedis:
     def call_packed(self, packed: bytes, deadline: float, callback: Callable[[Any], None]) -> None:
         """Send one encoded command (see `execute_packed`) and hand what comes back to
         `callback`, exactly once: the reply, or the exception that ended the call
-        (RedisReplyError for an error reply, DeadlineExceeded by `deadline`, ConnectionLost).
+        (RedisReplyError for an error reply, DeadlineExceeded by `deadline`, ConnectionLost,
+        Overloaded at once when the connection already has `max_pending` calls waiting).
 
         No future and no coroutine: the callback runs from the connection's `data_received`
         (or the deadline's timer, or the connection's loss), so it must be quick and must not
@@ -273,6 +318,9 @@ class PipelinedRedis:
                 self._waiting.add(task)
                 task.add_done_callback(functools.partial(self._call_ended, reply))
                 return
+        if len(protocol.waiters) >= self.max_pending:
+            reply.set_exception(self._overloaded())
+            return
         self._send(protocol, packed, reply)
         self._keep_deadline(protocol, deadline, reply)
 
@@ -281,6 +329,9 @@ class PipelinedRedis:
             protocol = await self._protocol(deadline)
         except Exception as exc:
             reply.set_exception(exc)
+            return
+        if len(protocol.waiters) >= self.max_pending:
+            reply.set_exception(self._overloaded())
             return
         self._send(protocol, packed, reply)
         self._keep_deadline(protocol, deadline, reply)
@@ -297,6 +348,8 @@ class PipelinedRedis:
         every reply. Error replies come back as RedisReplyError values, not raised: the caller
         judges them (ASKING and the command it prefixes, say). `deadline`: see `execute`."""
         protocol = await self._protocol(deadline)
+        if len(protocol.waiters) >= self.max_pending:
+            raise self._overloaded()
         loop = asyncio.get_running_loop()
         futures: list[asyncio.Future[Any]] = []
         for command in packed:
@@ -330,6 +383,12 @@ class PipelinedRedis:
         except TimeoutError:
             raise DeadlineExceeded("no connection to redis in time") from None
 
+    def _overloaded(self) -> Overloaded:
+        return Overloaded(
+            f"redis at {self.host}:{self.port} already has {self.max_pending} calls waiting on "
+            "this connection; refused rather than left to miss its deadline"
+        )
+
     def _keep_deadline(self, protocol: _Protocol, deadline: float, future: Waiter) -> None:
         """Fail `future` at `deadline` unless answered: the connection's heap, and its one timer
         moved earlier when this deadline is the earliest."""
@@ -337,7 +396,9 @@ class PipelinedRedis:
         if deadline < protocol.timer_at:
             if protocol.timer is not None:
                 protocol.timer.cancel()
-            protocol.timer = asyncio.get_running_loop().call_at(deadline, self._expire, protocol)
+            protocol.timer = asyncio.get_running_loop().call_at(
+                deadline, self._deadline_due, protocol
+            )
             protocol.timer_at = deadline
 
     def _send(self, protocol: _Protocol, packed: bytes, future: Waiter) -> None:
@@ -370,6 +431,24 @@ class PipelinedRedis:
                 self._open_later(index)
         return None
 
+    def _deadline_due(self, protocol: _Protocol) -> None:
+        """The earliest deadline has come: fail its calls once the loop has read its sockets
+        again (`_expire`, two turns of the loop later).
+
+        A timer comes due in the same turn as whatever else is ready, and under load that is
+        the reads of many connections, taking milliseconds; a reply that reaches the socket
+        meanwhile was in time, and is only waiting for the loop to look. One turn runs the
+        callbacks of a poll that has already happened; the second comes after the next poll,
+        which reads it. So the deadline measures Redis, not this process's own delay, and a busy
+        sidecar does not turn its lateness into the failure mode's answers. The timer fires
+        about once per deadline's length under load, so the two turns cost nothing per call.
+        """
+        protocol.timer = None  # timer_at stays: no earlier timer is set meanwhile
+        asyncio.get_running_loop().call_soon(self._expire_next_turn, protocol)
+
+    def _expire_next_turn(self, protocol: _Protocol) -> None:
+        asyncio.get_running_loop().call_soon(self._expire, protocol)
+
     def _expire(self, protocol: _Protocol) -> None:
         """Fail the calls whose deadline has passed; set the timer for the next one."""
         protocol.timer = None
@@ -390,11 +469,21 @@ class PipelinedRedis:
             self._check_stalled(protocol)
         if deadlines and protocol.lost is None:
             protocol.timer_at = deadlines[0][0]
-            protocol.timer = loop.call_at(protocol.timer_at, self._expire, protocol)
+            protocol.timer = loop.call_at(protocol.timer_at, self._deadline_due, protocol)
 
     def _check_stalled(self, protocol: _Protocol) -> None:
-        """A call gave up: if the server has answered nothing for as long, drop the connection."""
-        if protocol.waiters and time.monotonic() - protocol.last_reply > self._connect_timeout:
+        """A call gave up: if the server has answered nothing for as long, drop the connection.
+
+        Unless its answers are in the socket, unread: then the server is answering and this
+        process is late (a loop busy with thousands of connections reads each socket once per
+        turn, and a turn can take longer than the timeout). Dropping the connection there would
+        fail every call on it, and the failure mode would answer them while Redis is healthy.
+        """
+        if (
+            protocol.waiters
+            and time.monotonic() - protocol.last_reply > self._connect_timeout
+            and not _unread(protocol)
+        ):
             protocol.close(ConnectionLost("no reply from redis; connection dropped"))
 
     def _backing_off(self) -> bool:

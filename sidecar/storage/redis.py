@@ -38,7 +38,7 @@ from sidecar.algorithms import decide
 from sidecar.algorithms.decide import Address, State
 from sidecar.algorithms.token_bucket import Bucket
 from sidecar.algorithms.windows import FIELD_GRACE
-from sidecar.errors import StorageError
+from sidecar.errors import Overloaded, StorageError
 from sidecar.model import Dedupe, Hit, Outcome, Role, new
 from sidecar.storage.base import Applied
 from sidecar.storage.pipeline import PipelinedRedis, RedisReplyError
@@ -408,15 +408,19 @@ async def _gather_all(calls: Iterable[Awaitable[Any]]) -> list[Any]:
     return replies
 
 
-def _failure(backend: str, timeout_ms: int, exc: Exception) -> StorageError:
-    """The StorageError for whatever a call raised.
+def _failure(backend: str, timeout_ms: int, exc: Exception) -> StorageError | Overloaded:
+    """The StorageError for whatever a call raised, or Overloaded for a call the client refused
+    because its server already had as many calls in flight as it answers in time.
 
     Mostly the pipelined clients' RedisReplyError and ConnectionLost, or the cluster client's
     ClusterError, and `asyncio.timeout` raises TimeoutError. The Backend contract promises
     StorageError only, so that the service answers with its failure mode rather than an
     internal error: callers catch every Exception and the original type stays in the message
-    for the logs.
+    for the logs. Overloaded is kept apart: Redis is answering, so the failure mode (which
+    would admit) must not.
     """
+    if isinstance(exc, Overloaded):
+        return Overloaded(f"{backend}: {exc}")
     if isinstance(exc, TimeoutError) and not isinstance(exc, RedisError):
         return StorageError(f"{backend}: no answer within {timeout_ms} ms")
     return StorageError(f"{backend}: {type(exc).__name__}: {exc}")
