@@ -14,12 +14,15 @@ import grpc
 import pytest
 from envoy.service.ratelimit.v3.rls_pb2 import RateLimitResponse
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from servers import RedisServer
 from sidecars import NOW, Clock, client, request, running_app, serve_process, write_rules
 
 from sidecar.app import TRANSPORTS
 from sidecar.model import Hit, Outcome
 from sidecar.storage.base import Applied
 from sidecar.storage.memory import MemoryBackend
+from sidecar.storage.pipeline import PipelinedRedis
+from sidecar.storage.redis import RedisBackend
 
 OK = RateLimitResponse.OK
 OVER_LIMIT = RateLimitResponse.OVER_LIMIT
@@ -238,6 +241,48 @@ async def test_an_unexpected_error_is_internal_and_the_server_goes_on(
     assert caught.value.code() == grpc.StatusCode.INTERNAL
     assert "ZeroDivisionError" in caught.value.details()
     assert after.overall_code == OK
+
+
+@pytest.mark.redis
+async def test_a_call_refused_as_overloaded_is_unavailable_never_the_failure_mode(
+    rules: Path, transport: str, restartable_redis: RedisServer
+) -> None:
+    """A call that finds its Redis server with as many calls in flight as it may have is
+    answered UNAVAILABLE at once (Envoy's own failure_mode_deny decides what its client sees)
+    and counted as overloaded: the sidecar's failure mode ("allow" here) is for a Redis that
+    fails, and answering OK there would let a flood admit past every limit. The call already in
+    flight, on a Redis that does not answer, still gets the failure mode by its deadline."""
+    client_of_redis = PipelinedRedis(
+        "127.0.0.1", restartable_redis.port, connections=1, connect_timeout=0.3, max_in_flight=1
+    )
+    backend = RedisBackend(client_of_redis, timeout_ms=300)
+    assert await backend.ping()  # the one connection is open
+    async with (
+        running_app(rules, backend=backend, transport=transport, failure_mode="allow") as app,
+        client(app.grpc_port) as rls,
+    ):
+        restartable_redis.pause()
+        try:
+            first = asyncio.ensure_future(rls.should_rate_limit(request("test", USER)))
+            (connection,) = client_of_redis._connections
+            assert connection is not None
+            for _ in range(500):  # until the first call waits on Redis
+                if connection.waiters:
+                    break
+                await asyncio.sleep(0.01)
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await rls.call(request("test", USER), timeout=10)
+            answered = await first
+        finally:
+            restartable_redis.resume()
+        assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "refused" in caught.value.details()
+        assert answered.overall_code == OK  # the failure mode, for the call Redis never answered
+        assert app.stats.overloaded == 1
+        assert app.stats.backend_error == 1
+        after = await rls.should_rate_limit(request("test", USER))
+        assert after.overall_code == OK and after.statuses[0].limit_remaining == 2
+    await backend.close()
 
 
 async def _health(channel: grpc.aio.Channel, service: str) -> int:

@@ -14,11 +14,14 @@ from conftest import require_binary
 from servers import RedisServer, ServerError, start_server
 
 from sidecar import batching
+from sidecar.errors import Overloaded
 from sidecar.storage.pipeline import (
+    MIN_IN_FLIGHT,
     ConnectionLost,
     DeadlineExceeded,
     PipelinedRedis,
     RedisReplyError,
+    in_flight_bound,
 )
 from sidecar.storage.redis import RedisBackend
 
@@ -231,6 +234,68 @@ async def test_a_reply_that_came_while_the_loop_was_busy_is_taken(
     time.sleep(0.1)  # both timers come due while the loop is busy; they run in one turn
     await asyncio.sleep(0.3)
     assert answered == [None]
+
+
+async def test_a_connection_whose_replies_wait_unread_is_not_dropped_as_stalled(
+    redis_server: RedisServer,
+) -> None:
+    """A call that gives up on a connection that has heard nothing for a whole timeout drops
+    it as stalled, unless the server's replies are already in its socket, unread: then the
+    server is answering and this process is late (under a flood, one turn of the loop can
+    take longer than the timeout). The connection stays, and the calls on it get their
+    replies rather than ConnectionLost (which the failure mode would answer)."""
+    redis_server.start()
+    client = PipelinedRedis("127.0.0.1", redis_server.port, connections=1, connect_timeout=0.1)
+    try:
+        await connected(client)
+        (protocol,) = client._connections
+        assert protocol is not None
+        answers = Answers()
+        loop = asyncio.get_running_loop()
+        client.call_packed(pack("PING"), loop.time() + 5, answers.callback)
+        await asyncio.sleep(0)  # the write leaves
+        time.sleep(0.3)  # the loop is held: the reply waits in the socket, unread
+        client._check_stalled(protocol)
+        assert protocol.lost is None
+        assert await answers.wait(1) == [b"PONG"]
+    finally:
+        await client.close()
+
+
+def test_a_server_may_have_in_flight_what_it_answers_within_the_deadline() -> None:
+    """The bound on a server's calls in flight is what it answers within the deadline at 50 µs
+    a call (1,000 for the default 50 ms), and never fewer than MIN_IN_FLIGHT."""
+    assert in_flight_bound(0.05) == 1000
+    assert in_flight_bound(1.0) == 20_000
+    assert in_flight_bound(0.001) == MIN_IN_FLIGHT
+
+
+async def test_calls_past_the_bound_in_flight_are_refused_at_once(
+    redis_server: RedisServer,
+) -> None:
+    """With `max_in_flight` calls waiting for replies (split between the connections), the
+    next call is refused at once with Overloaded, by callback or raised, without reaching
+    Redis; once replies come back, calls are taken again."""
+    redis_server.start()
+    client = PipelinedRedis("127.0.0.1", redis_server.port, connections=2, max_in_flight=6)
+    try:
+        await connected(client)
+        assert client.max_pending == 3
+        await client.execute("DEL", "overloaded")
+        answers = Answers()
+        deadline = asyncio.get_running_loop().time() + 5
+        for _ in range(4):  # one tick: all on one connection, the fourth past its share
+            client.call_packed(pack("INCR", "overloaded"), deadline, answers.callback)
+        got = await answers.wait(4)
+        assert isinstance(got[0], Overloaded)  # refused at once, before any reply
+        assert "3 calls waiting" in str(got[0])
+        assert sorted(x for x in got[1:]) == [1, 2, 3]
+        with pytest.raises(Overloaded):
+            await asyncio.gather(*(client.execute("INCR", "overloaded") for _ in range(4)))
+        await asyncio.sleep(0.1)
+        assert await client.execute("GET", "overloaded") == b"6"
+    finally:
+        await client.close()
 
 
 async def test_many_calls_with_deadlines_leave_no_pending_deadline(
