@@ -72,6 +72,8 @@ class Options:
     http_address: str = "0.0.0.0:8080"
     redis_timeout_ms: int = 50
     failure_mode: FailureMode = "allow"
+    #: Under failure_mode "local": how many sidecars share the counters (see Settings).
+    local_divisor: int = 1
     rejected_hits: RejectedHits = "count"
     shadow_mode: bool = False
     #: Entries of the over-limit cache (0: off).
@@ -163,6 +165,7 @@ class App:
                 shadow_mode=options.shadow_mode,
                 rejected_hits=options.rejected_hits,
                 failure_mode=options.failure_mode,
+                local_divisor=options.local_divisor,
             ),
             stats=self.stats,
             clock=self._clock,

@@ -298,10 +298,19 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, _Flags]]:
     )
     serve.add(
         "--failure-mode",
-        "answer when the backend fails: allow (OK, no limit) or deny (OVER_LIMIT for every "
-        "limited descriptor)",
+        "answer when the backend fails: allow (OK, no limit), deny (OVER_LIMIT for every "
+        "limited descriptor) or local (decide on this sidecar's own counters, each limit "
+        "divided by --local-divisor, until the backend answers again)",
         default="allow",
-        choices=("allow", "deny"),
+        choices=("allow", "deny", "local"),
+    )
+    serve.add(
+        "--local-divisor",
+        "under --failure-mode local: how many sidecars share the backend's counters; each "
+        "enforces limit/N (rounded down, at least 1) while the backend fails",
+        default=1,
+        type=_count(1),
+        metavar="N",
     )
     serve.add(
         "--rejected-hits",
@@ -454,6 +463,7 @@ def _serve(args: argparse.Namespace) -> int:
         http_address=args.http_address,
         redis_timeout_ms=args.redis_timeout_ms,
         failure_mode=args.failure_mode,
+        local_divisor=args.local_divisor,
         rejected_hits=args.rejected_hits,
         shadow_mode=args.shadow_mode,
         over_limit_cache=args.over_limit_cache,
@@ -533,6 +543,9 @@ def _worker_flags(args: argparse.Namespace) -> list[str]:
         value = getattr(args, flag.dest)
         if value is None or value is False:
             continue
+        if flag.dest == "local_divisor":
+            # Each worker keeps its own local counters: the sidecar's share is split again.
+            value *= args.workers
         if value is True:
             argv.append(flag.option)
         elif isinstance(value, list):

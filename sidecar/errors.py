@@ -67,6 +67,6 @@ class InjectionError(SidecarError):
     """A workload asks for the sidecar with annotations that cannot make a working one.
 
     ``str(err)`` names the annotation and the fix, for example
-    ``ratelimit-sidecar/failure-mode: must be 'allow' or 'deny', not 'open'``; the webhook
+    ``ratelimit-sidecar/failure-mode: must be 'allow', 'deny' or 'local', not 'open'``; the webhook
     returns it as the admission message, so `kubectl` shows it to whoever applied the workload.
     """

@@ -13,6 +13,7 @@ read back by `_finish_straight` in one pass while no counter is known to be over
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -23,17 +24,32 @@ import structlog
 from sidecar.algorithms import fixed_window
 from sidecar.config import Rules
 from sidecar.errors import InvalidRequest, Overloaded, StorageError
-from sidecar.model import Code, Decision, DescriptorStatus, Hit, Outcome, Request, Role, new
+from sidecar.model import (
+    Code,
+    Decision,
+    DescriptorStatus,
+    Hit,
+    Outcome,
+    Request,
+    Role,
+    Window,
+    new,
+)
 from sidecar.over_limit_cache import OverLimitCache
 from sidecar.plan import Counted, Plan, prepare
 from sidecar.stats import Stats
 from sidecar.storage import Backend
+from sidecar.storage.memory import MemoryBackend
 
-FailureMode = Literal["allow", "deny"]
+FailureMode = Literal["allow", "deny", "local"]
 T = TypeVar("T")
 RejectedHits = Literal["count", "skip"]
 
 log = structlog.get_logger("sidecar.limiter")
+
+#: Distinct windows whose local share `--failure-mode local` keeps (the rules' windows, so a few
+#: hundred at most; past this the shares are worked out afresh, which only costs time).
+LOCAL_WINDOWS = 4096
 
 #: The codes every call writes. On Python 3.11 an enum member read through its class
 #: (`Code.OK`) is a Python-level descriptor call, a dozen times the cost of a global's read.
@@ -48,7 +64,10 @@ class Settings:
     rejected_hits: "count" adds rejected hits like the reference; "skip" makes a request that
     ends OVER_LIMIT add nothing to any counter.
     failure_mode: on a backend error, "allow" answers OK with no limit; "deny" answers
-    OVER_LIMIT for every limited descriptor. A call the backend refuses as Overloaded (it has
+    OVER_LIMIT for every limited descriptor; "local" decides the call on counters in this
+    process's memory, each window's limit divided by `local_divisor` (the number of sidecars
+    that share the backend's counters, so that together they admit about the limit), and
+    goes back to the shared counters as soon as the backend answers again. A call the backend refuses as Overloaded (it has
     as many calls in flight as it answers in time) is not a backend error: it is raised to
     the transport, which answers UNAVAILABLE, and never answered by the failure mode.
     """
@@ -56,6 +75,22 @@ class Settings:
     shadow_mode: bool = False
     rejected_hits: RejectedHits = "count"
     failure_mode: FailureMode = "allow"
+    #: Under failure_mode "local": how many sidecars share the counters (each enforces
+    #: limit / local_divisor, rounded down, at least 1 of a limit that is not 0).
+    local_divisor: int = 1
+
+    def __post_init__(self) -> None:
+        if self.local_divisor < 1:
+            raise ValueError(f"local_divisor must be at least 1, not {self.local_divisor}")
+
+
+def local_share(limit: int, divisor: int) -> int:
+    """One sidecar's share of `limit` when `divisor` sidecars enforce it apart: rounded down,
+    so that together they admit no more than the limit, except that a limit that is not 0 keeps
+    at least 1 (a share of 0 would turn a small limit into a block)."""
+    if limit <= 0:
+        return limit
+    return max(1, limit // divisor)
 
 
 #: What `Limiter._begin` hands on when the store must be asked: the statuses so far, the
@@ -100,6 +135,13 @@ class Limiter:
         #: The cache as decisions use it: not with `--rejected-hits skip`, where a refused
         #: request must still be judged as a whole.
         self._cache = self.over_limit_cache if self.settings.rejected_hits == "count" else None
+        #: `--failure-mode local`: the counters of this process, used while the backend fails
+        #: (bounded as the memory backend is: each expires with its window).
+        self.local: MemoryBackend | None = (
+            MemoryBackend() if self.settings.failure_mode == "local" else None
+        )
+        #: Each window of the rules and its local share (at most LOCAL_WINDOWS).
+        self._local_windows: dict[Window, Window] = {}
 
     def prepare(self, request: Request) -> Plan:
         """The plan of `request` under the current rules (see `sidecar.plan`); raises
@@ -124,7 +166,7 @@ class Limiter:
         try:
             outcomes = await self.backend.apply(hits, self._all_or_nothing, now_ms)
         except StorageError as exc:
-            return self._on_backend_failure(exc, statuses, counted, hits, judged, now_ms)
+            return self._on_backend_failure(exc, plan, statuses, counted, hits, judged, now_ms)
         except Overloaded:
             self.stats.overloaded += 1
             raise
@@ -175,7 +217,9 @@ class Limiter:
                     answer = encode(finish(plan, statuses, judged, counted, hits, now_ms, outcomes))
                 elif isinstance(outcomes, StorageError):
                     answer = encode(
-                        self._on_backend_failure(outcomes, statuses, counted, hits, judged, now_ms)
+                        self._on_backend_failure(
+                            outcomes, plan, statuses, counted, hits, judged, now_ms
+                        )
                     )
                 else:
                     if isinstance(outcomes, Overloaded):  # refused, not failed: no failure mode
@@ -287,8 +331,21 @@ class Limiter:
         """The decision once the store has answered `outcomes` for `hits`."""
         if self._backend_failing:
             self._recovered()
+        return self._read(plan, statuses, judged, counted, hits, now_ms, outcomes, self._cache)
+
+    def _read(
+        self,
+        plan: Plan,
+        statuses: list[DescriptorStatus],
+        judged: list[tuple[bool, Role]],
+        counted: Sequence[tuple[Counted, int]],
+        hits: list[Hit],
+        now_ms: int,
+        outcomes: list[Outcome],
+        cache: OverLimitCache | None,
+    ) -> Decision:
+        """The decision `outcomes` give for `hits`; the windows found over go to `cache`."""
         rules = self.stats.rules
-        cache = self._cache
         any_over = False
         for item, first in counted:
             found = item.match
@@ -374,6 +431,7 @@ class Limiter:
     def _on_backend_failure(
         self,
         exc: StorageError,
+        plan: Plan,
         statuses: list[DescriptorStatus],
         counted: Sequence[tuple[Counted, int]],
         hits: list[Hit],
@@ -383,6 +441,8 @@ class Limiter:
         """Answer by the failure mode; log the first failure of a run, not every request.
 
         Descriptors already judged without the backend (known to be over) keep their answer.
+        Under "local" the hits are decided on this process's counters, each window at its local
+        share; the over-limit cache learns nothing from them (they are not the shared counters).
         """
         self.stats.backend_error += 1
         if not self._backend_failing:
@@ -393,6 +453,8 @@ class Limiter:
                 error=str(exc),
                 failure_mode=self.settings.failure_mode,
             )
+        if self.local is not None:
+            return self._decide_locally(self.local, plan, statuses, judged, counted, hits, now_ms)
         if self.settings.failure_mode == "deny":
             for item, first in counted:
                 limit = item.match.limit
@@ -404,6 +466,42 @@ class Limiter:
                     Code.OVER_LIMIT, limit, 0, -(-(hit.end_ms - now_ms) // 1000), hit.window
                 )
         return self._overall(judged, statuses)
+
+    def _decide_locally(
+        self,
+        local: MemoryBackend,
+        plan: Plan,
+        statuses: list[DescriptorStatus],
+        judged: list[tuple[bool, Role]],
+        counted: Sequence[tuple[Counted, int]],
+        hits: list[Hit],
+        now_ms: int,
+    ) -> Decision:
+        """`hits` decided on `local`'s counters at each window's local share; the statuses
+        report the share, which is the limit this sidecar enforces meanwhile."""
+        shares = self._local_windows
+        if len(shares) > LOCAL_WINDOWS:
+            shares.clear()
+        divisor = self.settings.local_divisor
+        local_hits = []
+        for hit in hits:
+            window = hit.window
+            share = shares.get(window)
+            if share is None:
+                share = shares[window] = dataclasses.replace(
+                    window,
+                    requests_per_unit=local_share(window.requests_per_unit, divisor),
+                    burst=None if window.burst is None else local_share(window.burst, divisor),
+                    borrow=window.borrow // divisor,
+                )
+            local_hits.append(dataclasses.replace(hit, window=share))
+        answered: list[list[Outcome] | Exception] = []
+        local.apply_then(local_hits, self._all_or_nothing, now_ms, answered.append)
+        (outcomes,) = answered
+        if isinstance(outcomes, Exception):  # a bug in the memory backend: raised as one
+            raise outcomes
+        self.stats.local_decisions += 1
+        return self._read(plan, statuses, judged, counted, local_hits, now_ms, outcomes, None)
 
 
 class Judged(Protocol):

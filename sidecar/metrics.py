@@ -13,6 +13,8 @@ the reference keep working:
   (a failing backend counts as `redis_error`, whatever the backend; `overloaded`, which the
   reference does not have, counts calls refused UNAVAILABLE because the backend already had as
   many in flight as it answers in time).
+- `ratelimit_sidecar_local_decisions`: calls decided on the sidecar's own counters while the
+  backend failed (`--failure-mode local`; ours, not the reference's).
 - `ratelimit_service_total_requests{grpc_method="ShouldRateLimit"}` and the call latency
   histogram `ratelimit_service_response_time_seconds{grpc_method="ShouldRateLimit"}`.
 - `ratelimit_service_config_load_success`, `ratelimit_service_config_load_error`,
@@ -96,6 +98,12 @@ class StatsCollector(Collector):
                 ({"err_type": "service_error"}, stats.service_error),
                 ({"err_type": "overloaded"}, stats.overloaded),
             ],
+        )
+        yield _counter(
+            "ratelimit_sidecar_local_decisions",
+            "ShouldRateLimit calls decided on this sidecar's own counters, at its share of each "
+            "limit, while the backend failed (--failure-mode local).",
+            [({}, stats.local_decisions)],
         )
         yield _counter(
             "ratelimit_service_total_requests",

@@ -56,4 +56,7 @@ class Stats:
     service_error: int = 0
     #: Calls refused because the backend had as many in flight as it answers in time.
     overloaded: int = 0
+    #: Calls decided on this process's own counters while the backend failed
+    #: (`--failure-mode local`); each is a backend error too.
+    local_decisions: int = 0
     total_requests: int = 0

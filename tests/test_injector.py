@@ -231,7 +231,7 @@ def test_a_pod_that_does_not_ask_gets_nothing(annotations: dict[str, str] | None
         ),
         (
             {"ratelimit-sidecar/failure-mode": "open"},
-            "ratelimit-sidecar/failure-mode: must be 'allow' or 'deny', not 'open'",
+            "ratelimit-sidecar/failure-mode: must be 'allow', 'deny' or 'local', not 'open'",
         ),
         (
             {"ratelimit-sidecar/rules-configmap": None},
@@ -444,7 +444,7 @@ def test_inject_yaml_names_the_document_that_cannot_be_injected() -> None:
         inject_yaml(text, SETTINGS, source="gateway.yaml")
     assert str(caught.value) == (
         "gateway.yaml: document 2 (StatefulSet gateway): ratelimit-sidecar/failure-mode: "
-        "must be 'allow' or 'deny', not 'open'"
+        "must be 'allow', 'deny' or 'local', not 'open'"
     )
 
 

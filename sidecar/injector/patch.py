@@ -164,9 +164,9 @@ def plan(meta: Mapping[str, Any], spec: Mapping[str, Any], settings: Settings) -
             raise InjectionError(f"{BACKEND}: {exc}") from None
     configmap = _configmap(annotations.get(RULES_CONFIGMAP))
     failure_mode = annotations.get(FAILURE_MODE)
-    if failure_mode is not None and failure_mode not in ("allow", "deny"):
+    if failure_mode is not None and failure_mode not in ("allow", "deny", "local"):
         shown = _show(failure_mode)
-        raise InjectionError(f"{FAILURE_MODE}: must be 'allow' or 'deny', not {shown}")
+        raise InjectionError(f"{FAILURE_MODE}: must be 'allow', 'deny' or 'local', not {shown}")
     grpc_port = _port(annotations, GRPC_PORT, DEFAULT_GRPC_PORT)
     http_port = _port(annotations, HTTP_PORT, DEFAULT_HTTP_PORT)
     if grpc_port == http_port:
