@@ -24,7 +24,7 @@ import structlog
 
 from sidecar import build, config, metrics
 from sidecar.admin import AdminServer
-from sidecar.errors import ConfigError
+from sidecar.errors import ConfigError, Overloaded, StorageError
 from sidecar.frequency import DEDUPE_HORIZON, FrequencyCaps
 from sidecar.health import Health
 from sidecar.limiter import FailureMode, Limiter, RejectedHits, Settings
@@ -34,7 +34,7 @@ from sidecar.rls.h2.server import unix_path
 from sidecar.rls.server import GrpcServer
 from sidecar.rls.service import RateLimitService
 from sidecar.stats import Stats
-from sidecar.storage import Backend, open_backend
+from sidecar.storage import Backend, open_backend, peers
 
 #: Seconds calls in flight get to finish once shutdown starts.
 SHUTDOWN_GRACE = 5.0
@@ -72,8 +72,9 @@ class Options:
     http_address: str = "0.0.0.0:8080"
     redis_timeout_ms: int = 50
     failure_mode: FailureMode = "allow"
-    #: Under failure_mode "local": how many sidecars share the counters (see Settings).
-    local_divisor: int = 1
+    #: Under failure_mode "local": how many sidecars share the counters (see Settings); None
+    #: (`--local-divisor auto`): learned from the backend (`sidecar.storage.peers`).
+    local_divisor: int | None = None
     rejected_hits: RejectedHits = "count"
     shadow_mode: bool = False
     #: Entries of the over-limit cache (0: off).
@@ -136,6 +137,10 @@ class App:
         self._health: Health | None = None
         self._watch: asyncio.Task[None] | None = None
         self._config_watch: asyncio.Task[None] | None = None
+        #: `--failure-mode local --local-divisor auto`: this sidecar's name among its peers,
+        #: and the task that registers it (see `sidecar.storage.peers`).
+        self._peer_name = peers.own_name()
+        self._peers_watch: asyncio.Task[None] | None = None
         self._limiter: Limiter | None = None
         self._caps: FrequencyCaps | None = None
         self._last_config_error: str | None = None
@@ -165,7 +170,7 @@ class App:
                 shadow_mode=options.shadow_mode,
                 rejected_hits=options.rejected_hits,
                 failure_mode=options.failure_mode,
-                local_divisor=options.local_divisor,
+                local_divisor=options.local_divisor or 1,
             ),
             stats=self.stats,
             clock=self._clock,
@@ -200,6 +205,13 @@ class App:
         health.listen(self._grpc.set_serving)
         await health.check()
         self._watch = asyncio.create_task(health.watch(HEALTH_INTERVAL))
+        if (
+            options.failure_mode == "local"
+            and options.local_divisor is None
+            and isinstance(backend, peers.CountsPeers)
+        ):
+            await self._count_peers(backend, limiter)
+            self._peers_watch = asyncio.create_task(self._learn_peers(backend, limiter))
         if options.config_poll_seconds > 0:
             self._config_watch = asyncio.create_task(
                 self._watch_config(config_marks, options.config_poll_seconds)
@@ -303,6 +315,18 @@ class App:
                 marks = current
                 self.reload()
 
+    async def _learn_peers(self, backend: peers.CountsPeers, limiter: Limiter) -> None:
+        """Every PEERS_INTERVAL, register this sidecar with the backend and divide local limits
+        by how many share it; while the backend fails, the last count stands (the first
+        registration is made by `start`, so the count is known once it returns)."""
+        while True:
+            await asyncio.sleep(peers.PEERS_INTERVAL)
+            await self._count_peers(backend, limiter)
+
+    async def _count_peers(self, backend: peers.CountsPeers, limiter: Limiter) -> None:
+        with contextlib.suppress(StorageError, Overloaded):  # failing or busy: keep the last
+            limiter.share_with(await backend.peers(self._peer_name))
+
     async def stop(self, grace: float = SHUTDOWN_GRACE) -> None:
         """Drain and stop; safe to call twice and after a failed start."""
         if self._stopped:
@@ -310,12 +334,14 @@ class App:
         self._stopped = True
         if self._health is not None:
             await self._health.drain()
-        for task in (self._watch, self._config_watch):
+        for task in (self._watch, self._config_watch, self._peers_watch):
             if task is None:
                 continue
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        if self._peers_watch is not None and isinstance(self._backend, peers.CountsPeers):
+            await self._backend.leave(self._peer_name)
         stops = []
         if self._grpc is not None:
             stops.append(self._grpc.stop(grace))

@@ -200,6 +200,12 @@ def _count(minimum: int) -> Callable[[str], int]:
     return parse
 
 
+def _count_or_auto(text: str) -> int | str:
+    if text == "auto":
+        return text
+    return _count(1)(text)
+
+
 def _seconds(text: str) -> float:
     try:
         value = float(text)
@@ -307,10 +313,11 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, _Flags]]:
     serve.add(
         "--local-divisor",
         "under --failure-mode local: how many sidecars share the backend's counters; each "
-        "enforces limit/N (rounded down, at least 1) while the backend fails",
-        default=1,
-        type=_count(1),
-        metavar="N",
+        "enforces limit/N (rounded down, at least 1) while the backend fails. auto: counted "
+        "on the backend, where every sidecar registers every 2 s",
+        default="auto",
+        type=_count_or_auto,
+        metavar="N|auto",
     )
     serve.add(
         "--rejected-hits",
@@ -463,7 +470,7 @@ def _serve(args: argparse.Namespace) -> int:
         http_address=args.http_address,
         redis_timeout_ms=args.redis_timeout_ms,
         failure_mode=args.failure_mode,
-        local_divisor=args.local_divisor,
+        local_divisor=None if args.local_divisor == "auto" else args.local_divisor,
         rejected_hits=args.rejected_hits,
         shadow_mode=args.shadow_mode,
         over_limit_cache=args.over_limit_cache,
@@ -543,8 +550,9 @@ def _worker_flags(args: argparse.Namespace) -> list[str]:
         value = getattr(args, flag.dest)
         if value is None or value is False:
             continue
-        if flag.dest == "local_divisor":
-            # Each worker keeps its own local counters: the sidecar's share is split again.
+        if flag.dest == "local_divisor" and isinstance(value, int):
+            # Each worker keeps its own local counters: the sidecar's share is split again
+            # (auto needs nothing: every worker registers on its own).
             value *= args.workers
         if value is True:
             argv.append(flag.option)

@@ -66,7 +66,8 @@ class Settings:
     failure_mode: on a backend error, "allow" answers OK with no limit; "deny" answers
     OVER_LIMIT for every limited descriptor; "local" decides the call on counters in this
     process's memory, each window's limit divided by `local_divisor` (the number of sidecars
-    that share the backend's counters, so that together they admit about the limit), and
+    that share the backend's counters, so that together they admit about the limit; the app
+    learns it from the backend under `--local-divisor auto`: `Limiter.share_with`), and
     goes back to the shared counters as soon as the backend answers again. A call the backend refuses as Overloaded (it has
     as many calls in flight as it answers in time) is not a backend error: it is raised to
     the transport, which answers UNAVAILABLE, and never answered by the failure mode.
@@ -142,6 +143,17 @@ class Limiter:
         )
         #: Each window of the rules and its local share (at most LOCAL_WINDOWS).
         self._local_windows: dict[Window, Window] = {}
+        #: What limits are divided by under "local" (see `share_with`).
+        self.local_divisor = self.settings.local_divisor
+
+    def share_with(self, sidecars: int) -> None:
+        """Under `--failure-mode local`, divide limits by `sidecars` from now on: how many were
+        last seen sharing the counters (`--local-divisor auto`, see `sidecar.storage.peers`)."""
+        sidecars = max(1, sidecars)
+        if sidecars != self.local_divisor:
+            log.info("local_divisor", sidecars=sidecars, was=self.local_divisor)
+            self.local_divisor = sidecars
+            self._local_windows = {}
 
     def prepare(self, request: Request) -> Plan:
         """The plan of `request` under the current rules (see `sidecar.plan`); raises
@@ -482,7 +494,7 @@ class Limiter:
         shares = self._local_windows
         if len(shares) > LOCAL_WINDOWS:
             shares.clear()
-        divisor = self.settings.local_divisor
+        divisor = self.local_divisor
         local_hits = []
         for hit in hits:
             window = hit.window

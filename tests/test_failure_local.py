@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 
 import pytest
 from clock import Clock
 from envoy.service.ratelimit.v3.rls_pb2 import RateLimitResponse  # type: ignore[import-untyped]
 from servers import RedisServer
+from sidecars import running_app, write_rules
 
 from sidecar import config
 from sidecar.cli import _worker_flags, build_parser
@@ -19,6 +21,7 @@ from sidecar.limiter import Limiter, Settings, local_share
 from sidecar.model import Code, Descriptor, Entry, Request
 from sidecar.rls import convert
 from sidecar.storage import open_backend
+from sidecar.storage.peers import PEERS_INTERVAL, PEERS_KEY, CountsPeers
 
 RULES = """
 domain: d
@@ -153,3 +156,68 @@ def test_workers_split_the_local_share_again() -> None:
     flags = _worker_flags(args)
     assert flags[flags.index("--local-divisor") + 1] == "6"
     assert flags[flags.index("--failure-mode") + 1] == "local"
+
+
+@pytest.mark.redis
+async def test_auto_divisor_counts_the_sidecars_sharing_the_backend(
+    tmp_path: Path, redis_url: str, redis_server: RedisServer
+) -> None:
+    """Under `--local-divisor auto` each sidecar registers on the backend when it starts and
+    every PEERS_INTERVAL after, and divides local limits by how many are registered: a second
+    sidecar sees two at once. A sidecar that stops cleanly takes its name out, and the other
+    one counts itself alone at its next registration."""
+    rules = write_rules(tmp_path)
+    local = {"failure_mode": "local", "local_divisor": None}
+    async with running_app(rules, backend=open_backend(redis_url), **local) as first:
+        second_context = running_app(rules, backend=open_backend(redis_url), **local)
+        second = await second_context.__aenter__()
+        try:
+            assert second._limiter is not None and first._limiter is not None
+            assert second._limiter.local_divisor == 2
+            with redis_server.client() as inspect:
+                assert inspect.zcard(PEERS_KEY) == 2
+        finally:
+            await second_context.__aexit__(None, None, None)
+        with redis_server.client() as inspect:
+            assert inspect.zcard(PEERS_KEY) == 1
+        for _ in range(int(PEERS_INTERVAL * 2 / 0.1)):
+            if first._limiter.local_divisor == 1:
+                break
+            await asyncio.sleep(0.1)
+        assert first._limiter.local_divisor == 1
+
+
+@pytest.mark.redis
+async def test_a_fixed_divisor_or_another_failure_mode_registers_nothing(
+    tmp_path: Path, redis_url: str, redis_server: RedisServer
+) -> None:
+    """Only `--failure-mode local` with `--local-divisor auto` registers on the backend."""
+    rules = write_rules(tmp_path)
+    for options in ({"failure_mode": "local", "local_divisor": 3}, {"failure_mode": "allow"}):
+        async with running_app(rules, backend=open_backend(redis_url), **options) as app:
+            assert app._limiter is not None
+            assert app._limiter.local_divisor == options.get("local_divisor", 1)
+            with redis_server.client() as inspect:
+                assert inspect.zcard(PEERS_KEY) == 0
+
+
+@pytest.mark.parametrize(
+    "backend_url",
+    [
+        pytest.param("redis", marks=pytest.mark.redis),
+        pytest.param("cluster", marks=pytest.mark.cluster),
+    ],
+    indirect=True,
+)
+async def test_shared_backends_count_registered_sidecars(backend_url: str) -> None:
+    """A Redis and a Redis Cluster count the names registered within the time to live; a name
+    that leaves is no longer counted."""
+    backend = open_backend(backend_url, timeout_ms=1000)
+    try:
+        assert isinstance(backend, CountsPeers)
+        counts = [await backend.peers(b"a"), await backend.peers(b"b"), await backend.peers(b"a")]
+        await backend.leave(b"a")
+        counts.append(await backend.peers(b"b"))
+    finally:
+        await backend.close()
+    assert counts == [1, 2, 2, 1]

@@ -30,6 +30,7 @@ from sidecar.algorithms import fixed_window
 from sidecar.algorithms.decide import Address, State
 from sidecar.errors import StorageError
 from sidecar.model import Dedupe, Hit, Outcome, Role
+from sidecar.storage import peers
 from sidecar.storage.base import Applied
 from sidecar.storage.pipeline import (
     CONNECTIONS,
@@ -612,6 +613,23 @@ class RedisClusterBackend:
                 slot, hiredis.pack_command(tuple(command)), deadline
             )
         return reply
+
+    async def peers(self, name: bytes) -> int:
+        """Register this sidecar as `name` and count the sidecars sharing the counters
+        (`sidecar.storage.peers`); raises StorageError."""
+        try:
+            async with asyncio.timeout(self._timeout):
+                return await peers.register(self._client.execute, name)
+        except Exception as exc:  # every failure, see _failure
+            raise _failure(self.name, self._timeout_ms, exc) from exc
+
+    async def leave(self, name: bytes) -> None:
+        """Take this sidecar's name out of the count at once (a clean stop)."""
+        try:
+            async with asyncio.timeout(self._timeout):
+                await peers.unregister(self._client.execute, name)
+        except Exception:  # best effort: the name drops out after its time to live anyway
+            return
 
     async def ping(self) -> bool:
         """Whether every master answers PING."""

@@ -40,6 +40,7 @@ from sidecar.algorithms.token_bucket import Bucket
 from sidecar.algorithms.windows import FIELD_GRACE
 from sidecar.errors import Overloaded, StorageError
 from sidecar.model import Dedupe, Hit, Outcome, Role, new
+from sidecar.storage import peers
 from sidecar.storage.base import Applied
 from sidecar.storage.pipeline import PipelinedRedis, RedisReplyError
 
@@ -550,6 +551,23 @@ class RedisBackend:
         except Exception as exc:  # every failure, see _failure
             raise _failure(self.name, self._timeout_ms, exc) from exc
         return _values(len(addresses), positions, replies)
+
+    async def peers(self, name: bytes) -> int:
+        """Register this sidecar as `name` and count the sidecars sharing the counters
+        (`sidecar.storage.peers`); raises StorageError."""
+        try:
+            async with asyncio.timeout(self._timeout):
+                return await peers.register(self._client.execute, name)
+        except Exception as exc:  # every failure, see _failure
+            raise _failure(self.name, self._timeout_ms, exc) from exc
+
+    async def leave(self, name: bytes) -> None:
+        """Take this sidecar's name out of the count at once (a clean stop)."""
+        try:
+            async with asyncio.timeout(self._timeout):
+                await peers.unregister(self._client.execute, name)
+        except Exception:  # best effort: the name drops out after its time to live anyway
+            return
 
     async def ping(self) -> bool:
         try:
