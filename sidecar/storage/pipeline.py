@@ -440,11 +440,24 @@ class PipelinedRedis:
         meanwhile was in time, and is only waiting for the loop to look. One turn runs the
         callbacks of a poll that has already happened; the second comes after the next poll,
         which reads it. So the deadline measures Redis, not this process's own delay, and a busy
-        sidecar does not turn its lateness into the failure mode's answers. The timer fires
-        about once per deadline's length under load, so the two turns cost nothing per call.
+        sidecar does not turn its lateness into the failure mode's answers.
+
+        Usually every call the timer was set for has been answered: the answered ones are
+        dropped and the timer is set for the next deadline at once, without the two turns.
         """
-        protocol.timer = None  # timer_at stays: no earlier timer is set meanwhile
-        asyncio.get_running_loop().call_soon(self._expire_next_turn, protocol)
+        protocol.timer = None
+        loop = asyncio.get_running_loop()
+        deadlines = protocol.deadlines
+        while deadlines and deadlines[0][2].done():
+            heapq.heappop(deadlines)
+        if deadlines and deadlines[0][0] <= loop.time():
+            # timer_at stays as it is: no earlier timer is set meanwhile
+            loop.call_soon(self._expire_next_turn, protocol)
+            return
+        protocol.timer_at = _NEVER
+        if deadlines and protocol.lost is None:
+            protocol.timer_at = deadlines[0][0]
+            protocol.timer = loop.call_at(protocol.timer_at, self._deadline_due, protocol)
 
     def _expire_next_turn(self, protocol: _Protocol) -> None:
         asyncio.get_running_loop().call_soon(self._expire, protocol)
