@@ -5,7 +5,7 @@
     ├── InvalidRequest     a request Envoy (or a client) sent cannot be answered: INVALID_ARGUMENT
     ├── UnknownDomain      a frequency-cap call names a domain without caps: HTTP 404, NOT_FOUND
     ├── StorageError       a backend call failed or timed out; transient, the failure mode decides
-    ├── Overloaded         more backend calls in flight than can be answered in time: UNAVAILABLE
+    ├── Overloaded         the backend answers, but not this call in time: UNAVAILABLE
     └── InjectionError     a pod (or manifest) cannot get a working sidecar from its annotations
 
 Callers chain with ``raise ... from exc`` so the cause stays visible in logs.
@@ -54,12 +54,15 @@ class StorageError(SidecarError):
 
 
 class Overloaded(SidecarError):
-    """The backend already has as many calls in flight as it can answer within their deadline.
+    """The backend is answering, but not this call in time: it already had as many calls in
+    flight as it answers within their deadline (the call is refused before it is sent), or
+    the call's deadline passed while the backend kept answering the calls queued ahead of it
+    (it may still be counted when the backend gets to it).
 
-    Not a failure of the backend, which is answering: the sidecar is being asked for more than
-    it and its backend can decide in time. The call is refused at once, UNAVAILABLE on gRPC and
-    503 on HTTP, and never answered by the failure mode: failing open here would let a flood of
-    clients push admissions past any limit while Redis is healthy.
+    Not a failure of the backend: the sidecar is being asked for more than it and its backend
+    can decide in time. The call is answered UNAVAILABLE on gRPC and 503 on HTTP, and never by
+    the failure mode: failing open here would let a flood of clients push admissions past any
+    limit while Redis is healthy.
     """
 
 

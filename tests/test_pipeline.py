@@ -298,6 +298,51 @@ async def test_calls_past_the_bound_in_flight_are_refused_at_once(
         await client.close()
 
 
+#: A script that keeps the server busy for ARGV[1] microseconds, then answers 1.
+BUSY = """
+local t = redis.call('TIME')
+local start = t[1] * 1000000 + t[2]
+repeat t = redis.call('TIME') until t[1] * 1000000 + t[2] - start >= tonumber(ARGV[1])
+return 1
+"""
+
+
+async def test_a_call_late_behind_calls_the_server_is_answering_is_overloaded_not_failed(
+    redis_server: RedisServer,
+) -> None:
+    """A call whose deadline passes while the server keeps answering the calls queued ahead of
+    it fails with Overloaded, which the limiter never answers by its failure mode: the server
+    is alive and behind (a flood of our own calls), not failing. A call on a server that has
+    answered nothing since it was sent fails with DeadlineExceeded, as before."""
+    redis_server.start()
+    client = PipelinedRedis("127.0.0.1", redis_server.port, connections=1, connect_timeout=1.0)
+    try:
+        await connected(client)
+        loop = asyncio.get_running_loop()
+        answers = Answers()
+        deadline = loop.time() + 5
+        # 0.3 s of work, answered every 10 ms: Redis answers what it has read after it has run
+        # it all, and reads at most 16 KiB at a time, so each call is padded to more than that.
+        padding = b"x" * 20_000
+        for _ in range(30):
+            client.call_packed(pack("EVAL", BUSY, 0, 10_000, padding), deadline, answers.callback)
+        await asyncio.sleep(0.05)  # a few have been answered; the rest are queued
+        late = Answers()
+        client.call_packed(pack("PING"), loop.time() + 0.1, late.callback)
+        (outcome,) = await late.wait(1)
+        assert isinstance(outcome, Overloaded), outcome
+        assert "calls behind" in str(outcome)
+        assert await answers.wait(30) == [1] * 30
+        silent = Answers()
+        client.call_packed(pack("EVAL", BUSY, 0, 300_000), loop.time() + 5, silent.callback)
+        client.call_packed(pack("PING"), loop.time() + 0.1, late.callback)
+        got = await late.wait(2)
+        assert isinstance(got[1], DeadlineExceeded), got[1]
+        assert await silent.wait(1) == [1]
+    finally:
+        await client.close()
+
+
 async def test_many_calls_with_deadlines_leave_no_pending_deadline(
     client: PipelinedRedis,
 ) -> None:

@@ -22,8 +22,10 @@ class Backend(Protocol):
     each window counts as its algorithm says, and with ``all_or_nothing`` a request that is
     OVER_LIMIT applies nothing. `now_ms` is the sidecar's clock, so every backend (and every
     sidecar sharing a Redis) places hits in the same windows. It raises StorageError on failure
-    or when the deadline passes, and Overloaded (nothing applied) when the store already has as
-    many calls in flight as it answers in time; never anything else.
+    or when the deadline passes on a silent store, and Overloaded when the store is answering
+    but not this call in time: refused with nothing applied when it already has as many calls
+    in flight as it answers in time, or past its deadline behind calls the store is still
+    answering (it may count it later). Never anything else.
     """
 
     name: str

@@ -28,6 +28,8 @@ on every new connection; TLS is the event loop's.
 A server has a bound on the calls waiting for its replies (`in_flight_bound`: what it answers
 within the deadline), so a flood of requests cannot queue more calls in Redis than it answers
 in time; a call past it is refused at once with Overloaded, which is not a failure of Redis.
+A call whose deadline passes while the server is answering others fails with Overloaded too
+(see `_expire`): only a server silent for a whole timeout is a failure (DeadlineExceeded).
 """
 
 from __future__ import annotations
@@ -163,9 +165,10 @@ class _Protocol(asyncio.Protocol):
         # Commands of the current tick, written together when it ends.
         self.buffer: list[bytes] = []
         self.flush_scheduled = False
-        # (deadline, order, future) of the calls with a deadline of their own, and the timer
-        # set for the earliest; entries whose future is done are dropped when they come up.
-        self.deadlines: list[tuple[float, int, Waiter]] = []
+        # (deadline, order, future, time.monotonic() when sent) of the calls with a deadline of
+        # their own, and the timer set for the earliest; entries whose future is done are
+        # dropped when they come up.
+        self.deadlines: list[tuple[float, int, Waiter, float]] = []
         self.timer: asyncio.TimerHandle | None = None
         self.timer_at = _NEVER  # when `timer` fires (its `when()` is a call per call to read)
 
@@ -392,7 +395,10 @@ class PipelinedRedis:
     def _keep_deadline(self, protocol: _Protocol, deadline: float, future: Waiter) -> None:
         """Fail `future` at `deadline` unless answered: the connection's heap, and its one timer
         moved earlier when this deadline is the earliest."""
-        heapq.heappush(protocol.deadlines, (deadline, next(self._order), future))
+        # The order breaks ties (futures do not compare); when it was sent tells `_expire`
+        # whether the server has answered anything since.
+        entry = (deadline, next(self._order), future, time.monotonic())
+        heapq.heappush(protocol.deadlines, entry)
         if deadline < protocol.timer_at:
             if protocol.timer is not None:
                 protocol.timer.cancel()
@@ -463,26 +469,49 @@ class PipelinedRedis:
         asyncio.get_running_loop().call_soon(self._expire, protocol)
 
     def _expire(self, protocol: _Protocol) -> None:
-        """Fail the calls whose deadline has passed; set the timer for the next one."""
+        """Fail the calls whose deadline has passed; set the timer for the next one.
+
+        How depends on whether the server is answering. If it has sent a reply since the call
+        was sent (or one waits unread), it is alive and behind: our own calls queued ahead of
+        this one took longer than the deadline (a flood, or a machine whose CPU the server
+        shares). That is overload, not failure: the call fails with Overloaded, which is never
+        answered by the failure mode (failing open there would let a flood admit past every
+        limit). The server may still run the call later, counting it: a late call can only
+        count too much, never too little. If the server has been silent since the call was
+        sent, the call fails with DeadlineExceeded (the failure mode answers), and the
+        connection is dropped when it has been silent for a whole timeout (`_check_stalled`).
+        """
         protocol.timer = None
         protocol.timer_at = _NEVER
         loop = asyncio.get_running_loop()
         now = loop.time()
         deadlines = protocol.deadlines
+        unread: bool | None = None
         expired = False
         while deadlines:
-            deadline, _, future = deadlines[0]
+            deadline, _, future, sent_at = deadlines[0]
             if not future.done():
                 if deadline > now:
                     break
-                future.set_exception(DeadlineExceeded("no reply from redis in time"))
-                expired = True
+                if protocol.last_reply <= sent_at and unread is None:
+                    unread = _unread(protocol)
+                if protocol.last_reply > sent_at or unread:
+                    future.set_exception(self._behind(protocol))
+                else:
+                    future.set_exception(DeadlineExceeded("no reply from redis in time"))
+                    expired = True
             heapq.heappop(deadlines)
         if expired:
             self._check_stalled(protocol)
         if deadlines and protocol.lost is None:
             protocol.timer_at = deadlines[0][0]
             protocol.timer = loop.call_at(protocol.timer_at, self._deadline_due, protocol)
+
+    def _behind(self, protocol: _Protocol) -> Overloaded:
+        return Overloaded(
+            f"redis at {self.host}:{self.port} is answering but {len(protocol.waiters)} calls "
+            "behind, past this call's deadline; refused rather than answered by the failure mode"
+        )
 
     def _check_stalled(self, protocol: _Protocol) -> None:
         """A call gave up: if the server has answered nothing for as long, drop the connection.
