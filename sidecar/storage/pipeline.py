@@ -165,10 +165,12 @@ class _Protocol(asyncio.Protocol):
         # Commands of the current tick, written together when it ends.
         self.buffer: list[bytes] = []
         self.flush_scheduled = False
-        # (deadline, order, future, time.monotonic() when sent) of the calls with a deadline of
-        # their own, and the timer set for the earliest; entries whose future is done are
-        # dropped when they come up.
-        self.deadlines: list[tuple[float, int, Waiter, float]] = []
+        # (deadline, order, future, `reads` when sent) of the calls with a deadline of their
+        # own, and the timer set for the earliest; entries whose future is done are dropped
+        # when they come up.
+        self.deadlines: list[tuple[float, int, Waiter, int]] = []
+        # Reads of the server's replies so far.
+        self.reads = 0
         self.timer: asyncio.TimerHandle | None = None
         self.timer_at = _NEVER  # when `timer` fires (its `when()` is a call per call to read)
 
@@ -178,6 +180,7 @@ class _Protocol(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.last_reply = time.monotonic()
+        self.reads += 1
         reader = self.reader
         reader.feed(data)
         waiters = self.waiters
@@ -395,9 +398,9 @@ class PipelinedRedis:
     def _keep_deadline(self, protocol: _Protocol, deadline: float, future: Waiter) -> None:
         """Fail `future` at `deadline` unless answered: the connection's heap, and its one timer
         moved earlier when this deadline is the earliest."""
-        # The order breaks ties (futures do not compare); when it was sent tells `_expire`
-        # whether the server has answered anything since.
-        entry = (deadline, next(self._order), future, time.monotonic())
+        # The order breaks ties (futures do not compare); the connection's reads so far tell
+        # `_expire` whether the server has sent anything since.
+        entry = (deadline, next(self._order), future, protocol.reads)
         heapq.heappush(protocol.deadlines, entry)
         if deadline < protocol.timer_at:
             if protocol.timer is not None:
@@ -489,13 +492,14 @@ class PipelinedRedis:
         unread: bool | None = None
         expired = False
         while deadlines:
-            deadline, _, future, sent_at = deadlines[0]
+            deadline, _, future, reads_when_sent = deadlines[0]
             if not future.done():
                 if deadline > now:
                     break
-                if protocol.last_reply <= sent_at and unread is None:
+                answering = protocol.reads > reads_when_sent
+                if not answering and unread is None:
                     unread = _unread(protocol)
-                if protocol.last_reply > sent_at or unread:
+                if answering or unread:
                     future.set_exception(self._behind(protocol))
                 else:
                     future.set_exception(DeadlineExceeded("no reply from redis in time"))
