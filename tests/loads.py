@@ -146,7 +146,8 @@ def grpc_body(message: RateLimitRequest) -> bytes:
 
 class H2load:
     """`h2load` sending `message` to ShouldRateLimit at `target` (`HOST:PORT`): `requests` in
-    all, from `clients` connections, each at `rate` requests a second.
+    all, from `clients` connections of `streams` streams each, each at `rate` requests a
+    second (None: as fast as they are answered).
 
     Count-based, so it waits for every request it sent. A client whose connection gets a GOAWAY
     does not reconnect: nghttp2 starts no stream after a GOAWAY, so the requests that client
@@ -162,15 +163,19 @@ class H2load:
         *,
         requests: int,
         clients: int = 4,
-        rate: int = 100,
+        rate: int | None = 100,
+        streams: int = 4,
     ) -> None:
         body = workdir / "h2load-body.bin"
         body.write_bytes(grpc_body(message))
-        self.seconds = requests / (clients * rate)
+        # Unthrottled (`rate` None), as fast as the server answers: a few thousand a second
+        # at the least, on a loaded machine.
+        self.seconds = requests / (clients * rate if rate else 2_000)
         url = f"http://{target}/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit"
+        pace = ["--rps", str(rate)] if rate else []
         self._popen = subprocess.Popen(
             ["h2load", "--requests", str(requests), "--clients", str(clients),
-             "--max-concurrent-streams", "4", "--rps", str(rate), "--data", str(body),
+             "--max-concurrent-streams", str(streams), *pace, "--data", str(body),
              "--header", "content-type: application/grpc", "--header", "te: trailers", url],
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )  # fmt: skip
