@@ -10,6 +10,23 @@ A rule broken on one stream resets that stream (RST_STREAM); a rule broken on th
 ends it (GOAWAY with the code RFC 9113 names, then `closed`). Requests are read completely
 before they are called; a body over the gRPC message limit is answered RESOURCE_EXHAUSTED
 without reading the rest.
+
+A hostile peer is bounded on every axis (CVE-2023-44487 rapid reset, CVE-2024-27316 and the
+other CONTINUATION floods; Envoy's `http2_protocol_options` name the same protections). Each
+limit below is a connection error, GOAWAY ENHANCE_YOUR_CALM, unless said otherwise:
+
+- a header block: its size kept as a running total (at most twice the header list limit) and
+  at most MAX_CONTINUATIONS frames;
+- frames with nothing in them (DATA without END_STREAM, HEADERS or CONTINUATION that do not end
+  the block): at most MAX_EMPTY_FRAMES in a row;
+- control frames (SETTINGS, PING, RST_STREAM, PRIORITY, WINDOW_UPDATE): a budget of
+  CONTROL_BUDGET that each request refills by CONTROL_PER_REQUEST; a SETTINGS that changes the
+  initial window costs one more per WINDOW_WALK_COST open streams it moves;
+- request bodies buffered: `Limits.max_buffered_bytes` per connection and, through a shared
+  `BufferBudget`, across all connections (the stream is answered RESOURCE_EXHAUSTED);
+- calls started per `receive`: `Limits.max_calls_per_read`; the rest of the bytes wait for
+  `resume` (`backlog` says so), so one connection's read cannot hold the loop for thousands
+  of calls while others wait.
 """
 
 from __future__ import annotations
@@ -20,12 +37,27 @@ from dataclasses import dataclass
 from sidecar.rls.h2 import fields, frames
 from sidecar.rls.h2.fields import Head, RequestDecoder
 from sidecar.rls.h2.frames import ErrorCode, H2ConnectionError, H2StreamError
-from sidecar.rls.h2.streams import SHUTDOWN_PING, Stream, Streams
+from sidecar.rls.h2.streams import SHUTDOWN_PING, BufferBudget, Stream, Streams
 from sidecar.rls.h2.unary import MAX_MESSAGE_BYTES, PREFIX_SIZE, CallError, Status, read_message
 
 OnCall = Callable[[int, str, bytes], None]
 
 _PADDED_OR_PRIORITY = frames.PADDED | frames.PRIORITY_FLAG
+
+#: CONTINUATION frames one header block may take: a header list of at most 16 KiB needs two at
+#: the smallest frame size a client may use (16 KiB); a few more for clients that split finer.
+MAX_CONTINUATIONS = 16
+#: Frames in a row that carry nothing (Envoy's max_consecutive_inbound_frames_with_empty_payload
+#: defaults to 1; a few more for clients that flush early).
+MAX_EMPTY_FRAMES = 16
+#: Control frames a connection may send before its first request, and the most it can save up.
+CONTROL_BUDGET = 1_024
+#: What each request adds back: a client's PING, WINDOW_UPDATE, RST_STREAM and PRIORITY frames
+#: come with its requests, a few per request at most.
+CONTROL_PER_REQUEST = 8
+#: A SETTINGS frame that changes the initial window walks the open streams: one more unit of
+#: the budget per this many streams (1,024 streams: 16 units).
+WINDOW_WALK_COST = 64
 
 
 @dataclass(frozen=True)
@@ -41,8 +73,13 @@ class Limits:
     initial_window_size: int = 1 << 20
     connection_window_size: int = 1 << 24
     max_header_list_size: int = 16_384
-    #: Request bytes buffered on one connection, all streams together.
-    max_buffered_bytes: int = 16 << 20
+    #: Request bytes buffered on one connection, all streams together: two messages of the
+    #: largest size (4 MiB).
+    max_buffered_bytes: int = 8 << 20
+    #: Request bytes buffered by all the connections of one server together (BufferBudget).
+    max_buffered_bytes_all: int = 32 << 20
+    #: Calls one `receive` starts at most; the rest of the bytes wait for `resume`.
+    max_calls_per_read: int = 64
 
 
 DEFAULT_LIMITS = Limits()
@@ -51,10 +88,16 @@ DEFAULT_LIMITS = Limits()
 class Connection(Streams):
     """One connection, from the client preface to GOAWAY."""
 
-    def __init__(self, on_call: OnCall, limits: Limits = DEFAULT_LIMITS) -> None:
+    def __init__(
+        self, on_call: OnCall, limits: Limits = DEFAULT_LIMITS, budget: BufferBudget | None = None
+    ) -> None:
         super().__init__()
         self.on_call = on_call
         self.limits = limits
+        if budget is not None:  # shared with the server's other connections
+            self.budget = budget
+        else:
+            self.budget = BufferBudget(limits.max_buffered_bytes_all)
         self.peer_goaway = False
         self._decoder = RequestDecoder(limits.max_header_list_size)
         self._buffer = b""
@@ -67,6 +110,11 @@ class Connection(Streams):
         self._block: list[bytes] = []
         self._block_flags = 0
         self._block_self_dependent = False
+        self._block_size = 0
+        self._empty_frames = 0  # frames in a row with nothing in them
+        self._control = CONTROL_BUDGET  # control frames still allowed (see the module's notes)
+        self._started = 0  # calls started by the current `receive`
+        self.backlog = False  # bytes wait because a read started max_calls_per_read calls
         self._handlers: dict[int, Callable[[int, int, bytes], None]] = {
             frames.PRIORITY: self._on_priority,
             frames.RST_STREAM: self._on_rst_stream,
@@ -111,6 +159,8 @@ class Connection(Streams):
         if self._buffer:
             data = self._buffer + data
             self._buffer = b""
+        self._started = 0
+        self.backlog = False
         try:
             if self._preface:
                 data = self._read_preface(data)
@@ -120,6 +170,20 @@ class Connection(Streams):
             return
         if used < len(data) and not self.closed:
             self._buffer = data[used:]
+            # Complete frames left unread: the read started as many calls as it may.
+            self.backlog = self._started >= self.limits.max_calls_per_read
+
+    @property
+    def unfinished(self) -> bool:
+        """Something the peer started is not finished: part of a frame (or of the preface), a
+        header block waiting for its CONTINUATION, or a request whose body has not ended."""
+        if (self._buffer and not self.backlog) or self._block_stream:
+            return True
+        return any(stream.receiving for stream in self.streams.values())
+
+    def resume(self) -> None:
+        """Go on with the bytes a read left for later (`backlog`)."""
+        self.receive(b"")
 
     def _read_preface(self, data: bytes) -> bytes:
         size = len(frames.PREFACE)
@@ -136,7 +200,8 @@ class Connection(Streams):
         pos, end = 0, len(data)
         unpack = frames.HEADER.unpack_from
         max_size = frames.DEFAULT_MAX_FRAME_SIZE
-        while end - pos >= frames.HEADER_SIZE:
+        most_calls = self.limits.max_calls_per_read
+        while end - pos >= frames.HEADER_SIZE and self._started < most_calls:
             high, low, kind, flags, stream_id = unpack(data, pos)
             size = high << 16 | low
             if size > max_size:
@@ -181,21 +246,32 @@ class Connection(Streams):
         else:
             block, self_dependent = payload, False
         if flags & frames.END_HEADERS:
+            self._empty_frames = 0
             self._on_header_block(stream_id, block, flags, self_dependent)
             return
+        self._count_empty(block)
         self._block_stream, self._block = stream_id, [block]
         self._block_flags, self._block_self_dependent = flags, self_dependent
+        self._block_size = len(block)
 
     def _on_continuation(self, flags: int, stream_id: int, payload: bytes) -> None:
         if not self._block_stream or stream_id != self._block_stream:
             raise H2ConnectionError(ErrorCode.PROTOCOL_ERROR, "CONTINUATION without HEADERS")
         self._block.append(payload)
-        if sum(map(len, self._block)) > 2 * self.limits.max_header_list_size:
+        self._block_size += len(payload)
+        if self._block_size > 2 * self.limits.max_header_list_size:
             raise H2ConnectionError(ErrorCode.ENHANCE_YOUR_CALM, "header block too large")
+        if len(self._block) > MAX_CONTINUATIONS + 1:
+            raise H2ConnectionError(
+                ErrorCode.ENHANCE_YOUR_CALM, f"header block in over {MAX_CONTINUATIONS} frames"
+            )
         if flags & frames.END_HEADERS:
+            self._empty_frames = 0
             block = b"".join(self._block)
             self._block_stream, self._block = 0, []
             self._on_header_block(stream_id, block, self._block_flags, self._block_self_dependent)
+        else:
+            self._count_empty(payload)
 
     def _on_header_block(self, stream_id: int, block: bytes, flags: int, self_dep: bool) -> None:
         head = self._decoder.decode(block)  # always, in order: the blocks share one HPACK table
@@ -226,6 +302,7 @@ class Connection(Streams):
         if head.malformed:
             raise H2StreamError(stream_id, ErrorCode.PROTOCOL_ERROR, head.malformed)
         if len(self.streams) + self.orphaned >= self.limits.max_concurrent_streams:
+            self._spend(1, "HEADERS past MAX_CONCURRENT_STREAMS")
             raise H2StreamError(stream_id, ErrorCode.REFUSED_STREAM, "too many streams")
         stream = Stream(stream_id, head, self.limits.initial_window_size, self.peer_window)
         self.streams[stream_id] = stream
@@ -245,6 +322,10 @@ class Connection(Streams):
         if not stream_id:
             raise H2ConnectionError(ErrorCode.PROTOCOL_ERROR, "DATA on stream 0")
         size = len(payload)  # padding included: all of it counts against the windows
+        if size:
+            self._empty_frames = 0
+        elif not flags & frames.END_STREAM:
+            self._count_empty(payload)
         self._recv_window -= size
         if self._recv_window < 0:
             raise H2ConnectionError(ErrorCode.FLOW_CONTROL_ERROR, "connection window exceeded")
@@ -277,8 +358,13 @@ class Connection(Streams):
             if self.buffered + len(data) > self.limits.max_buffered_bytes:
                 self._answer_early(stream, "too many request bytes buffered on this connection")
                 return
+            budget = self.budget
+            if budget.used + len(data) > budget.limit:
+                self._answer_early(stream, "too many request bytes buffered by this server")
+                return
             stream.add(data)
             self.buffered += len(data)
+            budget.used += len(data)
         if flags & frames.END_STREAM:
             self._end_request(stream)
         elif stream.recv_window <= self.limits.initial_window_size >> 1:
@@ -301,6 +387,9 @@ class Connection(Streams):
         """The request is complete: answer its rejection or framing error, or call it. `body`
         is its whole body when it came in one frame, else the stream's buffer holds it."""
         stream.receiving = False
+        self._started += 1
+        control = self._control + CONTROL_PER_REQUEST
+        self._control = control if control < CONTROL_BUDGET else CONTROL_BUDGET
         head = stream.head
         if head.content_length is not None and stream.received != head.content_length:
             raise H2StreamError(stream.id, ErrorCode.PROTOCOL_ERROR, "body under content-length")
@@ -314,6 +403,7 @@ class Connection(Streams):
         if body is None:
             body = stream.take_body()
             self.buffered -= len(body)
+            self.budget.used -= len(body)
         # One uncompressed message, exactly as long as its prefix says: the usual case, read
         # here; anything else goes to read_message for the error it deserves.
         if body[:1] == b"\0" and int.from_bytes(body[1:PREFIX_SIZE]) == len(body) - PREFIX_SIZE:
@@ -329,7 +419,28 @@ class Connection(Streams):
 
     # --- control -------------------------------------------------------------------------------
 
+    def _count_empty(self, payload: bytes) -> None:
+        """A frame that does not end what it belongs to: at most MAX_EMPTY_FRAMES empty ones
+        in a row."""
+        if payload:
+            self._empty_frames = 0
+            return
+        self._empty_frames += 1
+        if self._empty_frames > MAX_EMPTY_FRAMES:
+            raise H2ConnectionError(
+                ErrorCode.ENHANCE_YOUR_CALM, f"over {MAX_EMPTY_FRAMES} empty frames in a row"
+            )
+
+    def _spend(self, cost: int, kind: str) -> None:
+        """A control frame: out of the budget its requests refill (see the module's notes)."""
+        self._control -= cost
+        if self._control < 0:
+            raise H2ConnectionError(
+                ErrorCode.ENHANCE_YOUR_CALM, f"too many control frames ({kind}) for its requests"
+            )
+
     def _on_priority(self, flags: int, stream_id: int, payload: bytes) -> None:
+        self._spend(1, "PRIORITY")
         if not stream_id:
             raise H2ConnectionError(ErrorCode.PROTOCOL_ERROR, "PRIORITY on stream 0")
         if len(payload) != 5:
@@ -338,6 +449,7 @@ class Connection(Streams):
             raise H2StreamError(stream_id, ErrorCode.PROTOCOL_ERROR, "stream depends on itself")
 
     def _on_rst_stream(self, flags: int, stream_id: int, payload: bytes) -> None:
+        self._spend(1, "RST_STREAM")
         if len(payload) != 4:
             raise H2ConnectionError(ErrorCode.FRAME_SIZE_ERROR, "RST_STREAM is 4 bytes")
         if not stream_id or stream_id > self._highest_id:
@@ -348,6 +460,7 @@ class Connection(Streams):
             self.remember(stream_id, False)
 
     def _on_settings(self, flags: int, stream_id: int, payload: bytes) -> None:
+        self._spend(1, "SETTINGS")
         if stream_id:
             raise H2ConnectionError(ErrorCode.PROTOCOL_ERROR, "SETTINGS on a stream")
         if flags & frames.ACK:
@@ -357,6 +470,8 @@ class Connection(Streams):
         self.settings_received = True
         for setting, value in frames.settings_values(payload):
             if setting == frames.INITIAL_WINDOW_SIZE:
+                if value != self.peer_window:  # every open stream's window moves
+                    self._spend(len(self.streams) // WINDOW_WALK_COST, "SETTINGS")
                 self.set_peer_window(value)
             elif setting == frames.MAX_FRAME_SIZE:
                 if not frames.DEFAULT_MAX_FRAME_SIZE <= value <= frames.LARGEST_MAX_FRAME_SIZE:
@@ -375,6 +490,7 @@ class Connection(Streams):
         raise H2ConnectionError(ErrorCode.PROTOCOL_ERROR, "PUSH_PROMISE from a client")
 
     def _on_ping(self, flags: int, stream_id: int, payload: bytes) -> None:
+        self._spend(1, "PING")
         if stream_id:
             raise H2ConnectionError(ErrorCode.PROTOCOL_ERROR, "PING on a stream")
         if len(payload) != 8:
@@ -392,6 +508,7 @@ class Connection(Streams):
         self.peer_goaway = True
 
     def _on_window_update(self, flags: int, stream_id: int, payload: bytes) -> None:
+        self._spend(1, "WINDOW_UPDATE")
         if len(payload) != 4:
             raise H2ConnectionError(ErrorCode.FRAME_SIZE_ERROR, "WINDOW_UPDATE is 4 bytes")
         increment = frames.u32(payload) & frames.MAX_WINDOW

@@ -10,6 +10,17 @@ PING comes back (or after SHUTDOWN_PING_TIMEOUT), GOAWAY with the last stream ta
 taken are answered; the connection closes when none is left, or when the grace period ends.
 A Unix socket's file is removed on the way out only if it is still this server's: a
 replacement started on the same path has put its own there.
+
+Bounds across connections: at most MAX_CONNECTIONS open (one more is closed at once); request
+bodies buffered by all of them within `Limits.max_buffered_bytes_all` (given back when a
+connection closes); calls in flight over all connections: at MAX_CALLS_IN_FLIGHT every
+connection stops reading (TCP holds the clients' next requests) until they are down to
+RESUME_CALLS_IN_FLIGHT. A connection whose read holds more than `Limits.max_calls_per_read`
+calls has the rest started on the next turns of the loop, and stops reading meanwhile, so one
+busy connection cannot hold the others' calls for a whole read. A connection that has sent
+nothing for FRAME_TIMEOUT in the middle of something (a frame, a header block, a request body),
+or nothing at all for IDLE_TIMEOUT with no stream open, is closed (an idle one with GOAWAY
+NO_ERROR first).
 """
 
 from __future__ import annotations
@@ -27,6 +38,7 @@ import structlog
 from sidecar import batching
 from sidecar.rls.h2.calls import Calls
 from sidecar.rls.h2.connection import DEFAULT_LIMITS, Connection, Limits
+from sidecar.rls.h2.streams import BufferBudget
 from sidecar.rls.h2.unary import CallbackMethod, CallError, Method, Status
 
 #: Seconds to wait for the PING ACK between the two GOAWAY frames of a shutdown.
@@ -35,6 +47,24 @@ SHUTDOWN_PING_TIMEOUT = 1.0
 HANDSHAKE_TIMEOUT = 10.0
 #: Pending connections the kernel queues per listening socket.
 BACKLOG = 1_024
+#: Open connections at most: a sidecar has its Envoy's few, a shared deployment a few per
+#: Envoy; each costs about 10 KB idle, so this bounds idle connections to tens of MB.
+MAX_CONNECTIONS = 4_096
+#: Calls in flight over all connections at which every connection stops reading, and the
+#: number they must come down to before reading resumes. 2,048 calls is about 40 ms of work
+#: for the sidecar on Redis: enough to keep it busy, few enough that a call read is decided
+#: well within Envoy's timeout.
+MAX_CALLS_IN_FLIGHT = 2_048
+RESUME_CALLS_IN_FLIGHT = 1_024
+#: Seconds between two looks at every connection for the timeouts below.
+SWEEP_INTERVAL = 5.0
+#: A connection that sends nothing for this long in the middle of a frame, a header block or a
+#: request body is closed (Envoy's stream_idle_timeout is 5 minutes for whole streams; a unary
+#: request is sent at once, so a pause of seconds inside one is an attack or a dead peer).
+FRAME_TIMEOUT = 10.0
+#: A connection with no stream open and nothing read for this long is closed (Envoy opens a
+#: new one when it needs one).
+IDLE_TIMEOUT = 600.0
 
 log = structlog.get_logger("sidecar.rls.h2")
 
@@ -47,13 +77,34 @@ class H2Server:
     """Serves `methods` ({":path": method}) on any number of listening sockets."""
 
     def __init__(
-        self, methods: Mapping[str, Method | CallbackMethod], limits: Limits = DEFAULT_LIMITS
+        self,
+        methods: Mapping[str, Method | CallbackMethod],
+        limits: Limits = DEFAULT_LIMITS,
+        *,
+        max_connections: int = MAX_CONNECTIONS,
+        max_calls_in_flight: int = MAX_CALLS_IN_FLIGHT,
+        resume_calls_in_flight: int = RESUME_CALLS_IN_FLIGHT,
+        sweep_interval: float = SWEEP_INTERVAL,
+        frame_timeout: float = FRAME_TIMEOUT,
+        idle_timeout: float = IDLE_TIMEOUT,
     ) -> None:
         self.methods = dict(methods)
         self.limits = limits
+        self.max_connections = max_connections
+        self.max_calls_in_flight = max_calls_in_flight
+        self.resume_calls_in_flight = resume_calls_in_flight
+        self.sweep_interval = sweep_interval
+        self.frame_timeout = frame_timeout
+        self.idle_timeout = idle_timeout
         self.stopping = False
         self.protocols: set[_Protocol] = set()
         self.calls = Calls()
+        #: Request bytes buffered by all connections (Limits.max_buffered_bytes_all).
+        self.budget = BufferBudget(limits.max_buffered_bytes_all)
+        #: Connections that stopped reading because of the calls in flight.
+        self.held: set[_Protocol] = set()
+        self._refusing = False  # at MAX_CONNECTIONS (said once per episode)
+        self._sweeper: asyncio.TimerHandle | None = None
         self._listeners: list[asyncio.Server] = []
         self._unix_paths: list[tuple[str, SocketFile]] = []
 
@@ -83,6 +134,8 @@ class H2Server:
         except OSError as exc:
             raise OSError(f"cannot listen for gRPC on {address}: {exc.strerror or exc}") from exc
         self._listeners.append(listener)
+        if self._sweeper is None:
+            self._sweeper = loop.call_later(self.sweep_interval, self._sweep)
         # Any: `sockets` is a list on uvloop where the stubs say tuple, and the compiled build
         # checks what a value's declared type says (sidecar.build).
         sockets = cast(Any, listener).sockets
@@ -92,9 +145,33 @@ class H2Server:
     def _protocol(self) -> _Protocol:
         return _Protocol(self)
 
+    def _sweep(self) -> None:
+        """Close the connections stuck mid-frame or idle too long (see the timeouts)."""
+        self._sweeper = asyncio.get_running_loop().call_later(self.sweep_interval, self._sweep)
+        for protocol in list(self.protocols):
+            protocol.sweep()
+
+    def calls_answered(self) -> None:
+        """A call answered: below RESUME_CALLS_IN_FLIGHT, the held connections read again."""
+        if self.held and self.in_flight() <= self.resume_calls_in_flight:
+            held = list(self.held)
+            self.held.clear()
+            for protocol in held:
+                protocol.unhold()
+
+    def in_flight(self) -> int:
+        """Calls started and not answered yet, over all connections."""
+        return self.calls.answering + len(self.calls.running)
+
+    def too_many_calls(self) -> bool:
+        return self.calls.answering + len(self.calls.running) >= self.max_calls_in_flight
+
     async def stop(self, grace: float) -> None:
         """Take no new connection, drain the open ones, and give calls `grace` seconds."""
         self.stopping = True
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
         for listener in self._listeners:
             listener.close()
         for protocol in list(self.protocols):
@@ -151,17 +228,33 @@ class _Protocol(asyncio.Protocol):
         self.server = server
         self.methods = server.methods
         self.loop = asyncio.get_running_loop()
-        self.conn = Connection(self._on_call, server.limits)
+        self.conn = Connection(self._on_call, server.limits, server.budget)
         self.transport: asyncio.Transport | None = None
         self.finished: asyncio.Future[None] = self.loop.create_future()
         self._flush_scheduled = False
+        # Why reading is paused, if it is: the peer not reading our answers, the server's calls
+        # in flight, calls of a read left for the next turn. It resumes when none is left.
+        self._writing_paused = False
+        self._held = False
+        self._backlogged = False
+        self.reads = 0  # reads so far, and as the last sweep saw them
+        self._swept_reads = 0
+        self._quiet_sweeps = 0
         self._shutdown_timer: asyncio.TimerHandle | None = None
         self._handshake_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports have asyncio.Transport's methods without being its subclasses.
         self.transport = cast(asyncio.Transport, transport)
-        self.server.protocols.add(self)
+        server = self.server
+        if len(server.protocols) >= server.max_connections:
+            if not server._refusing:
+                server._refusing = True
+                log.warning("too_many_connections", limit=server.max_connections)
+            self.transport.abort()
+            return
+        server._refusing = False
+        server.protocols.add(self)
         self.conn.initiate()
         self._handshake_timer = self.loop.call_later(HANDSHAKE_TIMEOUT, self._handshake_expired)
         if self.server.stopping:
@@ -171,6 +264,7 @@ class _Protocol(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         conn = self.conn
+        self.reads += 1
         # What the calls of this read answered and sent to Redis leaves as the read ends (see
         # batching), before the loop polls again; the write below takes what is left.
         held = batching.begin()
@@ -186,13 +280,73 @@ class _Protocol(asyncio.Protocol):
             transport.write(out)
         if conn.done:
             transport.close()
+        elif conn.backlog or self.server.too_many_calls():
+            self._pause_after_read()
+
+    def _pause_after_read(self) -> None:
+        """Stop reading: the read left calls for the next turn, or the server has as many calls
+        in flight as it takes."""
+        transport = self.transport
+        assert transport is not None
+        if self.conn.backlog and not self._backlogged:
+            self._backlogged = True
+            self.loop.call_soon(self._go_on)
+        if self.server.too_many_calls() and not self._held:
+            self._held = True
+            self.server.held.add(self)
+        transport.pause_reading()
+
+    def _go_on(self) -> None:
+        """Start the calls a read left for later (a turn of the loop after it)."""
+        self._backlogged = False
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return
+        self.data_received(b"")
+        if not self._backlogged:
+            self._resume_if_free()
+
+    def unhold(self) -> None:
+        self._held = False
+        self._resume_if_free()
+
+    def _resume_if_free(self) -> None:
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return
+        if not (self._writing_paused or self._held or self._backlogged):
+            transport.resume_reading()
+
+    def sweep(self) -> None:
+        """Every SWEEP_INTERVAL: close the connection if it has been stuck mid-frame for
+        FRAME_TIMEOUT in the middle of something, or idle (nothing open, nothing read) for
+        IDLE_TIMEOUT."""
+        if self.reads != self._swept_reads:
+            self._swept_reads, self._quiet_sweeps = self.reads, 0
+            return
+        if self._writing_paused or self._held or self._backlogged:
+            return  # quiet because we stopped reading, not the peer
+        self._quiet_sweeps += 1
+        server = self.server
+        quiet = self._quiet_sweeps * server.sweep_interval
+        conn = self.conn
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return
+        if quiet >= server.frame_timeout and conn.unfinished:
+            transport.abort()
+        elif not conn.streams and not conn.calls and quiet >= server.idle_timeout:
+            conn.finish_shutdown()
+            self._flush()
+            transport.close()
 
     def eof_received(self) -> bool:
         return False  # a peer that stops sending is gone: close
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.conn.closed = True  # answers still on their way are dropped
+        self.conn.release()  # answers still on their way are dropped; bodies given back
         self.server.protocols.discard(self)
+        self.server.held.discard(self)
         for timer in (self._shutdown_timer, self._handshake_timer):
             if timer is not None:
                 timer.cancel()
@@ -201,12 +355,13 @@ class _Protocol(asyncio.Protocol):
 
     def pause_writing(self) -> None:
         # The peer is not reading: stop reading too, so its requests cannot grow our buffers.
+        self._writing_paused = True
         if self.transport is not None:
             self.transport.pause_reading()
 
     def resume_writing(self) -> None:
-        if self.transport is not None and not self.transport.is_closing():
-            self.transport.resume_reading()
+        self._writing_paused = False
+        self._resume_if_free()
 
     def _handshake_expired(self) -> None:
         # A socket that never speaks HTTP/2 must not hold a connection forever.
@@ -235,7 +390,8 @@ class _Protocol(asyncio.Protocol):
             self.server.calls.start(self._call(stream_id, path, method, message))
             return
         # A CallbackMethod: the hot path, here rather than in a method of its own.
-        calls = self.server.calls
+        server = self.server
+        calls = server.calls
         calls.opened()
         answered = False
         started = perf_counter()
@@ -246,6 +402,8 @@ class _Protocol(asyncio.Protocol):
                 return
             answered = True
             calls.answered()
+            if server.held:
+                server.calls_answered()
             if method.observe is not None:
                 method.observe(perf_counter() - started)
             errors = method.errors
@@ -265,6 +423,8 @@ class _Protocol(asyncio.Protocol):
             self._answer(stream_id, path, exc)
         else:
             self._answer(stream_id, path, response)
+        if self.server.held:
+            self.loop.call_soon(self.server.calls_answered)  # once this call has finished
 
     def _answer(self, stream_id: int, path: str, result: bytes | Exception) -> None:
         """Answer a call with its response, or the status its exception stands for."""

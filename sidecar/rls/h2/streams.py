@@ -84,6 +84,16 @@ class Stream:
         return body
 
 
+class BufferBudget:
+    """Request bytes buffered by all connections together, and their bound: what a server's
+    connections hold between a request's first DATA frame and its last is at most `limit`.
+    A connection gives back what it holds when its streams end, and when it closes."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+
+
 class Streams:
     """Open streams, calls in flight and the send side of one connection."""
 
@@ -93,6 +103,8 @@ class Streams:
         self.calls: set[int] = set()  # streams whose call is out, reset or not
         self.orphaned = 0  # calls out on streams that were reset
         self.buffered = 0  # request bytes held in stream bodies
+        #: Bytes buffered by all the server's connections (Connection sets the shared one).
+        self.budget = BufferBudget(0)
         self.closed = False  # a connection error was sent; nothing more is read
         self.last_stream_id = 0  # the highest stream processed, for GOAWAY
         self.goaway_last: int | None = None  # set by our final GOAWAY
@@ -274,6 +286,7 @@ class Streams:
         del self.streams[stream.id]
         self._blocked.pop(stream.id, None)
         self.buffered -= stream.size
+        self.budget.used -= stream.size
         if stream.id in self.calls:
             self.orphaned += 1
 
@@ -309,6 +322,12 @@ class Streams:
             return
         debug = reason.encode("utf-8", "replace")[:256]
         self.out.append(frames.goaway(self.last_stream_id, code, debug))
+        self.closed = True
+        for stream in list(self.streams.values()):
+            self.drop(stream)
+
+    def release(self) -> None:
+        """The connection is gone: drop its streams, giving back what their bodies held."""
         self.closed = True
         for stream in list(self.streams.values()):
             self.drop(stream)
