@@ -26,10 +26,18 @@ from sidecar.config import Rules
 from sidecar.errors import InvalidRequest, Overloaded, StorageError, UnknownDomain
 from sidecar.frequency import FrequencyCaps
 from sidecar.health import Health
+from sidecar.http_bodies import LINGERING_SECONDS, SlowBody, read_body
 from sidecar.model import Code
 from sidecar.rls.service import RateLimitService
 
 MAX_BODY_BYTES = 1 << 20
+
+
+def closing(response: web.Response) -> web.Response:
+    """`response`, and the connection closed after it (its body was not read to the end)."""
+    response.force_close()
+    return response
+
 
 _JSON_STATUS = {Code.OK: 200, Code.OVER_LIMIT: 429, Code.UNKNOWN: 500}
 _INDEX = """ratelimit-sidecar
@@ -89,6 +97,7 @@ class AdminServer:
             handle_signals=False,
             access_log=None,
             shutdown_timeout=self._shutdown_timeout,
+            lingering_time=LINGERING_SECONDS,
         )
         await runner.setup()
         try:
@@ -112,7 +121,9 @@ class AdminServer:
 
     async def _json(self, request: web.Request) -> web.Response:
         try:
-            body = await request.read()
+            body = await read_body(request)
+        except SlowBody as exc:
+            return closing(web.Response(status=408, text=f"Request Timeout: {exc}\n"))
         except web.HTTPRequestEntityTooLarge:
             return web.Response(
                 status=413, text=f"Request Entity Too Large: at most {MAX_BODY_BYTES} bytes\n"
@@ -168,7 +179,9 @@ async def _caps_call(
 ) -> web.Response:
     """Run a frequency-cap call on the request's body; every outcome is JSON."""
     try:
-        body = await request.read()
+        body = await read_body(request)
+    except SlowBody as exc:
+        return closing(_json_error(408, str(exc)))
     except web.HTTPRequestEntityTooLarge:
         return _json_error(413, f"body too large: at most {MAX_BODY_BYTES} bytes")
     try:

@@ -95,6 +95,10 @@ def _parse(body: bytes) -> object:
         raise InvalidRequest(f"body is not UTF-8 ({exc.reason})") from exc
     except json.JSONDecodeError as exc:
         raise InvalidRequest(f"body is not JSON: {exc}") from exc
+    except RecursionError:
+        raise InvalidRequest("body is not JSON this service reads: nested too deeply") from None
+    except ValueError as exc:  # an integer of more digits than Python converts (4,300)
+        raise InvalidRequest(f"body is not JSON this service reads: {exc}") from exc
 
 
 def _object(value: object, where: str, allowed: Sequence[str]) -> Mapping[str, Any]:

@@ -161,6 +161,27 @@ async def test_http_check_refuses_bad_bodies_with_400_and_the_reason(
 
 
 @pytest.mark.parametrize(
+    ("body", "reason"),
+    [
+        (b"[" * 50_000 + b"]" * 50_000, "body is not JSON this service reads: nested too deeply"),
+        (
+            b'{"domain": "ads", "user": ' + b"9" * 5_000 + b"}",
+            "body is not JSON this service reads: Exceeds the limit (4300 digits) for integer "
+            "string conversion: value has 5000 digits; use sys.set_int_max_str_digits() to "
+            "increase the limit",
+        ),
+    ],
+)
+@pytest.mark.parametrize("path", ["/v1/caps/check", "/v1/caps/record"])
+async def test_json_nested_too_deep_or_with_a_huge_integer_is_a_400(
+    http: aiohttp.ClientSession, path: str, body: bytes, reason: str
+) -> None:
+    """JSON nested 50,000 deep, or with a 5,000-digit integer, answers 400 with the reason
+    (it used to be a 500 from the parser's RecursionError or ValueError)."""
+    assert await post(http, path, body) == (400, {"error": reason})
+
+
+@pytest.mark.parametrize(
     ("impression", "reason"),
     [
         ({"user": "u1", "ad": "a1"}, "impressions[0].id is missing"),

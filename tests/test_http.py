@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 from collections.abc import AsyncIterator, Sequence
@@ -13,7 +14,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from sidecars import client, request, running_app, write_rules
 
-from sidecar import config
+from sidecar import config, http_bodies
 from sidecar.app import App
 from sidecar.storage.memory import MemoryBackend
 
@@ -141,6 +142,33 @@ async def test_json_refuses_a_body_over_one_mebibyte(http: aiohttp.ClientSession
     """A body over 1 MiB is a 413 before it is parsed."""
     async with http.post("/json", data=io.BytesIO(b" " * (2 << 20))) as response:
         assert response.status == 413
+
+
+@pytest.mark.parametrize(
+    ("path", "answer"),
+    [
+        ("/json", b"Request Timeout: the body took longer than 0.3 s"),
+        ("/v1/caps/check", b'{"error":"the body took longer than 0.3 s"}'),
+    ],
+)
+async def test_a_body_that_trickles_in_is_a_408_and_the_connection_closes(
+    app: App, path: str, answer: bytes, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A client that sends its headers and part of its body, then nothing, is answered 408
+    once the body deadline passes (`BODY_TIMEOUT`, 10 s; 0.3 here), and its connection is
+    closed: it cannot hold a handler and a buffer as long as it likes."""
+    monkeypatch.setattr(http_bodies, "BODY_TIMEOUT", 0.3)
+    reader, writer = await asyncio.open_connection("127.0.0.1", app.http_port)
+    try:
+        head = f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n"
+        writer.write(head.encode() + b'{"domain": ')
+        async with asyncio.timeout(5):
+            status = await reader.readline()
+            rest = await reader.read()  # to the end: the server closes the connection
+    finally:
+        writer.close()
+    assert status.startswith(b"HTTP/1.1 408")
+    assert answer in rest
 
 
 async def test_healthcheck_is_ok_until_draining(app: App, http: aiohttp.ClientSession) -> None:

@@ -22,6 +22,7 @@ import structlog
 from aiohttp import web
 
 from sidecar.errors import InjectionError
+from sidecar.http_bodies import LINGERING_SECONDS, SlowBody, read_body
 from sidecar.injector.patch import KINDS, WORKLOAD_KINDS, Settings, patch
 
 API_VERSION = "admission.k8s.io/v1"
@@ -178,6 +179,7 @@ class WebhookServer:
             handle_signals=False,
             access_log=None,
             shutdown_timeout=SHUTDOWN_SECONDS,
+            lingering_time=LINGERING_SECONDS,
         )
         await runner.setup()
         try:
@@ -210,7 +212,9 @@ class WebhookServer:
 
     async def _mutate(self, request: web.Request) -> web.Response:
         try:
-            body = await request.read()
+            body = await read_body(request)
+        except SlowBody as exc:
+            reply = _bad_request(str(exc), status=408)
         except web.HTTPRequestEntityTooLarge:
             reply = _bad_request(f"request body larger than {MAX_BODY_BYTES} bytes", status=413)
         else:
@@ -221,7 +225,10 @@ class WebhookServer:
             log.warning("injection_denied", object=reply.subject, reason=reply.message)
         elif reply.outcome == "bad_request":
             log.warning("bad_admission_request", reason=reply.message)
-        return web.json_response(reply.body, status=reply.status)
+        response = web.json_response(reply.body, status=reply.status)
+        if reply.status == 408:
+            response.force_close()  # the rest of the body is not read
+        return response
 
     async def _healthz(self, request: web.Request) -> web.Response:
         return web.Response(text="OK")
