@@ -35,6 +35,7 @@ from sidecar.rls.server import GrpcServer
 from sidecar.rls.service import RateLimitService
 from sidecar.stats import Stats
 from sidecar.storage import Backend, open_backend, peers
+from sidecar.storage.memory import MemoryBackend
 
 #: Seconds calls in flight get to finish once shutdown starts.
 SHUTDOWN_GRACE = 5.0
@@ -163,6 +164,8 @@ class App:
             except ValueError as exc:
                 raise InvalidOption(str(exc)) from exc
         backend = self._backend
+        if isinstance(backend, MemoryBackend):
+            self.registry.register(metrics.MemoryCollector(backend))
         limiter = Limiter(
             rules,
             backend,

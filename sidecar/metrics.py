@@ -31,6 +31,7 @@ import bisect
 import math
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Metric
 from prometheus_client.core import HistogramMetricFamily
@@ -172,6 +173,30 @@ def _counter(
     for labels, value in samples:
         metric.add_sample(name, labels, float(value))
     return metric
+
+
+class MemoryCollector(Collector):
+    """The memory backend's size and evictions (`ratelimit_sidecar_memory_counters`,
+    `ratelimit_sidecar_memory_evictions`), read at scrape time."""
+
+    def __init__(self, backend: Any) -> None:
+        self.backend = backend
+
+    def collect(self) -> Iterator[Metric]:
+        backend = self.backend
+        gauge = Metric(
+            "ratelimit_sidecar_memory_counters",
+            f"Values the memory backend holds (at most {backend.max_counters}).",
+            "gauge",
+        )
+        gauge.add_sample("ratelimit_sidecar_memory_counters", {}, float(len(backend)))
+        yield gauge
+        yield _counter(
+            "ratelimit_sidecar_memory_evictions",
+            "Values the memory backend evicted before their window ended, to stay within its "
+            "max_counters.",
+            [({}, backend.evicted)],
+        )
 
 
 def registry(stats: Stats, latency: Latency | None = None) -> CollectorRegistry:

@@ -26,6 +26,7 @@ from sidecar.model import (
     Window,
 )
 from sidecar.stats import RuleStats
+from sidecar.storage import open_backend
 from sidecar.storage.keys import descriptor_prefix, fixed_window_key, hash_tag
 from sidecar.storage.memory import MemoryBackend
 
@@ -274,3 +275,53 @@ async def test_unlimited_and_unmatched_never_call_the_store() -> None:
     decision = await limiter.should_rate_limit(Request("d", (one(("none", "v")),)))
     assert decision.overall_code is Code.OK
     assert backend.calls == 0
+
+
+async def test_the_memory_backend_keeps_at_most_max_counters_evicting_the_earliest_end() -> None:
+    """With `max_counters` values held, storing one more evicts the value whose window ends
+    first (an hour's window outlives a minute's), counted in `evicted`; the rest keep
+    counting."""
+    rules = config.Rules(
+        {
+            "d": config.parse(
+                """
+domain: d
+descriptors:
+  - key: minute
+    rate_limit: {unit: minute, requests_per_unit: 5}
+  - key: hour
+    rate_limit: {unit: hour, requests_per_unit: 5}
+""",
+                "d.yaml",
+            )
+        }
+    )
+    backend = MemoryBackend(max_counters=3)
+    limiter = Limiter(rules, backend, clock=lambda: 1_700_000_000.0)
+
+    async def hit(key: str, value: str) -> int:
+        decision = await limiter.should_rate_limit(Request("d", (one((key, value)),)))
+        return decision.statuses[0].limit_remaining
+
+    assert [await hit("hour", "a"), await hit("minute", "b"), await hit("hour", "c")] == [4] * 3
+    assert len(backend) == 3 and backend.evicted == 0
+    assert await hit("hour", "d") == 4  # the minute's counter ends first: it goes
+    assert len(backend) == 3 and backend.evicted == 1
+    assert await hit("hour", "a") == 3  # kept
+    assert await hit("minute", "b") == 4  # evicted: it starts again
+
+
+@pytest.mark.parametrize(
+    ("url", "reason"),
+    [
+        ("memory://?max_counters=0", "at least 1"),
+        ("memory://?max_counters=lots", "at least 1"),
+        ("memory://?size=5", "unknown query parameter 'size'"),
+        ("memory://host", "no host or path"),
+    ],
+)
+def test_a_bad_memory_url_is_refused_with_the_reason(url: str, reason: str) -> None:
+    """`memory://` takes only `?max_counters=N`, a whole number of at least 1."""
+    with pytest.raises(ValueError, match=reason):
+        open_backend(url)
+    assert open_backend("memory://?max_counters=7").max_counters == 7  # type: ignore[attr-defined]

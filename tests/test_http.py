@@ -295,3 +295,21 @@ async def test_metrics_count_per_rule_with_the_reference_names_and_labels(
     # Named exactly as the reference's exporter names them: no `_total` suffix added.
     assert "# TYPE ratelimit_service_rate_limit_total_hits counter" in text
     assert "ratelimit_service_rate_limit_total_hits_total" not in text
+
+
+async def test_metrics_show_the_memory_backends_counters_and_evictions(
+    rules: Path, tmp_path: Path
+) -> None:
+    """On the memory backend, /metrics shows how many values it holds and how many it evicted
+    to stay within its max_counters."""
+    async with (
+        running_app(rules, backend=MemoryBackend(max_counters=1)) as app,
+        client(app.grpc_port) as rls,
+        aiohttp.ClientSession(f"http://127.0.0.1:{app.http_port}") as session,
+    ):
+        for user in ("a", "b", "c"):
+            await rls.should_rate_limit(request("test", [("user", user)]))
+        async with session.get("/metrics") as response:
+            text = await response.text()
+    assert "\nratelimit_sidecar_memory_counters 1\n" in text
+    assert "\nratelimit_sidecar_memory_evictions 2\n" in text

@@ -1,6 +1,6 @@
 """The one interface every counter store implements, and the URL that picks one.
 
-Backend URLs: ``memory://`` (the default), ``redis://[user:password@]host:port[/db]``,
+Backend URLs: ``memory://`` (the default; ``memory://?max_counters=N`` caps its counters), ``redis://[user:password@]host:port[/db]``,
 ``rediss://...`` (TLS) and ``redis+cluster://host:port[,host:port...]`` (``rediss+cluster://``
 for TLS).
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from typing import Protocol
-from urllib.parse import urlsplit
+from urllib.parse import parse_qsl, urlsplit
 
 from sidecar.algorithms.decide import Address, State
 from sidecar.model import Dedupe, Hit, Outcome
@@ -86,7 +86,7 @@ def open_backend(url: str, timeout_ms: int = 50) -> Backend:
     if scheme == "memory":
         from sidecar.storage.memory import MemoryBackend
 
-        return MemoryBackend()
+        return MemoryBackend(**_memory_options(url))
     if scheme in ("redis", "rediss"):
         from sidecar.storage.redis import RedisBackend
 
@@ -99,3 +99,18 @@ def open_backend(url: str, timeout_ms: int = 50) -> Backend:
         f"unsupported backend URL {url!r}: use memory://, redis://host:port, rediss://host:port "
         "or redis+cluster://host:port[,host:port...] (rediss+cluster:// for TLS)"
     )
+
+
+def _memory_options(url: str) -> dict[str, int]:
+    """`memory://` takes one query parameter, `max_counters` (a whole number, at least 1)."""
+    parts = urlsplit(url)
+    if parts.netloc or parts.path or parts.fragment:
+        raise ValueError(f"{url!r}: memory:// takes no host or path, only ?max_counters=N")
+    options = {}
+    for name, value in parse_qsl(parts.query, keep_blank_values=True):
+        if name != "max_counters":
+            raise ValueError(f"{url!r}: unknown query parameter {name!r} (allowed: max_counters)")
+        if not value.isdigit() or int(value) < 1:
+            raise ValueError(f"{url!r}: max_counters must be a whole number of at least 1")
+        options[name] = int(value)
+    return options

@@ -6,6 +6,14 @@ again, a grouped counter when its field would be pruned from its Redis hash, the
 bucket when their time is up), and expired values are evicted, so memory stays bounded by the
 live windows even under millions of distinct descriptor values. Counters are lost on restart.
 
+On top of that, the values kept are at most `max_counters` (MAX_COUNTERS unless the URL says
+`memory://?max_counters=N`): a flood of distinct descriptor values inside one long window would
+otherwise grow without bound. Storing one more evicts the value whose window ends first (the
+least it can cost: that window was the nearest to being forgotten anyway), and counts it in
+`evicted` (`ratelimit_sidecar_memory_evictions`). An evicted counter starts again from zero if
+its descriptor comes back, so under eviction a limit can admit more than it says: size the cap
+for the live windows. A counter costs about BYTES_PER_COUNTER bytes.
+
 A grouped counter (a field of a Redis hash) is stored here under ``(hash key, field)``: Redis
 prunes a hash field by field, which this mirrors by giving each field its own expiry.
 """
@@ -22,11 +30,23 @@ from sidecar.algorithms.windows import FIELD_GRACE
 from sidecar.model import Dedupe, Hit, Outcome, Role
 from sidecar.storage.base import Applied
 
+#: Values kept at most, unless told otherwise: about 340 MB at BYTES_PER_COUNTER.
+MAX_COUNTERS = 1_000_000
+#: What one fixed-window counter costs: tracemalloc over 100,000 new counters of 15-byte
+#: descriptor values, decided through the limiter (its key, its list, its heap entry, the
+#: dict's slot): 337 bytes each.
+BYTES_PER_COUNTER = 340
+
 
 class MemoryBackend:
     name = "memory"
 
-    def __init__(self) -> None:
+    def __init__(self, max_counters: int = MAX_COUNTERS) -> None:
+        if max_counters < 1:
+            raise ValueError(f"max_counters must be at least 1, not {max_counters}")
+        self.max_counters = max_counters
+        #: Values evicted to stay within max_counters, since start.
+        self.evicted = 0
         # address -> [value, expires_at_ms]; a value is a count, a bucket or a set of ids.
         self._values: dict[Address, list[object]] = {}
         # (expires_at_ms, order, address), one entry per stored value; an entry found stale when
@@ -152,6 +172,8 @@ class MemoryBackend:
         return outcomes
 
     def _store(self, where: Address, value: object, expires_at: int) -> list[object]:
+        if len(self._values) >= self.max_counters:
+            self._evict_earliest()
         entry: list[object] = [value, expires_at]
         self._values[where] = entry
         heapq.heappush(self._expiries, (expires_at, next(self._order), where))
@@ -170,6 +192,23 @@ class MemoryBackend:
                 del values[where]
             else:
                 heapq.heappush(expiries, (expires_at, order, where))
+
+    def _evict_earliest(self) -> None:
+        """Make room: drop the value whose window ends first."""
+        expiries = self._expiries
+        values = self._values
+        while expiries:
+            expires_at, order, where = heapq.heappop(expiries)
+            entry = values.get(where)
+            if entry is None:
+                continue
+            kept_until: int = entry[1]  # type: ignore[assignment]
+            if kept_until != expires_at:  # kept longer since: its place in the heap moves
+                heapq.heappush(expiries, (kept_until, order, where))
+                continue
+            del values[where]
+            self.evicted += 1
+            return
 
     async def ping(self) -> bool:
         return True
