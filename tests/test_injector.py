@@ -313,6 +313,7 @@ def test_other_kinds_cannot_be_patched_but_pass_through_inject() -> None:
 
 ACCEPTED = [
     "memory://",
+    "memory://?max_counters=1000",
     "redis://127.0.0.1:6379",
     "redis://redis",
     "redis://user:p%40ss@redis.gateway.svc.cluster.local:6380/3",
@@ -345,6 +346,8 @@ REFUSED = [
     "rediss+cluster://a:1?ssl_cert_reqs=maybe",
     "rediss+cluster://a:1#frag",
     "memory://somewhere",
+    "memory://?max_counters=0",
+    "memory://?x=1",
     "redis://re dis:6379",
     "redis://redis:6379\n",
     "redis://" + "a" * 3000,

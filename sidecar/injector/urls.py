@@ -36,8 +36,13 @@ def validate_url(url: str) -> None:
     except ValueError as exc:  # urlsplit refuses an unbalanced IPv6 bracket
         raise ValueError(f"{redact(url)!r}: {exc}") from None
     if parts.scheme == "memory":
-        if parts.netloc or parts.path or parts.query or parts.fragment:
-            raise ValueError(f"{redact(url)!r}: memory:// takes no host, path or query")
+        if parts.netloc or parts.path or parts.fragment:
+            raise ValueError(f"{redact(url)!r}: memory:// takes no host or path")
+        for name, value in parse_qsl(parts.query, keep_blank_values=True):
+            if name != "max_counters" or not value.isdigit() or int(value) < 1:
+                raise ValueError(
+                    f"{redact(url)!r}: memory:// takes only ?max_counters=N (N at least 1)"
+                )
     elif parts.scheme in ("redis", "rediss"):
         _check_redis(url, parts.scheme == "rediss")
     elif parts.scheme in ("redis+cluster", "rediss+cluster"):
