@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 SUDO := $(shell [ "$$(id -u)" = 0 ] || command -v sudo)
 PYTEST_ARGS ?=
 
-.PHONY: venv run gateway envoy-config k8s-config test test-source test-compiled test-deps compiled bench bench-deps bench-instructions lint clean
+.PHONY: venv run gateway envoy-config k8s-config test test-source test-compiled test-deps compiled bench bench-deps bench-instructions chaos lint clean
 
 $(STAMP): pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -82,6 +82,10 @@ bench: venv bench-deps compiled
 	$(BIN)/python -m bench.caps
 
 # Instructions per call under callgrind: steady on a shared machine, where CPU per call is not.
+## Attacks and faults against a running sidecar, with a legitimate client watching (bench/chaos.py).
+chaos: venv test-deps compiled
+	$(BIN)/python -m bench.chaos --build $(COMPILED)
+
 bench-instructions: venv test-deps compiled
 	@command -v valgrind >/dev/null || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq valgrind >/dev/null; }
 	$(BIN)/python -m bench.instructions --build $(COMPILED)
