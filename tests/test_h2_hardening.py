@@ -283,9 +283,9 @@ async def test_calls_in_one_read_past_the_per_read_bound_are_all_answered(raw: P
 
 
 async def test_at_the_bound_of_calls_in_flight_connections_stop_reading_until_answers() -> None:
-    """With `max_calls_in_flight` calls waiting, the server stops reading every connection: a
-    new call on another connection waits in its socket, unread, and is answered once the calls
-    in flight come down to `resume_calls_in_flight`."""
+    """With `max_calls_in_flight` calls waiting, the server starts no more: a new call on
+    another connection is put aside, not started, and is answered once the calls in flight
+    come down to `resume_calls_in_flight`."""
     async with server_with(max_calls_in_flight=4, resume_calls_in_flight=2) as (
         server,
         port,

@@ -115,6 +115,7 @@ class Connection(Streams):
         self._control = CONTROL_BUDGET  # control frames still allowed (see the module's notes)
         self._started = 0  # calls started by the current `receive`
         self.backlog = False  # bytes wait because a read started max_calls_per_read calls
+        self._stashed = 0  # bytes of `_buffer` put aside unread (`stash`), in the budget
         self._handlers: dict[int, Callable[[int, int, bytes], None]] = {
             frames.PRIORITY: self._on_priority,
             frames.RST_STREAM: self._on_rst_stream,
@@ -159,6 +160,9 @@ class Connection(Streams):
         if self._buffer:
             data = self._buffer + data
             self._buffer = b""
+            if self._stashed:
+                self.budget.used -= self._stashed
+                self._stashed = 0
         self._started = 0
         self.backlog = False
         try:
@@ -174,12 +178,35 @@ class Connection(Streams):
             self.backlog = self._started >= self.limits.max_calls_per_read
 
     @property
+    def unread(self) -> bool:
+        """Bytes wait to be read: put aside (`stash`) or left by a read's bound (`backlog`)."""
+        return bool(self._stashed) or self.backlog
+
+    @property
     def unfinished(self) -> bool:
         """Something the peer started is not finished: part of a frame (or of the preface), a
         header block waiting for its CONTINUATION, or a request whose body has not ended."""
         if (self._buffer and not self.backlog) or self._block_stream:
             return True
         return any(stream.receiving for stream in self.streams.values())
+
+    def stash(self, data: bytes) -> bool:
+        """Keep `data` unread for the next `receive`, counted in the budget of buffered bytes;
+        False (nothing kept) when the budget has no room for it."""
+        budget = self.budget
+        if budget.used + len(data) > budget.limit:
+            return False
+        self._buffer += data
+        self._stashed += len(data)
+        budget.used += len(data)
+        return True
+
+    def release(self) -> None:
+        """The connection is gone: give back what its streams and its unread bytes held."""
+        super().release()
+        self.budget.used -= self._stashed
+        self._stashed = 0
+        self._buffer = b""
 
     def resume(self) -> None:
         """Go on with the bytes a read left for later (`backlog`)."""

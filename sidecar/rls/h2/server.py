@@ -13,9 +13,10 @@ replacement started on the same path has put its own there.
 
 Bounds across connections: at most MAX_CONNECTIONS open (one more is closed at once); request
 bodies buffered by all of them within `Limits.max_buffered_bytes_all` (given back when a
-connection closes); calls in flight over all connections: at MAX_CALLS_IN_FLIGHT every
-connection stops reading (TCP holds the clients' next requests) until they are down to
-RESUME_CALLS_IN_FLIGHT. A connection whose read holds more than `Limits.max_calls_per_read`
+connection closes); calls in flight over all connections: at MAX_CALLS_IN_FLIGHT no call is
+started, what connections send is put aside (within the same budget; past it they stop reading
+and TCP holds the clients) until the calls in flight are down to RESUME_CALLS_IN_FLIGHT, then
+started, connections with the fewest calls of their own in flight first. A connection whose read holds more than `Limits.max_calls_per_read`
 calls has the rest started on the next turns of the loop, and stops reading meanwhile, so one
 busy connection cannot hold the others' calls for a whole read. A connection that has sent
 nothing for FRAME_TIMEOUT in the middle of something (a frame, a header block, a request body),
@@ -50,12 +51,13 @@ BACKLOG = 1_024
 #: Open connections at most: a sidecar has its Envoy's few, a shared deployment a few per
 #: Envoy; each costs about 10 KB idle, so this bounds idle connections to tens of MB.
 MAX_CONNECTIONS = 4_096
-#: Calls in flight over all connections at which every connection stops reading, and the
-#: number they must come down to before reading resumes. 512 calls are about 10 ms of the
+#: Calls in flight over all connections at which no more are started, and the number they
+#: must come down to before what was put aside meanwhile is started. 512 calls are about 10 ms of the
 #: sidecar's work on Redis (20 µs a call, compiled): enough to keep it and Redis busy, few
 #: enough that a call read is sent to Redis well within its 50 ms deadline. A flood of 1,000
 #: h2load connections was shed (UNAVAILABLE) on 79% of its calls with 2,048 here, 35% with 512
-#: (the rest waited in the clients' sockets); 256 did no better.
+#: when connections only stopped reading; 256 did no better. Putting reads aside and starting
+#: them light connections first took the shedding to almost none (26 of 200,000).
 MAX_CALLS_IN_FLIGHT = 512
 RESUME_CALLS_IN_FLIGHT = 256
 #: Seconds between two looks at every connection for the timeouts below.
@@ -103,8 +105,10 @@ class H2Server:
         self.calls = Calls()
         #: Request bytes buffered by all connections (Limits.max_buffered_bytes_all).
         self.budget = BufferBudget(limits.max_buffered_bytes_all)
-        #: Connections that stopped reading because of the calls in flight.
-        self.held: set[_Protocol] = set()
+        #: Connections that stopped reading because of the calls in flight, in the order they
+        #: stopped: they read again in that order, so the one held longest goes first and a
+        #: connection with few calls is not starved by many with many.
+        self.held: dict[_Protocol, None] = {}
         self._refusing = False  # at MAX_CONNECTIONS (said once per episode)
         self._sweeper: asyncio.TimerHandle | None = None
         self._listeners: list[asyncio.Server] = []
@@ -154,9 +158,11 @@ class H2Server:
             protocol.sweep()
 
     def calls_answered(self) -> None:
-        """A call answered: below RESUME_CALLS_IN_FLIGHT, the held connections read again."""
+        """A call answered: below RESUME_CALLS_IN_FLIGHT, the held connections read again,
+        those with the fewest calls of their own in flight first (then the longest held): a
+        client with a call or two is not queued behind a flood of connections with many."""
         if self.held and self.in_flight() <= self.resume_calls_in_flight:
-            held = list(self.held)
+            held = sorted(self.held, key=_calls_out)  # stable: held longest first among equals
             self.held.clear()
             for protocol in held:
                 protocol.unhold()
@@ -190,6 +196,10 @@ class H2Server:
         for path, bound in self._unix_paths:
             unlink_socket(path, bound)
         self._unix_paths.clear()
+
+
+def _calls_out(protocol: _Protocol) -> int:
+    return len(protocol.conn.calls)
 
 
 def unix_path(address: str) -> str | None:
@@ -267,6 +277,13 @@ class _Protocol(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         conn = self.conn
         self.reads += 1
+        if self.server.too_many_calls() and conn.stash(data):
+            # As many calls in flight as the server takes: this read waits, put aside (within
+            # the budget of buffered bytes), until they come down; the connection goes on
+            # reading into it, so that what waits is taken in the server's order (`held`), not
+            # in the order the sockets happen to be polled. Past the budget it stops reading.
+            self._hold(pause=False)
+            return
         # What the calls of this read answered and sent to Redis leaves as the read ends (see
         # batching), before the loop polls again; the write below takes what is left.
         held = batching.begin()
@@ -293,10 +310,18 @@ class _Protocol(asyncio.Protocol):
         if self.conn.backlog and not self._backlogged:
             self._backlogged = True
             self.loop.call_soon(self._go_on)
-        if self.server.too_many_calls() and not self._held:
-            self._held = True
-            self.server.held.add(self)
+        if self.server.too_many_calls():
+            self._hold()
         transport.pause_reading()
+
+    def _hold(self, pause: bool = True) -> None:
+        """Wait for the server's calls in flight to come down (`unhold`); with `pause`, stop
+        reading meanwhile."""
+        if not self._held:
+            self._held = True
+            self.server.held[self] = None
+        if pause and self.transport is not None:
+            self.transport.pause_reading()
 
     def _go_on(self) -> None:
         """Start the calls a read left for later (a turn of the loop after it)."""
@@ -310,6 +335,11 @@ class _Protocol(asyncio.Protocol):
 
     def unhold(self) -> None:
         self._held = False
+        if self.conn.unread and not self._backlogged:
+            # What was put aside is read first, a turn later (reading resumes after it).
+            self._backlogged = True
+            self.loop.call_soon(self._go_on)
+            return
         self._resume_if_free()
 
     def _resume_if_free(self) -> None:
@@ -348,7 +378,7 @@ class _Protocol(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.conn.release()  # answers still on their way are dropped; bodies given back
         self.server.protocols.discard(self)
-        self.server.held.discard(self)
+        self.server.held.pop(self, None)
         for timer in (self._shutdown_timer, self._handshake_timer):
             if timer is not None:
                 timer.cancel()
