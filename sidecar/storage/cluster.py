@@ -617,19 +617,12 @@ class RedisClusterBackend:
     async def peers(self, name: bytes) -> int:
         """Register this sidecar as `name` and count the sidecars sharing the counters
         (`sidecar.storage.peers`); raises StorageError."""
-        try:
-            async with asyncio.timeout(self._timeout):
-                return await peers.register(self._client.execute, name)
-        except Exception as exc:  # every failure, see _failure
-            raise _failure(self.name, self._timeout_ms, exc) from exc
+        failure = functools.partial(_failure, self.name, self._timeout_ms)
+        return await peers.count_within(self._client.execute, name, self._timeout, failure)
 
     async def leave(self, name: bytes) -> None:
         """Take this sidecar's name out of the count at once (a clean stop)."""
-        try:
-            async with asyncio.timeout(self._timeout):
-                await peers.unregister(self._client.execute, name)
-        except Exception:  # best effort: the name drops out after its time to live anyway
-            return
+        await peers.leave_within(self._client.execute, name, self._timeout)
 
     async def ping(self) -> bool:
         """Whether every master answers PING."""

@@ -13,6 +13,7 @@ them; its key carries a hash tag, so on a Redis Cluster it lives in one slot.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import secrets
 import socket
@@ -65,3 +66,28 @@ async def register(execute: Callable[..., Awaitable[Any]], name: bytes) -> int:
 
 async def unregister(execute: Callable[..., Awaitable[Any]], name: bytes) -> None:
     await execute(b"ZREM", PEERS_KEY, name)
+
+
+async def count_within(
+    execute: Callable[..., Awaitable[Any]],
+    name: bytes,
+    timeout: float,
+    failure: Callable[[Exception], Exception],
+) -> int:
+    """`register` within `timeout`; whatever fails is raised as `failure` makes it (a
+    backend's StorageError or Overloaded)."""
+    try:
+        async with asyncio.timeout(timeout):
+            return await register(execute, name)
+    except Exception as exc:
+        raise failure(exc) from exc
+
+
+async def leave_within(execute: Callable[..., Awaitable[Any]], name: bytes, timeout: float) -> None:
+    """`unregister` within `timeout`, best effort: a name left behind drops out after its
+    time to live anyway."""
+    try:
+        async with asyncio.timeout(timeout):
+            await unregister(execute, name)
+    except Exception:
+        return
