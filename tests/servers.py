@@ -276,8 +276,9 @@ def start_cluster(
                 )  # fmt: skip
                 tls_port = None
                 if certificate is not None:
-                    tls_port = next(p for p in iter(free_port, None) if p not in taken)
-                    taken.add(tls_port)
+                    # With --tls-cluster the bus listens at the TLS port + 10000, not the plain one.
+                    tls_port = free_cluster_port(taken)
+                    taken.update((tls_port, tls_port + CLUSTER_BUS_OFFSET))
                     args += (*tls_args(certificate, tls_port), "--tls-cluster", "yes")
                 node = RedisServer(
                     workdir / f"attempt-{attempt}" / f"node-{index}", port, args, tls_port
