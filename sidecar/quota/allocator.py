@@ -1,0 +1,318 @@
+"""How a bucket's global limit is shared between the Envoys that enforce it: a pure function of
+(limit, window, reports, now) that gives one Envoy its next quota assignment.
+
+The rule's `requests_per_unit` is the bucket's budget for each epoch-aligned window (a minute
+rule: `limit` requests from hh:mm:00 to hh:mm:59, whatever algorithm the rule names). Envoys
+report, every `reporting_interval`, how many requests they allowed and denied; the sidecars add
+the allowed ones to the window's `used` and keep one `Holder` per Envoy: what it was asked for
+(its demand, in requests per second) and what it was last assigned.
+
+Each Envoy gets a token bucket (`tokens_per_fill` every `fill_interval`, at most `max_tokens`
+at once) whose rate is its share of the budget's pace:
+
+- Pace: what the whole fleet may admit per second from now on to spend what is left of the
+  window's budget evenly until the window ends (`left / seconds_left`, `left` net of what the
+  other Envoys have admitted but not reported yet). A fleet that was idle early in the window
+  may use the rest faster later, as a fixed window would admit it.
+- Share: the Envoy's demand over the fleet's demand, so every Envoy admits the same fraction of
+  what it is asked for (Jain's index of admitted/demanded is 1 in steady state). An Envoy that
+  went idle reports a demand of 0 and gives its share to the busy ones at its next report; a
+  new Envoy, whose demand is not known yet, gets the average share at once.
+- The rate is rounded down to what Envoy's token bucket can express (a whole number of tokens
+  every whole number of seconds, see `TokenBucket`), and every live Envoy keeps at least one
+  token (so an idle one can admit its next request and report its demand) while the budget lasts.
+
+The budget is never promised twice. Each Envoy's assignment commits, in this window, at most
+``max_tokens + rate * seconds`` from when it was assigned to when it expires or the window
+ends (a token bucket never admits more over a span: it starts with at most `max_tokens`), plus
+`owed`, what an Envoy may have admitted since its last report under an assignment replaced
+without one (a refresh). A new assignment is cut down until
+``used + owed + its commitment + the other live Envoys' commitments <= limit``; when nothing
+fits, the Envoy gets `DENY_ALL`, and once the window's budget is spent every Envoy gets
+`DENY_ALL` until the window ends (then its next report, or a refresh, brings a token bucket).
+
+Overshoot bound (`tests/test_quota_allocator.py` checks it on random report sequences): counted
+by when Envoys admitted them, the requests a window admits are at most ``limit`` plus
+- what Envoys admit with no assignment or an expired one (their `no_assignment_behavior` and
+  `expired_assignment_behavior`: set them to `DENY_ALL`, or a small token bucket, to keep this
+  small; a new bucket's first request is one of these);
+- what an Envoy admits under its old assignment between a new one being sent and received (its
+  old rate times the network latency).
+Usage is counted in the window in which it is reported: a report that spans a window boundary
+is counted whole in the later window, which is then stricter, never looser. A window in which
+the demand is below the limit admits all of it.
+
+Unlimited rules get `ALLOW_ALL`. In shadow mode the assignment is `ALLOW_ALL` and the one that
+would have been enforced is returned beside it, for metrics and logs.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+
+#: The longest `fill_interval` used for slow rates: one token a minute at least while the budget
+#: allows, so that a live Envoy can always admit a request and report its demand.
+MAX_FILL_INTERVAL = 60
+#: A token bucket holds about this many seconds of its rate (at least one token): what a
+#: freshly assigned bucket lets through at once. Small, since every assignment commits it.
+BURST_SECONDS = 1.0
+#: A new target within this fraction of the Envoy's current rate keeps the current assignment:
+#: Envoy starts a new, full bucket whenever its assignment changes, and a full bucket is burst.
+STEADY = 0.1
+
+
+class Blanket(enum.Enum):
+    """Envoy's `RateLimitStrategy.BlanketRule`, plus the token bucket case."""
+
+    ALLOW_ALL = "allow_all"
+    DENY_ALL = "deny_all"
+    TOKEN_BUCKET = "token_bucket"
+
+
+@dataclass(frozen=True, slots=True)
+class Budget:
+    """A bucket's global limit: `limit` requests per epoch-aligned window of `window_ms`.
+
+    `limit` None: the rule is `unlimited`. `shadow_mode`: decided and reported, never enforced.
+    """
+
+    limit: int | None
+    window_ms: int
+    shadow_mode: bool = False
+
+    def window(self, now_ms: int) -> tuple[int, int]:
+        """The start and the end (Unix ms) of the window that holds `now_ms`."""
+        start = now_ms - now_ms % self.window_ms
+        return start, start + self.window_ms
+
+
+@dataclass(frozen=True, slots=True)
+class Assignment:
+    """A quota assignment, as Envoy gets it.
+
+    For a token bucket: `tokens_per_fill` tokens every `fill_interval` seconds (a whole number:
+    Envoy 1.40 reads only the seconds), at most `max_tokens` at once. `ttl_ms` is its
+    `assignment_time_to_live`. `enforced` is the assignment shadow mode did not send (else None).
+    """
+
+    blanket: Blanket
+    ttl_ms: int
+    tokens_per_fill: int = 0
+    fill_interval: int = 1
+    max_tokens: int = 0
+    enforced: Assignment | None = None
+
+    @property
+    def rate(self) -> float:
+        """Tokens per second (0 for a blanket rule)."""
+        if self.blanket is not Blanket.TOKEN_BUCKET:
+            return 0.0
+        return self.tokens_per_fill / self.fill_interval
+
+
+@dataclass(frozen=True, slots=True)
+class Holder:
+    """What the sidecars know of one Envoy's use of one bucket (all times Unix ms).
+
+    `demand`: requests per second it was asked for (allowed and denied) over its last reporting
+    interval; None before its second report. `reported_ms`: when its last report arrived.
+    `assigned_ms`, `rate`, `burst`, `expires_ms`: its current assignment (rate and burst 0 for a
+    blanket rule). `owed`: at most what it admitted between its last report and `assigned_ms`
+    under an assignment replaced by a refresh (0 after a report).
+    """
+
+    envoy: str
+    demand: float | None
+    reported_ms: int
+    assigned_ms: int
+    rate: float
+    burst: int
+    expires_ms: int
+    owed: float = 0.0
+
+    def live(self, now_ms: int) -> bool:
+        return self.expires_ms > now_ms
+
+    def commitment(self, start_ms: int, end_ms: int) -> float:
+        """The most its assignment (and `owed`) lets it admit in the window [start, end) that is
+        not reported yet: ``owed + burst + rate * seconds`` from the assignment (or the window's
+        start) to its expiry (or the window's end)."""
+        # `owed` was admitted before the assignment: in this window only if that is in it.
+        owed = self.owed if self.assigned_ms > start_ms else 0.0
+        since = max(self.assigned_ms, start_ms)
+        until = min(self.expires_ms, end_ms)
+        if until <= since:
+            return owed
+        return owed + self.burst + self.rate * (until - since) / 1000
+
+    def unreported(self, now_ms: int, start_ms: int) -> float:
+        """What it probably admitted in this window since its last report (its rate since then)."""
+        since = max(self.assigned_ms, start_ms)
+        owed = self.owed if self.assigned_ms > start_ms else 0.0
+        return owed + self.rate * max(0, min(now_ms, self.expires_ms) - since) / 1000
+
+
+def allocate(
+    budget: Budget,
+    envoy: str,
+    demand: float | None,
+    others: Iterable[Holder],
+    used: int,
+    now_ms: int,
+    ttl_ms: int,
+    *,
+    owed: float = 0.0,
+    current: Holder | None = None,
+) -> tuple[Assignment, Holder]:
+    """The next assignment of `envoy`, and its Holder to store.
+
+    `demand`: its requests per second since its last report (None when unknown: a new Envoy,
+    or a refresh). `others`: the other Envoys' Holders (expired ones are ignored). `used`: what
+    the window's reports allowed so far, this Envoy's included. `owed`: what it may have
+    admitted since its last report (0 when this is its report). `current`: its Holder before
+    this call, whose assignment is kept when the new target is within `STEADY` of it and
+    still fits. `ttl_ms` is at least a second.
+    """
+    start, end = budget.window(now_ms)
+    # An expired assignment commits what it let its Envoy admit before it expired and that
+    # Envoy did not report yet; only live ones share the pace.
+    held = [h for h in others if h.envoy != envoy]
+    live = [h for h in held if h.live(now_ms)]
+    reported_ms = now_ms if demand is not None or current is None else current.reported_ms
+    if demand is None and current is not None:
+        demand = current.demand
+    if budget.limit is None:
+        allow = Assignment(Blanket.ALLOW_ALL, ttl_ms)
+        return allow, Holder(envoy, demand, reported_ms, now_ms, 0.0, 0, now_ms + ttl_ms)
+    left = budget.limit - used
+    if left <= 0:
+        # Spent: deny until the window ends, when the budget comes back.
+        chosen = Assignment(Blanket.DENY_ALL, max(1, min(ttl_ms, end - now_ms)))
+    else:
+        room = _room(budget, left, owed, held, now_ms, ttl_ms)
+        pace = _pace(left, held, now_ms, start, end)
+        if now_ms + ttl_ms > end:
+            # It runs on into the next window: at no more than the nominal pace, so that a
+            # window the fleet left unspent does not eat into the next one.
+            pace = min(pace, budget.limit * 1000 / budget.window_ms)
+        target = _share(demand, live) * pace
+        kept = _kept(current, target, room, now_ms, ttl_ms)
+        chosen = kept if kept is not None else _token_bucket(target, room, ttl_ms)
+    holder = Holder(
+        envoy,
+        demand,
+        reported_ms,
+        now_ms,
+        chosen.rate,
+        chosen.max_tokens,
+        now_ms + chosen.ttl_ms,
+        owed,
+    )
+    if budget.shadow_mode:
+        return Assignment(Blanket.ALLOW_ALL, ttl_ms, enforced=chosen), replace(
+            holder, rate=0.0, burst=0, owed=0.0, expires_ms=now_ms + ttl_ms
+        )
+    return chosen, holder
+
+
+def owed_until(current: Holder, now_ms: int) -> float:
+    """At most what `current`'s Envoy admitted since its last report, for a refresh at `now_ms`
+    that replaces its assignment without a report: what it owed, plus its bucket's burst and
+    its rate from the assignment to now (or to its expiry)."""
+    if current.rate <= 0:
+        return current.owed
+    seconds = max(0, min(now_ms, current.expires_ms) - current.assigned_ms) / 1000
+    return current.owed + current.burst + current.rate * seconds
+
+
+def _pace(left: int, held: list[Holder], now_ms: int, start: int, end: int) -> float:
+    """What the fleet may admit per second to spend `left` evenly by the window's end."""
+    unreported = sum(h.unreported(now_ms, start) for h in held)
+    return max(0.0, left - unreported) / max(0.001, (end - now_ms) / 1000)
+
+
+def _share(demand: float | None, live: list[Holder]) -> float:
+    """This Envoy's fraction of the pace: its demand over the fleet's; an unknown demand
+    (this Envoy's or another's) counts as the average known one, and a fleet with no demand at
+    all shares equally."""
+    known = [h.demand for h in live if h.demand is not None]
+    average = sum(known) / len(known) if known else 0.0
+    own = average if demand is None else demand
+    total = own + sum(known) + (len(live) - len(known)) * average
+    if total <= 0:
+        return 1 / (len(live) + 1)
+    return own / total
+
+
+#: Per window an assignment overlaps: what is free in it, and for how many seconds it overlaps.
+Room = list[tuple[float, float]]
+
+
+def _room(
+    budget: Budget, left: int, owed: float, held: list[Holder], now_ms: int, ttl_ms: int
+) -> Room:
+    """What an assignment from `now_ms` for `ttl_ms` may commit in each window it overlaps:
+    this window's budget left less `owed` and the others' commitments in it; each later
+    window's whole budget less the others' commitments in it (nothing is reported there yet)."""
+    assert budget.limit is not None
+    start, end = budget.window(now_ms)
+    room = []
+    free = left - owed
+    since = now_ms
+    while since < now_ms + ttl_ms:
+        free -= sum(h.commitment(start, end) for h in held)
+        room.append((free, (min(end, now_ms + ttl_ms) - since) / 1000))
+        start, end, since, free = end, end + budget.window_ms, end, budget.limit
+    return room
+
+
+def _fits(burst: int, rate: float, room: Room) -> bool:
+    return all(burst + rate * seconds <= free for free, seconds in room)
+
+
+def _kept(
+    current: Holder | None, target: float, room: Room, now_ms: int, ttl_ms: int
+) -> Assignment | None:
+    """The current token bucket again, when the target moved less than `STEADY` and it still
+    fits: Envoy keeps a bucket whose assignment is unchanged (no new burst)."""
+    if current is None or current.rate <= 0 or not current.live(now_ms):
+        return None
+    if abs(target - current.rate) > STEADY * current.rate:
+        return None
+    tokens, interval = _fraction(current.rate)
+    if tokens / interval != current.rate or not _fits(current.burst, current.rate, room):
+        return None
+    return Assignment(Blanket.TOKEN_BUCKET, ttl_ms, tokens, interval, current.burst)
+
+
+def _token_bucket(target: float, room: Room, ttl_ms: int) -> Assignment:
+    """The largest token bucket at most `target` whose commitment fits in every window's room,
+    with at least one token a minute; DENY_ALL when not even that fits."""
+    # Fit burst + rate * seconds <= free in each window, burst = max(1, rate * BURST_SECONDS).
+    rate = max(target, 1 / MAX_FILL_INTERVAL)
+    for free, seconds in room:
+        rate = min(rate, (free - 1) / seconds)
+    while rate >= 1 / MAX_FILL_INTERVAL:
+        tokens, interval = _fraction(rate)
+        burst = max(1, math.floor(tokens / interval * BURST_SECONDS))
+        if _fits(burst, tokens / interval, room):
+            return Assignment(Blanket.TOKEN_BUCKET, ttl_ms, tokens, interval, burst)
+        rate = min((free - burst) / seconds for free, seconds in room)
+        rate = min(rate, tokens / interval * (1 - 1e-9))
+    return Assignment(Blanket.DENY_ALL, ttl_ms)
+
+
+def _fraction(rate: float) -> tuple[int, int]:
+    """`rate` rounded down to `tokens / seconds`, seconds a whole number up to
+    `MAX_FILL_INTERVAL` (Envoy's unit); at least one token a minute."""
+    if rate >= MAX_FILL_INTERVAL:
+        return math.floor(rate), 1
+    best = (1, MAX_FILL_INTERVAL)
+    for interval in range(1, MAX_FILL_INTERVAL + 1):
+        tokens = math.floor(rate * interval + 1e-9)
+        if tokens >= 1 and tokens * best[1] > best[0] * interval:
+            best = (tokens, interval)
+    return best

@@ -1,0 +1,291 @@
+"""The quota allocator: fair shares of a bucket's budget, blanket rules, and its overshoot bound."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sidecar.quota.allocator import (
+    MAX_FILL_INTERVAL,
+    Assignment,
+    Blanket,
+    Budget,
+    Holder,
+    allocate,
+    owed_until,
+)
+
+MINUTE = 60_000
+#: A minute window's start, and 10 s into it.
+START = 1_700_000_040_000
+NOW = START + 10_000
+TTL = 5_000
+
+
+def holder(envoy: str, demand: float | None, rate: float = 0.0, burst: int = 0) -> Holder:
+    return Holder(envoy, demand, NOW - 1_000, NOW - 1_000, rate, burst, NOW + TTL)
+
+
+def test_unlimited_rule_allows_all() -> None:
+    """An unlimited rule gets ALLOW_ALL, committing nothing."""
+    got, stored = allocate(Budget(None, MINUTE), "a", 5.0, [], 0, NOW, TTL)
+    assert got == Assignment(Blanket.ALLOW_ALL, TTL)
+    assert stored.commitment(START, START + MINUTE) == 0
+
+
+def test_spent_budget_denies_all_until_the_window_ends() -> None:
+    """Once the window's reports reach the limit, DENY_ALL lives until the window's end, not
+    past it: the next window's budget is then Envoy's again at its next report."""
+    got, _ = allocate(Budget(100, MINUTE), "a", 5.0, [], 100, START + 58_000, TTL)
+    assert got == Assignment(Blanket.DENY_ALL, 2_000)
+
+
+def test_shadow_mode_allows_all_and_reports_what_it_would_enforce() -> None:
+    """In shadow mode Envoy gets ALLOW_ALL; the assignment that would have been enforced comes
+    with it (for metrics), and nothing is committed against the budget."""
+    got, stored = allocate(Budget(100, MINUTE, shadow_mode=True), "a", 5.0, [], 100, NOW, TTL)
+    assert got.blanket is Blanket.ALLOW_ALL
+    assert got.enforced is not None and got.enforced.blanket is Blanket.DENY_ALL
+    assert stored.commitment(START, START + MINUTE) == 0
+
+
+def test_a_lone_envoy_gets_the_budget_paced_over_the_window() -> None:
+    """One Envoy, 600 a minute, 100 used after 10 s: 500 left over 50 s is 10 per second."""
+    got, _ = allocate(Budget(600, MINUTE), "a", 30.0, [], 100, NOW, TTL)
+    assert got.blanket is Blanket.TOKEN_BUCKET
+    assert got.rate == 10
+    assert (got.tokens_per_fill, got.fill_interval, got.max_tokens) == (10, 1, 10)
+
+
+def test_shares_follow_demand() -> None:
+    """Two Envoys asked for 10/s and 30/s share the pace 1:3, so both admit the same fraction of
+    what they are asked."""
+    budget = Budget(1_200, MINUTE)
+    first, _ = allocate(budget, "a", 10.0, [holder("b", 30.0)], 200, NOW, TTL)
+    second, _ = allocate(budget, "b", 30.0, [holder("a", 10.0)], 200, NOW, TTL)
+    # 1,000 left over 50 s: 20/s, of which a quarter and three quarters.
+    assert first.rate == 5
+    assert second.rate == 15
+
+
+def test_an_idle_envoys_share_goes_to_the_busy_one() -> None:
+    """An Envoy that reported no demand keeps a trickle (a token a minute, to see its next
+    request), and the busy one gets the rest of the pace."""
+    budget = Budget(1_200, MINUTE)
+    idle, _ = allocate(budget, "idle", 0.0, [holder("busy", 30.0)], 200, NOW, TTL)
+    busy, _ = allocate(budget, "busy", 30.0, [holder("idle", 0.0)], 200, NOW, TTL)
+    assert (idle.tokens_per_fill, idle.fill_interval, idle.max_tokens) == (1, MAX_FILL_INTERVAL, 1)
+    assert busy.rate == 20
+
+
+def test_a_new_envoy_gets_the_average_share_at_once() -> None:
+    """A new Envoy (demand unknown) beside two known ones counts as an average one: a third."""
+    budget = Budget(1_200, MINUTE)
+    others = [holder("b", 10.0), holder("c", 20.0)]
+    got, _ = allocate(budget, "new", None, others, 0, START, TTL)
+    assert got.rate == 20 / 3 or abs(got.rate - 20 / 3) < 0.2
+
+
+def test_others_commitments_are_never_promised_twice() -> None:
+    """Whatever the demand, an assignment fits in the budget left after what the other live
+    Envoys' assignments may still admit: here 30 left, 25 committed, so 5 at most."""
+    budget = Budget(100, MINUTE)
+    other = Holder("b", 100.0, NOW, NOW, 1.0, 5, NOW + 20_000)  # 5 + 1/s * 20 s = 25
+    got, stored = allocate(budget, "a", 100.0, [other], 70, NOW, 20_000)
+    assert stored.commitment(START, START + MINUTE) <= 5
+    assert got.blanket is Blanket.TOKEN_BUCKET
+
+
+def test_nothing_left_after_commitments_denies() -> None:
+    """When the others' commitments take what is left, the Envoy gets DENY_ALL (not the budget
+    spent: it keeps its TTL and comes back at its next report)."""
+    other = Holder("b", 100.0, NOW, NOW, 1.0, 5, NOW + 20_000)
+    got, _ = allocate(Budget(100, MINUTE), "a", 100.0, [other], 75, NOW, TTL)
+    assert got == Assignment(Blanket.DENY_ALL, TTL)
+
+
+def test_expired_holders_hold_only_what_they_may_have_admitted_unreported() -> None:
+    """An Envoy whose assignment expired (gone, or disconnected) without reporting again holds
+    what that assignment let it admit in this window, and nothing in a later one; it has no
+    share of the pace."""
+    budget = Budget(600, MINUTE)
+    gone = Holder("b", 100.0, NOW - 9_000, NOW - 4_000, 20.0, 20, NOW - 1_000)
+    got, _ = allocate(budget, "a", 30.0, [gone], 100, NOW, TTL)
+    # 500 left, 20 + 20/s * 3 s = 80 of it held; the pace: (500 - 60 probably admitted) / 50 s.
+    assert got.rate == 8.8
+    earlier = Holder("b", 100.0, START - 9_000, START - 9_000, 50.0, 50, START - 1)
+    got, _ = allocate(budget, "a", 30.0, [earlier], 100, NOW, TTL)
+    assert got.rate == 10
+
+
+def test_a_steady_target_keeps_the_assignment() -> None:
+    """A target within 10% of the current rate resends the same token bucket, so Envoy keeps its
+    bucket (a changed one would start full: a new burst)."""
+    budget = Budget(600, MINUTE)
+    current = Holder("a", 30.0, NOW - 1_000, NOW - 1_000, 10.5, 10, NOW + 4_000)
+    got, _ = allocate(budget, "a", 30.0, [], 100, NOW, TTL, current=current)
+    assert got.rate == 10.5
+    assert got.max_tokens == 10
+
+
+def test_slow_rates_are_whole_tokens_over_whole_seconds() -> None:
+    """Envoy reads whole seconds of fill_interval: 0.3/s is sent as 17 tokens every 57 s, the
+    closest from below."""
+    got, _ = allocate(Budget(118, MINUTE), "a", 1.0, [], 100, NOW, TTL)
+    assert got.fill_interval == int(got.fill_interval) >= 1
+    assert got.rate <= 18 / 50
+    assert got.rate > 0.35
+
+
+def test_a_refresh_counts_what_the_envoy_may_have_admitted_since_its_report() -> None:
+    """A refresh without a report owes the old assignment's burst and rate since it was made."""
+    current = Holder("a", 10.0, NOW - 2_000, NOW - 2_000, 4.0, 4, NOW + 3_000)
+    assert owed_until(current, NOW) == 4 + 4.0 * 2
+
+
+# --- The overshoot bound, on random fleets -------------------------------------------------
+
+
+@dataclass
+class Envoy:
+    """Envoy's side, as a fluid: requests arrive at `demand` per second; a token bucket admits
+    what its tokens allow; no assignment, or an expired one, denies (fallback DENY_ALL)."""
+
+    demand: float
+    assignment: Assignment | None = None
+    expires_ms: int = 0
+    tokens: float = 0.0
+    allowed: float = 0.0
+    denied: float = 0.0
+    reported_ms: int = 0
+    holder: Holder | None = None
+    windows: dict[int, float] = field(default_factory=dict)
+
+    def run(self, start_ms: int, end_ms: int, window_ms: int) -> None:
+        """Admit requests from `start_ms` to `end_ms`, split at window boundaries."""
+        while start_ms < end_ms:
+            cut = min(end_ms, start_ms - start_ms % window_ms + window_ms, self._change(start_ms))
+            self._admit(start_ms, cut, window_ms)
+            start_ms = cut
+
+    def _change(self, now_ms: int) -> int:
+        return self.expires_ms if self.expires_ms > now_ms else 2**62
+
+    def _admit(self, start_ms: int, end_ms: int, window_ms: int) -> None:
+        seconds = (end_ms - start_ms) / 1000
+        asked = self.demand * seconds
+        assignment = self.assignment if self.expires_ms > start_ms else None
+        if assignment is None or assignment.blanket is Blanket.DENY_ALL:
+            admitted = 0.0
+        elif assignment.blanket is Blanket.ALLOW_ALL:
+            admitted = asked
+        else:
+            rate = assignment.rate
+            admitted = min(asked, self.tokens + rate * seconds)
+            self.tokens = min(assignment.max_tokens, self.tokens + rate * seconds - admitted)
+        window = start_ms - start_ms % window_ms
+        self.windows[window] = self.windows.get(window, 0.0) + admitted
+        self.allowed += admitted
+        self.denied += asked - admitted
+
+    def receive(self, assignment: Assignment, now_ms: int) -> None:
+        old = self.assignment if self.expires_ms > now_ms else None
+        same_bucket = (
+            old is not None
+            and old.blanket is assignment.blanket is Blanket.TOKEN_BUCKET
+            and (old.tokens_per_fill, old.fill_interval, old.max_tokens)
+            == (assignment.tokens_per_fill, assignment.fill_interval, assignment.max_tokens)
+        )
+        if not same_bucket:
+            self.tokens = float(assignment.max_tokens)  # a new bucket starts full
+        self.assignment = assignment
+        self.expires_ms = now_ms + assignment.ttl_ms
+
+
+events = st.lists(
+    st.tuples(
+        st.integers(0, 5),  # which Envoy
+        st.integers(1, 4_000),  # ms after the previous event
+        st.booleans(),  # a report (True) or a refresh without one
+        st.floats(0, 200),  # the Envoy's demand from now on
+    ),
+    min_size=1,
+    max_size=60,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    limit=st.integers(1, 400),
+    window_ms=st.sampled_from([1_000, 10_000, 60_000]),
+    ttl_ms=st.integers(1_000, 20_000),
+    envoys=st.integers(1, 6),
+    offset=st.integers(0, 59_999),
+    script=events,
+)
+def test_no_window_admits_more_than_its_limit(
+    limit: int,
+    window_ms: int,
+    ttl_ms: int,
+    envoys: int,
+    offset: int,
+    script: list[tuple[int, int, bool, float]],
+) -> None:
+    """Whatever the demand and whenever Envoys report or get refreshed, the requests admitted
+    in a window (counted when admitted) stay within the limit, when Envoys deny without an
+    assignment and get each assignment at once (the bound's other terms are then zero)."""
+    budget = Budget(limit, window_ms)
+    fleet = [Envoy(0.0) for _ in range(envoys)]
+    used: dict[int, float] = {}
+    now = START + offset
+    for which, step, report, demand in script:
+        envoy = fleet[which % envoys]
+        later = now + step
+        for each in fleet:
+            each.run(now, later, window_ms)
+        now = later
+        window = now - now % window_ms
+        name = str(which % envoys)
+        others = [e.holder for e in fleet if e.holder is not None and e is not envoy]
+        if report:
+            # Whole requests, as Envoy reports them (the fluid's fractions rounded up).
+            used[window] = used.get(window, 0) + envoy.allowed
+            elapsed = (now - envoy.reported_ms) / 1000 if envoy.reported_ms else 0
+            asked = (envoy.allowed + envoy.denied) / elapsed if elapsed else None
+            envoy.allowed = envoy.denied = 0.0
+            envoy.reported_ms = now
+            assignment, envoy.holder = allocate(
+                budget,
+                name,
+                asked,
+                others,
+                math.ceil(used[window]),
+                now,
+                ttl_ms,
+                current=envoy.holder,
+            )
+        elif envoy.holder is not None:
+            owed = owed_until(envoy.holder, now)
+            assignment, envoy.holder = allocate(
+                budget,
+                name,
+                None,
+                others,
+                math.ceil(used.get(window, 0)),
+                now,
+                ttl_ms,
+                owed=owed,
+                current=envoy.holder,
+            )
+        else:
+            continue
+        envoy.demand = demand
+        envoy.receive(assignment, now)
+    for each in fleet:
+        each.run(now, now + 2 * window_ms, window_ms)
+    for window in {w for e in fleet for w in e.windows}:
+        admitted = sum(e.windows.get(window, 0.0) for e in fleet)
+        assert admitted <= limit + 1e-6 * limit, (window, admitted)
