@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 SUDO := $(shell [ "$$(id -u)" = 0 ] || command -v sudo)
 PYTEST_ARGS ?=
 
-.PHONY: venv run gateway envoy-config k8s-config test test-source test-compiled test-deps compiled bench bench-deps bench-instructions chaos lint clean
+.PHONY: venv run gateway envoy-config k8s-config test test-source test-compiled test-deps compiled bench bench-deps bench-instructions chaos quota-sim lint clean
 
 $(STAMP): pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -85,6 +85,11 @@ bench: venv bench-deps compiled
 ## Attacks and faults against a running sidecar, with a legitimate client watching (bench/chaos.py).
 chaos: venv test-deps compiled
 	$(BIN)/python -m bench.chaos --build $(COMPILED)
+
+## The quota allocator past this machine: 300 simulated gateways sharing one bucket
+## (bench/quota_sim.py; pure Python, no servers; about two minutes).
+quota-sim: venv
+	$(BIN)/python -m bench.quota_sim
 
 bench-instructions: venv test-deps compiled
 	@command -v valgrind >/dev/null || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq valgrind >/dev/null; }

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from bench.quota_sim import Gateway, simulate, skewed
 from sidecar.quota.allocator import (
     MAX_FILL_INTERVAL,
     Assignment,
@@ -149,62 +149,6 @@ def test_a_refresh_counts_what_the_envoy_may_have_admitted_since_its_report() ->
 # --- The overshoot bound, on random fleets -------------------------------------------------
 
 
-@dataclass
-class Envoy:
-    """Envoy's side, as a fluid: requests arrive at `demand` per second; a token bucket admits
-    what its tokens allow; no assignment, or an expired one, denies (fallback DENY_ALL)."""
-
-    demand: float
-    assignment: Assignment | None = None
-    expires_ms: int = 0
-    tokens: float = 0.0
-    allowed: float = 0.0
-    denied: float = 0.0
-    reported_ms: int = 0
-    holder: Holder | None = None
-    windows: dict[int, float] = field(default_factory=dict)
-
-    def run(self, start_ms: int, end_ms: int, window_ms: int) -> None:
-        """Admit requests from `start_ms` to `end_ms`, split at window boundaries."""
-        while start_ms < end_ms:
-            cut = min(end_ms, start_ms - start_ms % window_ms + window_ms, self._change(start_ms))
-            self._admit(start_ms, cut, window_ms)
-            start_ms = cut
-
-    def _change(self, now_ms: int) -> int:
-        return self.expires_ms if self.expires_ms > now_ms else 2**62
-
-    def _admit(self, start_ms: int, end_ms: int, window_ms: int) -> None:
-        seconds = (end_ms - start_ms) / 1000
-        asked = self.demand * seconds
-        assignment = self.assignment if self.expires_ms > start_ms else None
-        if assignment is None or assignment.blanket is Blanket.DENY_ALL:
-            admitted = 0.0
-        elif assignment.blanket is Blanket.ALLOW_ALL:
-            admitted = asked
-        else:
-            rate = assignment.rate
-            admitted = min(asked, self.tokens + rate * seconds)
-            self.tokens = min(assignment.max_tokens, self.tokens + rate * seconds - admitted)
-        window = start_ms - start_ms % window_ms
-        self.windows[window] = self.windows.get(window, 0.0) + admitted
-        self.allowed += admitted
-        self.denied += asked - admitted
-
-    def receive(self, assignment: Assignment, now_ms: int) -> None:
-        old = self.assignment if self.expires_ms > now_ms else None
-        same_bucket = (
-            old is not None
-            and old.blanket is assignment.blanket is Blanket.TOKEN_BUCKET
-            and (old.tokens_per_fill, old.fill_interval, old.max_tokens)
-            == (assignment.tokens_per_fill, assignment.fill_interval, assignment.max_tokens)
-        )
-        if not same_bucket:
-            self.tokens = float(assignment.max_tokens)  # a new bucket starts full
-        self.assignment = assignment
-        self.expires_ms = now_ms + assignment.ttl_ms
-
-
 events = st.lists(
     st.tuples(
         st.integers(0, 5),  # which Envoy
@@ -238,7 +182,7 @@ def test_no_window_admits_more_than_its_limit(
     in a window (counted when admitted) stay within the limit, when Envoys deny without an
     assignment and get each assignment at once (the bound's other terms are then zero)."""
     budget = Budget(limit, window_ms)
-    fleet = [Envoy(0.0) for _ in range(envoys)]
+    fleet = [Gateway(0.0) for _ in range(envoys)]
     used: dict[int, float] = {}
     now = START + offset
     for which, step, report, demand in script:
@@ -289,3 +233,22 @@ def test_no_window_admits_more_than_its_limit(
     for window in {w for e in fleet for w in e.windows}:
         admitted = sum(e.windows.get(window, 0.0) for e in fleet)
         assert admitted <= limit + 1e-6 * limit, (window, admitted)
+
+
+def test_a_simulated_fleet_shares_the_limit_fairly() -> None:
+    """Forty gateways with skewed demand at three times a 6,000-a-minute limit, reporting every
+    second: no window past the limit, at least 95% of it used, and every gateway admitting
+    about the same fraction of its demand (Jain's index at least 0.95)."""
+    result = simulate(
+        "skewed",
+        lambda t: skewed(40, 300.0),
+        gateways=40,
+        seconds=180,
+        budget=Budget(6_000, MINUTE),
+        report_ms=1_000,
+        ttl_ms=5_000,
+        shift_ms=None,
+    )
+    assert result.worst_overshoot == 0
+    assert result.mean_use >= 0.95
+    assert result.worst_jain >= 0.95
