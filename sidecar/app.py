@@ -28,6 +28,14 @@ from sidecar.errors import ConfigError, Overloaded, StorageError
 from sidecar.frequency import DEDUPE_HORIZON, FrequencyCaps
 from sidecar.health import Health
 from sidecar.limiter import FailureMode, Limiter, RejectedHits, Settings
+from sidecar.quota.service import (
+    DEFAULT_TTL_MS,
+    STORE_TIMEOUT_MS,
+    QuotaCollector,
+    QuotaServer,
+    QuotaService,
+)
+from sidecar.quota.store import open_store
 from sidecar.rls.fast import FastServer
 from sidecar.rls.frequency import FrequencyService
 from sidecar.rls.h2.server import unix_path
@@ -89,6 +97,10 @@ class Options:
     dedupe_horizon: int = DEDUPE_HORIZON
     #: Seconds between looks at the rules files for a change to reload (0: only on SIGHUP).
     config_poll_seconds: float = 2.0
+    #: HOST:PORT of the Rate Limit Quota Service (`sidecar.quota`); None: not served.
+    rlqs_address: str | None = None
+    #: A quota assignment's `assignment_time_to_live`, in ms.
+    rlqs_assignment_ttl_ms: int = DEFAULT_TTL_MS
 
 
 def loop_name(loop: asyncio.AbstractEventLoop) -> str:
@@ -133,6 +145,9 @@ class App:
         self._clock = clock
         self.grpc_port = 0
         self.http_port = 0
+        self.rlqs_port = 0
+        self._quota: QuotaService | None = None
+        self._rlqs: QuotaServer | None = None
         self._grpc: RlsServer | None = None
         self._http: AdminServer | None = None
         self._health: Health | None = None
@@ -152,6 +167,8 @@ class App:
         options = self.options
         check_grpc_address(options.grpc_address)
         http_host, http_port = split_address(options.http_address)
+        if options.rlqs_address is not None:
+            split_address(options.rlqs_address)
         try:
             # Taken before loading, so a change made while loading is seen as a change.
             config_marks = config.fingerprint(options.config)
@@ -199,9 +216,22 @@ class App:
             reuse_port=options.reuse_port,
             frequency=caps,
         )
+        if options.rlqs_address is not None:
+            # Envoy's rate_limit_quota filter, on its own port, from the same rules and backend.
+            self._quota = QuotaService(
+                rules,
+                open_store(backend, STORE_TIMEOUT_MS),
+                clock=self._clock,
+                ttl_ms=options.rlqs_assignment_ttl_ms,
+                shadow_mode=options.shadow_mode,
+            )
+            self.registry.register(QuotaCollector(self._quota.stats))
+            self._rlqs = QuotaServer(self._quota, options.rlqs_address)
         try:
             self.grpc_port = await self._grpc.start()
             self.http_port = await self._http.start()
+            if self._rlqs is not None:
+                self.rlqs_port = await self._rlqs.start()
         except BaseException:
             await self.stop()
             raise
@@ -223,6 +253,7 @@ class App:
             "started",
             grpc_port=self.grpc_port,
             http_port=self.http_port,
+            rlqs_port=self.rlqs_port or None,
             grpc_address=options.grpc_address,
             http_address=options.http_address,
             transport=options.transport,
@@ -300,6 +331,8 @@ class App:
             self._caps.set_rules(rules)
         if self._http is not None:
             self._http.rules = rules
+        if self._quota is not None:
+            self._quota.set_rules(rules)
         log.info("config_reloaded", summaries=[d.summary() for d in rules.domains.values()])
         return True
 
@@ -350,6 +383,10 @@ class App:
             stops.append(self._grpc.stop(grace))
         if self._http is not None:
             stops.append(self._http.stop())
+        if self._rlqs is not None:
+            # Streams never finish on their own: Envoys reconnect to another sidecar (or to
+            # this one restarted) and keep their assignments meanwhile.
+            stops.append(self._rlqs.stop(min(grace, 1.0)))
         await asyncio.gather(*stops)
         if self._backend is not None:
             await self._backend.close()

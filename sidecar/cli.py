@@ -67,7 +67,14 @@ the package on Linux and macOS; --loop asyncio keeps the standard library's.
 --workers N runs N processes sharing the ports (SO_REUSEPORT); the kernel spreads
 connections, not calls, over them, so N should not exceed the connections Envoy opens (about
 one per Envoy worker thread). Workers need a shared backend (redis://...), and each worker
-serves its own /metrics."""
+serves its own /metrics.
+
+--rlqs-address HOST:PORT also serves the Rate Limit Quota Service
+(envoy.service.rate_limit_quota.v3.RateLimitQuotaService) for Envoy's rate_limit_quota filter:
+Envoy enforces token-bucket assignments itself and reports its usage; each bucket id is
+matched against the same rules as a descriptor, and every Envoy (through every sidecar sharing
+the backend) gets its demand's share of the rule's limit per window. See README, "Quota
+service"."""
 
 _CHECK_DESCRIPTION = """\
 Validate rules files without starting anything: print one summary line per domain and exit
@@ -213,6 +220,13 @@ def _seconds(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be more than 0, got {text}")
+    return value
+
+
+def _at_least_a_second(text: str) -> float:
+    value = _seconds(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 second, got {text}")
     return value
 
 
@@ -363,6 +377,21 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, _Flags]]:
         metavar="SECONDS",
     )
     serve.add(
+        "--rlqs-address",
+        "listen address of the Rate Limit Quota Service (StreamRateLimitQuotas, for Envoy's "
+        "rate_limit_quota filter), from the same rules and backend; not served unless set",
+        type=_address,
+        metavar="HOST:PORT",
+    )
+    serve.add(
+        "--rlqs-assignment-ttl",
+        "seconds a quota assignment lives (assignment_time_to_live); the service refreshes it "
+        "before it ends when Envoy has not reported meanwhile",
+        default=10.0,
+        type=_at_least_a_second,
+        metavar="SECONDS",
+    )
+    serve.add(
         "--dedupe-horizon",
         "frequency caps: seconds an impression id is remembered at least, so a repeated "
         "record within it counts nothing (ids are forgotten by twice that)",
@@ -479,6 +508,8 @@ def _serve(args: argparse.Namespace) -> int:
         grpc_socket_fd=args.grpc_socket_fd,
         dedupe_horizon=args.dedupe_horizon,
         config_poll_seconds=args.config_poll_seconds,
+        rlqs_address=args.rlqs_address,
+        rlqs_assignment_ttl_ms=int(args.rlqs_assignment_ttl * 1000),
     )
     try:
         loop_factory = event_loop_factory(args.loop)

@@ -78,6 +78,8 @@ def test_serve_flags_come_from_rls_variables() -> None:
         "RLS_SHADOW_MODE": "true",
         "RLS_LOG_FORMAT": "console",
         "RLS_LOG_LEVEL": "warning",
+        "RLS_RLQS_ADDRESS": "127.0.0.1:18081",
+        "RLS_RLQS_ASSIGNMENT_TTL": "2.5",
     }
 
     args = cli.parse_args(["serve"], env)
@@ -88,6 +90,7 @@ def test_serve_flags_come_from_rls_variables() -> None:
     assert args.redis_timeout_ms == 20
     assert (args.failure_mode, args.rejected_hits, args.shadow_mode) == ("deny", "skip", True)
     assert (args.log_format, args.log_level) == ("console", "warning")
+    assert (args.rlqs_address, args.rlqs_assignment_ttl) == ("127.0.0.1:18081", 2.5)
 
 
 def test_flags_win_over_variables_and_defaults_fill_the_rest() -> None:
@@ -104,6 +107,7 @@ def test_flags_win_over_variables_and_defaults_fill_the_rest() -> None:
     assert (args.redis_timeout_ms, args.failure_mode, args.rejected_hits) == (50, "allow", "count")
     assert args.shadow_mode is False
     assert (args.log_format, args.log_level) == ("json", "info")
+    assert (args.rlqs_address, args.rlqs_assignment_ttl) == (None, 10.0)
 
 
 @pytest.mark.parametrize(
@@ -116,8 +120,12 @@ def test_flags_win_over_variables_and_defaults_fill_the_rest() -> None:
         ({"RLS_CONFIG": "a.yaml", "RLS_SHADOW_MODE": "perhaps"}, "RLS_SHADOW_MODE='perhaps'"),
         ({"RLS_CONFIG": "a.yaml", "RLS_GRPC_ADDRESS": "nowhere"}, "RLS_GRPC_ADDRESS='nowhere'"),
         ({}, "--config (or RLS_CONFIG)"),
+        (
+            {"RLS_CONFIG": "a.yaml", "RLS_RLQS_ASSIGNMENT_TTL": "0.5"},
+            "RLS_RLQS_ASSIGNMENT_TTL='0.5': must be at least 1 second",
+        ),
     ],
-    ids=["bad-choice", "bad-boolean", "bad-address", "missing-config"],
+    ids=["bad-choice", "bad-boolean", "bad-address", "missing-config", "short-ttl"],
 )
 def test_bad_or_missing_settings_are_usage_errors(
     env: dict[str, str], message: str, capsys: pytest.CaptureFixture[str]

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from bench.quota_sim import Gateway, simulate, skewed
 from sidecar.quota.allocator import (
     MAX_FILL_INTERVAL,
+    WINDOW_GRACE_MS,
     Assignment,
     Blanket,
     Budget,
@@ -37,10 +38,10 @@ def test_unlimited_rule_allows_all() -> None:
 
 
 def test_spent_budget_denies_all_until_the_window_ends() -> None:
-    """Once the window's reports reach the limit, DENY_ALL lives until the window's end, not
-    past it: the next window's budget is then Envoy's again at its next report."""
+    """Once the window's reports reach the limit, DENY_ALL lives until the window's end and a
+    second more (the service replaces it as the window turns), not a whole TTL past it."""
     got, _ = allocate(Budget(100, MINUTE), "a", 5.0, [], 100, START + 58_000, TTL)
-    assert got == Assignment(Blanket.DENY_ALL, 2_000)
+    assert got == Assignment(Blanket.DENY_ALL, 2_000 + WINDOW_GRACE_MS, spent=True)
 
 
 def test_shadow_mode_allows_all_and_reports_what_it_would_enforce() -> None:

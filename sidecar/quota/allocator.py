@@ -29,7 +29,8 @@ ends (a token bucket never admits more over a span: it starts with at most `max_
 without one (a refresh). A new assignment is cut down until
 ``used + owed + its commitment + the other live Envoys' commitments <= limit``; when nothing
 fits, the Envoy gets `DENY_ALL`, and once the window's budget is spent every Envoy gets
-`DENY_ALL` until the window ends (then its next report, or a refresh, brings a token bucket).
+`DENY_ALL` until the window ends (and `WINDOW_GRACE_MS` more: the service refreshes it as the
+window turns, or its next report brings a token bucket).
 
 Overshoot bound (`tests/test_quota_allocator.py` checks it on random report sequences): counted
 by when Envoys admitted them, the requests a window admits are at most ``limit`` plus
@@ -59,6 +60,10 @@ MAX_FILL_INTERVAL = 60
 #: A token bucket holds about this many seconds of its rate (at least one token): what a
 #: freshly assigned bucket lets through at once. Small, since every assignment commits it.
 BURST_SECONDS = 1.0
+#: A spent budget's DENY_ALL lasts this long past the window's end: the service replaces it as
+#: the window turns, and one that lapsed a moment before would leave Envoy to its
+#: `expired_assignment_behavior` in between.
+WINDOW_GRACE_MS = 1_000
 #: A new target within this fraction of the Envoy's current rate keeps the current assignment:
 #: Envoy starts a new, full bucket whenever its assignment changes, and a full bucket is burst.
 STEADY = 0.1
@@ -96,6 +101,7 @@ class Assignment:
     For a token bucket: `tokens_per_fill` tokens every `fill_interval` seconds (a whole number:
     Envoy 1.40 reads only the seconds), at most `max_tokens` at once. `ttl_ms` is its
     `assignment_time_to_live`. `enforced` is the assignment shadow mode did not send (else None).
+    `spent`: a DENY_ALL because the window's budget is spent, until the window ends.
     """
 
     blanket: Blanket
@@ -104,6 +110,7 @@ class Assignment:
     fill_interval: int = 1
     max_tokens: int = 0
     enforced: Assignment | None = None
+    spent: bool = False
 
     @property
     def rate(self) -> float:
@@ -190,7 +197,7 @@ def allocate(
     left = budget.limit - used
     if left <= 0:
         # Spent: deny until the window ends, when the budget comes back.
-        chosen = Assignment(Blanket.DENY_ALL, max(1, min(ttl_ms, end - now_ms)))
+        chosen = Assignment(Blanket.DENY_ALL, end - now_ms + WINDOW_GRACE_MS, spent=True)
     else:
         room = _room(budget, left, owed, held, now_ms, ttl_ms)
         pace = _pace(left, held, now_ms, start, end)

@@ -614,6 +614,11 @@ class RedisClusterBackend:
             )
         return reply
 
+    @property
+    def client(self) -> PipelinedCluster:
+        """The pipelined client, for the quota service's own keys (`sidecar.quota.store`)."""
+        return self._client
+
     async def peers(self, name: bytes) -> int:
         """Register this sidecar as `name` and count the sidecars sharing the counters
         (`sidecar.storage.peers`); raises StorageError."""

@@ -558,6 +558,11 @@ class RedisBackend:
         failure = functools.partial(_failure, self.name, self._timeout_ms)
         return await peers.count_within(self._client.execute, name, self._timeout, failure)
 
+    @property
+    def client(self) -> PipelinedRedis:
+        """The pipelined client, for the quota service's own keys (`sidecar.quota.store`)."""
+        return self._client
+
     async def leave(self, name: bytes) -> None:
         """Take this sidecar's name out of the count at once (a clean stop)."""
         await peers.leave_within(self._client.execute, name, self._timeout)

@@ -1,0 +1,98 @@
+"""The RLQS protobuf edge: usage reports in, bucket actions out (`envoy.service.rate_limit_quota.v3`).
+
+A bucket id becomes a plain dict; an `Assignment` becomes a `QuotaAssignmentAction` (a blanket
+rule or a token bucket with its `assignment_time_to_live`). Nothing else in `sidecar.quota`
+touches protobuf.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from envoy.service.rate_limit_quota.v3.rlqs_pb2 import (  # type: ignore[import-untyped]
+    BucketId,
+    RateLimitQuotaResponse,
+)
+from envoy.type.v3.ratelimit_strategy_pb2 import RateLimitStrategy  # type: ignore[import-untyped]
+
+from sidecar.errors import InvalidRequest
+from sidecar.quota.allocator import Assignment, Blanket
+from sidecar.quota.buckets import MAX_ENTRIES
+
+#: Longest key or value of a bucket id entry.
+MAX_PART = 1_024
+
+#: `RateLimitQuotaResponse.BucketAction` (protobuf messages are untyped here: `Any`).
+BucketAction = RateLimitQuotaResponse.BucketAction
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """One bucket's line of a usage report: its id (sorted entries, hashable) and counts."""
+
+    bucket: tuple[tuple[str, str], ...]
+    allowed: int
+    denied: int
+
+
+def usages(message: Any) -> list[Usage]:
+    """The report's lines; raises InvalidRequest for a bucket id Envoy would not send (empty,
+    more than MAX_ENTRIES entries, a part longer than MAX_PART)."""
+    lines = []
+    for usage in message.bucket_quota_usages:
+        entries = usage.bucket_id.bucket
+        if not entries:
+            raise InvalidRequest("a bucket_quota_usages entry has an empty bucket_id")
+        if len(entries) > MAX_ENTRIES:
+            raise InvalidRequest(
+                f"a bucket_id has {len(entries)} entries; at most {MAX_ENTRIES} are accepted"
+            )
+        for key, value in entries.items():
+            if len(key) > MAX_PART or len(value) > MAX_PART:
+                raise InvalidRequest(f"a bucket_id entry is longer than {MAX_PART} characters")
+        lines.append(
+            Usage(
+                tuple(sorted(entries.items())),
+                usage.num_requests_allowed,
+                usage.num_requests_denied,
+            )
+        )
+    return lines
+
+
+def bucket_id(bucket: tuple[tuple[str, str], ...]) -> Any:
+    message = BucketId()
+    for key, value in bucket:
+        message.bucket[key] = value
+    return message
+
+
+def assignment_action(bucket: tuple[tuple[str, str], ...], assignment: Assignment) -> Any:
+    """The action that gives `bucket` its assignment."""
+    action = BucketAction(bucket_id=bucket_id(bucket))
+    quota = action.quota_assignment_action
+    quota.assignment_time_to_live.FromMilliseconds(assignment.ttl_ms)
+    strategy = quota.rate_limit_strategy
+    if assignment.blanket is Blanket.ALLOW_ALL:
+        strategy.blanket_rule = RateLimitStrategy.ALLOW_ALL
+    elif assignment.blanket is Blanket.DENY_ALL:
+        strategy.blanket_rule = RateLimitStrategy.DENY_ALL
+    else:
+        bucket_message = strategy.token_bucket
+        bucket_message.max_tokens = assignment.max_tokens
+        bucket_message.tokens_per_fill.value = assignment.tokens_per_fill
+        # Envoy 1.40 computes the rate from the whole seconds, but tells a new token bucket from
+        # the one it has by max_tokens, tokens_per_fill and the *nanos* alone: the nanos repeat
+        # the seconds, so a bucket whose interval changed is seen to change (a nanosecond per
+        # second is nothing to an Envoy that reads them).
+        bucket_message.fill_interval.seconds = assignment.fill_interval
+        bucket_message.fill_interval.nanos = assignment.fill_interval
+    return action
+
+
+def abandon_action(bucket: tuple[tuple[str, str], ...]) -> Any:
+    """The action that tells Envoy to forget `bucket` (its rule was removed)."""
+    action = BucketAction(bucket_id=bucket_id(bucket))
+    action.abandon_action.SetInParent()
+    return action
