@@ -28,6 +28,7 @@ and backend operations per request, against one per request for the RLS path.
 from __future__ import annotations
 
 import argparse
+import math
 import random
 import sys
 import time
@@ -38,7 +39,7 @@ from pathlib import Path
 if not __package__:  # run as `python bench/quota_sim.py`: make the `sidecar` package importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from sidecar.quota.allocator import Assignment, Blanket, Budget, Holder, allocate
+from sidecar.quota.allocator import Assignment, Blanket, Budget, Holder, allocate, counted
 
 #: Simulation step: demand changes and gateways report on these boundaries.
 STEP_MS = 100
@@ -57,6 +58,8 @@ class Gateway:
     allowed: float = 0.0
     denied: float = 0.0
     reported_ms: int = 0
+    #: The fraction of a request admitted but not reported yet (reports are whole requests).
+    carry: float = 0.0
     holder: Holder | None = None
     #: What it admitted and was asked for, by window start and by STEP_MS slice.
     windows: dict[int, float] = field(default_factory=dict)
@@ -112,14 +115,17 @@ class Server:
 
     budget: Budget
     ttl_ms: int
-    used: dict[int, float] = field(default_factory=dict)
+    used: dict[int, int] = field(default_factory=dict)
     holders: dict[str, Holder] = field(default_factory=dict)
     operations: int = 0
 
     def report(self, name: str, gateway: Gateway, now_ms: int) -> None:
         window = now_ms - now_ms % self.budget.window_ms
-        # Envoy reports whole requests; the fluid's fractions are rounded up.
-        self.used[window] = self.used.get(window, 0.0) + gateway.allowed
+        # Envoy reports whole requests: the fluid's fraction waits for the next report.
+        whole = math.floor(gateway.allowed + gateway.carry)
+        gateway.carry += gateway.allowed - whole
+        allowed = counted(self.holders.get(name), whole, window, now_ms)
+        self.used[window] = self.used.get(window, 0) + allowed
         elapsed = (now_ms - gateway.reported_ms) / 1000 if gateway.reported_ms else 0
         demand = (gateway.allowed + gateway.denied) / elapsed if elapsed else None
         gateway.allowed = gateway.denied = 0.0
@@ -130,7 +136,7 @@ class Server:
             name,
             demand,
             others,
-            int(-(-self.used[window] // 1)),
+            self.used[window],
             now_ms,
             self.ttl_ms,
             current=self.holders.get(name),

@@ -387,7 +387,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, _Flags]]:
         "--rlqs-assignment-ttl",
         "seconds a quota assignment lives (assignment_time_to_live); the service refreshes it "
         "before it ends when Envoy has not reported meanwhile",
-        default=10.0,
+        default=6.0,
         type=_at_least_a_second,
         metavar="SECONDS",
     )

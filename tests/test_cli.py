@@ -107,7 +107,7 @@ def test_flags_win_over_variables_and_defaults_fill_the_rest() -> None:
     assert (args.redis_timeout_ms, args.failure_mode, args.rejected_hits) == (50, "allow", "count")
     assert args.shadow_mode is False
     assert (args.log_format, args.log_level) == ("json", "info")
-    assert (args.rlqs_address, args.rlqs_assignment_ttl) == (None, 10.0)
+    assert (args.rlqs_address, args.rlqs_assignment_ttl) == (None, 6.0)
 
 
 @pytest.mark.parametrize(

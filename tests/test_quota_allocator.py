@@ -16,6 +16,7 @@ from sidecar.quota.allocator import (
     Budget,
     Holder,
     allocate,
+    counted,
     owed_until,
 )
 
@@ -46,28 +47,44 @@ def test_spent_budget_denies_all_until_the_window_ends() -> None:
 
 def test_shadow_mode_allows_all_and_reports_what_it_would_enforce() -> None:
     """In shadow mode Envoy gets ALLOW_ALL; the assignment that would have been enforced comes
-    with it (for metrics), and nothing is committed against the budget."""
-    got, stored = allocate(Budget(100, MINUTE, shadow_mode=True), "a", 5.0, [], 100, NOW, TTL)
+    with it (for metrics), and is the one stored, so later decisions are those that would have
+    been made."""
+    budget = Budget(600, MINUTE, shadow_mode=True)
+    got, stored = allocate(budget, "a", 30.0, [], 98, NOW, TTL)
     assert got.blanket is Blanket.ALLOW_ALL
-    assert got.enforced is not None and got.enforced.blanket is Blanket.DENY_ALL
-    assert stored.commitment(START, START + MINUTE) == 0
+    assert got.enforced is not None and got.enforced.rate == 10
+    assert stored.rate == 10
+    spent, _ = allocate(budget, "a", 30.0, [], 600, NOW, TTL)
+    assert spent.enforced is not None and spent.enforced.blanket is Blanket.DENY_ALL
+
+
+def test_a_report_spanning_the_window_start_counts_what_was_admissible_since() -> None:
+    """A report whose interval began in the previous window adds to this window's used no more
+    than the assignment let the Envoy admit since the start: its burst and 4/s for 3 s here.
+    A report within the window, or after the assignment expired, counts whole."""
+    current = Holder("a", 4.0, START - 2_000, START - 2_000, 4.0, 4, START + 8_000)
+    assert counted(current, 20, START, START + 3_000) == 16
+    assert counted(current, 10, START, START + 3_000) == 10
+    assert counted(current, 50, START - 60_000, START + 3_000) == 50
+    assert counted(current, 50, START, START + 9_000) == 50
 
 
 def test_a_lone_envoy_gets_the_budget_paced_over_the_window() -> None:
-    """One Envoy, 600 a minute, 100 used after 10 s: 500 left over 50 s is 10 per second."""
-    got, _ = allocate(Budget(600, MINUTE), "a", 30.0, [], 100, NOW, TTL)
+    """One Envoy, 600 a minute, 98 used after 10 s: 502 left, less the 2 tokens its bucket
+    starts with, over 50 s is 10 per second."""
+    got, _ = allocate(Budget(600, MINUTE), "a", 30.0, [], 98, NOW, TTL)
     assert got.blanket is Blanket.TOKEN_BUCKET
     assert got.rate == 10
-    assert (got.tokens_per_fill, got.fill_interval, got.max_tokens) == (10, 1, 10)
+    assert (got.tokens_per_fill, got.fill_interval, got.max_tokens) == (10, 1, 6)
 
 
 def test_shares_follow_demand() -> None:
     """Two Envoys asked for 10/s and 30/s share the pace 1:3, so both admit the same fraction of
     what they are asked."""
     budget = Budget(1_200, MINUTE)
-    first, _ = allocate(budget, "a", 10.0, [holder("b", 30.0)], 200, NOW, TTL)
-    second, _ = allocate(budget, "b", 30.0, [holder("a", 10.0)], 200, NOW, TTL)
-    # 1,000 left over 50 s: 20/s, of which a quarter and three quarters.
+    first, _ = allocate(budget, "a", 10.0, [holder("b", 30.0)], 198, NOW, TTL)
+    second, _ = allocate(budget, "b", 30.0, [holder("a", 10.0)], 198, NOW, TTL)
+    # 1,000 left (less a new bucket's 2 tokens) over 50 s: 20/s, a quarter and three quarters.
     assert first.rate == 5
     assert second.rate == 15
 
@@ -76,9 +93,9 @@ def test_an_idle_envoys_share_goes_to_the_busy_one() -> None:
     """An Envoy that reported no demand keeps a trickle (a token a minute, to see its next
     request), and the busy one gets the rest of the pace."""
     budget = Budget(1_200, MINUTE)
-    idle, _ = allocate(budget, "idle", 0.0, [holder("busy", 30.0)], 200, NOW, TTL)
-    busy, _ = allocate(budget, "busy", 30.0, [holder("idle", 0.0)], 200, NOW, TTL)
-    assert (idle.tokens_per_fill, idle.fill_interval, idle.max_tokens) == (1, MAX_FILL_INTERVAL, 1)
+    idle, _ = allocate(budget, "idle", 0.0, [holder("busy", 30.0)], 198, NOW, TTL)
+    busy, _ = allocate(budget, "busy", 30.0, [holder("idle", 0.0)], 198, NOW, TTL)
+    assert (idle.tokens_per_fill, idle.fill_interval, idle.max_tokens) == (1, MAX_FILL_INTERVAL, 2)
     assert busy.rate == 20
 
 
@@ -105,7 +122,7 @@ def test_nothing_left_after_commitments_denies() -> None:
     spent: it keeps its TTL and comes back at its next report)."""
     other = Holder("b", 100.0, NOW, NOW, 1.0, 5, NOW + 20_000)
     got, _ = allocate(Budget(100, MINUTE), "a", 100.0, [other], 75, NOW, TTL)
-    assert got == Assignment(Blanket.DENY_ALL, TTL)
+    assert got == Assignment(Blanket.DENY_ALL, TTL, constrained=True)
 
 
 def test_expired_holders_hold_only_what_they_may_have_admitted_unreported() -> None:
@@ -114,31 +131,35 @@ def test_expired_holders_hold_only_what_they_may_have_admitted_unreported() -> N
     share of the pace."""
     budget = Budget(600, MINUTE)
     gone = Holder("b", 100.0, NOW - 9_000, NOW - 4_000, 20.0, 20, NOW - 1_000)
-    got, _ = allocate(budget, "a", 30.0, [gone], 100, NOW, TTL)
-    # 500 left, 20 + 20/s * 3 s = 80 of it held; the pace: (500 - 60 probably admitted) / 50 s.
+    got, _ = allocate(budget, "a", 30.0, [gone], 98, NOW, TTL)
+    # 502 left, 20 + 20/s * 3 s = 80 of it held; the pace: (502 - 60 probably admitted - a new
+    # bucket's 2 tokens) / 50 s.
     assert got.rate == 8.8
     earlier = Holder("b", 100.0, START - 9_000, START - 9_000, 50.0, 50, START - 1)
-    got, _ = allocate(budget, "a", 30.0, [earlier], 100, NOW, TTL)
+    got, _ = allocate(budget, "a", 30.0, [earlier], 98, NOW, TTL)
     assert got.rate == 10
 
 
 def test_a_steady_target_keeps_the_assignment() -> None:
-    """A target within 10% of the current rate resends the same token bucket, so Envoy keeps its
-    bucket (a changed one would start full: a new burst)."""
+    """A current rate up to 10% above the target is sent again, so Envoy keeps its bucket (a
+    changed one would start full: a new burst); one below the target is not (kept, it would
+    leave budget unspent report after report)."""
     budget = Budget(600, MINUTE)
-    current = Holder("a", 30.0, NOW - 1_000, NOW - 1_000, 10.5, 10, NOW + 4_000)
-    got, _ = allocate(budget, "a", 30.0, [], 100, NOW, TTL, current=current)
-    assert got.rate == 10.5
-    assert got.max_tokens == 10
+    above = Holder("a", 30.0, NOW - 1_000, NOW - 1_000, 10.1, 9, NOW + 4_000)
+    got, _ = allocate(budget, "a", 30.0, [], 98, NOW, TTL, current=above)
+    assert (got.rate, got.max_tokens) == (10.1, 9)
+    below = Holder("a", 30.0, NOW - 1_000, NOW - 1_000, 9.9, 9, NOW + 4_000)
+    got, _ = allocate(budget, "a", 30.0, [], 98, NOW, TTL, current=below)
+    assert (got.rate, got.max_tokens) == (10, 6)
 
 
 def test_slow_rates_are_whole_tokens_over_whole_seconds() -> None:
-    """Envoy reads whole seconds of fill_interval: 0.3/s is sent as 17 tokens every 57 s, the
-    closest from below."""
-    got, _ = allocate(Budget(118, MINUTE), "a", 1.0, [], 100, NOW, TTL)
-    assert got.fill_interval == int(got.fill_interval) >= 1
-    assert got.rate <= 18 / 50
-    assert got.rate > 0.35
+    """Envoy reads whole seconds of fill_interval: a pace of 0.3/s is sent as 3 tokens every
+    10 s, and one of 0.32/s as 8 every 25 s."""
+    got, _ = allocate(Budget(117, MINUTE), "a", 1.0, [], 100, NOW, TTL)
+    assert (got.tokens_per_fill, got.fill_interval) == (3, 10)
+    got, _ = allocate(Budget(1_000, MINUTE), "a", 1.0, [], 982, NOW, TTL)
+    assert (got.tokens_per_fill, got.fill_interval) == (8, 25)
 
 
 def test_a_refresh_counts_what_the_envoy_may_have_admitted_since_its_report() -> None:
@@ -184,7 +205,7 @@ def test_no_window_admits_more_than_its_limit(
     assignment and get each assignment at once (the bound's other terms are then zero)."""
     budget = Budget(limit, window_ms)
     fleet = [Gateway(0.0) for _ in range(envoys)]
-    used: dict[int, float] = {}
+    used: dict[int, int] = {}
     now = START + offset
     for which, step, report, demand in script:
         envoy = fleet[which % envoys]
@@ -197,7 +218,8 @@ def test_no_window_admits_more_than_its_limit(
         others = [e.holder for e in fleet if e.holder is not None and e is not envoy]
         if report:
             # Whole requests, as Envoy reports them (the fluid's fractions rounded up).
-            used[window] = used.get(window, 0) + envoy.allowed
+            allowed = counted(envoy.holder, math.ceil(envoy.allowed), window, now)
+            used[window] = used.get(window, 0) + allowed
             elapsed = (now - envoy.reported_ms) / 1000 if envoy.reported_ms else 0
             asked = (envoy.allowed + envoy.denied) / elapsed if elapsed else None
             envoy.allowed = envoy.denied = 0.0
@@ -207,7 +229,7 @@ def test_no_window_admits_more_than_its_limit(
                 name,
                 asked,
                 others,
-                math.ceil(used[window]),
+                used[window],
                 now,
                 ttl_ms,
                 current=envoy.holder,
@@ -219,7 +241,7 @@ def test_no_window_admits_more_than_its_limit(
                 name,
                 None,
                 others,
-                math.ceil(used.get(window, 0)),
+                used.get(window, 0),
                 now,
                 ttl_ms,
                 owed=owed,

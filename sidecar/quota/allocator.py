@@ -13,14 +13,18 @@ at once) whose rate is its share of the budget's pace:
 - Pace: what the whole fleet may admit per second from now on to spend what is left of the
   window's budget evenly until the window ends (`left / seconds_left`, `left` net of what the
   other Envoys have admitted but not reported yet). A fleet that was idle early in the window
-  may use the rest faster later, as a fixed window would admit it.
+  may use the rest faster later, as a fixed window would admit it. An assignment that will
+  still run after the window ends (the Envoy's next report is due later, one interval like its
+  last one from now) has for that part at most the nominal pace (`limit / window`), weighted by
+  time: what a window left unspent does not eat into the next.
 - Share: the Envoy's demand over the fleet's demand, so every Envoy admits the same fraction of
   what it is asked for (Jain's index of admitted/demanded is 1 in steady state). An Envoy that
   went idle reports a demand of 0 and gives its share to the busy ones at its next report; a
   new Envoy, whose demand is not known yet, gets the average share at once.
 - The rate is rounded down to what Envoy's token bucket can express (a whole number of tokens
-  every whole number of seconds, see `TokenBucket`), and every live Envoy keeps at least one
-  token (so an idle one can admit its next request and report its demand) while the budget lasts.
+  every whole number of seconds), and every live Envoy keeps at least a token a minute and a
+  bucket of two (so an idle one can admit its next request and report its demand) while the
+  budget lasts.
 
 The budget is never promised twice. Each Envoy's assignment commits, in this window, at most
 ``max_tokens + rate * seconds`` from when it was assigned to when it expires or the window
@@ -39,8 +43,9 @@ by when Envoys admitted them, the requests a window admits are at most ``limit``
   small; a new bucket's first request is one of these);
 - what an Envoy admits under its old assignment between a new one being sent and received (its
   old rate times the network latency).
-Usage is counted in the window in which it is reported: a report that spans a window boundary
-is counted whole in the later window, which is then stricter, never looser. A window in which
+Usage is counted in the window in which it is reported, but a report that spans a window's
+start counts in it no more than the Envoy's assignment let it admit since that start
+(`counted`): never less than it admitted there, so never looser. A window in which
 the demand is below the limit admits all of it.
 
 Unlimited rules get `ALLOW_ALL`. In shadow mode the assignment is `ALLOW_ALL` and the one that
@@ -52,20 +57,27 @@ from __future__ import annotations
 import enum
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 #: The longest `fill_interval` used for slow rates: one token a minute at least while the budget
 #: allows, so that a live Envoy can always admit a request and report its demand.
 MAX_FILL_INTERVAL = 60
-#: A token bucket holds about this many seconds of its rate (at least one token): what a
-#: freshly assigned bucket lets through at once. Small, since every assignment commits it.
+#: A token bucket holds about this many seconds of its rate (at least one token), and at most
+#: `BURST_SHARE` of the window: what a freshly assigned bucket lets through at once. Small,
+#: since every assignment commits it.
 BURST_SECONDS = 1.0
+BURST_SHARE = 0.01
+#: The least `max_tokens`: a bucket that holds one token wastes what fills while it is full
+#: and the next request is on its way (under steady demand above the rate, about a sixth of
+#: the rate, measured through Envoy); with room for two the fill carries over.
+MIN_BURST = 2
 #: A spent budget's DENY_ALL lasts this long past the window's end: the service replaces it as
 #: the window turns, and one that lapsed a moment before would leave Envoy to its
 #: `expired_assignment_behavior` in between.
 WINDOW_GRACE_MS = 1_000
-#: A new target within this fraction of the Envoy's current rate keeps the current assignment:
-#: Envoy starts a new, full bucket whenever its assignment changes, and a full bucket is burst.
+#: A current rate at most this fraction above the new target is kept: Envoy starts a new, full
+#: bucket whenever its assignment changes, and a full bucket is burst. (Never a rate below the
+#: target: kept, it would leave budget unspent report after report.)
 STEADY = 0.1
 
 
@@ -102,6 +114,8 @@ class Assignment:
     Envoy 1.40 reads only the seconds), at most `max_tokens` at once. `ttl_ms` is its
     `assignment_time_to_live`. `enforced` is the assignment shadow mode did not send (else None).
     `spent`: a DENY_ALL because the window's budget is spent, until the window ends.
+    `constrained`: less than the Envoy's share, for the other Envoys' assignments left no more
+    room; deciding again once they have reported (and released it) gives it its share.
     """
 
     blanket: Blanket
@@ -111,6 +125,7 @@ class Assignment:
     max_tokens: int = 0
     enforced: Assignment | None = None
     spent: bool = False
+    constrained: bool = False
 
     @property
     def rate(self) -> float:
@@ -189,6 +204,10 @@ def allocate(
     held = [h for h in others if h.envoy != envoy]
     live = [h for h in held if h.live(now_ms)]
     reported_ms = now_ms if demand is not None or current is None else current.reported_ms
+    # Until its next report, due an interval like its last one from now (a refresh: its TTL).
+    interval = ttl_ms
+    if demand is not None and current is not None and current.reported_ms < now_ms:
+        interval = min(ttl_ms, now_ms - current.reported_ms)
     if demand is None and current is not None:
         demand = current.demand
     if budget.limit is None:
@@ -200,14 +219,17 @@ def allocate(
         chosen = Assignment(Blanket.DENY_ALL, end - now_ms + WINDOW_GRACE_MS, spent=True)
     else:
         room = _room(budget, left, owed, held, now_ms, ttl_ms)
-        pace = _pace(left, held, now_ms, start, end)
-        if now_ms + ttl_ms > end:
-            # It runs on into the next window: at no more than the nominal pace, so that a
-            # window the fleet left unspent does not eat into the next one.
-            pace = min(pace, budget.limit * 1000 / budget.window_ms)
+        pace = _pace(left, held, owed, now_ms, start, end)
+        if now_ms + interval > end:
+            # It runs on into the next window until the next report: there at no more than the
+            # nominal pace (a window the fleet left unspent must not eat into the next one).
+            nominal = budget.limit * 1000 / budget.window_ms
+            here, there = end - now_ms, now_ms + interval - end
+            pace = (pace * here + min(pace, nominal) * there) / (here + there)
         target = _share(demand, live) * pace
         kept = _kept(current, target, room, now_ms, ttl_ms)
-        chosen = kept if kept is not None else _token_bucket(target, room, ttl_ms)
+        burst_seconds = min(BURST_SECONDS, BURST_SHARE * budget.window_ms / 1000)
+        chosen = kept if kept is not None else _token_bucket(target, room, ttl_ms, burst_seconds)
     holder = Holder(
         envoy,
         demand,
@@ -219,10 +241,26 @@ def allocate(
         owed,
     )
     if budget.shadow_mode:
-        return Assignment(Blanket.ALLOW_ALL, ttl_ms, enforced=chosen), replace(
-            holder, rate=0.0, burst=0, owed=0.0, expires_ms=now_ms + ttl_ms
-        )
+        # The holder is the enforced assignment's: the next decisions are the ones that would
+        # have been made, and `counted` is told to count every report whole.
+        return Assignment(Blanket.ALLOW_ALL, ttl_ms, enforced=chosen), holder
     return chosen, holder
+
+
+def counted(current: Holder | None, allowed: int, start_ms: int, now_ms: int) -> int:
+    """How many of a report's `allowed` requests to add to the `used` of the window that began
+    at `start_ms`: all of them, except that a report spanning the window's start counts no more
+    than the Envoy's live assignment let it admit since the start (its burst, its rate since
+    the start or its assignment, and what it owed if that came after the start). Counting the
+    whole report in the later window would be safe too, but Envoy 1.40 reports every 5 s: the
+    later window would pay for up to 5 s of the earlier one's requests."""
+    if current is None or current.reported_ms >= start_ms or current.expires_ms < now_ms:
+        return allowed
+    since = max(start_ms, current.assigned_ms)
+    most = current.burst + current.rate * max(0, now_ms - since) / 1000
+    if current.assigned_ms > start_ms:
+        most += current.owed
+    return min(allowed, math.ceil(most))
 
 
 def owed_until(current: Holder, now_ms: int) -> float:
@@ -235,10 +273,13 @@ def owed_until(current: Holder, now_ms: int) -> float:
     return current.owed + current.burst + current.rate * seconds
 
 
-def _pace(left: int, held: list[Holder], now_ms: int, start: int, end: int) -> float:
-    """What the fleet may admit per second to spend `left` evenly by the window's end."""
-    unreported = sum(h.unreported(now_ms, start) for h in held)
-    return max(0.0, left - unreported) / max(0.001, (end - now_ms) / 1000)
+def _pace(left: int, held: list[Holder], owed: float, now_ms: int, start: int, end: int) -> float:
+    """What the fleet may admit per second to spend `left` evenly by the window's end: net of
+    what the Envoys probably admitted unreported, and of the bursts their buckets (and this
+    Envoy's next one) commit, so that every Envoy's share of it fits in the room left."""
+    unreported = owed + sum(h.unreported(now_ms, start) for h in held)
+    bursts = MIN_BURST + sum(h.burst for h in held if h.expires_ms > now_ms)
+    return max(0.0, left - unreported - bursts) / max(0.001, (end - now_ms) / 1000)
 
 
 def _share(demand: float | None, live: list[Holder]) -> float:
@@ -283,11 +324,11 @@ def _fits(burst: int, rate: float, room: Room) -> bool:
 def _kept(
     current: Holder | None, target: float, room: Room, now_ms: int, ttl_ms: int
 ) -> Assignment | None:
-    """The current token bucket again, when the target moved less than `STEADY` and it still
+    """The current token bucket again, when it is at most `STEADY` above the target and still
     fits: Envoy keeps a bucket whose assignment is unchanged (no new burst)."""
     if current is None or current.rate <= 0 or not current.live(now_ms):
         return None
-    if abs(target - current.rate) > STEADY * current.rate:
+    if not target <= current.rate <= target * (1 + STEADY):
         return None
     tokens, interval = _fraction(current.rate)
     if tokens / interval != current.rate or not _fits(current.burst, current.rate, room):
@@ -295,21 +336,27 @@ def _kept(
     return Assignment(Blanket.TOKEN_BUCKET, ttl_ms, tokens, interval, current.burst)
 
 
-def _token_bucket(target: float, room: Room, ttl_ms: int) -> Assignment:
+def _token_bucket(target: float, room: Room, ttl_ms: int, burst_seconds: float) -> Assignment:
     """The largest token bucket at most `target` whose commitment fits in every window's room,
     with at least one token a minute; DENY_ALL when not even that fits."""
-    # Fit burst + rate * seconds <= free in each window, burst = max(1, rate * BURST_SECONDS).
-    rate = max(target, 1 / MAX_FILL_INTERVAL)
+    # Fit burst + rate * seconds <= free in each window, burst = max(MIN_BURST, rate * burst_seconds).
+    wanted = max(target, 1 / MAX_FILL_INTERVAL)
+    rate = wanted
     for free, seconds in room:
-        rate = min(rate, (free - 1) / seconds)
+        rate = min(rate, (free - MIN_BURST) / seconds)
+    # Cut below the target by the others' commitments: worth deciding again once they report.
+    constrained = rate < wanted * (1 - STEADY)
     while rate >= 1 / MAX_FILL_INTERVAL:
         tokens, interval = _fraction(rate)
-        burst = max(1, math.floor(tokens / interval * BURST_SECONDS))
+        burst = max(MIN_BURST, math.floor(tokens / interval * burst_seconds))
         if _fits(burst, tokens / interval, room):
-            return Assignment(Blanket.TOKEN_BUCKET, ttl_ms, tokens, interval, burst)
+            return Assignment(
+                Blanket.TOKEN_BUCKET, ttl_ms, tokens, interval, burst, constrained=constrained
+            )
+        constrained = True
         rate = min((free - burst) / seconds for free, seconds in room)
         rate = min(rate, tokens / interval * (1 - 1e-9))
-    return Assignment(Blanket.DENY_ALL, ttl_ms)
+    return Assignment(Blanket.DENY_ALL, ttl_ms, constrained=True)
 
 
 def _fraction(rate: float) -> tuple[int, int]:

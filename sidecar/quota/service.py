@@ -9,7 +9,8 @@ again and allocated again, at most `ATTEMPTS` times, when another sidecar wrote 
 Every report is answered with one action per bucket it lists.
 
 Between reports the stream pushes what Envoy would otherwise miss: a refresh `REFRESH_MARGIN_MS`
-before an assignment expires (counting what the Envoy may have admitted since its report), the
+before an assignment expires (counting what the Envoy may have admitted since its report), a
+second decision `RETRY_MS` after a constrained one (once per report), the
 next window's assignment as a spent window's DENY_ALL ends, and an `abandon_action` for a bucket
 whose rule was removed. A bucket no rule limits gets ALLOW_ALL (as ShouldRateLimit answers OK),
 refreshed likewise without touching the store.
@@ -51,19 +52,26 @@ from sidecar.quota.allocator import (
     Blanket,
     Holder,
     allocate,
+    counted,
     owed_until,
 )
 from sidecar.quota.buckets import Bucket, resolve
 from sidecar.quota.store import QuotaStore
 
 SERVICE_NAME = "envoy.service.rate_limit_quota.v3.RateLimitQuotaService"
-#: An assignment's `assignment_time_to_live` unless `--rlqs-assignment-ttl` says otherwise.
-DEFAULT_TTL_MS = 10_000
+#: An assignment's `assignment_time_to_live` unless `--rlqs-assignment-ttl` says otherwise:
+#: Envoy 1.40 reports every 5 s (whatever `reporting_interval` says), so a report's interval and
+#: a second. Longer TTLs commit more of the budget ahead and leave less to share.
+DEFAULT_TTL_MS = 6_000
 #: Deadline of one store call: a decision is not on a request's path (Envoy enforces its last
 #: assignment meanwhile), so it may wait longer than a ShouldRateLimit call.
 STORE_TIMEOUT_MS = 1_000
 #: A refresh goes this long before an assignment expires (at most a quarter of the TTL).
-REFRESH_MARGIN_MS = 1_000
+REFRESH_MARGIN_MS = 500
+#: A constrained assignment (see `Assignment.constrained`) is decided again this soon, once
+#: per report: Envoys that report together are decided one after the other, and the first
+#: ones see the others' assignments still holding budget they are about to give back.
+RETRY_MS = 250
 #: Buckets one stream may hold.
 MAX_BUCKETS = 10_000
 #: Reads and writes of the store per decision when other sidecars keep writing in between.
@@ -105,6 +113,8 @@ class _Held:
     holder: Holder | None = None
     reported_ms: int | None = None
     refresh_ms: int | None = None
+    #: Whether a constrained assignment was decided again since the last report.
+    retried: bool = False
 
 
 class QuotaService:
@@ -175,6 +185,8 @@ class QuotaService:
             assignment, held.holder = allocate(budget, envoy, demand, [], 0, now_ms, self.ttl_ms)
             return assignment
         start, _ = budget.window(now_ms)
+        if not budget.shadow_mode:  # shadow: Envoy admitted under ALLOW_ALL, count it all
+            allowed = counted(held.holder, allowed, start, now_ms)
         owed = 0.0 if demand is not None or held.holder is None else owed_until(held.holder, now_ms)
         try:
             for _ in range(ATTEMPTS):
@@ -262,6 +274,7 @@ class _Session:
                 if held.reported_ms is not None and now > held.reported_ms:
                     demand = (line.allowed + line.denied) * 1000 / (now - held.reported_ms)
                 held.reported_ms = now
+                held.retried = False
                 action = await self._action(line.bucket, held, line.allowed, demand, now)
                 if action is not None:
                     actions.append(action)
@@ -322,7 +335,20 @@ class _Session:
             held.refresh_ms = now_ms + TICK_MS
             return None
         service.stats.count(assignment)
+        log.debug(
+            "rlqs_assignment",
+            envoy=self.envoy,
+            bucket=dict(bucket_id),
+            strategy=assignment.blanket.value,
+            rate=assignment.rate,
+            max_tokens=assignment.max_tokens,
+            ttl_ms=assignment.ttl_ms,
+            report=demand is not None or allowed > 0,
+        )
         held.refresh_ms = _refresh_at(assignment, now_ms)
+        if assignment.constrained and not held.retried:
+            held.retried = True
+            held.refresh_ms = min(held.refresh_ms, now_ms + RETRY_MS)
         return convert.assignment_action(bucket_id, assignment)
 
     async def _send(self, actions: list[Any]) -> None:

@@ -1,0 +1,281 @@
+"""The quota service end to end: real Envoys with the `rate_limit_quota` filter enforce the
+assignments the sidecar's RLQS server (on Redis) gives them.
+
+Every Envoy puts every request in one bucket, `{tenant: acme}`, whose rule allows 600 requests
+per 10-second window; clients send uneven load (1:2:3 over the Envoys) at three times that.
+Envoy denies a bucket that has no assignment yet, or an expired one (DENY_ALL fallbacks), so
+the allocator's overshoot bound leaves only the network latency: each window admits at most the
+limit, and (the load being three times it) about the limit, each Envoy about its demand's share.
+Clients keep a connection each and send on a schedule; a request is counted in the window in
+which its answer came back.
+"""
+
+from __future__ import annotations
+
+import http.client
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+from envoys import HOST, Envoy, ProcessError, Sidecar, free_port
+from servers import RedisServer
+
+LIMIT = 600
+#: Seconds. Envoy 1.40 reports every 5 s, whatever `reporting_interval` says: a window holds two.
+WINDOW = 10.0
+#: Requests per second over the limit's pace (LIMIT / WINDOW).
+LOAD = 3.0
+REPORTING_INTERVAL = 5
+#: The sidecar's assignment TTL, seconds: a report's interval and a second.
+TTL = 6
+
+RULES = f"""\
+domain: quota
+descriptors:
+  - key: tenant
+    value: acme
+    rate_limit:
+      unit: second
+      unit_multiplier: {int(WINDOW)}
+      requests_per_unit: {LIMIT}
+"""
+
+ENVOY = """\
+admin:
+  address: {{socket_address: {{address: 127.0.0.1, port_value: {admin}}}}}
+static_resources:
+  listeners:
+  - name: gateway
+    address: {{socket_address: {{address: 127.0.0.1, port_value: {port}}}}}
+    filter_chains:
+    - filters:
+      - name: envoy.filters.network.http_connection_manager
+        typed_config:
+          "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
+          stat_prefix: gateway
+          route_config:
+            virtual_hosts:
+            - name: all
+              domains: ["*"]
+              routes:
+              - match: {{prefix: /}}
+                direct_response: {{status: 200, body: {{inline_string: ok}}}}
+          http_filters:
+          - name: envoy.filters.http.rate_limit_quota
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.rate_limit_quota.v3.RateLimitQuotaFilterConfig
+              rlqs_server:
+                envoy_grpc: {{cluster_name: rlqs}}
+              domain: quota
+              bucket_matchers:
+                matcher_list:
+                  matchers:
+                  - predicate:
+                      single_predicate:
+                        input:
+                          name: path
+                          typed_config:
+                            "@type": type.googleapis.com/envoy.type.matcher.v3.HttpRequestHeaderMatchInput
+                            header_name: ":path"
+                        value_match: {{prefix: /}}
+                    on_match:
+                      action:
+                        name: acme
+                        typed_config:
+                          "@type": type.googleapis.com/envoy.extensions.filters.http.rate_limit_quota.v3.RateLimitQuotaBucketSettings
+                          bucket_id_builder:
+                            bucket_id_builder:
+                              tenant: {{string_value: acme}}
+                          reporting_interval: {reporting}s
+                          no_assignment_behavior:
+                            fallback_rate_limit: {{blanket_rule: DENY_ALL}}
+                          expired_assignment_behavior:
+                            fallback_rate_limit: {{blanket_rule: DENY_ALL}}
+          - name: envoy.filters.http.router
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
+  clusters:
+  - name: rlqs
+    type: STATIC
+    connect_timeout: 1s
+    typed_extension_protocol_options:
+      envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
+        "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
+        explicit_http_config: {{http2_protocol_options: {{}}}}
+    load_assignment:
+      cluster_name: rlqs
+      endpoints:
+      - lb_endpoints:
+        - endpoint: {{address: {{socket_address: {{address: 127.0.0.1, port_value: {rlqs}}}}}}}
+"""
+
+
+@dataclass
+class Fleet:
+    sidecar: Sidecar
+    workdir: Path
+    envoy_binary: str
+    rlqs_port: int
+    envoys: list[tuple[Envoy, int]] = field(default_factory=list)
+
+    def envoy(self) -> int:
+        """Start one more Envoy; returns its listener port."""
+        port, admin = free_port(), free_port()
+        index = len(self.envoys)
+        config = self.workdir / f"envoy-{index}.yaml"
+        config.write_text(
+            ENVOY.format(
+                admin=admin,
+                port=port,
+                rlqs=self.rlqs_port,
+                reporting=REPORTING_INTERVAL,
+            )
+        )
+        envoy = Envoy(self.envoy_binary, config, admin, self.workdir / f"envoy-{index}.log")
+        envoy.start()
+        self.envoys.append((envoy, port))
+        return port
+
+
+@pytest.fixture
+def fleet(envoy_binary: str, redis_server: RedisServer, tmp_path: Path) -> Iterator[Fleet]:
+    """Redis (emptied) and the sidecar serving RLQS on it; Envoys (answering 200 themselves,
+    with no upstream) are started by the test (`Fleet.envoy`) and all stopped at its end."""
+    redis_server.start()
+    with redis_server.client() as client:
+        client.flushall()
+    rules = tmp_path / "rules.yaml"
+    rules.write_text(RULES)
+    for attempt in range(3):
+        rlqs_port = free_port()
+        sidecar = Sidecar(
+            ["--config", str(rules), "--backend", redis_server.url,
+             "--rlqs-address", f"{HOST}:{rlqs_port}", "--rlqs-assignment-ttl", str(TTL)],
+            free_port(), free_port(), tmp_path / "sidecar.log", log_level="debug",
+        )  # fmt: skip
+        try:
+            sidecar.start()
+            break
+        except ProcessError:
+            if attempt == 2:
+                raise
+    running = Fleet(sidecar, tmp_path, envoy_binary, rlqs_port)
+    try:
+        yield running
+    finally:
+        for envoy, _ in running.envoys:
+            envoy.stop()
+        sidecar.stop()
+
+
+@dataclass
+class Client:
+    """Sends GETs to one Envoy at `rate` per second on one connection, recording (when the
+    answer came, status)."""
+
+    port: int
+    rate: float
+    answers: list[tuple[float, int]] = field(default_factory=list)
+
+    def run(self, until: float) -> None:
+        connection = http.client.HTTPConnection(HOST, self.port, timeout=10)
+        started = time.monotonic()
+        clock_offset = time.time() - started
+        sent = 0
+        try:
+            while (now := time.monotonic()) < until:
+                due = started + sent / self.rate
+                if due > now:
+                    time.sleep(due - now)
+                connection.request("GET", "/orders")
+                response = connection.getresponse()
+                response.read()
+                self.answers.append((time.monotonic() + clock_offset, response.status))
+                sent += 1
+        finally:
+            connection.close()
+
+
+def drive(ports: Sequence[int], weights: Sequence[int], seconds: float) -> list[Client]:
+    """Load every Envoy at its weight's share of LOAD × the limit's pace, for `seconds`."""
+    total = LOAD * LIMIT / WINDOW
+    clients = [
+        Client(port, total * weight / sum(weights))
+        for port, weight in zip(ports, weights, strict=True)
+    ]
+    until = time.monotonic() + seconds
+    threads = [threading.Thread(target=c.run, args=(until,)) for c in clients]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return clients
+
+
+def until_windows(whole: int) -> float:
+    """Seconds from now to the end of the `whole`-th window after the current one."""
+    return WINDOW - time.time() % WINDOW + whole * WINDOW + 0.5
+
+
+def windows(clients: Sequence[Client]) -> dict[int, list[tuple[int, int]]]:
+    """Per whole window of the run (the first, where Envoys get their first assignment, and the
+    last, cut short, left out): per client, (admitted, asked)."""
+    starts = sorted({int(at // WINDOW) for c in clients for at, _ in c.answers})
+    counted: dict[int, list[tuple[int, int]]] = {}
+    for window in starts[1:-1]:
+        row = []
+        for client in clients:
+            statuses = [s for at, s in client.answers if int(at // WINDOW) == window]
+            row.append((statuses.count(200), len(statuses)))
+        counted[window] = row
+    return counted
+
+
+def report(counted: dict[int, list[tuple[int, int]]]) -> str:
+    return "\n".join(
+        f"window {w}: admitted {[a for a, _ in row]} of {[n for _, n in row]} "
+        f"(total {sum(a for a, _ in row)})"
+        for w, row in counted.items()
+    )
+
+
+def check(counted: dict[int, list[tuple[int, int]]]) -> None:
+    """Each window admits the limit, ±5% (its load at least one and a half times the limit)."""
+    assert counted, "no whole window measured"
+    for window, row in counted.items():
+        asked = sum(n for _, n in row)
+        admitted = sum(a for a, _ in row)
+        assert asked >= 1.5 * LIMIT, f"window {window}: only {asked} sent\n{report(counted)}"
+        assert abs(admitted - LIMIT) <= 0.05 * LIMIT, f"window {window}\n{report(counted)}"
+
+
+def test_one_envoy_admits_the_limit_per_window(fleet: Fleet) -> None:
+    """One Envoy at three times the limit admits the limit in every window, ±5%."""
+    port = fleet.envoy()
+    counted = windows(drive([port], [1], until_windows(1)))
+    print(report(counted))
+    check(counted)
+
+
+def test_three_envoys_share_the_limit_by_demand(fleet: Fleet) -> None:
+    """Three Envoys loaded 1:2:3 at three times the limit: once their demand is known, every
+    window admits the limit, ±5%, and each Envoy's share of what was admitted is its share of
+    the demand, ±0.05."""
+    ports = [fleet.envoy() for _ in range(3)]
+    weights = [1, 2, 3]
+    counted = windows(drive(ports, weights, until_windows(3)))
+    print(report(counted))
+    # The first whole window may still be learning the demand (from each Envoy's second
+    # report, 5 s after its first): measured from the next one.
+    later_windows = dict(list(counted.items())[1:])
+    check(later_windows)
+    later = list(later_windows.values())
+    admitted = [sum(row[i][0] for row in later) for i in range(3)]
+    asked = [sum(row[i][1] for row in later) for i in range(3)]
+    for i in range(3):
+        share = admitted[i] / sum(admitted)
+        demanded = asked[i] / sum(asked)
+        assert abs(share - demanded) <= 0.05, (i, admitted, asked, report(counted))
