@@ -4,11 +4,12 @@ Each gateway is Envoy's `rate_limit_quota` filter as a fluid: requests arrive at
 (requests per second), its current assignment admits them (a token bucket starts full when the
 assignment changes, keeps its tokens when it is sent again unchanged; no assignment or an
 expired one denies, as `no_assignment_behavior: DENY_ALL` would), and every reporting interval
-(each gateway at its own phase) it reports what it allowed and denied. The server side is the
-sidecar's: the reports go into the window's `used`, `sidecar.quota.allocator.allocate` decides
-the reporting gateway's next assignment from every gateway's `Holder`, and each report costs the
-backend two operations (one script adds the usage and reads the holders, one writes the
-gateway's holder), as `sidecar.quota.store` does on Redis.
+(each gateway at its own phase; 5 s by default, as Envoy 1.40 does) it reports what it allowed
+and denied. The server side is the sidecar's: the reports go into the window's `used`,
+`sidecar.quota.allocator.allocate` decides the reporting gateway's next assignment from every
+gateway's `Holder`, and each report costs the backend two operations (one script adds the usage
+and reads the holders, one writes the gateway's holder), as `sidecar.quota.store` does on Redis;
+an assignment cut below its share is decided again `RETRY_MS` later, as the service does.
 
 Scenarios (every one at about three times the limit):
 - skewed: demand Zipf-like over the gateways (the busiest asks ~60× the median), steady;
@@ -22,7 +23,7 @@ converge after the shift (until Jain's index over one-second slices is back at 0
 and backend operations per request, against one per request for the RLS path.
 
     .venv/bin/python -m bench.quota_sim [--gateways 300] [--seconds 240] [--limit 60000]
-                                        [--window 60] [--report-interval 1] [--ttl 5]
+                                        [--window 60] [--report-interval 5] [--ttl 6]
 """
 
 from __future__ import annotations
@@ -39,7 +40,16 @@ from pathlib import Path
 if not __package__:  # run as `python bench/quota_sim.py`: make the `sidecar` package importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from sidecar.quota.allocator import Assignment, Blanket, Budget, Holder, allocate, counted
+from sidecar.quota.allocator import (
+    Assignment,
+    Blanket,
+    Budget,
+    Holder,
+    allocate,
+    counted,
+    owed_until,
+)
+from sidecar.quota.service import RETRY_MS
 
 #: Simulation step: demand changes and gateways report on these boundaries.
 STEP_MS = 100
@@ -118,6 +128,8 @@ class Server:
     used: dict[int, int] = field(default_factory=dict)
     holders: dict[str, Holder] = field(default_factory=dict)
     operations: int = 0
+    #: Constrained assignments to decide again, by gateway: when (as the service does).
+    retries: dict[str, int] = field(default_factory=dict)
 
     def report(self, name: str, gateway: Gateway, now_ms: int) -> None:
         window = now_ms - now_ms % self.budget.window_ms
@@ -144,6 +156,31 @@ class Server:
         self.holders[name] = holder
         self.operations += OPS_PER_REPORT
         gateway.receive(assignment, now_ms)
+        if assignment.constrained:
+            self.retries[name] = now_ms + RETRY_MS
+
+    def retry(self, now_ms: int, fleet: Sequence[Gateway]) -> None:
+        """Decide again the constrained assignments due by `now_ms` (without a report)."""
+        for name, due in list(self.retries.items()):
+            if due > now_ms:
+                continue
+            del self.retries[name]
+            current = self.holders[name]
+            window = now_ms - now_ms % self.budget.window_ms
+            others = [h for n, h in self.holders.items() if n != name]
+            assignment, self.holders[name] = allocate(
+                self.budget,
+                name,
+                None,
+                others,
+                self.used.get(window, 0),
+                now_ms,
+                self.ttl_ms,
+                owed=owed_until(current, now_ms),
+                current=current,
+            )
+            self.operations += OPS_PER_REPORT
+            fleet[int(name)].receive(assignment, now_ms)
 
 
 Demand = Callable[[int, int, random.Random], float]
@@ -210,6 +247,7 @@ def simulate(
             ]
             if due and (gateway.reported_ms or gateway.demand > 0):
                 server.report(str(index), gateway, now)
+        server.retry(now, fleet)
         before = [(g.allowed, g.denied) for g in fleet]
         for gateway in fleet:
             gateway.run(now, now + STEP_MS, budget.window_ms)
@@ -296,8 +334,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seconds", type=int, default=240)
     parser.add_argument("--limit", type=int, default=60_000, help="requests per window")
     parser.add_argument("--window", type=int, default=60, help="window, seconds")
-    parser.add_argument("--report-interval", type=float, default=1.0, help="seconds")
-    parser.add_argument("--ttl", type=float, default=5.0, help="assignment_time_to_live, seconds")
+    parser.add_argument(
+        "--report-interval",
+        type=float,
+        default=5.0,
+        help="seconds (Envoy 1.40's, whatever its config says)",
+    )
+    parser.add_argument("--ttl", type=float, default=6.0, help="assignment_time_to_live, seconds")
     parser.add_argument("--load", type=float, default=3.0, help="demand over the limit's pace")
     parser.add_argument("--only", default="", help="comma-separated scenario names")
     parser.add_argument("--seed", type=int, default=1)
