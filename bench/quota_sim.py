@@ -47,7 +47,7 @@ from sidecar.quota.allocator import (
     Holder,
     allocate,
     counted,
-    owed_until,
+    owed_since,
 )
 from sidecar.quota.service import RETRY_MS
 
@@ -176,7 +176,7 @@ class Server:
                 self.used.get(window, 0),
                 now_ms,
                 self.ttl_ms,
-                owed=owed_until(current, now_ms),
+                owed=owed_since(current, window, now_ms),
                 current=current,
             )
             self.operations += OPS_PER_REPORT

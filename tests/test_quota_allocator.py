@@ -17,7 +17,7 @@ from sidecar.quota.allocator import (
     Holder,
     allocate,
     counted,
-    owed_until,
+    owed_since,
 )
 
 MINUTE = 60_000
@@ -163,9 +163,13 @@ def test_slow_rates_are_whole_tokens_over_whole_seconds() -> None:
 
 
 def test_a_refresh_counts_what_the_envoy_may_have_admitted_since_its_report() -> None:
-    """A refresh without a report owes the old assignment's burst and rate since it was made."""
+    """A refresh without a report owes the old assignment's burst and rate since it was made,
+    or since the window began when it was made in an earlier window (what it owed then too)."""
     current = Holder("a", 10.0, NOW - 2_000, NOW - 2_000, 4.0, 4, NOW + 3_000)
-    assert owed_until(current, NOW) == 4 + 4.0 * 2
+    assert owed_since(current, START, NOW) == 4 + 4.0 * 2
+    refreshed = Holder("a", 10.0, NOW - 2_000, NOW - 1_000, 4.0, 4, NOW + 3_000, owed=5.0)
+    assert owed_since(refreshed, START, NOW) == 5 + 4 + 4.0 * 1
+    assert owed_since(refreshed, NOW - 500, NOW) == 4 + 4.0 * 0.5
 
 
 # --- The overshoot bound, on random fleets -------------------------------------------------
@@ -235,7 +239,7 @@ def test_no_window_admits_more_than_its_limit(
                 current=envoy.holder,
             )
         elif envoy.holder is not None:
-            owed = owed_until(envoy.holder, now)
+            owed = owed_since(envoy.holder, window, now)
             assignment, envoy.holder = allocate(
                 budget,
                 name,

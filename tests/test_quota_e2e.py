@@ -16,11 +16,13 @@ import http.client
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 
 import pytest
-from envoys import HOST, Envoy, ProcessError, Sidecar, free_port
+from envoys import HOST, Envoy, ProcessError, Sidecar, free_port, steady_port
 from servers import RedisServer
 
 LIMIT = 600
@@ -140,21 +142,23 @@ class Fleet:
         return port
 
 
-@pytest.fixture
-def fleet(envoy_binary: str, redis_server: RedisServer, tmp_path: Path) -> Iterator[Fleet]:
-    """Redis (emptied) and the sidecar serving RLQS on it; Envoys (answering 200 themselves,
-    with no upstream) are started by the test (`Fleet.envoy`) and all stopped at its end."""
-    redis_server.start()
-    with redis_server.client() as client:
+@contextmanager
+def running_fleet(envoy_binary: str, redis: RedisServer, workdir: Path) -> Iterator[Fleet]:
+    """Redis (emptied) and the sidecar serving RLQS on it, on ports below the ephemeral range
+    (it may be restarted on them); Envoys (answering 200 themselves, with no upstream) are
+    started by the test (`Fleet.envoy`) and all stopped at its end."""
+    redis.start()
+    with redis.client() as client:
         client.flushall()
-    rules = tmp_path / "rules.yaml"
+    rules = workdir / "rules.yaml"
     rules.write_text(RULES)
     for attempt in range(3):
-        rlqs_port = free_port()
+        rlqs_port = steady_port()
         sidecar = Sidecar(
-            ["--config", str(rules), "--backend", redis_server.url,
+            ["--config", str(rules), "--backend", redis.url,
              "--rlqs-address", f"{HOST}:{rlqs_port}", "--rlqs-assignment-ttl", str(TTL)],
-            free_port(), free_port(), tmp_path / "sidecar.log", log_level="debug",
+            # Debug: the log has every assignment, for a failure to be read.
+            steady_port(), steady_port(), workdir / "sidecar.log", log_level="debug",
         )  # fmt: skip
         try:
             sidecar.start()
@@ -162,7 +166,7 @@ def fleet(envoy_binary: str, redis_server: RedisServer, tmp_path: Path) -> Itera
         except ProcessError:
             if attempt == 2:
                 raise
-    running = Fleet(sidecar, tmp_path, envoy_binary, rlqs_port)
+    running = Fleet(sidecar, workdir, envoy_binary, rlqs_port)
     try:
         yield running
     finally:
@@ -171,22 +175,30 @@ def fleet(envoy_binary: str, redis_server: RedisServer, tmp_path: Path) -> Itera
         sidecar.stop()
 
 
+@pytest.fixture
+def fleet(envoy_binary: str, redis_server: RedisServer, tmp_path: Path) -> Iterator[Fleet]:
+    """A fleet on the session's Redis."""
+    with running_fleet(envoy_binary, redis_server, tmp_path) as running:
+        yield running
+
+
 @dataclass
 class Client:
-    """Sends GETs to one Envoy at `rate` per second on one connection, recording (when the
-    answer came, status)."""
+    """Sends GETs to one Envoy at `rate` per second on one connection until `until` (monotonic;
+    it may be moved while the client runs), recording (when the answer came, status)."""
 
     port: int
     rate: float
+    until: float = 0.0
     answers: list[tuple[float, int]] = field(default_factory=list)
 
-    def run(self, until: float) -> None:
+    def run(self) -> None:
         connection = http.client.HTTPConnection(HOST, self.port, timeout=10)
         started = time.monotonic()
         clock_offset = time.time() - started
         sent = 0
         try:
-            while (now := time.monotonic()) < until:
+            while (now := time.monotonic()) < self.until:
                 due = started + sent / self.rate
                 if due > now:
                     time.sleep(due - now)
@@ -202,12 +214,12 @@ class Client:
 def drive(ports: Sequence[int], weights: Sequence[int], seconds: float) -> list[Client]:
     """Load every Envoy at its weight's share of LOAD × the limit's pace, for `seconds`."""
     total = LOAD * LIMIT / WINDOW
+    until = time.monotonic() + seconds
     clients = [
-        Client(port, total * weight / sum(weights))
+        Client(port, total * weight / sum(weights), until)
         for port, weight in zip(ports, weights, strict=True)
     ]
-    until = time.monotonic() + seconds
-    threads = [threading.Thread(target=c.run, args=(until,)) for c in clients]
+    threads = [threading.Thread(target=c.run) for c in clients]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -279,3 +291,52 @@ def test_three_envoys_share_the_limit_by_demand(fleet: Fleet) -> None:
         share = admitted[i] / sum(admitted)
         demanded = asked[i] / sum(asked)
         assert abs(share - demanded) <= 0.05, (i, admitted, asked, report(counted))
+
+
+def test_envoy_rides_out_a_sidecar_restart_and_a_redis_restart(
+    envoy_binary: str, restartable_redis: RedisServer, tmp_path: Path
+) -> None:
+    """The sidecar killed for longer than the TTL: Envoy keeps admitting on its last assignment
+    until it expires, then denies (its expired_assignment_behavior); the sidecar started again,
+    Envoy reconnects and admits again. Redis restarted (its counts lost): nothing crashes, and
+    the sidecar assigns token buckets again from the new Redis."""
+    with running_fleet(envoy_binary, restartable_redis, tmp_path) as fleet:
+        client = Client(fleet.envoy(), LOAD * LIMIT / WINDOW, until=time.monotonic() + 60)
+        load = threading.Thread(target=client.run)
+        load.start()
+        try:
+            time.sleep(7)  # the first assignment, and a report
+            fleet.sidecar.kill()
+            killed = time.time()
+            time.sleep(TTL + 2)
+            fleet.sidecar.start()
+            back = time.time()
+            time.sleep(6)  # Envoy reconnects at its next report (every 5 s)
+            restartable_redis.restart()
+            redis_back = time.time()
+            time.sleep(6)  # and reports again
+        finally:
+            client.until = 0
+            load.join()
+        assert fleet.sidecar.running
+        assert all(envoy.running for envoy, _ in fleet.envoys)
+        assigned_after_redis = [
+            event
+            for event in fleet.sidecar.events()
+            if event.get("event") == "rlqs_assignment"
+            and event.get("strategy") == "token_bucket"
+            and _epoch(event["timestamp"]) > redis_back
+        ]
+
+    def admitted(since: float, until: float) -> int:
+        return sum(1 for at, status in client.answers if since <= at < until and status == 200)
+
+    assert admitted(killed + 0.5, killed + TTL - 1.5) > 0, "Envoy stopped at once"
+    assert admitted(killed + TTL + 0.5, back) == 0, "Envoy admitted past its assignment's TTL"
+    assert admitted(back, redis_back) > 0, "assignments did not resume"
+    assert assigned_after_redis, "no assignment once Redis was back"
+
+
+def _epoch(timestamp: str) -> float:
+    """A log event's ISO 8601 UTC timestamp as Unix seconds."""
+    return datetime.fromisoformat(timestamp.replace("Z", "+00:00")).timestamp()

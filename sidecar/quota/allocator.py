@@ -16,7 +16,8 @@ at once) whose rate is its share of the budget's pace:
   may use the rest faster later, as a fixed window would admit it. An assignment that will
   still run after the window ends (the Envoy's next report is due later, one interval like its
   last one from now) has for that part at most the nominal pace (`limit / window`), weighted by
-  time: what a window left unspent does not eat into the next.
+  time, or at most the nominal pace outright if it runs longer after the end than before:
+  what a window left unspent does not eat into the next.
 - Share: the Envoy's demand over the fleet's demand, so every Envoy admits the same fraction of
   what it is asked for (Jain's index of admitted/demanded is 1 in steady state). An Envoy that
   went idle reports a demand of 0 and gives its share to the busy ones at its next report; a
@@ -223,9 +224,14 @@ def allocate(
         if now_ms + interval > end:
             # It runs on into the next window until the next report: there at no more than the
             # nominal pace (a window the fleet left unspent must not eat into the next one).
+            # Weighted by time, unless it runs longer there than here: one rate cannot be both,
+            # and the next window's pace is the one that matters then.
             nominal = budget.limit * 1000 / budget.window_ms
             here, there = end - now_ms, now_ms + interval - end
-            pace = (pace * here + min(pace, nominal) * there) / (here + there)
+            if there >= here:
+                pace = min(pace, nominal)
+            else:
+                pace = (pace * here + min(pace, nominal) * there) / (here + there)
         target = _share(demand, live) * pace
         kept = _kept(current, target, room, now_ms, ttl_ms)
         burst_seconds = min(BURST_SECONDS, BURST_SHARE * budget.window_ms / 1000)
@@ -263,14 +269,18 @@ def counted(current: Holder | None, allowed: int, start_ms: int, now_ms: int) ->
     return min(allowed, math.ceil(most))
 
 
-def owed_until(current: Holder, now_ms: int) -> float:
-    """At most what `current`'s Envoy admitted since its last report, for a refresh at `now_ms`
-    that replaces its assignment without a report: what it owed, plus its bucket's burst and
-    its rate from the assignment to now (or to its expiry)."""
+def owed_since(current: Holder, start_ms: int, now_ms: int) -> float:
+    """At most what `current`'s Envoy admitted, since its last report and since the window's
+    start, for a refresh at `now_ms` that replaces its assignment without a report: what it
+    owed (if that came after the start), plus its bucket's burst and its rate from the
+    assignment (or the start) to now (or to its expiry). What it admitted before the start
+    belongs to a window that is over."""
+    owed = current.owed if current.assigned_ms > start_ms else 0.0
     if current.rate <= 0:
-        return current.owed
-    seconds = max(0, min(now_ms, current.expires_ms) - current.assigned_ms) / 1000
-    return current.owed + current.burst + current.rate * seconds
+        return owed
+    since = max(current.assigned_ms, start_ms)
+    seconds = max(0, min(now_ms, current.expires_ms) - since) / 1000
+    return owed + current.burst + current.rate * seconds
 
 
 def _pace(left: int, held: list[Holder], owed: float, now_ms: int, start: int, end: int) -> float:

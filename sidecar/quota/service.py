@@ -53,7 +53,7 @@ from sidecar.quota.allocator import (
     Holder,
     allocate,
     counted,
-    owed_until,
+    owed_since,
 )
 from sidecar.quota.buckets import Bucket, resolve
 from sidecar.quota.store import QuotaStore
@@ -76,7 +76,7 @@ RETRY_MS = 250
 MAX_BUCKETS = 10_000
 #: Reads and writes of the store per decision when other sidecars keep writing in between.
 ATTEMPTS = 3
-#: The longest the refresh task sleeps (it also wakes when the rules change).
+#: The longest the refresh task sleeps (it also wakes when the rules change, or a retry is due).
 TICK_MS = 1_000
 
 log = structlog.get_logger("sidecar.quota")
@@ -143,6 +143,7 @@ class QuotaService:
         whose rule is gone."""
         self.rules = rules
         for session in self._sessions:
+            session.rules_changed = True
             session.wake.set()
 
     def now_ms(self) -> int:
@@ -187,7 +188,9 @@ class QuotaService:
         start, _ = budget.window(now_ms)
         if not budget.shadow_mode:  # shadow: Envoy admitted under ALLOW_ALL, count it all
             allowed = counted(held.holder, allowed, start, now_ms)
-        owed = 0.0 if demand is not None or held.holder is None else owed_until(held.holder, now_ms)
+        owed = 0.0
+        if demand is None and held.holder is not None:
+            owed = owed_since(held.holder, start, now_ms)
         try:
             for _ in range(ATTEMPTS):
                 reported = await self.store.report(bucket.key, start, budget.window_ms, allowed)
@@ -233,7 +236,9 @@ class _Session:
         self.envoy = secrets.token_hex(8)
         self.domain: str | None = None
         self.buckets: dict[tuple[tuple[str, str], ...], _Held] = {}
+        #: Set when the rules change, or a refresh is due sooner than the refresher sleeps.
         self.wake = asyncio.Event()
+        self.rules_changed = False
         # Decisions of one stream run one at a time (a report and a refresh of the same bucket
         # must not both replace its holder), and so do writes to the stream.
         self._lock = asyncio.Lock()
@@ -290,8 +295,9 @@ class _Session:
                     await self.wake.wait()
             async with self._lock:
                 actions: list[Any] = []
-                if self.wake.is_set():
-                    self.wake.clear()
+                self.wake.clear()
+                if self.rules_changed:
+                    self.rules_changed = False
                     actions += self._rematch()
                 now = self.service.now_ms()
                 for bucket_id, held in list(self.buckets.items()):
@@ -349,6 +355,7 @@ class _Session:
         if assignment.constrained and not held.retried:
             held.retried = True
             held.refresh_ms = min(held.refresh_ms, now_ms + RETRY_MS)
+            self.wake.set()  # sooner than the refresher may be sleeping
         return convert.assignment_action(bucket_id, assignment)
 
     async def _send(self, actions: list[Any]) -> None:
