@@ -80,6 +80,7 @@ test-deps:
 bench: venv bench-deps compiled
 	$(BIN)/python -m bench.run --build $(COMPILED)
 	$(BIN)/python -m bench.caps
+	$(BIN)/python -m bench.quota_gateway
 
 # Instructions per call under callgrind: steady on a shared machine, where CPU per call is not.
 ## Attacks and faults against a running sidecar, with a legitimate client watching (bench/chaos.py).

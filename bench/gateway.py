@@ -161,10 +161,10 @@ def measure(
                 _wait_ready(gateway, f"http://127.0.0.1:{admin}/ready", timeout)
                 url = f"http://127.0.0.1:{port}{PATH}"
                 _check_once(url, expect_limits=with_filter)
-                _wrk(url, load.warmup_seconds, load, timeout)
+                wrk(url, load.warmup_seconds, load, timeout)
                 calls_before = _sidecar_calls(metrics)
                 ticks_before = sidecar.cpu_ticks()
-                measured = _wrk(url, load.seconds, load, timeout)
+                measured = wrk(url, load.seconds, load, timeout)
                 ticks = sidecar.cpu_ticks() - ticks_before
                 calls = _sidecar_calls(metrics) - calls_before
             finally:
@@ -376,7 +376,9 @@ _PERCENTILE = re.compile(r"^\s+(50|90|99)%\s+([\d.]+)(us|ms|s)\s*$", re.MULTILIN
 _MS = {"us": 0.001, "ms": 1.0, "s": 1000.0}
 
 
-def _wrk(url: str, seconds: int, load: Load, timeout: float) -> dict[str, float | int]:
+def wrk(url: str, seconds: int, load: Load, timeout: float) -> dict[str, float | int]:
+    """wrk on `url` for `seconds`: requests, requests/s and p50/p90/p99 in ms (bench.quota_gateway
+    drives its gateways with it too)."""
     header_args = [arg for name, value in HEADERS.items() for arg in ("-H", f"{name}: {value}")]
     argv = [
         wrk_binary(), "-t", str(load.threads), "-c", str(load.connections), "-d", f"{seconds}s",
