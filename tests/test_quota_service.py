@@ -19,6 +19,7 @@ from envoy.type.v3.ratelimit_strategy_pb2 import RateLimitStrategy
 
 from sidecar import config
 from sidecar.app import App
+from sidecar.quota import service
 from sidecar.quota.allocator import Budget, Holder
 from sidecar.quota.buckets import resolve, state_key
 from sidecar.quota.service import SERVICE_NAME
@@ -272,7 +273,10 @@ async def test_blanket_rules(tmp_path: Path, backend_url: str) -> None:
         deny_ttl = response.bucket_action[2].quota_assignment_action.assignment_time_to_live
         assert deny_ttl.ToMilliseconds() == 30_000 + 1_000  # to the minute's end, and a second
         metrics = app.registry.get_sample_value
-        assert metrics("ratelimit_sidecar_quota_shadow_total", {"strategy": "deny_all"}) == 1
+        assert metrics("ratelimit_sidecar_quota_shadow", {"strategy": "deny_all"}) == 1
+        assert metrics("ratelimit_sidecar_quota_assignments", {"strategy": "allow_all"}) == 3
+        assert metrics("ratelimit_sidecar_quota_reports") == 1
+        assert metrics("ratelimit_sidecar_quota_streams") == 1
 
 
 @pytest.fixture(
@@ -357,6 +361,21 @@ def _real_clock() -> Clock:
     return Real()
 
 
+async def test_a_stream_holds_at_most_its_buckets(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past MAX_BUCKETS buckets (10,000; 2 here) the stream ends RESOURCE_EXHAUSTED, saying
+    what to do."""
+    monkeypatch.setattr(service, "MAX_BUCKETS", 2)
+    async with quota_app(tmp_path, "memory://") as app, stream(app) as envoy:
+        await envoy.report(({"tenant": "a"}, 1, 0), ({"tenant": "b"}, 1, 0))
+        await envoy.send(({"tenant": "c"}, 1, 0))
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await envoy.read()
+        assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "more than 2 buckets on one stream" in str(caught.value.details())
+
+
 @pytest.mark.parametrize(
     ("lines", "domain", "message"),
     [
@@ -364,6 +383,7 @@ def _real_clock() -> Clock:
         ([({"tenant": "a"}, 1, 0)], "", "must name its domain"),
         ([({f"k{i}": "v" for i in range(9)}, 1, 0)], "quota", "at most 8"),
         ([({"k": "v" * 1_025}, 1, 0)], "quota", "longer than 1024"),
+        ([({"tenant": "a"}, 2**48 + 1, 0)], "quota", "counts more than"),
     ],
 )
 async def test_invalid_reports_end_the_stream(

@@ -22,6 +22,9 @@ from sidecar.quota.buckets import MAX_ENTRIES
 
 #: Longest key or value of a bucket id entry.
 MAX_PART = 1_024
+#: Most requests one report may count for a bucket (2**48: a million a second for 8 years; a
+#: store's counters are 64-bit).
+MAX_COUNT = 2**48
 
 #: `RateLimitQuotaResponse.BucketAction` (protobuf messages are untyped here: `Any`).
 BucketAction = RateLimitQuotaResponse.BucketAction
@@ -37,8 +40,9 @@ class Usage:
 
 
 def usages(message: Any) -> list[Usage]:
-    """The report's lines; raises InvalidRequest for a bucket id Envoy would not send (empty,
-    more than MAX_ENTRIES entries, a part longer than MAX_PART)."""
+    """The report's lines; raises InvalidRequest for a line Envoy would not send (a bucket id
+    empty, of more than MAX_ENTRIES entries or with a part longer than MAX_PART; a count above
+    MAX_COUNT)."""
     lines = []
     for usage in message.bucket_quota_usages:
         entries = usage.bucket_id.bucket
@@ -51,6 +55,10 @@ def usages(message: Any) -> list[Usage]:
         for key, value in entries.items():
             if len(key) > MAX_PART or len(value) > MAX_PART:
                 raise InvalidRequest(f"a bucket_id entry is longer than {MAX_PART} characters")
+        if max(usage.num_requests_allowed, usage.num_requests_denied) > MAX_COUNT:
+            raise InvalidRequest(
+                f"a bucket_quota_usages entry counts more than {MAX_COUNT} requests"
+            )
         lines.append(
             Usage(
                 tuple(sorted(entries.items())),

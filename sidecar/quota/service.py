@@ -40,7 +40,6 @@ from envoy.service.rate_limit_quota.v3.rlqs_pb2 import (  # type: ignore[import-
     RateLimitQuotaResponse,
 )
 from prometheus_client import Metric
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from sidecar.config import Rules
@@ -394,40 +393,40 @@ class QuotaServer:
 
 
 class QuotaCollector(Collector):
-    """`ratelimit_sidecar_quota_*` on `/metrics`, read from QuotaStats when scraped."""
+    """`ratelimit_sidecar_quota_*` on `/metrics`, read from QuotaStats when scraped; counters
+    under exactly these names (no `_total`), as the sidecar's others."""
 
     def __init__(self, stats: QuotaStats) -> None:
         self.stats = stats
 
     def collect(self) -> Iterator[Metric]:
         stats = self.stats
-        yield GaugeMetricFamily(
-            "ratelimit_sidecar_quota_streams", "RLQS streams open", value=stats.streams
-        )
-        simple = (
-            ("reports", "usage reports received", stats.reports),
-            ("abandons", "buckets abandoned because their rule was removed", stats.abandons),
+        streams = Metric("ratelimit_sidecar_quota_streams", "RLQS streams open.", "gauge")
+        streams.add_sample("ratelimit_sidecar_quota_streams", {}, float(stats.streams))
+        yield streams
+        plain = (
+            ("reports", "Usage reports received.", stats.reports),
+            ("abandons", "Buckets abandoned because their rule was removed.", stats.abandons),
             (
                 "store_errors",
-                "decisions the shared store failed (no action sent)",
+                "Decisions the shared store failed (no action sent).",
                 stats.store_errors,
             ),
-            (
-                "conflicts",
-                "assignments allocated again: another sidecar wrote first",
-                stats.conflicts,
-            ),
-            ("invalid_streams", "streams ended for an invalid report", stats.invalid_streams),
+            ("conflicts", "Decisions made again: another sidecar wrote first.", stats.conflicts),
+            ("invalid_streams", "Streams ended for an invalid report.", stats.invalid_streams),
         )
-        for name, text, value in simple:
-            yield CounterMetricFamily(f"ratelimit_sidecar_quota_{name}", text, value=value)
-        for name, text, counts in (
-            ("assignments", "assignments sent, by strategy", stats.assignments),
-            ("shadow", "shadow mode: assignments not enforced, by strategy", stats.shadow),
-        ):
-            family = CounterMetricFamily(
-                f"ratelimit_sidecar_quota_{name}", text, labels=["strategy"]
-            )
-            for kind, value in sorted(counts.items()):
-                family.add_metric([kind], value)
-            yield family
+        for name, text, value in plain:
+            yield _counter(name, text, {"": value})
+        yield _counter("assignments", "Assignments sent, by strategy.", stats.assignments)
+        yield _counter(
+            "shadow", "Shadow mode: assignments not enforced, by strategy.", stats.shadow
+        )
+
+
+def _counter(name: str, text: str, values: dict[str, int]) -> Metric:
+    """A counter named `ratelimit_sidecar_quota_<name>`; `values` by strategy ("": no label)."""
+    full = f"ratelimit_sidecar_quota_{name}"
+    metric = Metric(full, text, "counter")
+    for strategy, value in sorted(values.items()):
+        metric.add_sample(full, {"strategy": strategy} if strategy else {}, float(value))
+    return metric
