@@ -46,11 +46,13 @@ by when Envoys admitted them, the requests a window admits are at most ``limit``
   old rate times the network latency).
 Usage is counted in the window in which it is reported, but a report that spans a window's
 start counts in it no more than the Envoy's assignment let it admit since that start
-(`counted`): never less than it admitted there, so never looser. A window in which
-the demand is below the limit admits all of it.
+(`counted`): never less than it admitted there, so never looser.
+Below the limit, each Envoy's rate is its demand scaled up to the pace, so a demand that holds
+between reports is admitted whole; one that jumps waits for the next report.
 
 Unlimited rules get `ALLOW_ALL`. In shadow mode the assignment is `ALLOW_ALL` and the one that
-would have been enforced is returned beside it, for metrics and logs.
+would have been enforced is returned beside it, for metrics and logs (and kept as the Envoy's
+holder, so the next decisions are the ones that would have been made).
 """
 
 from __future__ import annotations
@@ -63,8 +65,8 @@ from dataclasses import dataclass
 #: The longest `fill_interval` used for slow rates: one token a minute at least while the budget
 #: allows, so that a live Envoy can always admit a request and report its demand.
 MAX_FILL_INTERVAL = 60
-#: A token bucket holds about this many seconds of its rate (at least one token), and at most
-#: `BURST_SHARE` of the window: what a freshly assigned bucket lets through at once. Small,
+#: A token bucket holds about this many seconds of its rate (at least `MIN_BURST` tokens), and
+#: at most `BURST_SHARE` of the window: what a freshly assigned bucket lets through at once. Small,
 #: since every assignment commits it.
 BURST_SECONDS = 1.0
 BURST_SHARE = 0.01
@@ -143,8 +145,9 @@ class Holder:
     `demand`: requests per second it was asked for (allowed and denied) over its last reporting
     interval; None before its second report. `reported_ms`: when its last report arrived.
     `assigned_ms`, `rate`, `burst`, `expires_ms`: its current assignment (rate and burst 0 for a
-    blanket rule). `owed`: at most what it admitted between its last report and `assigned_ms`
-    under an assignment replaced by a refresh (0 after a report).
+    blanket rule). `owed`: at most what it admitted between its last report (or the window's
+    start, if later) and `assigned_ms`, under an assignment replaced by a refresh (0 after a
+    report; see `owed_since`).
     """
 
     envoy: str
@@ -193,11 +196,12 @@ def allocate(
     """The next assignment of `envoy`, and its Holder to store.
 
     `demand`: its requests per second since its last report (None when unknown: a new Envoy,
-    or a refresh). `others`: the other Envoys' Holders (expired ones are ignored). `used`: what
-    the window's reports allowed so far, this Envoy's included. `owed`: what it may have
-    admitted since its last report (0 when this is its report). `current`: its Holder before
-    this call, whose assignment is kept when the new target is within `STEADY` of it and
-    still fits. `ttl_ms` is at least a second.
+    or a refresh). `others`: the other Envoys' Holders (an expired one still commits what it
+    may have admitted unreported, but has no share). `used`: what the window's reports allowed
+    so far (`counted`), this Envoy's included. `owed`: what it may have admitted since its last
+    report and in this window (0 when this is its report; `owed_since` for a refresh).
+    `current`: its Holder before this call, whose assignment is kept when it is at most
+    `STEADY` above the new target and still fits. `ttl_ms` is at least a second.
     """
     start, end = budget.window(now_ms)
     # An expired assignment commits what it let its Envoy admit before it expired and that
@@ -349,7 +353,8 @@ def _kept(
 def _token_bucket(target: float, room: Room, ttl_ms: int, burst_seconds: float) -> Assignment:
     """The largest token bucket at most `target` whose commitment fits in every window's room,
     with at least one token a minute; DENY_ALL when not even that fits."""
-    # Fit burst + rate * seconds <= free in each window, burst = max(MIN_BURST, rate * burst_seconds).
+    # Fit burst + rate * seconds <= free in each window (burst: rate * burst_seconds, MIN_BURST
+    # at least).
     wanted = max(target, 1 / MAX_FILL_INTERVAL)
     rate = wanted
     for free, seconds in room:

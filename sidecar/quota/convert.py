@@ -1,4 +1,5 @@
-"""The RLQS protobuf edge: usage reports in, bucket actions out (`envoy.service.rate_limit_quota.v3`).
+"""The RLQS protobuf edge (`envoy.service.rate_limit_quota.v3`): usage reports in, bucket actions
+out.
 
 A bucket id becomes a plain dict; an `Assignment` becomes a `QuotaAssignmentAction` (a blanket
 rule or a token bucket with its `assignment_time_to_live`). Nothing else in `sidecar.quota`
