@@ -2,8 +2,8 @@
 out.
 
 A bucket id becomes a plain dict; an `Assignment` becomes a `QuotaAssignmentAction` (a blanket
-rule or a token bucket with its `assignment_time_to_live`). Nothing else in `sidecar.quota`
-touches protobuf.
+rule or a token bucket with its `assignment_time_to_live`). The service wraps these actions in
+its responses; the allocator, the buckets and the store never see protobuf.
 """
 
 from __future__ import annotations
