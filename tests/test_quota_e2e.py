@@ -6,13 +6,14 @@ per 10-second window; clients send uneven load (1:2:3 over the Envoys) at three 
 Envoy denies a bucket that has no assignment yet, or an expired one (DENY_ALL fallbacks), so
 the allocator's overshoot bound leaves only the network latency: each window admits at most the
 limit, and (the load being three times it) about the limit, each Envoy about its demand's share.
-Clients keep a connection each and send on a schedule; a request is counted in the window in
-which its answer came back.
+h2load clients (one HTTP/2 connection each, one request at a time) send on a schedule; a request
+is counted in the window in which its answer came back.
 """
 
 from __future__ import annotations
 
-import http.client
+import math
+import subprocess
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -184,46 +185,51 @@ def fleet(envoy_binary: str, redis_server: RedisServer, tmp_path: Path) -> Itera
 
 @dataclass
 class Client:
-    """Sends GETs to one Envoy at `rate` per second on one connection until `until` (monotonic;
-    it may be moved while the client runs), recording (when the answer came, status)."""
+    """h2load sending GETs to one Envoy at `rate` per second, on one HTTP/2 connection, one at a
+    time, for `seconds`; `answers` holds (when each answer came, in Unix seconds, its status).
+
+    A C client keeps its schedule on a busy machine, where a Python one pauses: a pause longer
+    than a token bucket takes to fill wastes what fills meanwhile.
+    """
 
     port: int
-    rate: float
-    until: float = 0.0
+    rate: int
+    seconds: int
+    log: Path
     answers: list[tuple[float, int]] = field(default_factory=list)
 
     def run(self) -> None:
-        connection = http.client.HTTPConnection(HOST, self.port, timeout=10)
-        started = time.monotonic()
-        clock_offset = time.time() - started
-        sent = 0
-        try:
-            while (now := time.monotonic()) < self.until:
-                due = started + sent / self.rate
-                if due > now:
-                    time.sleep(due - now)
-                connection.request("GET", "/orders")
-                response = connection.getresponse()
-                response.read()
-                self.answers.append((time.monotonic() + clock_offset, response.status))
-                sent += 1
-        finally:
-            connection.close()
+        argv = [
+            "h2load", "-c", "1", "-m", "1", f"--rps={self.rate}", "-D", str(self.seconds),
+            f"--log-file={self.log}", f"http://{HOST}:{self.port}/orders",
+        ]  # fmt: skip
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=self.seconds + 60)
+        assert done.returncode == 0, done.stdout + done.stderr
+        for line in self.log.read_text().splitlines():
+            started_us, status, took_us = line.split("\t")[:3]
+            self.answers.append(((int(started_us) + int(took_us)) / 1e6, int(status)))
 
 
-def drive(ports: Sequence[int], weights: Sequence[int], seconds: float) -> list[Client]:
+def drive(
+    ports: Sequence[int], weights: Sequence[int], seconds: float, workdir: Path
+) -> list[Client]:
     """Load every Envoy at its weight's share of LOAD × the limit's pace, for `seconds`."""
     total = LOAD * LIMIT / WINDOW
-    until = time.monotonic() + seconds
     clients = [
-        Client(port, total * weight / sum(weights), until)
-        for port, weight in zip(ports, weights, strict=True)
+        Client(
+            port,
+            round(total * weight / sum(weights)),
+            math.ceil(seconds),
+            workdir / f"h2load-{i}.log",
+        )
+        for i, (port, weight) in enumerate(zip(ports, weights, strict=True))
     ]
     threads = [threading.Thread(target=c.run) for c in clients]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
+    assert all(c.answers for c in clients), "a client got no answer"
     return clients
 
 
@@ -267,7 +273,7 @@ def check(counted: dict[int, list[tuple[int, int]]]) -> None:
 def test_one_envoy_admits_the_limit_per_window(fleet: Fleet) -> None:
     """One Envoy at three times the limit admits the limit in every window, ±5%."""
     port = fleet.envoy()
-    counted = windows(drive([port], [1], until_windows(1)))
+    counted = windows(drive([port], [1], until_windows(1), fleet.workdir))
     print(report(counted))
     check(counted)
 
@@ -278,7 +284,7 @@ def test_three_envoys_share_the_limit_by_demand(fleet: Fleet) -> None:
     the demand, ±0.05."""
     ports = [fleet.envoy() for _ in range(3)]
     weights = [1, 2, 3]
-    counted = windows(drive(ports, weights, until_windows(3)))
+    counted = windows(drive(ports, weights, until_windows(3), fleet.workdir))
     print(report(counted))
     # The first whole window may still be learning the demand (from each Envoy's second
     # report, 5 s after its first): measured from the next one.
@@ -301,7 +307,7 @@ def test_envoy_rides_out_a_sidecar_restart_and_a_redis_restart(
     Envoy reconnects and admits again. Redis restarted (its counts lost): nothing crashes, and
     the sidecar assigns token buckets again from the new Redis."""
     with running_fleet(envoy_binary, restartable_redis, tmp_path) as fleet:
-        client = Client(fleet.envoy(), LOAD * LIMIT / WINDOW, until=time.monotonic() + 60)
+        client = Client(fleet.envoy(), round(LOAD * LIMIT / WINDOW), 35, tmp_path / "h2load.log")
         load = threading.Thread(target=client.run)
         load.start()
         try:
@@ -316,7 +322,6 @@ def test_envoy_rides_out_a_sidecar_restart_and_a_redis_restart(
             redis_back = time.time()
             time.sleep(6)  # and reports again
         finally:
-            client.until = 0
             load.join()
         assert fleet.sidecar.running
         assert all(envoy.running for envoy, _ in fleet.envoys)

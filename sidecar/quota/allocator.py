@@ -15,9 +15,9 @@ at once) whose rate is its share of the budget's pace:
   other Envoys have admitted but not reported yet). A fleet that was idle early in the window
   may use the rest faster later, as a fixed window would admit it. An assignment that will
   still run after the window ends (the Envoy's next report is due later, one interval like its
-  last one from now) has for that part at most the nominal pace (`limit / window`), weighted by
-  time, or at most the nominal pace outright if it runs longer after the end than before:
-  what a window left unspent does not eat into the next.
+  last one from now) has the nominal pace (`limit / window`) for that part, weighted by time
+  (the nominal pace outright if it runs longer after the end than before): what a window left
+  unspent does not eat into the next, nor does a window spent early starve it.
 - Share: the Envoy's demand over the fleet's demand, so every Envoy admits the same fraction of
   what it is asked for (Jain's index of admitted/demanded is 1 in steady state). An Envoy that
   went idle reports a demand of 0 and gives its share to the busy ones at its next report; a
@@ -226,10 +226,11 @@ def allocate(
         room = _room(budget, left, owed, held, now_ms, ttl_ms)
         pace = _pace(left, held, owed, now_ms, start, end)
         if now_ms + interval > end:
-            # It runs on into the next window until the next report: there at no more than the
-            # nominal pace (a window the fleet left unspent must not eat into the next one).
-            # Weighted by time, unless it runs longer there than here: one rate cannot be both,
-            # and the next window's pace is the one that matters then.
+            # It runs on into the next window until the next report: there at the nominal pace,
+            # whatever is left here (a window the fleet left unspent must not eat into the next
+            # one, nor one it spent early starve it). Weighted by time, unless it runs longer
+            # there than here: one rate cannot be both, and the next window's pace matters
+            # more then. The room left here still caps it.
             nominal = budget.limit * 1000 / budget.window_ms
             here, there = end - now_ms, now_ms + interval - end
             if there >= here:
@@ -298,10 +299,11 @@ def _pace(left: int, held: list[Holder], owed: float, now_ms: int, start: int, e
 
 def _share(demand: float | None, live: list[Holder]) -> float:
     """This Envoy's fraction of the pace: its demand over the fleet's; an unknown demand
-    (this Envoy's or another's) counts as the average known one, and a fleet with no demand at
-    all shares equally."""
+    (this Envoy's or another's) counts as the average known one (this Envoy's included), and a
+    fleet with no demand at all shares equally."""
     known = [h.demand for h in live if h.demand is not None]
-    average = sum(known) / len(known) if known else 0.0
+    everyone = known if demand is None else [demand, *known]
+    average = sum(everyone) / len(everyone) if everyone else 0.0
     own = average if demand is None else demand
     total = own + sum(known) + (len(live) - len(known)) * average
     if total <= 0:
