@@ -1,7 +1,8 @@
 """`--failure-mode local`: while the backend fails, each sidecar limits on its own counters at
 its share of every limit (limit / N), and goes back to the shared counters when the backend
 answers again. Against a real redis-server, stopped and started on the same port, through both
-ways a decision is made (`decide` and the callbacks of `decide_then`)."""
+ways a caller gets a decision (awaited through `sidecar.callbacks.awaited`, and the callbacks
+of `decide_then`)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
+from callbacks import decide
 from clock import Clock
 from envoy.service.ratelimit.v3.rls_pb2 import RateLimitResponse  # type: ignore[import-untyped]
 from servers import RedisServer
@@ -53,7 +55,7 @@ def test_a_share_is_the_limit_divided_rounded_down_but_never_zero_of_a_limit() -
         Settings(failure_mode="local", local_divisor=0)
 
 
-@pytest.fixture(params=["decide", "decide_then"])
+@pytest.fixture(params=["awaited", "decide_then"])
 async def ask(
     request: pytest.FixtureRequest, restartable_redis: RedisServer, clock: Clock
 ) -> AsyncIterator[tuple[Limiter, Callable[[str], asyncio.Future[Answer]]]]:
@@ -70,8 +72,8 @@ async def ask(
 
     def ask(key: str) -> asyncio.Future[Answer]:
         plan = limiter.prepare(Request("d", (Descriptor((Entry(key, "a"),)),), 0))
-        if request.param == "decide":
-            return asyncio.ensure_future(_read(limiter.decide(plan)))
+        if request.param == "awaited":
+            return asyncio.ensure_future(_read(decide(limiter, plan)))
         answered: asyncio.Future[Answer] = asyncio.get_running_loop().create_future()
 
         def done(answer: bytes | Exception) -> None:

@@ -14,6 +14,7 @@ from zoneinfo import available_timezones
 
 import pytest
 import redis
+from callbacks import apply
 from clock import Clock
 from model_store import Model
 from servers import RedisServer
@@ -360,16 +361,16 @@ async def test_grouped_counters_agree_with_the_pure_decision(
             assert got_ids == expected_ids, f"step {number}: {step}"
         else:
             hits = hits_of(step.parts, step.now_ms)
-            expected = await model.apply(hits, step.all_or_nothing, step.now_ms)
-            got = await parity_backend.apply(hits, step.all_or_nothing, step.now_ms)
+            expected = await apply(model, hits, step.all_or_nothing, step.now_ms)
+            got = await apply(parity_backend, hits, step.all_or_nothing, step.now_ms)
             assert got == expected, f"step {number}: {step}"
     # The state the records left is the model's too: every window checked once more.
     for user in ("u1", "u2"):
         for ad in ("a1", "a2", "a|3"):
             parts = ((user, ad, tuple(range(len(PARITY_WINDOWS))), 0, ""),)
             hits = hits_of(parts, step.now_ms)
-            assert await parity_backend.apply(hits, False, step.now_ms) == await model.apply(
-                hits, False, step.now_ms
+            assert await apply(parity_backend, hits, False, step.now_ms) == await apply(
+                model, hits, False, step.now_ms
             )
 
 

@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 import redis
+from callbacks import should_rate_limit
 from clock import Clock
 
 from sidecar import config
@@ -63,17 +64,17 @@ async def test_an_over_window_is_refused_without_redis_until_it_ends(
     clock = Clock()
     limiter = Limiter(RULES, backend, clock=clock, over_limit_cache=1000)
     for _ in range(3):
-        last = await limiter.should_rate_limit(one("k", "v"))
+        last = await should_rate_limit(limiter, one("k", "v"))
     assert last.overall_code is Code.OVER_LIMIT
     calls = script_calls(redis_url)
-    cached = await limiter.should_rate_limit(one("k", "v"))
-    checked = await limiter.should_rate_limit(one("k", "v", hits=0))
+    cached = await should_rate_limit(limiter, one("k", "v"))
+    checked = await should_rate_limit(limiter, one("k", "v", hits=0))
     assert script_calls(redis_url) == calls
     assert cached.statuses == last.statuses
     assert checked.overall_code is Code.OVER_LIMIT
     assert limiter.stats.rules["c.k"].over_limit_with_local_cache == 1
     clock.now += 60
-    fresh = await limiter.should_rate_limit(one("k", "v"))
+    fresh = await should_rate_limit(limiter, one("k", "v"))
     assert fresh.overall_code is Code.OK
     assert script_calls(redis_url) == calls + 1
 
@@ -84,13 +85,13 @@ async def test_the_cache_respects_shadow_mode_and_skips_other_algorithms(
     """A cached shadow rule still answers OK; a token bucket is never cached (it refills)."""
     limiter = Limiter(RULES, backend, clock=Clock(), over_limit_cache=1000)
     for _ in range(3):
-        shadow = await limiter.should_rate_limit(one("s", "v"))
-        bucket = await limiter.should_rate_limit(one("b", "v"))
+        shadow = await should_rate_limit(limiter, one("s", "v"))
+        bucket = await should_rate_limit(limiter, one("b", "v"))
     assert shadow.overall_code is Code.OK
     assert bucket.overall_code is Code.OVER_LIMIT
     assert limiter.stats.rules["c.s"].over_limit_with_local_cache == 1
     calls = script_calls(redis_url)
-    await limiter.should_rate_limit(one("b", "v"))
+    await should_rate_limit(limiter, one("b", "v"))
     assert script_calls(redis_url) == calls + 1
 
 
@@ -99,9 +100,9 @@ async def test_the_cache_is_off_with_rejected_hits_skip(backend: Backend, redis_
     settings = Settings(rejected_hits="skip")
     limiter = Limiter(RULES, backend, settings=settings, clock=Clock(), over_limit_cache=1000)
     for _ in range(3):
-        await limiter.should_rate_limit(one("k", "v"))
+        await should_rate_limit(limiter, one("k", "v"))
     calls = script_calls(redis_url)
-    await limiter.should_rate_limit(one("k", "v"))
+    await should_rate_limit(limiter, one("k", "v"))
     assert script_calls(redis_url) == calls + 1
 
 
@@ -112,12 +113,13 @@ async def test_the_cache_keeps_its_answer_when_redis_fails(redis_url: str) -> No
     limiter = Limiter(RULES, backend, clock=Clock(), over_limit_cache=1000)
     try:
         for _ in range(3):
-            await limiter.should_rate_limit(one("k", "v"))
+            await should_rate_limit(limiter, one("k", "v"))
         await backend.close()
         dead = open_backend("redis://127.0.0.1:1", timeout_ms=200)
         limiter.backend = dead
-        decision = await limiter.should_rate_limit(
-            Request("c", (Descriptor((Entry("k", "v"),)), Descriptor((Entry("k", "other"),))))
+        decision = await should_rate_limit(
+            limiter,
+            Request("c", (Descriptor((Entry("k", "v"),)), Descriptor((Entry("k", "other"),)))),
         )
         assert decision.overall_code is Code.OVER_LIMIT
         assert [s.code for s in decision.statuses] == [Code.OVER_LIMIT, Code.OK]

@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 from datetime import datetime
 
 import pytest
+from callbacks import apply
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from model_store import Model
@@ -196,9 +197,9 @@ async def assert_agree(scenario: Scenario, stores: dict[str, Model | Backend]) -
     """Every store answers every request of `scenario` with the model's Outcomes."""
     model = Model()
     for number, (hits, all_or_nothing, now_ms) in enumerate(requests(scenario)):
-        expected = await model.apply(hits, all_or_nothing, now_ms)
+        expected = await apply(model, hits, all_or_nothing, now_ms)
         for name, store in stores.items():
-            got = await store.apply(hits, all_or_nothing, now_ms)
+            got = await apply(store, hits, all_or_nothing, now_ms)
             assert got == expected, f"{name} differs from the model at request {number}: {hits}"
 
 
@@ -269,7 +270,7 @@ async def test_a_bucket_is_full_the_moment_its_state_expires(
     still stored (Redis expires it by its own clock, a little later)."""
     scenario = replace(BUCKET_AT_EXPIRY, grouped=grouped)
     model = Model()
-    outcomes = [await model.apply(*request) for request in requests(scenario)]
+    outcomes = [await apply(model, *request) for request in requests(scenario)]
     assert outcomes[-1] == [Outcome(False, 7, 0, True, 7)]
     await assert_agree(scenario, {"memory": MemoryBackend(), "redis": redis_backend})
 
@@ -298,5 +299,5 @@ async def test_memory_answers_one_plain_window_as_the_model(
             hit = windows.field_hit(key, head, window, cost, 0, role, now_ms)
         else:
             hit = windows.window_hit(descriptor_prefix("p", parts), window, cost, 0, role, now_ms)
-        expected = await model.apply([hit], all_or_nothing, now_ms)
-        assert await memory.apply([hit], all_or_nothing, now_ms) == expected
+        expected = await apply(model, [hit], all_or_nothing, now_ms)
+        assert await apply(memory, [hit], all_or_nothing, now_ms) == expected

@@ -4,6 +4,7 @@ body must give exactly the answers of doing it on every call."""
 from __future__ import annotations
 
 import hiredis
+from callbacks import service_call
 from envoy.service.ratelimit.v3.rls_pb2 import (  # type: ignore[import-untyped]
     RateLimitRequest,
     RateLimitResponse,
@@ -91,10 +92,10 @@ async def test_a_reload_makes_cached_plans_stale() -> None:
     entry = message.descriptors.add().entries.add()
     entry.key, entry.value = "user", "u"
     body = message.SerializeToString()
-    before = RateLimitResponse.FromString(await service.should_rate_limit(body))
+    before = RateLimitResponse.FromString(await service_call(service, body))
     assert before.statuses[0].current_limit.requests_per_unit == 2
     limiter.rules = _rules(RULES.replace("requests_per_unit: 2}", "requests_per_unit: 7}"))
-    after = RateLimitResponse.FromString(await service.should_rate_limit(body))
+    after = RateLimitResponse.FromString(await service_call(service, body))
     assert after.statuses[0].current_limit.requests_per_unit == 7
     assert after.overall_code == Code.OK
 

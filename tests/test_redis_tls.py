@@ -15,6 +15,7 @@ from pathlib import Path
 from urllib.parse import urlencode
 
 import pytest
+from callbacks import apply
 from certs import write_certificate
 from conftest import require_binary
 from servers import HOST, RedisCluster, RedisServer, ServerError, start_cluster, start_server
@@ -86,7 +87,7 @@ async def apply_and_close(backend: Backend, hits: list[Hit], calls: int = 1) -> 
     """Apply `hits` `calls` times; the remaining counts of the last call."""
     try:
         for _ in range(calls):
-            outcomes = await backend.apply(hits, False, NOW_MS)
+            outcomes = await apply(backend, hits, False, NOW_MS)
         return [outcome.remaining for outcome in outcomes]
     finally:
         await backend.close()

@@ -12,7 +12,6 @@ calls exist here: Health/Watch, reflection and TLS are grpcio's.
 from __future__ import annotations
 
 import socket
-import time
 from collections.abc import Awaitable, Callable
 
 import structlog
@@ -61,15 +60,13 @@ class FastServer:
         self._stopping = False
         self._logged_errors: set[type[BaseException]] = set()
         methods: dict[str, Method | CallbackMethod] = {
-            # Through a callback when the backend answers so (every backend here): the hot path,
-            # the service's own method, timed and its errors turned into statuses by the server.
+            # The hot path: the service's own method, answering through a callback, timed and
+            # its errors turned into statuses by the server.
             METHOD: CallbackMethod(
                 service.should_rate_limit_then,
                 errors=self._should_rate_limit_error,
                 observe=self.latency.observe,
-            )
-            if service.limiter.answers_then
-            else self._should_rate_limit,
+            ),
             HEALTH_CHECK: self._check,
         }
         if frequency_service is not None:
@@ -97,15 +94,6 @@ class FastServer:
         await self.set_serving(False)
         self._stopping = True
         await self._server.stop(grace)
-
-    async def _should_rate_limit(self, request: bytes) -> bytes:
-        started = time.perf_counter()
-        try:
-            return await self.service.should_rate_limit(request)
-        except Exception as exc:
-            raise self._should_rate_limit_error(exc) from exc
-        finally:
-            self.latency.observe(time.perf_counter() - started)
 
     def _should_rate_limit_error(self, exc: Exception) -> CallError:
         """The status for what ShouldRateLimit raised: INVALID_ARGUMENT, UNAVAILABLE when

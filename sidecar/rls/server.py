@@ -21,6 +21,7 @@ import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # type: ignore[import-untyped]
 from grpc_health.v1.health import aio as health_aio  # type: ignore[import-untyped]
 
+from sidecar.callbacks import awaited
 from sidecar.errors import InvalidRequest, Overloaded, StorageError, UnknownDomain
 from sidecar.metrics import Latency
 from sidecar.rls import frequency
@@ -98,7 +99,7 @@ class GrpcServer:
     async def _should_rate_limit(self, request: bytes, context: Any) -> bytes:
         started = time.perf_counter()
         try:
-            return await self.service.should_rate_limit(request)
+            return await awaited(lambda done: self.service.should_rate_limit_then(request, done))
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             raise  # unreachable: abort raises

@@ -75,7 +75,7 @@ REFRESH_INTERVAL = 1.0
 TRYAGAIN_DELAY = 0.005
 
 #: Error replies that say a script call did not run where it was sent: it is sent again (by
-#: `apply`), where the cluster says, and counts once.
+#: `_apply`), where the cluster says, and counts once.
 _NOT_RUN = frozenset({"MOVED", "ASK", "TRYAGAIN", "CLUSTERDOWN", "NOSCRIPT"})
 
 _ASKING = hiredis.pack_command(("ASKING",))
@@ -337,7 +337,7 @@ class RedisClusterBackend:
         self._timeout_ms = timeout_ms
         self._timeout = timeout_ms / 1000
         self._packer = ApplyPacker()
-        # `apply_then` calls running `apply`'s coroutine (kept: the loop holds tasks weakly).
+        # `apply_then` calls running `_apply`'s coroutine (kept: the loop holds tasks weakly).
         self._tasks: set[asyncio.Task[None]] = set()
 
     @classmethod
@@ -379,12 +379,6 @@ class RedisClusterBackend:
         )
         return cls(client, timeout_ms)
 
-    async def apply(self, hits: Sequence[Hit], all_or_nothing: bool, now_ms: int) -> list[Outcome]:
-        # The clients keep the deadline (one timer per connection, not one per call: this is
-        # the hot path), for every round trip of the request together.
-        deadline = asyncio.get_running_loop().time() + self._timeout
-        return await self._apply(hits, all_or_nothing, now_ms, deadline)
-
     async def _apply(
         self, hits: Sequence[Hit], all_or_nothing: bool, now_ms: int, deadline: float
     ) -> list[Outcome]:
@@ -408,10 +402,10 @@ class RedisClusterBackend:
     def apply_then(
         self, hits: Sequence[Hit], all_or_nothing: bool, now_ms: int, done: Applied
     ) -> None:
-        """`apply` through a callback (see `AppliesThen`).
+        """See `Backend.apply_then`.
 
         The usual request, whose hits share one slot whose master the slot map knows, is one
-        `call_packed` on that master's pipeline, with no coroutine. Anything else is `apply`'s
+        `call_packed` on that master's pipeline, with no coroutine. Anything else is `_apply`'s
         coroutine in a task, by the same deadline: hits over several slots, no slot map yet,
         and a reply saying the script did not run on that master (MOVED, ASK, TRYAGAIN,
         CLUSTERDOWN, NOSCRIPT), after which the coroutine sends the call again and follows

@@ -470,26 +470,10 @@ class RedisBackend:
         )
         return cls(client, timeout_ms)
 
-    async def apply(self, hits: Sequence[Hit], all_or_nothing: bool, now_ms: int) -> list[Outcome]:
-        # One implementation of the script call: `apply_then`, awaited.
-        answer: asyncio.Future[list[Outcome] | Exception] = (
-            asyncio.get_running_loop().create_future()
-        )
-
-        def done(got: list[Outcome] | Exception) -> None:
-            if not answer.done():  # the caller may have given up (its own timeout)
-                answer.set_result(got)
-
-        self.apply_then(hits, all_or_nothing, now_ms, done)
-        got = await answer
-        if isinstance(got, Exception):
-            raise got
-        return got
-
     def apply_then(
         self, hits: Sequence[Hit], all_or_nothing: bool, now_ms: int, done: Applied
     ) -> None:
-        """`apply` through a callback (see `AppliesThen`): one script call, its reply handed to
+        """One script call (see `Backend.apply_then`), its reply handed to
         `done` from the client's `data_received`, with no coroutine or future. The client keeps
         the deadline (one timer per connection, not one per call); a retry after NOSCRIPT keeps
         the same one."""

@@ -2,8 +2,11 @@
 call started at once without a Task (`sidecar.rls.h2.calls`), write back-pressure, and graceful
 shutdown.
 
-Methods are looked up by `:path`; an unknown path is answered UNIMPLEMENTED. A method's
-CallError becomes its status; any other exception is a bug, answered INTERNAL and logged.
+Methods are looked up by `:path`; an unknown path is answered UNIMPLEMENTED. Every call is
+answered through a callback (`CallbackMethod`, the hot path's form); a coroutine method is
+turned into one when the server is made (`H2Server.driven`: its coroutine is stepped by
+`Calls`, with no Task). A method's CallError becomes its status; any other exception is a bug,
+answered INTERNAL and logged.
 
 Shutdown follows RFC 9113 §6.8: GOAWAY with the largest stream id and a PING, then, once the
 PING comes back (or after SHUTDOWN_PING_TIMEOUT), GOAWAY with the last stream taken. Calls
@@ -30,7 +33,7 @@ import asyncio
 import contextlib
 import os
 import socket
-from collections.abc import Mapping
+from collections.abc import Awaitable, Mapping
 from time import perf_counter
 from typing import Any, cast
 
@@ -40,7 +43,7 @@ from sidecar import batching
 from sidecar.rls.h2.calls import Calls
 from sidecar.rls.h2.connection import DEFAULT_LIMITS, Connection, Limits
 from sidecar.rls.h2.streams import BufferBudget
-from sidecar.rls.h2.unary import CallbackMethod, CallError, Method, Status
+from sidecar.rls.h2.unary import Answer, CallbackMethod, CallError, Method, Status
 
 #: Seconds to wait for the PING ACK between the two GOAWAY frames of a shutdown.
 SHUTDOWN_PING_TIMEOUT = 1.0
@@ -92,7 +95,12 @@ class H2Server:
         frame_timeout: float = FRAME_TIMEOUT,
         idle_timeout: float = IDLE_TIMEOUT,
     ) -> None:
-        self.methods = dict(methods)
+        self.calls = Calls()
+        #: Every method in the callback form.
+        self.methods = {
+            path: method if isinstance(method, CallbackMethod) else self.driven(method)
+            for path, method in methods.items()
+        }
         self.limits = limits
         self.max_connections = max_connections
         self.max_calls_in_flight = max_calls_in_flight
@@ -102,7 +110,6 @@ class H2Server:
         self.idle_timeout = idle_timeout
         self.stopping = False
         self.protocols: set[_Protocol] = set()
-        self.calls = Calls()
         #: Request bytes buffered by all connections (Limits.max_buffered_bytes_all).
         self.budget = BufferBudget(limits.max_buffered_bytes_all)
         #: Connections that stopped reading because of the calls in flight, in the order they
@@ -169,10 +176,20 @@ class H2Server:
 
     def in_flight(self) -> int:
         """Calls started and not answered yet, over all connections."""
-        return self.calls.answering + len(self.calls.running)
+        return self.calls.answering
 
     def too_many_calls(self) -> bool:
-        return self.calls.answering + len(self.calls.running) >= self.max_calls_in_flight
+        return self.calls.answering >= self.max_calls_in_flight
+
+    def driven(self, method: Method) -> CallbackMethod:
+        """A coroutine method in the callback form: each call's coroutine is started at once
+        and stepped by `calls` (no Task), and answers when it returns or raises."""
+        calls = self.calls
+
+        def handle(message: bytes, answer: Answer) -> None:
+            calls.start(_answer_when_done(method(message), answer))
+
+        return CallbackMethod(handle)
 
     async def stop(self, grace: float) -> None:
         """Take no new connection, drain the open ones, and give calls `grace` seconds."""
@@ -196,6 +213,21 @@ class H2Server:
         for path, bound in self._unix_paths:
             unlink_socket(path, bound)
         self._unix_paths.clear()
+
+
+async def _answer_when_done(call: Awaitable[bytes], answer: Answer) -> None:
+    """Hand `answer` what a coroutine method's call ends with: its response or its exception.
+    Cancelled (by a stop whose grace has run out, the connection already gone), it answers
+    CANCELLED, so that the call is counted as answered."""
+    try:
+        response = await call
+    except asyncio.CancelledError:
+        answer(CallError(Status.CANCELLED, "the server stopped"))
+        raise
+    except Exception as exc:
+        answer(exc)
+        return
+    answer(response)
 
 
 def _calls_out(protocol: _Protocol) -> int:
@@ -418,10 +450,7 @@ class _Protocol(asyncio.Protocol):
         if method is None:
             self.conn.respond_error(stream_id, Status.UNIMPLEMENTED, f"unknown method {path}")
             return
-        if not isinstance(method, CallbackMethod):
-            self.server.calls.start(self._call(stream_id, path, method, message))
-            return
-        # A CallbackMethod: the hot path, here rather than in a method of its own.
+        # The hot path, here rather than in a method of its own.
         server = self.server
         calls = server.calls
         calls.opened()
@@ -447,16 +476,6 @@ class _Protocol(asyncio.Protocol):
             method.handle(message, answer)
         except Exception as exc:
             answer(exc)
-
-    async def _call(self, stream_id: int, path: str, method: Method, message: bytes) -> None:
-        try:
-            response = await method(message)
-        except Exception as exc:
-            self._answer(stream_id, path, exc)
-        else:
-            self._answer(stream_id, path, response)
-        if self.server.held:
-            self.loop.call_soon(self.server.calls_answered)  # once this call has finished
 
     def _answer(self, stream_id: int, path: str, result: bytes | Exception) -> None:
         """Answer a call with its response, or the status its exception stands for."""
