@@ -3,7 +3,7 @@
 - `POST /json`: a `RateLimitRequest` in proto3 JSON; the response JSON with status 200 (OK),
   429 (OVER_LIMIT) or 500 (UNKNOWN); 400 with the reason for bad JSON or an invalid request;
   413 for a body over 1 MiB; 503 when the backend has as many calls in flight as it answers
-  in time (Overloaded).
+  in time (Overloaded). An error's status is `sidecar.rls.statuses`'.
 - `GET /healthcheck`: 200 `OK`, or 500 after SIGTERM or while the backend fails its ping.
 - `GET /rlconfig`: the loaded rules, one line per rule (the reference's format).
 - `GET /metrics`: Prometheus text format.
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Awaitable, Callable
+from http import HTTPStatus
 from typing import Any
 
 from aiohttp import web
@@ -23,12 +24,12 @@ from prometheus_client import CollectorRegistry
 
 from sidecar import frequency_json, metrics
 from sidecar.config import Rules
-from sidecar.errors import InvalidRequest, Overloaded, StorageError, UnknownDomain
 from sidecar.frequency import FrequencyCaps
 from sidecar.health import Health
 from sidecar.http_bodies import LINGERING_SECONDS, SlowBody, read_body
 from sidecar.model import Code
 from sidecar.rls.service import RateLimitService
+from sidecar.rls.statuses import statuses
 
 MAX_BODY_BYTES = 1 << 20
 
@@ -130,10 +131,11 @@ class AdminServer:
             )
         try:
             code, text = await self.service.should_rate_limit_json(body)
-        except InvalidRequest as exc:
-            return web.Response(status=400, text=f"Bad Request: {exc}\n")
-        except Overloaded as exc:
-            return web.Response(status=503, text=f"Service Unavailable: {exc}\n")
+        except Exception as exc:
+            _, status = statuses(exc)
+            if status is HTTPStatus.INTERNAL_SERVER_ERROR:
+                raise  # a bug: aiohttp's 500, logged with its traceback
+            return web.Response(status=status, text=f"{status.phrase}: {exc}\n")
         return web.Response(status=_JSON_STATUS[code], text=text, content_type="application/json")
 
     async def _healthcheck(self, request: web.Request) -> web.Response:
@@ -186,12 +188,12 @@ async def _caps_call(
         return _json_error(413, f"body too large: at most {MAX_BODY_BYTES} bytes")
     try:
         answer = await call(body)
-    except InvalidRequest as exc:
-        return _json_error(400, str(exc))
-    except UnknownDomain as exc:
-        return _json_error(404, str(exc))
-    except (StorageError, Overloaded) as exc:
-        return _json_error(503, f"counters unavailable: {exc}")
+    except Exception as exc:
+        _, status = statuses(exc)
+        if status is HTTPStatus.INTERNAL_SERVER_ERROR:
+            raise  # a bug: aiohttp's 500, logged with its traceback
+        unavailable = status is HTTPStatus.SERVICE_UNAVAILABLE
+        return _json_error(status, f"counters unavailable: {exc}" if unavailable else str(exc))
     return web.json_response(answer, dumps=_dumps)
 
 

@@ -161,9 +161,8 @@ class Limiter:
         InvalidRequest, counted as a service error, for a request that breaks the protocol."""
         try:
             return prepare(self.rules, request)
-        except InvalidRequest:
-            self.stats.total_requests += 1
-            self.stats.service_error += 1
+        except InvalidRequest as exc:
+            self.stats.refused(exc)
             raise
 
     def decide_then(
@@ -531,7 +530,7 @@ class _Waiting:
                 )
             else:
                 if isinstance(outcomes, Overloaded):
-                    limiter.stats.overloaded += 1
+                    limiter.stats.refused(outcomes)
                 answer = outcomes
         except Exception as exc:
             answer = exc

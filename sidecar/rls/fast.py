@@ -1,11 +1,10 @@
 """The fast transport: `ShouldRateLimit`, `grpc.health.v1.Health/Check` and the project's own
 FrequencyCaps on the sidecar's own HTTP/2 server (`sidecar.rls.h2`) instead of grpc.aio.
 
-It answers exactly as the grpc.aio transport (`sidecar.rls.server`) does: InvalidRequest is
-INVALID_ARGUMENT with its message, a bug is INTERNAL (the first exception of each type logged
-with its traceback), FrequencyCaps' UnknownDomain is NOT_FOUND and StorageError UNAVAILABLE, Overloaded is
-UNAVAILABLE,
-and health reports "" and "ratelimit", NOT_SERVING for good once stopping starts. Only unary
+It answers exactly as the grpc.aio transport (`sidecar.rls.server`) does: an error's status is
+`sidecar.rls.statuses`' (INVALID_ARGUMENT, NOT_FOUND, UNAVAILABLE, or INTERNAL for a bug, the
+first exception of each type logged with its traceback), and health reports "" and
+"ratelimit", NOT_SERVING for good once stopping starts. Only unary
 calls exist here: Health/Watch, reflection and TLS are grpcio's.
 """
 
@@ -14,17 +13,16 @@ from __future__ import annotations
 import socket
 from collections.abc import Awaitable, Callable
 
-import structlog
 from google.protobuf.message import DecodeError  # type: ignore[import-untyped]
 from grpc_health.v1 import health_pb2  # type: ignore[import-untyped]
 
-from sidecar.errors import InvalidRequest, Overloaded, StorageError, UnknownDomain
 from sidecar.metrics import Latency
 from sidecar.rls import frequency
 from sidecar.rls.h2.server import H2Server
 from sidecar.rls.h2.unary import CallbackMethod, CallError, Method, Status
 from sidecar.rls.server import HEALTH_SERVICE_NAME, METHOD
 from sidecar.rls.service import RateLimitService
+from sidecar.rls.statuses import Answers, is_bug
 
 HEALTH_CHECK = "/grpc.health.v1.Health/Check"
 
@@ -34,8 +32,6 @@ _SERVING: bytes = health_pb2.HealthCheckResponse(
 _NOT_SERVING: bytes = health_pb2.HealthCheckResponse(
     status=health_pb2.HealthCheckResponse.NOT_SERVING
 ).SerializeToString()
-
-log = structlog.get_logger("sidecar.rls.fast")
 
 
 class FastServer:
@@ -58,7 +54,7 @@ class FastServer:
         self.sock = sock
         self._health: dict[str, bytes] = {"": _NOT_SERVING, HEALTH_SERVICE_NAME: _NOT_SERVING}
         self._stopping = False
-        self._logged_errors: set[type[BaseException]] = set()
+        self._answers = Answers()
         methods: dict[str, Method | CallbackMethod] = {
             # The hot path: the service's own method, answering through a callback, timed and
             # its errors turned into statuses by the server.
@@ -96,37 +92,20 @@ class FastServer:
         await self._server.stop(grace)
 
     def _should_rate_limit_error(self, exc: Exception) -> CallError:
-        """The status for what ShouldRateLimit raised: INVALID_ARGUMENT, UNAVAILABLE when
-        overloaded, else a bug (INTERNAL)."""
-        if isinstance(exc, InvalidRequest):
-            return CallError(Status.INVALID_ARGUMENT, str(exc))
-        if isinstance(exc, Overloaded):  # counted by the limiter
-            return CallError(Status.UNAVAILABLE, str(exc))
-        self.service.stats.service_error += 1
-        return self._internal(METHOD, exc)
+        """The CallError for what ShouldRateLimit raised; a bug is counted (the limiter and the
+        service count the refusals they make)."""
+        if is_bug(exc):
+            self.service.stats.refused(exc)
+        return CallError(*self._answers.grpc(METHOD, exc))
 
     def _frequency_call(self, path: str, call: Callable[[bytes], Awaitable[bytes]]) -> Method:
         async def handle(request: bytes) -> bytes:
             try:
                 return await call(request)
-            except InvalidRequest as exc:
-                raise CallError(Status.INVALID_ARGUMENT, str(exc)) from exc
-            except UnknownDomain as exc:
-                raise CallError(Status.NOT_FOUND, str(exc)) from exc
-            except (StorageError, Overloaded) as exc:
-                raise CallError(Status.UNAVAILABLE, str(exc)) from exc
             except Exception as exc:
-                raise self._internal(path, exc) from exc
+                raise CallError(*self._answers.grpc(path, exc)) from exc
 
         return handle
-
-    def _internal(self, path: str, exc: Exception) -> CallError:
-        """INTERNAL for a bug; the first exception of each type is logged with its traceback."""
-        kind = type(exc)
-        if kind not in self._logged_errors:
-            self._logged_errors.add(kind)
-            log.error("unexpected_error", method=path, error=repr(exc), exc_info=exc)
-        return CallError(Status.INTERNAL, f"internal error: {kind.__name__}: {exc}")
 
     async def _check(self, request: bytes) -> bytes:
         try:

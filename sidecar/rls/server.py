@@ -2,12 +2,10 @@
 
 `ShouldRateLimit` is registered with raw bytes in and out (no (de)serializers): the service
 parses and writes the protobuf itself, so grpc never builds a message we would only convert.
-InvalidRequest becomes INVALID_ARGUMENT with its message. Anything else is a bug: the call gets
-INTERNAL, the first exception of each type is logged with its traceback, and the server goes on.
-
 When given a FrequencyService, the same server also answers the project's own
-`ratelimit_sidecar.frequency.v1.FrequencyCaps` (raw bytes too): UnknownDomain is NOT_FOUND and
-StorageError UNAVAILABLE there, since an ad server, unlike Envoy, has no failure mode to apply.
+`ratelimit_sidecar.frequency.v1.FrequencyCaps` (raw bytes too). An error's status is
+`sidecar.rls.statuses`' (a bug is INTERNAL, the first exception of each type logged with its
+traceback, and the server goes on).
 """
 
 from __future__ import annotations
@@ -17,15 +15,14 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc  # type: ignore[import-untyped]
-import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # type: ignore[import-untyped]
 from grpc_health.v1.health import aio as health_aio  # type: ignore[import-untyped]
 
 from sidecar.callbacks import awaited
-from sidecar.errors import InvalidRequest, Overloaded, StorageError, UnknownDomain
 from sidecar.metrics import Latency
 from sidecar.rls import frequency
 from sidecar.rls.service import RateLimitService
+from sidecar.rls.statuses import Answers, is_bug
 
 SERVICE_NAME = "envoy.service.ratelimit.v3.RateLimitService"
 METHOD = f"/{SERVICE_NAME}/ShouldRateLimit"
@@ -33,7 +30,8 @@ METHOD = f"/{SERVICE_NAME}/ShouldRateLimit"
 HEALTH_SERVICE_NAME = "ratelimit"
 
 
-log = structlog.get_logger("sidecar.rls.server")
+#: grpc's status for each of ours, by number.
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
 class GrpcServer:
@@ -57,7 +55,7 @@ class GrpcServer:
         self.latency = latency or Latency()
         self.health = health_aio.HealthServicer()
         self._server: Any = None
-        self._logged_errors: set[type[BaseException]] = set()
+        self._answers = Answers()
 
     async def start(self) -> int:
         """Listen on `address` (port 0 picks a free port); NOT_SERVING until `set_serving(True)`."""
@@ -100,22 +98,18 @@ class GrpcServer:
         started = time.perf_counter()
         try:
             return await awaited(lambda done: self.service.should_rate_limit_then(request, done))
-        except InvalidRequest as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            raise  # unreachable: abort raises
-        except Overloaded as exc:  # counted by the limiter
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-            raise
         except Exception as exc:
-            self.service.stats.service_error += 1
-            kind = type(exc)
-            if kind not in self._logged_errors:
-                self._logged_errors.add(kind)
-                log.exception("unexpected_error", method=METHOD, error=repr(exc))
-            await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {kind.__name__}: {exc}")
+            if is_bug(exc):  # the limiter and the service count the refusals they make
+                self.service.stats.refused(exc)
+            await self._abort(context, METHOD, exc)
             raise  # unreachable: abort raises
         finally:
             self.latency.observe(time.perf_counter() - started)
+
+    async def _abort(self, context: Any, method: str, exc: Exception) -> None:
+        """End the call with the status and message for what `method` raised."""
+        status, message = self._answers.grpc(method, exc)
+        await context.abort(_CODES[status], message)
 
     # --- FrequencyCaps (sidecar.rls.frequency) ----------------------------------------------
 
@@ -138,23 +132,8 @@ class GrpcServer:
         async def handle(request: bytes, context: Any) -> bytes:
             try:
                 return await call(request)
-            except InvalidRequest as exc:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-                raise  # unreachable: abort raises
-            except UnknownDomain as exc:
-                await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
-                raise
-            except (StorageError, Overloaded) as exc:
-                await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-                raise
             except Exception as exc:
-                kind = type(exc)
-                if kind not in self._logged_errors:
-                    self._logged_errors.add(kind)
-                    log.exception("unexpected_error", method=method, error=repr(exc))
-                await context.abort(
-                    grpc.StatusCode.INTERNAL, f"internal error: {kind.__name__}: {exc}"
-                )
-                raise
+                await self._abort(context, method, exc)
+                raise  # unreachable: abort raises
 
         return handle

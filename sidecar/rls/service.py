@@ -1,8 +1,8 @@
 """The decision path as a transport sees it: request bytes (or proto3 JSON) in, response out.
 
 Nothing here knows about gRPC or HTTP, so a faster transport can replace grpc.aio without
-touching the limiter. A request that cannot be answered raises InvalidRequest, which a gRPC
-transport reports as INVALID_ARGUMENT and the HTTP `/json` endpoint as 400.
+touching the limiter. A request that cannot be answered raises InvalidRequest (its statuses are
+`sidecar.rls.statuses`': INVALID_ARGUMENT on gRPC, 400 on the HTTP `/json` endpoint).
 """
 
 from __future__ import annotations
@@ -96,19 +96,15 @@ class RateLimitService:
     def _convert(self, message: RateLimitRequest) -> Request:
         try:
             return convert.request(message)
-        except InvalidRequest:
-            self._count_refusal()
+        except InvalidRequest as exc:
+            self.limiter.stats.refused(exc)
             raise
 
     def _refuse(self, message: str) -> InvalidRequest:
         """An InvalidRequest for a request the limiter never saw, counted as the limiter would."""
-        self._count_refusal()
-        return InvalidRequest(message)
-
-    def _count_refusal(self) -> None:
-        stats = self.limiter.stats
-        stats.total_requests += 1
-        stats.service_error += 1
+        refusal = InvalidRequest(message)
+        self.limiter.stats.refused(refusal)
+        return refusal
 
 
 def _same(decision: Decision) -> Decision:
