@@ -23,13 +23,13 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from sidecar import frequency_json, metrics
-from sidecar.config import Rules
 from sidecar.frequency import FrequencyCaps
 from sidecar.health import Health
 from sidecar.http_bodies import LINGERING_SECONDS, SlowBody, read_body
 from sidecar.model import Code
 from sidecar.rls.service import RateLimitService
 from sidecar.rls.statuses import statuses
+from sidecar.rules import Rules
 
 MAX_BODY_BYTES = 1 << 20
 

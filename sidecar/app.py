@@ -33,6 +33,7 @@ from sidecar.rls.frequency import FrequencyService
 from sidecar.rls.h2.server import unix_path
 from sidecar.rls.server import GrpcServer
 from sidecar.rls.service import RateLimitService
+from sidecar.rules import Rules
 from sidecar.stats import Stats
 from sidecar.storage import Backend, open_backend, peers
 from sidecar.storage.memory import MemoryBackend
@@ -266,7 +267,7 @@ class App:
         assert self._health is not None, "App.start() first"
         return self._health
 
-    def _load_rules(self) -> config.Rules:
+    def _load_rules(self) -> Rules:
         try:
             rules = config.load(self.options.config)
         except ConfigError:

@@ -1,8 +1,11 @@
 """Rules in envoyproxy/ratelimit's YAML format: `parse` one file's text, `load` files from disk.
 
 One file holds one domain: a tree of descriptors, each a `key` with an optional `value` (exact,
-or a pattern where `*` matches any run of characters) and an optional `rate_limit`.
-`parse` is pure; `load` is the only function here that touches the disk.
+or a pattern where `*` matches any run of characters) and an optional `rate_limit`; it becomes
+the rule tree of `sidecar.rules`. `parse` is pure; `load` is the only function here that
+touches the disk. It is one module past 400 lines because it is the format: each `_Parser`
+method reads one kind of map of it (a descriptor, a limit, a window and its parts: unit,
+algorithm, token bucket, borrowing, calendar), and a change of the format changes them together.
 Every error is a ConfigError naming the file, the path inside it and, where it helps, the fix,
 worded as the reference words it so existing runbooks still match.
 """
@@ -11,8 +14,7 @@ from __future__ import annotations
 
 import difflib
 import re
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +23,7 @@ import yaml
 from sidecar.algorithms.windows import check_zone, code, is_calendar_unit, kind
 from sidecar.errors import ConfigError
 from sidecar.model import Algorithm, Limit, Unit, Window
+from sidecar.rules import Domain, Level, Node, Rules, yaml_bool
 
 MAX_REQUESTS_PER_UNIT = 4_294_967_295
 
@@ -58,116 +61,6 @@ _WEEK_STARTS = {"monday": 0, "sunday": 6}
 _REPLACES_KEYS = ("name",)
 _UNITS = {unit.name.lower(): unit for unit in Unit}
 _UNIT_LIST = ", ".join(u.name.lower() for u in sorted(Unit, key=lambda u: u.seconds))
-
-
-@dataclass(slots=True)
-class Level:
-    """The descriptors declared side by side at one depth of the tree.
-
-    Lookup order, as in the reference: exact `key_value`, then wildcard patterns in declaration
-    order, then `key` alone.
-    """
-
-    exact: dict[tuple[str, str], Node] = field(default_factory=dict)
-    wildcards: list[tuple[str, re.Pattern[str], Node]] = field(default_factory=list)
-    keys: dict[str, Node] = field(default_factory=dict)
-    declared: list[Node] = field(default_factory=list)
-
-    def nodes(self) -> Iterable[Node]:
-        """The level's descriptors in declaration order."""
-        return iter(self.declared)
-
-
-@dataclass(slots=True)
-class Node:
-    """One descriptor of the rules: what it matches, its limit and the level below it.
-
-    `label` is this node's part of the rule key (`key`, `key_value` or `key_pattern`);
-    `rule_key` is the whole path from the domain, as metrics and `/rlconfig` name the rule.
-    """
-
-    key: str
-    value: str | None
-    label: str
-    rule_key: str
-    limit: Limit | None
-    children: Level
-    detailed_metric: bool = False
-    value_to_metric: bool = False
-    share_threshold: bool = False
-    #: Every counter below this first-level descriptor lives in one hash per value (see
-    #: `storage.keys`). Opt-in: under a first entry with unbounded descendants (`app` with
-    #: millions of users below it) one hash would grow without bound and be hot on one node.
-    group_counters: bool = False
-    metadata: Mapping[str, Any] | None = None
-
-
-@dataclass(slots=True)
-class Domain:
-    """The rules of one domain, from one file."""
-
-    name: str
-    source: str
-    root: Level
-
-    def limits(self) -> Iterable[Limit]:
-        """Every limit of the domain, depth first in declaration order."""
-        stack = list(reversed(list(self.root.nodes())))
-        while stack:
-            node = stack.pop()
-            if node.limit is not None:
-                yield node.limit
-            stack.extend(reversed(list(node.children.nodes())))
-
-    def summary(self) -> str:
-        limits = list(self.limits())
-        return f"{self.source}: domain '{self.name}': {len(limits)} rate limits"
-
-
-@dataclass(slots=True)
-class Rules:
-    """Every loaded domain, by name."""
-
-    domains: dict[str, Domain] = field(default_factory=dict)
-
-    def dump(self) -> list[str]:
-        """One line per rule, in the reference's `/rlconfig` format."""
-        return [describe(limit) for domain in self.domains.values() for limit in domain.limits()]
-
-
-def describe(limit: Limit) -> str:
-    """A rule as `/rlconfig` prints it: the reference's line, plus any extension in use."""
-    if limit.unlimited:
-        head = f"{limit.rule_key}: unlimited"
-    else:
-        head = f"{limit.rule_key}: " + "; ".join(_describe_window(w) for w in limit.windows)
-    line = f"{head}, shadow_mode: {_yaml_bool(limit.shadow_mode)}, quota_mode: {_yaml_bool(limit.quota_mode)}"
-    if limit.name:
-        line += f", name: {limit.name}"
-    if limit.replaces:
-        line += f", replaces: {','.join(limit.replaces)}"
-    return line
-
-
-def _describe_window(window: Window) -> str:
-    text = f"unit={window.unit.name} requests_per_unit={window.requests_per_unit}"
-    if window.algorithm is not Algorithm.FIXED_WINDOW:
-        text += f" algorithm={window.algorithm.value}"
-    if window.unit_multiplier != 1:
-        text += f" unit_multiplier={window.unit_multiplier}"
-    if window.burst is not None:
-        text += f" burst={window.burst}"
-    if window.borrow:
-        text += f" borrow={window.borrow}"
-    if window.calendar:
-        text += f" calendar timezone={window.timezone}"
-        if window.unit is Unit.WEEK:
-            text += f" week_start={'sunday' if window.week_start == 6 else 'monday'}"
-    return text
-
-
-def _yaml_bool(value: bool) -> str:
-    return "true" if value else "false"
 
 
 def load(paths: Sequence[str | Path]) -> Rules:
@@ -402,7 +295,7 @@ class _Parser:
         if raw is None:
             return ""
         if isinstance(raw, bool):
-            return _yaml_bool(raw)
+            return yaml_bool(raw)
         if isinstance(raw, str | int | float):
             return str(raw)
         raise self.error(path, f"must be a string, got {type(raw).__name__} {raw!r}")
@@ -459,7 +352,8 @@ class _Parser:
         )
 
     def window(self, raw: object, path: str) -> tuple[Window, bool, tuple[str, ...]]:
-        """One window: (window, unlimited, names it replaces)."""
+        """One window: (window, unlimited, names it replaces). Its parts are checked in the
+        order of the keys a reader meets, each by one function below."""
         if not isinstance(raw, dict):
             raise self.error(path, "a rate limit must be a map with unit and requests_per_unit")
         self.check_keys(raw, _RATE_LIMIT_KEYS, path)
@@ -474,88 +368,15 @@ class _Parser:
                     "should not specify rate limit unit when unlimited (remove 'unit' or 'unlimited')",
                 )
             return Window(0, Unit.SECOND, name=name), True, replaces
-        unit = _UNITS.get(unit_text.lower())
-        if unit is None:
-            raise self.error(
-                f"{path}.unit",
-                f"invalid rate limit unit '{unit_text}' (expected one of: {_UNIT_LIST})",
-            )
+        unit = self.unit(unit_text, path)
         requests = self.count(raw, "requests_per_unit", path, 0, default=0)
-        algorithm_text = self.scalar(raw.get("algorithm", "fixed_window"), f"{path}.algorithm")
-        algorithm = _ALGORITHMS.get(algorithm_text)
-        if algorithm is None:
-            hint = difflib.get_close_matches(algorithm_text, list(_ALGORITHMS), n=1, cutoff=0.5)
-            fix = (
-                f"did you mean '{hint[0]}'?"
-                if hint
-                else f"expected one of: {', '.join(_ALGORITHMS)}"
-            )
-            raise self.error(f"{path}.algorithm", f"unknown algorithm '{algorithm_text}' ({fix})")
+        algorithm = self.algorithm(raw, path)
         multiplier = self.count(raw, "unit_multiplier", path, 1, default=1)
         borrow = self.count(raw, "borrow", path, 0, default=0)
         calendar = self.flag(raw, "calendar", path)
-        burst: int | None = None
-        if "burst" in raw:
-            if algorithm is not Algorithm.TOKEN_BUCKET:
-                raise self.error(
-                    f"{path}.burst",
-                    "burst applies to token buckets (add 'algorithm: token_bucket')",
-                )
-            burst = self.count(raw, "burst", path, 1, default=1)
-        if algorithm is Algorithm.TOKEN_BUCKET and requests < 1:
-            raise self.error(
-                f"{path}.requests_per_unit",
-                "a token bucket needs requests_per_unit of at least 1 (its refill rate)",
-            )
-        if borrow:
-            if algorithm is Algorithm.SLIDING_WINDOW:
-                raise self.error(
-                    f"{path}.borrow",
-                    "borrow applies to fixed windows and token buckets, not sliding windows",
-                )
-            if algorithm is Algorithm.FIXED_WINDOW and borrow > requests:
-                raise self.error(
-                    f"{path}.borrow",
-                    f"borrow {borrow} exceeds requests_per_unit {requests}: the next window alone repays "
-                    "the debt (lower borrow, or use a token bucket)",
-                )
-        timezone, week_start = "UTC", 0
-        if calendar:
-            if algorithm is not Algorithm.FIXED_WINDOW:
-                raise self.error(
-                    f"{path}.calendar", "calendar windows are fixed windows (remove 'algorithm')"
-                )
-            if not is_calendar_unit(unit):
-                raise self.error(
-                    f"{path}.calendar",
-                    "calendar windows are days, weeks, months or years (remove 'calendar')",
-                )
-            if multiplier != 1:
-                raise self.error(
-                    f"{path}.unit_multiplier",
-                    "calendar windows are one unit long (remove 'unit_multiplier')",
-                )
-            timezone = self.scalar(raw.get("timezone", "UTC"), f"{path}.timezone")
-            try:
-                check_zone(timezone)
-            except ValueError as exc:
-                raise self.error(f"{path}.timezone", str(exc)) from exc
-            week_text = self.scalar(raw.get("week_start", "monday"), f"{path}.week_start")
-            if week_text not in _WEEK_STARTS:
-                raise self.error(
-                    f"{path}.week_start", f"week_start must be monday or sunday, got '{week_text}'"
-                )
-            if "week_start" in raw and unit is not Unit.WEEK:
-                raise self.error(
-                    f"{path}.week_start", "week_start applies to calendar weeks (unit: week)"
-                )
-            week_start = _WEEK_STARTS[week_text]
-        else:
-            for key in ("timezone", "week_start"):
-                if key in raw:
-                    raise self.error(
-                        f"{path}.{key}", f"{key} applies to calendar windows (add 'calendar: true')"
-                    )
+        burst = self.token_bucket(raw, path, algorithm, requests)
+        self.check_borrow(borrow, path, algorithm, requests)
+        timezone, week_start = self.calendar(raw, path, calendar, algorithm, unit, multiplier)
         window = Window(
             requests_per_unit=requests,
             unit=unit,
@@ -571,6 +392,112 @@ class _Parser:
         if self.codes is not None:
             self.check_code(window, path)
         return window, False, replaces
+
+    def unit(self, text: str, path: str) -> Unit:
+        unit = _UNITS.get(text.lower())
+        if unit is None:
+            raise self.error(
+                f"{path}.unit", f"invalid rate limit unit '{text}' (expected one of: {_UNIT_LIST})"
+            )
+        return unit
+
+    def algorithm(self, raw: dict[Any, Any], path: str) -> Algorithm:
+        text = self.scalar(raw.get("algorithm", "fixed_window"), f"{path}.algorithm")
+        algorithm = _ALGORITHMS.get(text)
+        if algorithm is None:
+            hint = difflib.get_close_matches(text, list(_ALGORITHMS), n=1, cutoff=0.5)
+            fix = (
+                f"did you mean '{hint[0]}'?"
+                if hint
+                else f"expected one of: {', '.join(_ALGORITHMS)}"
+            )
+            raise self.error(f"{path}.algorithm", f"unknown algorithm '{text}' ({fix})")
+        return algorithm
+
+    def token_bucket(
+        self, raw: dict[Any, Any], path: str, algorithm: Algorithm, requests: int
+    ) -> int | None:
+        """The burst, which only a token bucket has (None: as many as its requests_per_unit);
+        a token bucket's requests_per_unit is its refill rate, so at least 1."""
+        burst: int | None = None
+        if "burst" in raw:
+            if algorithm is not Algorithm.TOKEN_BUCKET:
+                raise self.error(
+                    f"{path}.burst",
+                    "burst applies to token buckets (add 'algorithm: token_bucket')",
+                )
+            burst = self.count(raw, "burst", path, 1, default=1)
+        if algorithm is Algorithm.TOKEN_BUCKET and requests < 1:
+            raise self.error(
+                f"{path}.requests_per_unit",
+                "a token bucket needs requests_per_unit of at least 1 (its refill rate)",
+            )
+        return burst
+
+    def check_borrow(self, borrow: int, path: str, algorithm: Algorithm, requests: int) -> None:
+        """Borrowing is for fixed windows (at most one window's worth: the next window alone
+        repays it) and token buckets."""
+        if not borrow:
+            return
+        if algorithm is Algorithm.SLIDING_WINDOW:
+            raise self.error(
+                f"{path}.borrow",
+                "borrow applies to fixed windows and token buckets, not sliding windows",
+            )
+        if algorithm is Algorithm.FIXED_WINDOW and borrow > requests:
+            raise self.error(
+                f"{path}.borrow",
+                f"borrow {borrow} exceeds requests_per_unit {requests}: the next window alone repays "
+                "the debt (lower borrow, or use a token bucket)",
+            )
+
+    def calendar(
+        self,
+        raw: dict[Any, Any],
+        path: str,
+        calendar: bool,
+        algorithm: Algorithm,
+        unit: Unit,
+        multiplier: int,
+    ) -> tuple[str, int]:
+        """(timezone, week_start) of a calendar window: one fixed window of a day, week, month
+        or year in its time zone; a window that is not a calendar one takes neither."""
+        if not calendar:
+            for key in ("timezone", "week_start"):
+                if key in raw:
+                    raise self.error(
+                        f"{path}.{key}", f"{key} applies to calendar windows (add 'calendar: true')"
+                    )
+            return "UTC", 0
+        if algorithm is not Algorithm.FIXED_WINDOW:
+            raise self.error(
+                f"{path}.calendar", "calendar windows are fixed windows (remove 'algorithm')"
+            )
+        if not is_calendar_unit(unit):
+            raise self.error(
+                f"{path}.calendar",
+                "calendar windows are days, weeks, months or years (remove 'calendar')",
+            )
+        if multiplier != 1:
+            raise self.error(
+                f"{path}.unit_multiplier",
+                "calendar windows are one unit long (remove 'unit_multiplier')",
+            )
+        timezone = self.scalar(raw.get("timezone", "UTC"), f"{path}.timezone")
+        try:
+            check_zone(timezone)
+        except ValueError as exc:
+            raise self.error(f"{path}.timezone", str(exc)) from exc
+        week_text = self.scalar(raw.get("week_start", "monday"), f"{path}.week_start")
+        if week_text not in _WEEK_STARTS:
+            raise self.error(
+                f"{path}.week_start", f"week_start must be monday or sunday, got '{week_text}'"
+            )
+        if "week_start" in raw and unit is not Unit.WEEK:
+            raise self.error(
+                f"{path}.week_start", "week_start applies to calendar weeks (unit: week)"
+            )
+        return timezone, _WEEK_STARTS[week_text]
 
     def check_code(self, window: Window, path: str) -> None:
         """Refuse a window whose code in a grouped tree is another kind's (hashed zone names)."""

@@ -34,12 +34,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from sidecar.config import Domain, Level, Node, Rules
 from sidecar.errors import InvalidRequest, UnknownDomain
 from sidecar.frequency_plan import Cap, CheckPlan, Template, verdict
 from sidecar.matching import counter_value, lookup, match
 from sidecar.model import UNLIMITED_REMAINING, Dedupe, Entry, Hit
 from sidecar.plan import MAX_VALUE_LENGTH, descriptor_hits
+from sidecar.rules import Domain, Level, Node, Rules
 from sidecar.storage import Backend
 from sidecar.storage.keys import dedupe_key, field_head
 

@@ -23,7 +23,6 @@ from typing import Any, Literal, Protocol, TypeVar
 import structlog
 
 from sidecar.algorithms import fixed_window
-from sidecar.config import Rules
 from sidecar.errors import InvalidRequest, Overloaded, StorageError
 from sidecar.model import (
     Code,
@@ -38,6 +37,7 @@ from sidecar.model import (
 )
 from sidecar.over_limit_cache import OverLimitCache
 from sidecar.plan import Counted, Plan, prepare
+from sidecar.rules import Rules
 from sidecar.stats import Stats
 from sidecar.storage import Backend
 from sidecar.storage.memory import MemoryBackend

@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from sidecar.config import Domain, Level, Node
 from sidecar.model import Entry, Limit
+from sidecar.rules import Domain, Level, Node
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,7 +13,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from sidecar.algorithms.windows import field_hit, window_hit
-from sidecar.config import Rules
 from sidecar.errors import InvalidRequest
 from sidecar.matching import Match, match, sanitize
 from sidecar.model import (
@@ -27,6 +26,7 @@ from sidecar.model import (
     Role,
     single,
 )
+from sidecar.rules import Rules
 from sidecar.storage.keys import descriptor_prefix, field_head, group_key
 
 #: Bounds on what one request may carry; beyond them it is refused with INVALID_ARGUMENT.

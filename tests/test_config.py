@@ -9,6 +9,7 @@ import pytest
 from sidecar import config
 from sidecar.errors import ConfigError
 from sidecar.model import Unit
+from sidecar.rules import Rules
 
 FIXTURES = Path(__file__).parent / "config"
 
@@ -232,7 +233,7 @@ descriptors:
 
 def test_dump_prints_one_reference_line_per_rule() -> None:
     """`/rlconfig` shows one line per rule in the reference's format."""
-    rules = config.Rules(
+    rules = Rules(
         {
             "d": config.parse(
                 """
@@ -267,7 +268,7 @@ def test_empty_file_is_an_empty_domain_error() -> None:
 
 def test_extensions_show_in_rlconfig() -> None:
     """`/rlconfig` and `check` show the new fields; reference-format rules print as before."""
-    rules = config.Rules(
+    rules = Rules(
         {
             "d": config.parse(
                 """

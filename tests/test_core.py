@@ -26,6 +26,7 @@ from sidecar.model import (
     Unit,
     Window,
 )
+from sidecar.rules import Rules
 from sidecar.stats import RuleStats
 from sidecar.storage import open_backend
 from sidecar.storage.base import Applied
@@ -180,7 +181,7 @@ async def test_memory_check_creates_nothing() -> None:
     assert len(backend) == 0
 
 
-RULES = config.Rules(
+RULES = Rules(
     {
         "d": config.parse(
             """
@@ -285,7 +286,7 @@ async def test_the_memory_backend_keeps_at_most_max_counters_evicting_the_earlie
     """With `max_counters` values held, storing one more evicts the value whose window ends
     first (an hour's window outlives a minute's), counted in `evicted`; the rest keep
     counting."""
-    rules = config.Rules(
+    rules = Rules(
         {
             "d": config.parse(
                 """

@@ -22,6 +22,7 @@ from sidecar.cli import _worker_flags, build_parser
 from sidecar.limiter import Limiter, Settings, local_share
 from sidecar.model import Code, Descriptor, Entry, Request
 from sidecar.rls import convert
+from sidecar.rules import Rules
 from sidecar.storage import open_backend
 from sidecar.storage.peers import PEERS_INTERVAL, PEERS_KEY, CountsPeers
 
@@ -61,7 +62,7 @@ async def ask(
 ) -> AsyncIterator[tuple[Limiter, Callable[[str], asyncio.Future[Answer]]]]:
     """A limiter under `--failure-mode local --local-divisor 3` on the test's own Redis, and
     `ask(key)`: one call for the descriptor (key, "a"), answered through `request.param`."""
-    rules = config.Rules({"d": config.parse(RULES, "rules.yaml")})
+    rules = Rules({"d": config.parse(RULES, "rules.yaml")})
     backend = open_backend(f"redis://127.0.0.1:{restartable_redis.port}", timeout_ms=200)
     limiter = Limiter(
         rules,

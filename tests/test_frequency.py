@@ -39,6 +39,7 @@ from sidecar.model import (
     Role,
 )
 from sidecar.plan import descriptor_hits
+from sidecar.rules import Rules
 from sidecar.storage import Backend, open_backend
 from sidecar.storage.base import Applied
 
@@ -129,7 +130,7 @@ async def make_sidecar(backend_url: str, clock: Clock) -> AsyncIterator[Callable
 
     def make(rules: str = RULES, dedupe_horizon: int = DAY) -> Sidecar:
         domain = config.parse(rules, "rules.yaml")
-        loaded = config.Rules({domain.name: domain})
+        loaded = Rules({domain.name: domain})
         backend = CountingBackend(open_backend(backend_url, timeout_ms=2_000))
         opened.append(backend)
         caps = FrequencyCaps(loaded, backend, clock=clock, dedupe_horizon=dedupe_horizon)
@@ -403,7 +404,7 @@ async def test_the_over_limit_cache_tells_the_counters_of_one_user_apart(
     ads, although all of them live in one hash."""
     domain = config.parse(RULES.replace(", calendar: true, timezone: Asia/Shanghai", ""), "r.yaml")
     backend = open_backend(redis_url, timeout_ms=2_000)
-    limiter = Limiter(config.Rules({"ads": domain}), backend, clock=clock, over_limit_cache=100)
+    limiter = Limiter(Rules({"ads": domain}), backend, clock=clock, over_limit_cache=100)
     try:
 
         def ask(ad: str) -> Request:

@@ -24,6 +24,7 @@ from sidecar.algorithms import windows
 from sidecar.algorithms.windows import FIELD_GRACE, code, field_hit, kind, zone_code
 from sidecar.frequency import Candidate, FrequencyCaps, Impression
 from sidecar.model import Algorithm, Dedupe, Hit, Role, Unit, Window
+from sidecar.rules import Rules
 from sidecar.storage import Backend, open_backend
 from sidecar.storage.keys import base36, dedupe_key, field_head, group_key, keep_until_id
 from sidecar.storage.memory import MemoryBackend
@@ -86,7 +87,7 @@ def all_keys(nodes: Sequence[RedisServer]) -> set[bytes]:
 async def caps(store: tuple[str, list[RedisServer]], clock: Clock) -> AsyncIterator[FrequencyCaps]:
     domain = config.parse(RULES, "rules.yaml")
     backend = open_backend(store[0], timeout_ms=2_000)
-    yield FrequencyCaps(config.Rules({"ads": domain}), backend, clock=clock)
+    yield FrequencyCaps(Rules({"ads": domain}), backend, clock=clock)
     await backend.close()
 
 
@@ -177,7 +178,7 @@ async def test_without_group_counters_counters_keep_one_key_each(
     domain = config.parse(RULES.replace("    group_counters: true\n", ""), "rules.yaml")
     backend = open_backend(store[0], timeout_ms=2_000)
     try:
-        caps = FrequencyCaps(config.Rules({"ads": domain}), backend, clock=clock)
+        caps = FrequencyCaps(Rules({"ads": domain}), backend, clock=clock)
         now = int(clock.now)
         await caps.record("ads", [Impression("i1", "u1", "a1")])
     finally:
@@ -194,7 +195,7 @@ async def test_memory_forgets_grouped_counters_of_ended_windows(clock: Clock) ->
     """The memory backend drops a grouped counter when Redis would prune its field."""
     backend = MemoryBackend()
     domain = config.parse(RULES, "rules.yaml")
-    caps = FrequencyCaps(config.Rules({"ads": domain}), backend, clock=clock)
+    caps = FrequencyCaps(Rules({"ads": domain}), backend, clock=clock)
     clock.now = (clock.now // MONTH) * MONTH + 3 * DAY + 100
     await caps.record("ads", [Impression("i1", "u1", "a1")])
     assert len(backend) == 3  # day, month, the ids

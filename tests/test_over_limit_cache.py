@@ -13,11 +13,12 @@ from clock import Clock
 from sidecar import config
 from sidecar.limiter import Limiter, Settings
 from sidecar.model import Code, Descriptor, Entry, Request
+from sidecar.rules import Rules
 from sidecar.storage import Backend, open_backend
 
 pytestmark = pytest.mark.redis
 
-RULES = config.Rules(
+RULES = Rules(
     {
         "c": config.parse(
             """

@@ -15,6 +15,7 @@ from sidecar.limiter import Limiter
 from sidecar.model import Algorithm, Code, Descriptor, Entry, Hit, Request, Role, Unit, Window
 from sidecar.plan import prepare
 from sidecar.rls.service import RateLimitService
+from sidecar.rules import Rules
 from sidecar.storage.memory import MemoryBackend
 from sidecar.storage.redis import ApplyPacker, _command, counts
 from tests.clock import Clock
@@ -33,14 +34,14 @@ descriptors:
 """
 
 
-def _rules(text: str = RULES) -> config.Rules:
-    rules = config.Rules()
+def _rules(text: str = RULES) -> Rules:
+    rules = Rules()
     domain = config.parse(text, "rules.yaml")
     rules.domains[domain.name] = domain
     return rules
 
 
-def _plan(key: str) -> tuple[config.Rules, Request]:
+def _plan(key: str) -> tuple[Rules, Request]:
     return _rules(), Request("d", (Descriptor((Entry(key, "v"),)),))
 
 

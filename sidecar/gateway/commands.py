@@ -16,6 +16,7 @@ from typing import Any
 
 from sidecar import config
 from sidecar.errors import ConfigError
+from sidecar.rules import Domain
 
 PROG = "ratelimit-sidecar"
 DEFAULT_ROUTE = "default=/"
@@ -172,7 +173,7 @@ def generate(
     return messages.to_yaml(messages.pieces(feed, settings), header)
 
 
-def _domain(paths: Sequence[str], name: str | None) -> config.Domain:
+def _domain(paths: Sequence[str], name: str | None) -> Domain:
     rules = config.load(paths)
     where = ", ".join(paths)
     if not rules.domains:

@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from sidecar.config import Domain, Level
 from sidecar.errors import ConfigError
 from sidecar.gateway.sources import Count, Source, Sources
+from sidecar.rules import Domain, Level
 
 
 @dataclass(frozen=True)
