@@ -17,7 +17,7 @@ from pathlib import Path
 import yaml
 
 from sidecar.cli import parse_args
-from sidecar.gateway import commands
+from sidecar.envoy_config import commands
 
 ROOT = Path(__file__).resolve().parent.parent
 RULES = ROOT / "envoy" / "rules" / "gateway.yaml"

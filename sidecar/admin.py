@@ -8,7 +8,7 @@
 - `GET /rlconfig`: the loaded rules, one line per rule (the reference's format).
 - `GET /metrics`: Prometheus text format.
 - `POST /v1/caps/check`, `POST /v1/caps/record`: frequency caps for ad servers, in JSON (see
-  `frequency_json.py`): 200 with the answer, 400 with `{"error": reason}` for a bad body, 404 for
+  `json_api.py`): 200 with the answer, 400 with `{"error": reason}` for a bad body, 404 for
   a domain without caps, 413 for a body over 1 MiB, 503 when the backend fails.
 """
 
@@ -22,8 +22,9 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
-from sidecar import frequency_json, metrics
-from sidecar.frequency import FrequencyCaps
+from sidecar import metrics
+from sidecar.frequency import json_api
+from sidecar.frequency.caps import FrequencyCaps
 from sidecar.health import Health
 from sidecar.http_bodies import LINGERING_SECONDS, SlowBody, read_body
 from sidecar.model import Code
@@ -160,8 +161,8 @@ class AdminServer:
         assert caps is not None
 
         async def check(body: bytes) -> dict[str, Any]:
-            domain, user, candidates = frequency_json.check_request(body)
-            return frequency_json.check_response(await caps.check(domain, user, candidates))
+            domain, user, candidates = json_api.check_request(body)
+            return json_api.check_response(await caps.check(domain, user, candidates))
 
         return await _caps_call(request, check)
 
@@ -170,8 +171,8 @@ class AdminServer:
         assert caps is not None
 
         async def record(body: bytes) -> dict[str, Any]:
-            domain, impressions = frequency_json.record_request(body)
-            return frequency_json.record_response(await caps.record(domain, impressions))
+            domain, impressions = json_api.record_request(body)
+            return json_api.record_response(await caps.record(domain, impressions))
 
         return await _caps_call(request, record)
 

@@ -25,11 +25,11 @@ import structlog
 from sidecar import build, config, metrics
 from sidecar.admin import AdminServer
 from sidecar.errors import ConfigError, Overloaded, StorageError
-from sidecar.frequency import DEDUPE_HORIZON, FrequencyCaps
+from sidecar.frequency.caps import DEDUPE_HORIZON, FrequencyCaps
+from sidecar.frequency.service import FrequencyService
 from sidecar.health import Health
 from sidecar.limiter import FailureMode, Limiter, RejectedHits, Settings
 from sidecar.rls.fast import FastServer
-from sidecar.rls.frequency import FrequencyService
 from sidecar.rls.h2.server import unix_path
 from sidecar.rls.server import GrpcServer
 from sidecar.rls.service import RateLimitService

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from sidecar import __version__, config, logs
+from sidecar.envoy_config.commands import register as register_envoy_config
 from sidecar.errors import ConfigError
-from sidecar.gateway.commands import register as register_envoy_config
 from sidecar.injector.commands import register as register_injector
 
 # grpc's C core writes its own lines to stderr; keep them to errors so the log stays one format.

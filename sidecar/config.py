@@ -20,7 +20,8 @@ from typing import Any
 
 import yaml
 
-from sidecar.algorithms.windows import check_zone, code, is_calendar_unit, kind
+from sidecar.algorithms.windows import check_zone, is_calendar_unit
+from sidecar.counters import code, kind
 from sidecar.errors import ConfigError
 from sidecar.model import Algorithm, Limit, Unit, Window
 from sidecar.rules import Domain, Level, Node, Rules, yaml_bool

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sidecar.algorithms.windows import field_hit, window_hit
+from sidecar.counters import field_hit, window_hit
 from sidecar.errors import InvalidRequest
 from sidecar.matching import Match, match, sanitize
 from sidecar.model import (

@@ -10,7 +10,7 @@ from callbacks import apply, should_rate_limit
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sidecar import config
+from sidecar import config, counters
 from sidecar.algorithms import fixed_window, windows
 from sidecar.errors import InvalidRequest, StorageError
 from sidecar.limiter import Limiter, Settings
@@ -69,7 +69,7 @@ def test_windows_align_to_the_epoch() -> None:
     """A window starts at floor(now / W) * W, and resets W - now % W seconds later."""
     assert windows.epoch_window(1234, 60) == (1200, 1260)
     assert windows.epoch_window(1_000_000, 3600) == (997_200, 1_000_800)
-    hit = windows.window_hit("p", Window(5, Unit.MINUTE), 1, 0, Role.BLOCKING, 1_234_900)
+    hit = counters.window_hit("p", Window(5, Unit.MINUTE), 1, 0, Role.BLOCKING, 1_234_900)
     assert (hit.key, hit.end_ms - 1_234_900, hit.ttl) == (b"p|60|1200", 25_100, 60)
     assert (hit.start_ms, hit.end_ms) == (1_200_000, 1_260_000)
 

@@ -18,7 +18,7 @@ from sidecar import config
 from sidecar.algorithms.decide import Address, State
 from sidecar.algorithms.fixed_window import request_is_over
 from sidecar.errors import InvalidRequest, UnknownDomain
-from sidecar.frequency import (
+from sidecar.frequency.caps import (
     DEDUPE_MARGIN,
     Candidate,
     FrequencyCaps,

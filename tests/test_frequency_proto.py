@@ -43,8 +43,8 @@ def test_the_frequency_messages_sit_beside_envoys_in_one_registry() -> None:
     """Both protos load into the default pool; the frequency service has its own package."""
     from envoy.service.ratelimit.v3 import rls_pb2
 
+    from sidecar.frequency.service import SERVICE_NAME
     from sidecar.proto.ratelimit_sidecar.frequency.v1 import frequency_pb2
-    from sidecar.rls.frequency import SERVICE_NAME
 
     service = frequency_pb2.DESCRIPTOR.services_by_name["FrequencyCaps"]
     assert service.full_name == SERVICE_NAME

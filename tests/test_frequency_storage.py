@@ -21,8 +21,9 @@ from servers import RedisServer
 
 from sidecar import config
 from sidecar.algorithms import windows
-from sidecar.algorithms.windows import FIELD_GRACE, code, field_hit, kind, zone_code
-from sidecar.frequency import Candidate, FrequencyCaps, Impression
+from sidecar.algorithms.windows import FIELD_GRACE
+from sidecar.counters import code, field_hit, kind, zone_code
+from sidecar.frequency.caps import Candidate, FrequencyCaps, Impression
 from sidecar.model import Algorithm, Dedupe, Hit, Role, Unit, Window
 from sidecar.rules import Rules
 from sidecar.storage import Backend, open_backend

@@ -17,8 +17,8 @@ import yaml
 from envoys import validate
 
 from sidecar import cli, config
+from sidecar.envoy_config import feeds, sources
 from sidecar.errors import ConfigError
-from sidecar.gateway import plan, sources
 
 ROOT = Path(__file__).resolve().parent.parent
 ENVOY_DIR = ROOT / "envoy"
@@ -128,7 +128,7 @@ def test_gateway_yaml_is_exactly_what_its_generating_command_prints() -> None:
 def test_gateway_rules_load_and_every_rule_has_a_source() -> None:
     """envoy/rules loads, and the gateway's sources cover every key of every rule."""
     domain = config.load([RULES]).domains["gateway"]
-    feed = plan.plan(domain, sources.load(SOURCES), [plan.Route("ads", "/ads")])
+    feed = feeds.feed(domain, sources.load(SOURCES), [feeds.Route("ads", "/ads")])
     assert [d.keys for d in feed.routes[0].descriptors] == [
         ("app", "remote_address"),
         ("app", "user", "interface"),
@@ -308,7 +308,7 @@ def test_a_source_on_an_unknown_route_is_an_error(tmp_path: Path) -> None:
     """`routes` may only name routes given with --route."""
     domain = config.parse(RULES_TEXT, "rules.yaml")
     with pytest.raises(ConfigError) as caught:
-        plan.plan(domain, sources.parse(SOURCES_TEXT, "s.yaml"), [plan.Route("api", "/")])
+        feeds.feed(domain, sources.parse(SOURCES_TEXT, "s.yaml"), [feeds.Route("api", "/")])
     assert str(caught.value) == "s.yaml: ad.routes: unknown route 'ads' (the routes are: api)"
 
 

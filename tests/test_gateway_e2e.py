@@ -26,7 +26,7 @@ from envoys import Envoy, ProcessError, Response, Sidecar, Upstream, free_port, 
 from servers import RedisServer
 
 from sidecar import cli
-from sidecar.gateway import commands
+from sidecar.envoy_config import commands
 
 ROOT = Path(__file__).resolve().parent.parent
 GATEWAY = ROOT / "envoy" / "gateway.yaml"

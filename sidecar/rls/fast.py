@@ -16,8 +16,8 @@ from collections.abc import Awaitable, Callable
 from google.protobuf.message import DecodeError  # type: ignore[import-untyped]
 from grpc_health.v1 import health_pb2  # type: ignore[import-untyped]
 
+from sidecar.frequency import service as frequency
 from sidecar.metrics import Latency
-from sidecar.rls import frequency
 from sidecar.rls.h2.server import H2Server
 from sidecar.rls.h2.unary import CallbackMethod, CallError, Method, Status
 from sidecar.rls.server import HEALTH_SERVICE_NAME, METHOD

@@ -19,8 +19,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc  # type: ignore[import-un
 from grpc_health.v1.health import aio as health_aio  # type: ignore[import-untyped]
 
 from sidecar.callbacks import awaited
+from sidecar.frequency import service as frequency
 from sidecar.metrics import Latency
-from sidecar.rls import frequency
 from sidecar.rls.service import RateLimitService
 from sidecar.rls.statuses import Answers, is_bug
 
@@ -111,7 +111,7 @@ class GrpcServer:
         status, message = self._answers.grpc(method, exc)
         await context.abort(_CODES[status], message)
 
-    # --- FrequencyCaps (sidecar.rls.frequency) ----------------------------------------------
+    # --- FrequencyCaps (sidecar.frequency.service) ----------------------------------------------
 
     def _frequency_handlers(self, service: frequency.FrequencyService) -> Any:
         methods = {

@@ -142,15 +142,15 @@ def generate(
     `with_rate_limit=False` drops the filter, the route limits and the sidecar's cluster from a
     bootstrap: the same gateway without rate limiting, for comparison.
     """
-    from sidecar.gateway import messages, plan, sources
+    from sidecar.envoy_config import feeds, messages, sources
 
     domain = _domain(args.rules, args.domain)
-    routes = [plan.Route(name, prefix) for name, prefix in args.route or [_route(DEFAULT_ROUTE)]]
+    routes = [feeds.Route(name, prefix) for name, prefix in args.route or [_route(DEFAULT_ROUTE)]]
     names = [r.name for r in routes]
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
         raise ConfigError("--route", "", f"route '{duplicates[0]}' is given twice")
-    feed = plan.plan(domain, sources.load(args.sources), routes)
+    feed = feeds.feed(domain, sources.load(args.sources), routes)
     settings = messages.Settings(
         sidecar=messages.Address(*args.sidecar),
         timeout=datetime.timedelta(milliseconds=args.timeout_ms),
