@@ -5,7 +5,7 @@ rule, drop replaced and unlimited rules, name the counters → decide (every cal
 `backend.apply` for all remaining counters → per-descriptor statuses → `overall_code` (shadow
 and quota modes) → stats. The clock is injected; nothing here knows about protobuf, gRPC or Redis.
 
-`decide_then` is the decision, through callbacks (`_begin` before the store is asked,
+`decide_then` is the decision, through callbacks (`_begin` before the store is waiting,
 `_finish` after; `sidecar.callbacks.awaited` for a coroutine). A straight plan
 (`Plan.straight`: each counted descriptor one window, all blocking), the usual request, skips
 `_begin`'s lookups while no counter is known to be over; every decision is read back by the
@@ -95,18 +95,6 @@ def local_share(limit: int, divisor: int) -> int:
     return max(1, limit // divisor)
 
 
-#: What `Limiter._begin` hands on when the store must be asked: the statuses so far, the
-#: (over, role) of descriptors judged without the store, the counted descriptors with the
-#: position of their first hit, the hits, and the time.
-_Begun = tuple[
-    list[DescriptorStatus],
-    list[tuple[bool, Role]],
-    Sequence[tuple[Counted, int]],
-    list[Hit],
-    int,
-]
-
-
 class Limiter:
     def __init__(
         self,
@@ -182,25 +170,25 @@ class Limiter:
             # would hand on, without its lookups.
             self.stats.total_requests += 1
             now_ms = int(self._clock() * 1000)
-            counted: Sequence[tuple[Counted, int]] = plan.positions
+            counted = plan.positions
             if len(counted) == 1:
                 hits = counted[0][0].windows.at(now_ms)
             else:
                 hits = [item.windows.at(now_ms)[0] for item, _ in counted]
-            statuses: list[DescriptorStatus] = list(plan.statuses)
-            judged: list[tuple[bool, Role]] = []
+            statuses = list(plan.statuses)
+            waiting = _Waiting(self, plan, statuses, [], counted, hits, now_ms, encode, done)
         else:
-            begun = self._begin(plan)
+            begun = self._begin(plan, encode, done)
             if isinstance(begun, Decision):
                 done(encode(begun))
                 return
-            statuses, judged, counted, hits, now_ms = begun
+            waiting = begun
+        self.backend.apply_then(waiting.hits, self._all_or_nothing, waiting.now_ms, waiting)
 
-        waiting = _Waiting(self, plan, statuses, judged, counted, hits, now_ms, encode, done)
-        self.backend.apply_then(hits, self._all_or_nothing, now_ms, waiting)
-
-    def _begin(self, plan: Plan) -> Decision | _Begun:
-        """The decision when no store call is needed, else what to ask the store (`_Begun`)."""
+    def _begin(
+        self, plan: Plan, encode: Callable[[Decision], Any], done: Callable[[Any], None]
+    ) -> Decision | _Waiting:
+        """The decision when no store call is needed, else what to ask the store."""
         stats = self.stats
         stats.total_requests += 1
         if not plan.known_domain:
@@ -238,46 +226,36 @@ class Limiter:
                 hits += windows
             if not hits:
                 return self._overall(judged, statuses)
-        return statuses, judged, counted, hits, now_ms
+        return _Waiting(self, plan, statuses, judged, counted, hits, now_ms, encode, done)
 
-    def _finish(
-        self,
-        plan: Plan,
-        statuses: list[DescriptorStatus],
-        judged: list[tuple[bool, Role]],
-        counted: Sequence[tuple[Counted, int]],
-        hits: list[Hit],
-        now_ms: int,
-        outcomes: list[Outcome],
-    ) -> Decision:
-        """The decision once the store has answered `outcomes` for `hits`."""
+    def _finish(self, waiting: _Waiting, outcomes: list[Outcome]) -> Decision:
+        """The decision once the store has answered `outcomes` for `waiting.hits`."""
         if self._backend_failing:
             self._recovered()
-        return self._read(plan, statuses, judged, counted, hits, now_ms, outcomes, self._cache)
+        return self._read(waiting, waiting.hits, outcomes, self._cache)
 
     def _read(
         self,
-        plan: Plan,
-        statuses: list[DescriptorStatus],
-        judged: list[tuple[bool, Role]],
-        counted: Sequence[tuple[Counted, int]],
+        waiting: _Waiting,
         hits: list[Hit],
-        now_ms: int,
         outcomes: list[Outcome],
         cache: OverLimitCache | None,
     ) -> Decision:
-        """The decision `outcomes` give for `hits`; the windows found over go to `cache`.
+        """The decision `outcomes` give for `hits` (`waiting.hits`, or their local shares); the
+        windows found over go to `cache`.
 
         Each descriptor reports its most restrictive window; a descriptor of one window (every
         descriptor of a straight plan, the usual request) reports its one hit's outcome, read
         in one pass with no look at the others."""
+        statuses = waiting.statuses
+        judged = waiting.judged
+        now_ms = waiting.now_ms
         rules = self.stats.rules
-        # Every descriptor blocks: the request is over exactly when one is, so the outcomes
-        # need not be kept for `_overall` (a tuple per descriptor: on the usual request the
-        # garbage collector's share of the call grew by a twentieth when they were).
-        blocking_only = plan.blocking_only
+        # Every descriptor blocks: the request is over exactly when one is, so the (over, role)
+        # of each need not be kept for `_overall` (a tuple and an append per descriptor saved).
+        blocking_only = waiting.plan.blocking_only
         any_over = False
-        for item, first in counted:
+        for item, first in waiting.counted:
             found = item.match
             limit = found.limit
             count = len(limit.windows)
@@ -359,16 +337,7 @@ class Limiter:
             )
         return None
 
-    def _on_backend_failure(
-        self,
-        exc: StorageError,
-        plan: Plan,
-        statuses: list[DescriptorStatus],
-        counted: Sequence[tuple[Counted, int]],
-        hits: list[Hit],
-        judged: list[tuple[bool, Role]],
-        now_ms: int,
-    ) -> Decision:
+    def _on_backend_failure(self, exc: StorageError, waiting: _Waiting) -> Decision:
         """Answer by the failure mode; log the first failure of a run, not every request.
 
         Descriptors already judged without the backend (known to be over) keep their answer.
@@ -385,9 +354,15 @@ class Limiter:
                 failure_mode=self.settings.failure_mode,
             )
         if self.local is not None:
-            return self._decide_locally(self.local, plan, statuses, judged, counted, hits, now_ms)
+            return self._decide_locally(self.local, waiting)
+        statuses, judged, hits, now_ms = (
+            waiting.statuses,
+            waiting.judged,
+            waiting.hits,
+            waiting.now_ms,
+        )
         if self.settings.failure_mode == "deny":
-            for item, first in counted:
+            for item, first in waiting.counted:
                 limit = item.match.limit
                 if limit.role is Role.SHADOW:
                     continue
@@ -398,24 +373,16 @@ class Limiter:
                 )
         return self._overall(judged, statuses)
 
-    def _decide_locally(
-        self,
-        local: MemoryBackend,
-        plan: Plan,
-        statuses: list[DescriptorStatus],
-        judged: list[tuple[bool, Role]],
-        counted: Sequence[tuple[Counted, int]],
-        hits: list[Hit],
-        now_ms: int,
-    ) -> Decision:
-        """`hits` decided on `local`'s counters at each window's local share; the statuses
-        report the share, which is the limit this sidecar enforces meanwhile."""
+    def _decide_locally(self, local: MemoryBackend, waiting: _Waiting) -> Decision:
+        """`waiting.hits` decided on `local`'s counters at each window's local share; the
+        statuses report the share, which is the limit this sidecar enforces meanwhile."""
         shares = self._local_windows
         if len(shares) > LOCAL_WINDOWS:
             shares.clear()
         divisor = self.local_divisor
         local_hits = []
-        for hit in hits:
+        now_ms = waiting.now_ms
+        for hit in waiting.hits:
             window = hit.window
             share = shares.get(window)
             if share is None:
@@ -432,7 +399,7 @@ class Limiter:
         if isinstance(outcomes, Exception):  # a bug in the memory backend: raised as one
             raise outcomes
         self.stats.local_decisions += 1
-        return self._read(plan, statuses, judged, counted, local_hits, now_ms, outcomes, None)
+        return self._read(waiting, local_hits, outcomes, None)
 
 
 class Judged(Protocol):
@@ -458,10 +425,15 @@ def most_restrictive(outcomes: Sequence[Judged]) -> int:
 
 
 class _Waiting:
-    """A decision waiting for the store: what `Limiter.decide_then` hands the backend to call
-    with its answer. An object rather than a closure: compiled, a closure and its environment refer to
-    each other, so every call left a cycle for the garbage collector (6 objects a call, and
-    about 2,000 instructions a call on the memory backend, `make bench-instructions`)."""
+    """A decision asking the store: what `Limiter._begin` (or the straight path) hands on, and
+    what `Limiter.decide_then` hands the backend to call with its answer.
+
+    It holds the plan, the statuses so far, the (over, role) of descriptors judged without the
+    store, the counted descriptors with the position of their first hit, the hits, the time,
+    and the caller's `encode` and `done`. An object rather than a closure: compiled, a closure
+    and its environment refer to each other, so every call left a cycle of six objects to the
+    garbage collector (about 2,000 instructions a call on the memory backend).
+    """
 
     __slots__ = (
         "counted",
@@ -505,29 +477,9 @@ class _Waiting:
         answer: Any
         try:
             if isinstance(outcomes, list):
-                answer = self.encode(
-                    limiter._finish(
-                        self.plan,
-                        self.statuses,
-                        self.judged,
-                        self.counted,
-                        self.hits,
-                        self.now_ms,
-                        outcomes,
-                    )
-                )
+                answer = self.encode(limiter._finish(self, outcomes))
             elif isinstance(outcomes, StorageError):
-                answer = self.encode(
-                    limiter._on_backend_failure(
-                        outcomes,
-                        self.plan,
-                        self.statuses,
-                        self.counted,
-                        self.hits,
-                        self.judged,
-                        self.now_ms,
-                    )
-                )
+                answer = self.encode(limiter._on_backend_failure(outcomes, self))
             else:
                 if isinstance(outcomes, Overloaded):
                     limiter.stats.refused(outcomes)
