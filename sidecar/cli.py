@@ -245,8 +245,11 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, _Flags]]:
     serve.add(
         "--backend",
         "where counters live: memory://, redis://[user:password@]host:port[/db], "
-        "rediss://... (TLS), redis+cluster://host:port[,host:port...] or rediss+cluster://... "
-        "(TLS)",
+        "rediss://... (TLS), redis+cluster://host:port[,host:port...], rediss+cluster://... "
+        "(TLS), or redis+sentinel://[user:password@]host:port[,host:port...]/master-name[/db] "
+        "(Sentinels, default port 26379, asked for the master and followed across failovers; "
+        "user:password is the master's, ?sentinel_username=&sentinel_password= the Sentinels'; "
+        "rediss+sentinel:// for TLS to both)",
         default="memory://",
         metavar="URL",
     )

@@ -226,8 +226,9 @@ def test_a_pod_that_does_not_ask_gets_nothing(annotations: dict[str, str] | None
         (
             {"ratelimit-sidecar/backend": "http://redis:6379"},
             "ratelimit-sidecar/backend: unsupported backend URL 'http://redis:6379': use "
-            "memory://, redis://host:port, rediss://host:port or "
-            "redis+cluster://host:port[,host:port...] (rediss+cluster:// for TLS)",
+            "memory://, redis://host:port, rediss://host:port, "
+            "redis+cluster://host:port[,host:port...] (rediss+cluster:// for TLS) "
+            "or redis+sentinel://host:port[,host:port...]/master-name (rediss+sentinel:// for TLS)",
         ),
         (
             {"ratelimit-sidecar/failure-mode": "open"},
@@ -283,6 +284,15 @@ def test_a_password_in_a_refused_backend_url_is_not_shown() -> None:
     assert "redis://app:***@redis/zero" in message
 
 
+def test_a_sentinel_password_in_a_refused_backend_url_is_not_shown() -> None:
+    """A Sentinel URL's two passwords (the master's userinfo, `sentinel_password`) are hidden."""
+    url = "redis+sentinel://:m4ster@s1/mymaster/db?sentinel_password=s3ntinel&x=1"
+    annotations = {**ANNOTATIONS, "ratelimit-sidecar/backend": url}
+    message = failure(manifest("Pod", annotations))
+    assert "m4ster" not in message and "s3ntinel" not in message
+    assert "redis+sentinel://:***@s1/mymaster/db?sentinel_password=***&x=1" in message
+
+
 def test_a_huge_annotation_gets_a_short_message() -> None:
     """A 200 KiB value is refused with a message that quotes only its start."""
     annotations = {**ANNOTATIONS, "ratelimit-sidecar/failure-mode": "x" * 200_000}
@@ -322,6 +332,9 @@ ACCEPTED = [
     "redis+cluster://10.0.0.1:7000,10.0.0.2:7000,10.0.0.3:7000",
     "redis+cluster://:secret@node-0.redis:6379/0",
     "rediss+cluster://10.0.0.1:7000,10.0.0.2:7000?ssl_ca_certs=/etc/ca.pem&ssl_cert_reqs=required",
+    "redis+sentinel://10.0.0.1:26379,10.0.0.2/mymaster",
+    "redis+sentinel://:pw@sentinel:26379/mymaster/2?sentinel_password=x&sentinel_username=u",
+    "rediss+sentinel://sentinel/mymaster?ssl_ca_certs=/etc/ca.pem&sentinel_password=x",
 ]
 REFUSED = [
     "",
@@ -345,6 +358,14 @@ REFUSED = [
     "rediss+cluster://a:1?verify=1",
     "rediss+cluster://a:1?ssl_cert_reqs=maybe",
     "rediss+cluster://a:1#frag",
+    "redis+sentinel://sentinel:26379",
+    "redis+sentinel://sentinel/",
+    "redis+sentinel:///mymaster",
+    "redis+sentinel://sentinel:0/mymaster",
+    "redis+sentinel://sentinel/mymaster/db",
+    "redis+sentinel://sentinel/mymaster?ssl_ca_certs=/etc/ca.pem",
+    "rediss+sentinel://sentinel/mymaster?verify=1",
+    "redis+sentinel://sentinel/mymaster#frag",
     "memory://somewhere",
     "memory://?max_counters=0",
     "memory://?x=1",
@@ -371,7 +392,18 @@ def test_backend_urls_the_sidecar_cannot_use_are_refused(url: str) -> None:
 
 URL_PARTS = st.tuples(
     st.sampled_from(
-        ["memory", "redis", "rediss", "redis+cluster", "rediss+cluster", "http", "", "REDIS"]
+        [
+            "memory",
+            "redis",
+            "rediss",
+            "redis+cluster",
+            "rediss+cluster",
+            "redis+sentinel",
+            "rediss+sentinel",
+            "http",
+            "",
+            "REDIS",
+        ]
     ),
     st.sampled_from(["", "user@", "user:pw@", ":pw@", "a:b:c@"]),
     st.lists(
@@ -381,8 +413,10 @@ URL_PARTS = st.tuples(
         ),
         max_size=3,
     ),
-    st.sampled_from(["", "/", "/0", "/15", "/db", "//"]),
-    st.sampled_from(["", "?ssl_cert_reqs=none", "?ssl_cert_reqs=bad", "?x=1", "#f"]),
+    st.sampled_from(["", "/", "/0", "/15", "/db", "//", "/m", "/m/2", "/m/x", "/m/1/2"]),
+    st.sampled_from(
+        ["", "?ssl_cert_reqs=none", "?ssl_cert_reqs=bad", "?x=1", "#f", "?sentinel_password=p"]
+    ),
 )
 
 
@@ -494,8 +528,9 @@ def test_inject_command_reports_bad_input_and_exits_1(tmp_path: Path) -> None:
     assert (status, out) == (1, "")
     assert err == (
         "ratelimit-sidecar inject: <stdin>: document 1 (Pod gateway): ratelimit-sidecar/backend: "
-        "unsupported backend URL 'x://': use memory://, redis://host:port, rediss://host:port "
-        "or redis+cluster://host:port[,host:port...] (rediss+cluster:// for TLS)\n"
+        "unsupported backend URL 'x://': use memory://, redis://host:port, rediss://host:port, "
+        "redis+cluster://host:port[,host:port...] (rediss+cluster:// for TLS) "
+        "or redis+sentinel://host:port[,host:port...]/master-name (rediss+sentinel:// for TLS)\n"
     )
 
 
