@@ -353,10 +353,20 @@ def start_replica(
     workdir: Path, master: RedisServer, extra_args: tuple[str, ...] = ()
 ) -> RedisServer:
     """A started replica of `master`, on a free port, with its link to the master up."""
+    _sync_at_once(master)
     replica = start_server(workdir, ("--replicaof", HOST, str(master.port), *extra_args))
+    _sync_at_once(replica)  # a master after a failover
     wait_for(lambda: _info(replica, "replication").get("master_link_status") == "up",
              "the replica's link to its master")  # fmt: skip
     return replica
+
+
+def _sync_at_once(master: RedisServer) -> None:
+    """A master sends its data to a new replica at once (by default it waits 5 s for others to
+    join the transfer), and a stop does not wait for its replicas to catch up (10 s)."""
+    with master.client() as client:
+        client.config_set("repl-diskless-sync-delay", 0)
+        client.config_set("shutdown-timeout", 0)
 
 
 def role(server: RedisServer) -> str:
@@ -392,13 +402,21 @@ class SentinelServer(RedisServer):
     rewrites it)."""
 
     def __init__(
-        self, workdir: Path, port: int, master_name: str, master: RedisServer, quorum: int
+        self,
+        workdir: Path,
+        port: int,
+        master_name: str,
+        master: RedisServer,
+        quorum: int,
+        *,
+        master_port: int | None = None,
+        extra_config: str = "",
     ) -> None:
         super().__init__(workdir, port)
         self.config = workdir / "sentinel.conf"
         self.config.write_text(
-            f"port {port}\nbind {HOST}\ndir {workdir}\n"
-            f"sentinel monitor {master_name} {HOST} {master.port} {quorum}\n"
+            f"port {port}\nbind {HOST}\ndir {workdir}\n{extra_config}"
+            f"sentinel monitor {master_name} {HOST} {master_port or master.port} {quorum}\n"
             # Fast enough for a test to see a failover in a few seconds.
             f"sentinel down-after-milliseconds {master_name} 500\n"
             f"sentinel failover-timeout {master_name} 5000\n"
@@ -548,6 +566,8 @@ def add_replica(cluster: RedisCluster, master: RedisServer, workdir: Path) -> Re
     else:
         raise ServerError(f"could not start a cluster replica: {error}")
     cluster.replicas.append(replica)
+    _sync_at_once(master)
+    _sync_at_once(replica)  # a master after a failover
     with master.client() as client:
         master_id = client.execute_command("CLUSTER", "MYID").decode()
     with replica.client() as client:
@@ -556,12 +576,14 @@ def add_replica(cluster: RedisCluster, master: RedisServer, workdir: Path) -> Re
     wait_for(lambda: _knows(replica, master_id), "the new node to meet the cluster")
     with replica.client() as client:
         client.execute_command("CLUSTER", "REPLICATE", master_id)
+    replica_id = _id_of(replica)
+    # Every master must know it as that master's replica, or they would not vote for it.
     wait_for(
         lambda: (
             _info(replica, "replication").get("master_link_status") == "up"
-            and all(_knows(node, _id_of(replica)) for node in cluster.nodes)
+            and all(_knows(node, replica_id, f"slave {master_id}") for node in cluster.nodes)
         ),
-        "the cluster replica's link to its master",
+        "the cluster replica's link to its master, known to every master",
     )
     return replica
 
@@ -571,11 +593,15 @@ def _id_of(node: RedisServer) -> str:
         return str(client.execute_command("CLUSTER", "MYID").decode())
 
 
-def _knows(node: RedisServer, node_id: str) -> bool:
+def _knows(node: RedisServer, node_id: str, flags: str = "") -> bool:
+    """Whether `node`'s CLUSTER NODES has `node_id` past its handshake (and `flags` in its line)."""
     try:
         with node.client() as client:
             nodes = client.execute_command("CLUSTER", "NODES")
     except redis.RedisError:
         return False
     text = nodes.decode() if isinstance(nodes, bytes) else str(nodes)
-    return any(line.startswith(node_id) and "handshake" not in line for line in text.splitlines())
+    return any(
+        line.startswith(node_id) and "handshake" not in line and flags in line
+        for line in text.splitlines()
+    )

@@ -40,9 +40,7 @@ import structlog
 
 from sidecar.storage.pipeline import NOT_MASTER, ConnectionLost, PipelinedRedis, RedisReplyError
 from sidecar.storage.redis import (
-    DEFAULT_PORT as DEFAULT_REDIS_PORT,
-)
-from sidecar.storage.redis import (
+    _TLS_OPTIONS,
     RedisBackend,
     _address,
     _database,
@@ -51,9 +49,18 @@ from sidecar.storage.redis import (
     _timeout_seconds,
     _tls_options,
 )
+from sidecar.storage.redis import (
+    DEFAULT_PORT as DEFAULT_REDIS_PORT,
+)
 
 #: The port of a Sentinel given without one.
 DEFAULT_PORT = 26379
+
+#: The least time a Sentinel's answer, a ROLE check or a subscription is given (the backend's
+#: timeout when longer). Finding the master is not any call's round trip (calls fail fast
+#: meanwhile, by their own deadlines), and on a busy machine a 50 ms bound would turn a
+#: Sentinel that is slow for a moment into a missed master and another 100 ms of backoff.
+MIN_TIMEOUT = 0.2
 
 #: A subscription to a Sentinel that failed or was lost is tried again after this long.
 RESUBSCRIBE_DELAY = 1.0
@@ -96,13 +103,15 @@ def from_url(url: str, timeout_ms: int = 50) -> RedisBackend:
     if parts.fragment:
         raise ValueError(f"{_redact(url)}: unexpected fragment '#{parts.fragment}'")
     fields = parse_qsl(parts.query, keep_blank_values=True)
+    allowed = [*(sorted(_TLS_OPTIONS) if tls else []), *SENTINEL_OPTIONS]
+    for field, _ in fields:
+        if field not in allowed:
+            raise ValueError(
+                f"{_redact(url)}: unknown query parameter {field!r} (allowed: {', '.join(allowed)})"
+            )
     credentials = {field: value for field, value in fields if field in SENTINEL_OPTIONS}
     rest = urlencode([(field, value) for field, value in fields if field not in SENTINEL_OPTIONS])
-    try:
-        options = _tls_options(url, rest, tls)
-    except ValueError as exc:
-        allowed = ", ".join(SENTINEL_OPTIONS)
-        raise ValueError(f"{exc} (and {allowed})") from None
+    options = _tls_options(url, rest, tls)
     context = functools.partial(_ssl_context, options) if tls else None
     username, has_password, password = userinfo.partition(":")
     master: dict[str, Any] = {
@@ -140,7 +149,7 @@ class Sentinels:
     Bounds: one connection to each Sentinel for questions and one for its announcements, each
     opened again at most once per RESUBSCRIBE_DELAY (questions: pipeline.RECONNECT_BACKOFF);
     one question at a time, shared by every connection being opened meanwhile; each question
-    and each ROLE check given the backend's timeout.
+    and each ROLE check given the backend's timeout, at least MIN_TIMEOUT.
     """
 
     def __init__(
@@ -159,8 +168,11 @@ class Sentinels:
         self._username = username
         self._password = password
         self._ssl = ssl_context
-        self._timeout = timeout
-        self._master = master  # how to connect to the master (for the ROLE check)
+        self._timeout = max(timeout, MIN_TIMEOUT)
+        self._master = {
+            **master,
+            "connect_timeout": self._timeout,
+        }  # how to connect to the master (for the ROLE check)
         self._asking: dict[Address, PipelinedRedis] = {}
         self._locating: asyncio.Task[Address] | None = None
         self._watching: list[asyncio.Task[None]] = []
@@ -295,7 +307,8 @@ class Sentinels:
                         if isinstance(reply := await messages.next(), RedisReplyError):
                             raise reply
                     writer.write(hiredis.pack_command(_SUBSCRIBE))
-                    await messages.next()
+                    if isinstance(reply := await messages.next(), RedisReplyError):
+                        raise reply  # NOAUTH, say: nothing would ever come
                 if subscribed_before:
                     self._check_soon()
                 subscribed_before = True
