@@ -41,8 +41,10 @@ from servers import (
     wait_for,
 )
 
+from sidecar import config
 from sidecar.errors import StorageError
-from sidecar.model import Hit, Outcome, Unit, Window
+from sidecar.limiter import Limiter, Settings
+from sidecar.model import Code, Descriptor, Entry, Hit, Outcome, Request, Unit, Window
 from sidecar.storage import Backend, open_backend
 
 NOW_MS = (int(time.time()) // 60 * 60 + 5) * 1000
@@ -217,6 +219,73 @@ async def test_sentinel_and_master_credentials_are_apart(sentinel_group: Sentine
     finally:
         await good.close()
         await bad.close()
+
+
+LOCAL_RULES = f"""
+domain: d
+descriptors:
+  - key: stream
+    rate_limit: {{unit: hour, requests_per_unit: 1000000000}}
+  - key: after
+    rate_limit: {{unit: hour, requests_per_unit: {LIMIT}}}
+"""
+
+
+@pytest.mark.redis
+@pytest.mark.parametrize("sentinel_group", [1], indirect=True)
+async def test_local_mode_decides_every_call_through_a_sentinel_failover(
+    sentinel_group: SentinelGroup,
+) -> None:
+    """The limiter under `--failure-mode local` (2 sidecars share the counters) through a
+    Sentinel failover with the master killed: every call is answered in time, by the shared
+    counters or, while no master answers, by this sidecar's share; from one second after the
+    new master is available, every call is decided on the shared counters again (the limit
+    reported is the whole limit, not the share) and counted exactly on the new master."""
+    group = sentinel_group
+    old, new = group.master(), group.replica()
+    rules = config.Rules({"d": config.parse(LOCAL_RULES, "rules.yaml")})
+    backend = open_backend(group.url, timeout_ms=DEADLINE_MS)
+    limiter = Limiter(rules, backend, settings=Settings(failure_mode="local", local_divisor=2))
+
+    async def decide(key: str) -> tuple[float, tuple[Code, int]]:
+        plan = limiter.prepare(Request("d", (Descriptor((Entry(key, "a"),)),), 0))
+        started = time.monotonic()
+        status = (await limiter.decide(plan)).statuses[0]
+        return time.monotonic() - started, (status.code, status.window.requests_per_unit)
+
+    try:
+        assert (await decide("stream"))[1] == (Code.OK, 10**9)
+        ready: list[float] = []
+
+        def available() -> bool:
+            return group.master_address() == (HOST, new.port) and role(new) == "master"
+
+        def watch() -> None:
+            old.kill()
+            wait_for(available, "the new master", timeout=GIVE_UP)
+            ready.append(time.monotonic())
+
+        watcher = asyncio.create_task(asyncio.to_thread(watch))
+        answers = []
+        while not ready or time.monotonic() < ready[0] + WITHIN:
+            if watcher.done() and not ready:
+                await watcher
+            answers.append(await decide("stream"))
+            await asyncio.sleep(0.005)
+        await watcher
+        assert all(took < DEADLINE_MS / 1000 + SLACK for took, _ in answers)
+        assert {answer for _, answer in answers} <= {(Code.OK, 10**9), (Code.OK, 10**9 // 2)}
+        assert limiter.stats.local_decisions > 0, "no call was decided locally"
+
+        after = [(await decide("after"))[1] for _ in range(CALLS_AFTER)]
+        assert after == [(Code.OK, LIMIT)] * LIMIT + [(Code.OVER_LIMIT, LIMIT)] * (
+            CALLS_AFTER - LIMIT
+        )
+        with new.client() as client:
+            keys = client.keys("*after*")
+            assert sum(int(client.get(key)) for key in keys) == CALLS_AFTER
+    finally:
+        await backend.close()
 
 
 # --- Redis Cluster -----------------------------------------------------------------------------
