@@ -106,11 +106,7 @@ def _check_tls_options(url: str, query: str, tls: bool, also: tuple[str, ...] = 
 
 def _check_cluster(url: str, tls: bool) -> None:
     parts = urlsplit(url)
-    hosts = parts.netloc.rpartition("@")[2]
-    if not hosts:
-        raise ValueError(f"{redact(url)!r}: no host:port to start cluster discovery from")
-    for address in hosts.split(","):
-        _check_address(url, address)
+    _check_hosts(url, parts.netloc, "no host:port to start cluster discovery from")
     if parts.path not in ("", "/", "/0"):
         raise ValueError(f"{redact(url)!r}: Redis Cluster has only database 0, not {parts.path!r}")
     if parts.fragment or (parts.query and not tls):
@@ -120,11 +116,7 @@ def _check_cluster(url: str, tls: bool) -> None:
 
 def _check_sentinel(url: str, tls: bool) -> None:
     parts = urlsplit(url)
-    hosts = parts.netloc.rpartition("@")[2]
-    if not hosts:
-        raise ValueError(f"{redact(url)!r}: no Sentinel host:port")
-    for address in hosts.split(","):
-        _check_address(url, address)
+    _check_hosts(url, parts.netloc, "no Sentinel host:port")
     name, _, database = parts.path.lstrip("/").partition("/")
     if not name:
         raise ValueError(
@@ -137,6 +129,15 @@ def _check_sentinel(url: str, tls: bool) -> None:
     if parts.fragment:
         raise ValueError(f"{redact(url)!r}: unexpected fragment '#{parts.fragment}'")
     _check_tls_options(url, parts.query, tls, _SENTINEL_OPTIONS)
+
+
+def _check_hosts(url: str, netloc: str, missing: str) -> None:
+    """A comma-separated list of ``host[:port]`` after any userinfo; `missing` when empty."""
+    hosts = netloc.rpartition("@")[2]
+    if not hosts:
+        raise ValueError(f"{redact(url)!r}: {missing}")
+    for address in hosts.split(","):
+        _check_address(url, address)
 
 
 def _check_address(url: str, address: str) -> None:
