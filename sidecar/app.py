@@ -85,6 +85,8 @@ class Options:
     reuse_port: bool = False
     #: A listening Unix socket inherited from the parent of `serve --workers N`.
     grpc_socket_fd: int | None = None
+    #: Permission bits set on a unix:PATH gRPC socket once bound (None: as the umask left them).
+    grpc_socket_mode: int | None = None
     #: Seconds an impression id is remembered at least (frequency caps' exactly-once counting).
     dedupe_horizon: int = DEDUPE_HORIZON
     #: Seconds between looks at the rules files for a change to reload (0: only on SIGHUP).
@@ -201,6 +203,11 @@ class App:
         )
         try:
             self.grpc_port = await self._grpc.start()
+            socket_path = unix_path(options.grpc_address)
+            if socket_path is not None and options.grpc_socket_mode is not None:
+                # Connecting to a Unix socket needs write permission on it: Envoy beside the
+                # sidecar in a pod usually runs as another user.
+                os.chmod(socket_path, options.grpc_socket_mode)
             self.http_port = await self._http.start()
         except BaseException:
             await self.stop()

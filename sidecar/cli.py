@@ -172,6 +172,16 @@ def _grpc_address(text: str) -> str:
     return text
 
 
+def _socket_mode(text: str) -> int:
+    try:
+        mode = int(text, 8)
+    except ValueError:
+        mode = -1
+    if not 0 <= mode <= 0o777:
+        raise argparse.ArgumentTypeError(f"expected octal permission bits like 660, got {text!r}")
+    return mode
+
+
 def _address(text: str) -> str:
     from sidecar.app import InvalidOption, split_address
 
@@ -257,6 +267,14 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, _Flags]]:
         default="0.0.0.0:8081",
         type=_grpc_address,
         metavar="ADDRESS",
+    )
+    serve.add(
+        "--grpc-socket-mode",
+        "with a unix:PATH gRPC address: the socket file's permission bits, in octal (660, "
+        "666), so a client running as another user (Envoy in the same pod) may connect; "
+        "unset: as the umask leaves them",
+        type=_socket_mode,
+        metavar="OCTAL",
     )
     serve.add(
         "--http-address",
@@ -477,6 +495,7 @@ def _serve(args: argparse.Namespace) -> int:
         transport=args.transport,
         reuse_port=args.reuse_port,
         grpc_socket_fd=args.grpc_socket_fd,
+        grpc_socket_mode=args.grpc_socket_mode,
         dedupe_horizon=args.dedupe_horizon,
         config_poll_seconds=args.config_poll_seconds,
     )
