@@ -952,3 +952,63 @@ def test_inject_command_refuses_a_bad_default_backend_with_status_2() -> None:
     status, out, err = run(["inject", "-f", "-", "--default-backend", "redis://:0"])
     assert (status, out) == (2, "")
     assert err == "ratelimit-sidecar inject: default backend: 'redis://:0': missing host in ':0'\n"
+
+
+@pytest.mark.parametrize(
+    ("flags", "native"),
+    [
+        ([], True),
+        (["--kube-version", "1.28"], False),
+        (["--kube-version", "v1.29.3"], True),
+        (["--native-sidecars", "false"], False),
+        (["--native-sidecars", "true", "--kube-version", "1.28"], True),
+        (["--native-sidecars", "auto", "--kube-version", "1.31"], True),
+    ],
+)
+def test_inject_command_chooses_native_or_ordinary_from_its_flags(
+    flags: list[str], native: bool
+) -> None:
+    """--native-sidecars auto (the default) is native unless --kube-version is older than 1.29;
+    true and false decide whatever the version."""
+    text = yaml.safe_dump(manifest("Deployment"))
+    status, out, err = run(["inject", "-f", "-", *flags], text)
+    assert (status, err) == (0, "")
+    (obj,) = yaml.safe_load_all(out)
+    names = [c["name"] for c in pod_spec(obj).get("initContainers", [])]
+    assert ("ratelimit-sidecar" in names) is native
+    assert_valid(obj)
+
+
+def test_inject_command_takes_the_defaults_of_resources_user_and_rules_configmap() -> None:
+    """The same flags as the webhook: what a pod without the annotations gets."""
+    annotations = {"ratelimit-sidecar/inject": "true"}
+    text = yaml.safe_dump(manifest("Pod", annotations))
+    argv = ["inject", "-f", "-", "--cpu-request", "200m", "--memory-limit", "1Gi"]
+    argv += ["--run-as-user", "1001", "--default-rules-configmap", "edge-rules"]
+    status, out, err = run(argv, text)
+    assert (status, err) == (0, "")
+    (obj,) = yaml.safe_load_all(out)
+    container = sidecar_of(obj)
+    assert container["resources"]["requests"]["cpu"] == "200m"
+    assert container["resources"]["limits"]["memory"] == "1Gi"
+    assert container["securityContext"]["runAsUser"] == 1001
+    assert pod_spec(obj)["volumes"][0]["configMap"] == {"name": "edge-rules"}
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--cpu-request", "2", "--cpu-limit", "1"], "default resources: cpu request 2 is above"),
+        (["--default-rules-configmap", "Bad_Name"], "rules ConfigMap: 'Bad_Name' is not a"),
+    ],
+)
+def test_inject_command_refuses_bad_defaults_with_status_2(flags: list[str], message: str) -> None:
+    status, out, err = run(["inject", "-f", "-", *flags])
+    assert (status, out) == (2, "")
+    assert err.startswith(f"ratelimit-sidecar inject: {message}")
+
+
+def test_a_kube_version_that_is_not_one_is_a_usage_error() -> None:
+    with pytest.raises(SystemExit) as caught:
+        run(["inject", "-f", "-", "--kube-version", "latest"])
+    assert caught.value.code == 2

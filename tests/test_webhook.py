@@ -602,7 +602,8 @@ def test_the_webhook_command_serves_https_and_exits_0_on_sigterm(
     cert_file, key_file = tls_files
     argv = [sys.executable, "-c", SHIM, "webhook", "--tls-cert", str(cert_file)]
     argv += ["--tls-key", str(key_file), "--address", "127.0.0.1:0"]
-    with subprocess.Popen(argv, stderr=subprocess.PIPE) as process:
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("KUBERNETES_")}
+    with subprocess.Popen(argv, stderr=subprocess.PIPE, env=environ) as process:
         try:
             port, log = started_port(process)
             context = ssl.create_default_context(cafile=str(cert_file))
@@ -625,6 +626,10 @@ def test_the_webhook_command_serves_https_and_exits_0_on_sigterm(
     events = [json.loads(line)["event"] for line in log.splitlines()]
     assert "webhook_stopping" in events
     assert "sidecar_injected" in events
+    # Not in a pod, so no API server to ask: --native-sidecars auto falls back to ordinary.
+    assert "kubernetes_version_unknown" in events
+    ops = json.loads(base64.b64decode(body["response"]["patch"]))
+    assert ops[0]["path"] == "/spec/containers/-"
 
 
 def test_the_webhook_command_refuses_missing_certificate_files(tmp_path: Path) -> None:
