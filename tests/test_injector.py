@@ -725,6 +725,8 @@ def test_a_container_that_mounts_the_socket_directory_already_is_refused() -> No
         "container 'envoy' already mounts /var/run/ratelimit-sidecar, where the sidecar's socket "
         "goes; set ratelimit-sidecar/grpc-port to serve gRPC on a port instead"
     )
+    pod_annotations(obj)["ratelimit-sidecar/grpc-port"] = "9081"  # the fix it names works
+    assert flag(sidecar_of(inject(obj, SETTINGS))["args"], "--grpc-address") == "127.0.0.1:9081"
 
 
 def test_other_kinds_cannot_be_patched_but_pass_through_inject() -> None:

@@ -40,9 +40,12 @@ DEFAULT_WEBHOOK_ADDRESS = "0.0.0.0:8443"
 VERSION_SECONDS = 600.0
 
 _WEBHOOK_DESCRIPTION = """\
-Serve the mutating admission webhook: AdmissionReview v1 at POST /mutate, over HTTPS only,
-and GET /healthz for probes. Pods annotated ratelimit-sidecar/inject: "true" get the sidecar
-container; a bad ratelimit-sidecar/* annotation is refused with a message saying which and why.
+Serve the mutating admission webhook: AdmissionReview v1 over HTTPS only, and GET /healthz
+for probes. POST /mutate injects pods annotated ratelimit-sidecar/inject: "true"; POST
+/mutate/injection-enabled (for namespaces labelled ratelimit-sidecar/injection=enabled) every
+pod but those annotated "false". Pods on the host's network and in kube-system or kube-public
+are never injected. A bad ratelimit-sidecar/* annotation is refused with a message saying
+which and why.
 The certificate files are read again when they change (a renewed Secret).
 With --native-sidecars auto (the default) and no --kube-version, the webhook reads its API
 server's version at start and every 10 minutes, and injects native sidecars from 1.29 on;

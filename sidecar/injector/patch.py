@@ -217,7 +217,7 @@ def _sidecar(
     pod: _Pod, annotations: Mapping[str, str], request: Request, settings: Settings
 ) -> Sidecar:
     used = used_ports(pod.spec)
-    _check_names_free(pod)
+    _check_names_free(pod, socket=request.grpc_port is None)
     if request.grpc_port is not None:
         _check_free(used, request.grpc_port, names.GRPC_PORT)
     if request.http_port is not None:
@@ -303,10 +303,11 @@ def _pod(obj: Any, kind: Any) -> _Pod:
     )
 
 
-def _check_names_free(pod: _Pod) -> None:
-    """Containers of a pod share its volume names and port names: the sidecar's must be free."""
+def _check_names_free(pod: _Pod, socket: bool) -> None:
+    """Containers of a pod share its volume names and port names: the sidecar's must be free,
+    and so must the socket's directory in the containers that will mount it."""
     volumes = pod.spec.get("volumes") or []
-    for name in (RULES_VOLUME, SOCKET_VOLUME):
+    for name in (RULES_VOLUME, SOCKET_VOLUME) if socket else (RULES_VOLUME,):
         if any(isinstance(v, dict) and v.get("name") == name for v in volumes):
             raise InjectionError(
                 f"the pod already has a volume named '{name}', which the sidecar needs"
@@ -322,7 +323,9 @@ def _check_names_free(pod: _Pod) -> None:
         mounts = c.get("volumeMounts")
         if mounts is not None and not isinstance(mounts, list):
             raise InjectionError("a container's volumeMounts must be a list")
-        if any(_field(m, "mountPath") in (SOCKET_DIR, SOCKET_DIR + "/") for m in mounts or []):
+        if socket and any(
+            _field(m, "mountPath") in (SOCKET_DIR, SOCKET_DIR + "/") for m in mounts or []
+        ):
             raise InjectionError(
                 f"container {show(str(c.get('name')))} already mounts {SOCKET_DIR}, where the "
                 f"sidecar's socket goes; set {names.GRPC_PORT} to serve gRPC on a port instead"
