@@ -37,6 +37,7 @@ from sidecar.side_ports import SidePort
 from sidecar.stats import Stats
 from sidecar.storage import Backend, open_backend, peers
 from sidecar.storage.memory import MemoryBackend
+from sidecar.storage.per_second import PerSecond
 from sidecar.xds.client import XdsClient, XdsOptions, check_files
 
 #: Seconds calls in flight get to finish once shutdown starts.
@@ -72,6 +73,9 @@ class Options:
     #: Rules files or directories; empty when the rules come over xDS (`xds`).
     config: Sequence[str | Path]
     backend: str = "memory://"
+    #: A second store for the counters of per-second descriptors (the reference's
+    #: REDIS_PERSECOND; `sidecar.storage.per_second`).
+    backend_per_second: str | None = None
     grpc_address: str = "0.0.0.0:8081"
     http_address: str = "0.0.0.0:8080"
     redis_timeout_ms: int = 50
@@ -195,6 +199,8 @@ class App:
         if self._backend is None:
             try:
                 self._backend = open_backend(options.backend, timeout_ms=options.redis_timeout_ms)
+                if options.backend_per_second is not None:
+                    self._backend = self._per_second(self._backend, options.backend_per_second)
             except ValueError as exc:
                 raise InvalidOption(str(exc)) from exc
         backend = self._backend
@@ -295,6 +301,14 @@ class App:
             shadow_mode=options.shadow_mode,
             pid=os.getpid(),
         )
+
+    def _per_second(self, main: Backend, url: str) -> PerSecond:
+        if self.options.rejected_hits == "skip":
+            raise ValueError(
+                "--backend-per-second with --rejected-hits skip: two stores cannot decide one "
+                "request all or nothing (use one of them)"
+            )
+        return PerSecond(main, open_backend(url, timeout_ms=self.options.redis_timeout_ms))
 
     def _rls_server(
         self, service: RateLimitService, frequency_service: FrequencyService

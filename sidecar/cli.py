@@ -263,6 +263,12 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, _Flags]]:
         metavar="URL",
     )
     serve.add(
+        "--backend-per-second",
+        "a second store for the counters of descriptors whose windows are all in seconds "
+        "(redis:// or redis+cluster://; the reference's REDIS_PERSECOND)",
+        metavar="URL",
+    )
+    serve.add(
         "--grpc-address",
         "listen address for ShouldRateLimit and gRPC health: HOST:PORT (port 0 picks a free "
         "port) or unix:PATH",
@@ -536,6 +542,7 @@ def _serve(args: argparse.Namespace) -> int:
     options = Options(
         config=args.config or [],
         backend=args.backend,
+        backend_per_second=args.backend_per_second,
         grpc_address=args.grpc_address,
         http_address=args.http_address,
         redis_timeout_ms=args.redis_timeout_ms,

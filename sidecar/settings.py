@@ -356,9 +356,7 @@ def _backend(env: Env, defaults: bool) -> str | None:
         )
     if backend_type != "redis":
         raise SettingError(f"BACKEND_TYPE={backend_type!r}: expected redis")
-    url = env.get("REDIS_URL", "").strip()
-    socket_type = env.get("REDIS_SOCKET_TYPE", "").strip().lower()
-    if not url:
+    if not env.get("REDIS_URL", "").strip():
         if not defaults:
             return None
         raise SettingError(
@@ -366,21 +364,42 @@ def _backend(env: Env, defaults: bool) -> str | None:
             "/var/run/nutcracker/ratelimit.sock; set REDIS_SOCKET_TYPE=tcp and REDIS_URL=HOST:PORT "
             "(or RLS_BACKEND=memory:// for counters in this process)"
         )
+    return _redis_url(env, "REDIS_")
+
+
+def _backend_per_second(env: Env, defaults: bool) -> str | None:
+    """The per-second store from REDIS_PERSECOND_*, when REDIS_PERSECOND is true."""
+    if not boolean("REDIS_PERSECOND", env):
+        return None
+    if not env.get("REDIS_PERSECOND_URL", "").strip():
+        raise SettingError(
+            "REDIS_PERSECOND=true without REDIS_PERSECOND_URL: the reference's default is "
+            "twemproxy's Unix socket; set REDIS_PERSECOND_SOCKET_TYPE=tcp and "
+            "REDIS_PERSECOND_URL=HOST:PORT"
+        )
+    return _redis_url(env, "REDIS_PERSECOND_")
+
+
+def _redis_url(env: Env, prefix: str) -> str:
+    """A Redis URL from `prefix`'s URL, SOCKET_TYPE, TYPE, AUTH and TLS (REDIS_ or
+    REDIS_PERSECOND_); the TLS files are REDIS_TLS_*'s for both, as in the reference."""
+    url = env[prefix + "URL"].strip()
+    socket_type = env.get(prefix + "SOCKET_TYPE", "").strip().lower()
     if socket_type == "unix" or (not socket_type and url.startswith("/")):
         raise SettingError(
-            f"REDIS_SOCKET_TYPE={socket_type or 'unix'} with REDIS_URL={url!r}: Redis over a Unix "
-            "socket is not supported; use REDIS_SOCKET_TYPE=tcp and REDIS_URL=HOST:PORT"
+            f"{prefix}SOCKET_TYPE={socket_type or 'unix'} with {prefix}URL={url!r}: Redis over a "
+            f"Unix socket is not supported; use {prefix}SOCKET_TYPE=tcp and {prefix}URL=HOST:PORT"
         )
     if socket_type not in ("", "tcp"):
-        raise SettingError(f"REDIS_SOCKET_TYPE={socket_type!r}: expected tcp")
-    redis_type = env.get("REDIS_TYPE", "").strip().lower() or "single"
+        raise SettingError(f"{prefix}SOCKET_TYPE={socket_type!r}: expected tcp")
+    redis_type = env.get(prefix + "TYPE", "").strip().lower() or "single"
     if redis_type not in ("single", "cluster"):
         raise SettingError(
-            f"REDIS_TYPE={redis_type!r}: expected single or cluster (Sentinel is not supported)"
+            f"{prefix}TYPE={redis_type!r}: expected single or cluster (Sentinel is not supported)"
         )
-    tls = boolean("REDIS_TLS", env) or False
+    tls = boolean(prefix + "TLS", env) or False
     scheme = ("rediss" if tls else "redis") + ("+cluster" if redis_type == "cluster" else "")
-    auth = env.get("REDIS_AUTH", "")
+    auth = env.get(prefix + "AUTH", "")
     userinfo = ""
     if auth:
         user, sep, password = auth.partition(":")
@@ -498,6 +517,18 @@ FLAGS: tuple[Flag, ...] = (
         ),
         _backend,
     ),
+    Flag(
+        "backend_per_second",
+        (
+            "REDIS_PERSECOND",
+            "REDIS_PERSECOND_SOCKET_TYPE",
+            "REDIS_PERSECOND_TYPE",
+            "REDIS_PERSECOND_URL",
+            "REDIS_PERSECOND_AUTH",
+            "REDIS_PERSECOND_TLS",
+        ),
+        _backend_per_second,
+    ),
     Flag("redis_timeout_ms", ("REDIS_TIMEOUT",), _redis_timeout_ms),
     Flag("over_limit_cache", ("LOCAL_CACHE_SIZE_IN_BYTES",), _over_limit_cache),
     Flag("rejected_hits", ("STOP_CACHE_KEY_INCREMENT_WHEN_OVERLIMIT",), _rejected_hits),
@@ -511,7 +542,6 @@ def _variables() -> tuple[Variable, ...]:
     S, D, U, E = Support.SUPPORTED, Support.DIFFERENT, Support.UNSUPPORTED, Support.ELSEWHERE
     V = Variable
     tls, statsd, tracing = "see TLS on the gRPC port", "see statsd", "see tracing"
-    persecond = "with `REDIS_PERSECOND=true` (not supported, below)"
     memcache = "Memcache is not supported (`BACKEND_TYPE`)"
     return (
         # Listeners.
@@ -577,24 +607,19 @@ def _variables() -> tuple[Variable, ...]:
         V("REDIS_STARTUP_INITIAL_INTERVAL", "1s", D, "the sidecar starts without waiting for Redis and reconnects on its own"),
         V("REDIS_STARTUP_MAX_INTERVAL", "30s", D, "as `REDIS_STARTUP_INITIAL_INTERVAL`"),
         V("REDIS_STARTUP_MAX_ELAPSED_TIME", "0", D, "as `REDIS_STARTUP_INITIAL_INTERVAL`"),
-        V("REDIS_PERSECOND", "false", U, "not yet: per-second limits are counted on the main backend (the answers are the same). A backend routing them elsewhere would split a request's decision over two stores, which `--rejected-hits skip` and several windows on one descriptor need in one", _false),
-        *(
-            V(name, default, U, persecond, _always)
-            for name, default in (
-                ("REDIS_PERSECOND_SOCKET_TYPE", "unix"),
-                ("REDIS_PERSECOND_TYPE", "SINGLE"),
-                ("REDIS_PERSECOND_URL", "/var/run/nutcracker/ratelimitpersecond.sock"),
-                ("REDIS_PERSECOND_POOL_SIZE", "10"),
-                ("REDIS_PERSECOND_AUTH", ""),
-                ("REDIS_PERSECOND_TLS", "false"),
-                ("REDIS_PERSECOND_SENTINEL_AUTH", ""),
-                ("REDIS_PERSECOND_PIPELINE_WINDOW", "0"),
-                ("REDIS_PERSECOND_PIPELINE_LIMIT", "0"),
-                ("REDIS_PERSECOND_CLUSTER_PIPELINE_PARALLELISM", "1"),
-                ("REDIS_PERSECOND_TIMEOUT", "10s"),
-                ("REDIS_PERSECOND_POOL_ON_EMPTY_BEHAVIOR", "WAIT"),
-            )
-        ),
+        V("REDIS_PERSECOND", "false", S, "`--backend-per-second`: the counters of descriptors whose windows are all in seconds go to the store `REDIS_PERSECOND_*` names; not with `STOP_CACHE_KEY_INCREMENT_WHEN_OVERLIMIT` (two stores cannot decide one request all or nothing)"),
+        V("REDIS_PERSECOND_SOCKET_TYPE", "unix", D, "as `REDIS_SOCKET_TYPE`", lambda value: value.strip().lower() == "tcp"),
+        V("REDIS_PERSECOND_TYPE", "SINGLE", S, "as `REDIS_TYPE`"),
+        V("REDIS_PERSECOND_URL", "/var/run/nutcracker/ratelimitpersecond.sock", S, "the host of `--backend-per-second`; must be set with `REDIS_PERSECOND=true`"),
+        V("REDIS_PERSECOND_AUTH", "", S, "as `REDIS_AUTH`"),
+        V("REDIS_PERSECOND_TLS", "false", S, "as `REDIS_TLS` (with the `REDIS_TLS_*` files, as in the reference)"),
+        V("REDIS_PERSECOND_POOL_SIZE", "10", D, "as `REDIS_POOL_SIZE`"),
+        V("REDIS_PERSECOND_SENTINEL_AUTH", "", U, "Sentinel is not supported"),
+        V("REDIS_PERSECOND_PIPELINE_WINDOW", "0", D, "as `REDIS_PIPELINE_WINDOW`"),
+        V("REDIS_PERSECOND_PIPELINE_LIMIT", "0", D, "as `REDIS_PIPELINE_LIMIT`"),
+        V("REDIS_PERSECOND_CLUSTER_PIPELINE_PARALLELISM", "1", D, "as `REDIS_CLUSTER_PIPELINE_PARALLELISM`"),
+        V("REDIS_PERSECOND_TIMEOUT", "10s", D, "the per-second store's calls have `REDIS_TIMEOUT`'s deadline (`--redis-timeout-ms`)"),
+        V("REDIS_PERSECOND_POOL_ON_EMPTY_BEHAVIOR", "WAIT", D, "as `REDIS_POOL_ON_EMPTY_BEHAVIOR`"),
         *(
             V(name, default, U, memcache, _always)
             for name, default in (

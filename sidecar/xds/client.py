@@ -185,6 +185,9 @@ class XdsClient:
                 await call.write(self._answer(response))
         except grpc.aio.AioRpcError as exc:
             self._failed(f"{exc.code().name}: {exc.details()}")
+        except (grpc.RpcError, grpc.aio.UsageError) as exc:
+            # A write racing the stream's end surfaces as a bare RpcError or UsageError.
+            self._failed(f"{type(exc).__name__}: {exc}")
         finally:
             await channel.close(grace=None)
         return delivered
