@@ -66,6 +66,7 @@ The reference's environment variables (HOST, PORT, GRPC_PORT, REDIS_URL, REDIS_T
 RUNTIME_ROOT, CONFIG_TYPE, CONFIG_GRPC_XDS_*, USE_PROMETHEUS, LOG_LEVEL, ...) set these flags
 too, beneath RLS_* variables and the command line; one it does not honour is logged at
 start-up.
+
 SIGTERM or SIGINT: report unhealthy, refuse new calls, let calls in flight finish (5 s),
 then exit 0. To replace a sidecar (--transport fast) without failing a call, start the new
 one on the same addresses first (--reuse-port on both for TCP; a unix:PATH is taken over as
