@@ -202,6 +202,7 @@ class App:
                 if options.backend_per_second is not None:
                     self._backend = self._per_second(self._backend, options.backend_per_second)
             except ValueError as exc:
+                await self.stop()  # the xDS client may be running already
                 raise InvalidOption(str(exc)) from exc
         backend = self._backend
         if isinstance(backend, MemoryBackend):
@@ -253,6 +254,7 @@ class App:
                 lambda: self.rules,
                 metrics_path=options.metrics_path if name == "metrics" else "/metrics",
                 rlconfig=name == "debug",
+                reuse_port=options.reuse_port,
             )
             for name, (host, port) in side_addresses
         ]

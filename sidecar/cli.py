@@ -645,13 +645,7 @@ def _worker_flags(args: argparse.Namespace) -> list[str]:
     _, env_flags = build_parser()
     argv: list[str] = []
     for flag in env_flags["serve"].flags:
-        if flag.dest in (
-            "grpc_address",
-            "http_address",
-            "workers",
-            "metrics_address",
-            "debug_address",
-        ):
+        if flag.dest in ("grpc_address", "http_address", "workers"):
             continue
         value = getattr(args, flag.dest)
         if value is None or value is False:

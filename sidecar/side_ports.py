@@ -30,6 +30,7 @@ class SidePort:
         *,
         metrics_path: str = "/metrics",
         rlconfig: bool = False,
+        reuse_port: bool = False,
     ) -> None:
         self.name = name
         self.host = host
@@ -39,6 +40,8 @@ class SidePort:
         self._metrics_path = metrics_path
         self._rlconfig = rlconfig
         self._runner: web.AppRunner | None = None
+        #: Shared with other sidecars (`serve --workers N`), as the HTTP port is.
+        self._reuse_port = reuse_port
 
     def application(self) -> web.Application:
         app = web.Application()
@@ -52,7 +55,7 @@ class SidePort:
         runner = web.AppRunner(self.application(), handle_signals=False, access_log=None)
         await runner.setup()
         try:
-            site = web.TCPSite(runner, self.host, self.port)
+            site = web.TCPSite(runner, self.host, self.port, reuse_port=self._reuse_port)
             await site.start()
         except OSError as exc:
             await runner.cleanup()
