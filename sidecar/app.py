@@ -480,6 +480,22 @@ class App:
         if self._backend is not None:
             await self._backend.close()
 
+    async def _start_unless(self, stopping: asyncio.Event) -> bool:
+        """`start`, unless `stopping` is set first (a sidecar waiting for its first rules over
+        xDS must still stop on SIGTERM); returns whether it started."""
+        starting = asyncio.ensure_future(self.start())
+        signalled = asyncio.ensure_future(stopping.wait())
+        await asyncio.wait((starting, signalled), return_when=asyncio.FIRST_COMPLETED)
+        signalled.cancel()
+        if starting.done():
+            starting.result()  # raises what start raised
+            return True
+        starting.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await starting
+        await self.stop()
+        return False
+
     async def run(self) -> int:
         """Start, serve until SIGTERM or SIGINT, stop; returns the exit status (0)."""
         loop = asyncio.get_running_loop()
@@ -490,7 +506,9 @@ class App:
         for signum in signals:
             loop.add_signal_handler(signum, stopping.set)
         try:
-            await self.start()
+            if not await self._start_unless(stopping):
+                log.info("stopped", before="the first rules arrived")
+                return 0
             loop.add_signal_handler(signal.SIGHUP, self.reload)
             # What exists now (modules, rules, servers) lives as long as the process: out of the
             # cycle collector's sight, its collections walk only what serving allocates, which

@@ -445,3 +445,26 @@ def test_the_rate_limit_config_messages_keep_the_references_numbers() -> None:
         "MONTH": 5,
         "YEAR": 6,
     }
+
+
+async def test_sigterm_stops_a_sidecar_still_waiting_for_its_first_rules(
+    plain_plane: ControlPlane,
+) -> None:
+    """Without FORCE_START_WITHOUT_INITIAL_CONFIG and before any push, the sidecar listens on
+    nothing yet; SIGTERM still ends it at once with status 0."""
+    env = {
+        "CONFIG_TYPE": "GRPC_XDS_SOTW",
+        "CONFIG_GRPC_XDS_SERVER_URL": f"127.0.0.1:{plain_plane.port}",
+        "REDIS_SOCKET_TYPE": "tcp",
+        "REDIS_URL": "127.0.0.1:1",
+        "HOST": "127.0.0.1",
+        "PORT": "0",
+        "GRPC_HOST": "127.0.0.1",
+        "GRPC_PORT": "0",
+    }
+    async with reference_process(env, wait=False) as sidecar:
+        await plain_plane.answer("")  # subscribed, waiting for rules
+        sidecar.process.terminate()
+        assert await asyncio.wait_for(sidecar.process.wait(), DEADLINE) == 0
+    assert not sidecar.started
+    assert sidecar.events("xds_waiting_for_rules")

@@ -143,7 +143,11 @@ class XdsClient:
         options = self.options
         broken = 0
         while True:
-            delivered = await self._stream()
+            try:
+                delivered = await self._stream()
+            except Exception:  # a bug must not end the rules' updates: log it, reconnect
+                log.exception("xds_client_error", server=options.server)
+                delivered = False
             if delivered:
                 delay = backoff_delay(
                     broken,
