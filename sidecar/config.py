@@ -175,17 +175,25 @@ def load(paths: Sequence[str | Path]) -> Rules:
 
     Raises ConfigError on the first bad file, or when two files declare the same domain.
     """
+    return gather(parse(_read(file), str(file)) for file in _files(paths))
+
+
+def _read(file: Path) -> str:
+    try:
+        return file.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(str(file), "", f"error loading config file: {exc}") from exc
+
+
+def gather(domains: Iterable[Domain]) -> Rules:
+    """The rules of several parsed domains (files, or xDS resources); raises ConfigError when
+    two declare the same domain, naming the second's source."""
     rules = Rules()
-    for file in _files(paths):
-        try:
-            text = file.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ConfigError(str(file), "", f"error loading config file: {exc}") from exc
-        domain = parse(text, str(file))
+    for domain in domains:
         if domain.name in rules.domains:
             other = rules.domains[domain.name].source
             raise ConfigError(
-                str(file),
+                domain.source,
                 "domain",
                 f"duplicate domain '{domain.name}' in config file (already declared in {other})",
             )
@@ -229,6 +237,12 @@ def parse(text: str, source: str) -> Domain:
         document = yaml.load(text, Loader=_StrictLoader)
     except yaml.YAMLError as exc:
         raise ConfigError(source, "", f"error loading config file: {_yaml_problem(exc)}") from exc
+    return parse_mapping(document, source)
+
+
+def parse_mapping(document: object, source: str) -> Domain:
+    """Parse one domain's rules already decoded from their format (as `parse` does once YAML
+    has decoded a file): rules pushed over xDS take this way, through the same checks."""
     return _Parser(source).root(document)
 
 
