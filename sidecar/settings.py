@@ -393,12 +393,11 @@ def _redis_url(env: Env, prefix: str) -> str:
     if socket_type not in ("", "tcp"):
         raise SettingError(f"{prefix}SOCKET_TYPE={socket_type!r}: expected tcp")
     redis_type = env.get(prefix + "TYPE", "").strip().lower() or "single"
-    if redis_type not in ("single", "cluster"):
-        raise SettingError(
-            f"{prefix}TYPE={redis_type!r}: expected single or cluster (Sentinel is not supported)"
-        )
+    if redis_type not in ("single", "cluster", "sentinel"):
+        raise SettingError(f"{prefix}TYPE={redis_type!r}: expected single, cluster or sentinel")
     tls = boolean(prefix + "TLS", env) or False
-    scheme = ("rediss" if tls else "redis") + ("+cluster" if redis_type == "cluster" else "")
+    kind = {"single": "", "cluster": "+cluster", "sentinel": "+sentinel"}[redis_type]
+    scheme = ("rediss" if tls else "redis") + kind
     auth = env.get(prefix + "AUTH", "")
     userinfo = ""
     if auth:
@@ -409,6 +408,22 @@ def _redis_url(env: Env, prefix: str) -> str:
             else f":{quote(auth, safe='')}@"
         )
     query: dict[str, str] = {}
+    path = ""
+    if redis_type == "sentinel":
+        # The reference's form: the master's name, then the Sentinels.
+        name, _, url = url.partition(",")
+        if not name.strip() or not url.strip():
+            raise SettingError(
+                f"{prefix}URL={env[prefix + 'URL'].strip()!r} with {prefix}TYPE=sentinel: "
+                "expected MASTER_NAME,SENTINEL_HOST:PORT[,SENTINEL_HOST:PORT...]"
+            )
+        path = "/" + quote(name.strip(), safe="")
+        sentinel_auth = env.get(prefix + "SENTINEL_AUTH", "")
+        if sentinel_auth:
+            user, sep, password = sentinel_auth.partition(":")
+            if sep:
+                query["sentinel_username"] = user
+            query["sentinel_password"] = password if sep else sentinel_auth
     if tls:
         for variable, parameter in (
             ("REDIS_TLS_CACERT", "ssl_ca_certs"),
@@ -418,7 +433,7 @@ def _redis_url(env: Env, prefix: str) -> str:
             if env.get(variable):
                 query[parameter] = env[variable]
         query["ssl_cert_reqs"] = "required"
-    return f"{scheme}://{userinfo}{url}" + (f"?{urlencode(query)}" if query else "")
+    return f"{scheme}://{userinfo}{url}{path}" + (f"?{urlencode(query)}" if query else "")
 
 
 @dataclass(frozen=True)
@@ -510,6 +525,7 @@ FLAGS: tuple[Flag, ...] = (
             "REDIS_TYPE",
             "REDIS_URL",
             "REDIS_AUTH",
+            "REDIS_SENTINEL_AUTH",
             "REDIS_TLS",
             "REDIS_TLS_CACERT",
             "REDIS_TLS_CLIENT_CERT",
@@ -525,6 +541,7 @@ FLAGS: tuple[Flag, ...] = (
             "REDIS_PERSECOND_TYPE",
             "REDIS_PERSECOND_URL",
             "REDIS_PERSECOND_AUTH",
+            "REDIS_PERSECOND_SENTINEL_AUTH",
             "REDIS_PERSECOND_TLS",
         ),
         _backend_per_second,
@@ -588,11 +605,11 @@ def _variables() -> tuple[Variable, ...]:
         # Counters.
         V("BACKEND_TYPE", "redis", S, "`redis` builds `--backend` from `REDIS_*`; `memcache` is refused at start-up"),
         V("REDIS_SOCKET_TYPE", "unix", D, "`tcp`; `unix` is refused at start-up (no Redis over a Unix socket); unset, a `REDIS_URL` that is not a path is TCP", lambda value: value.strip().lower() == "tcp"),
-        V("REDIS_TYPE", "SINGLE", S, "`single`: `redis://`; `cluster`: `redis+cluster://`; `sentinel` is refused at start-up"),
+        V("REDIS_TYPE", "SINGLE", S, "`single`: `redis://`; `cluster`: `redis+cluster://`; `sentinel`: `redis+sentinel://` (`REDIS_URL` is then `MASTER_NAME,HOST:PORT,...`, the master's name and the Sentinels)"),
         V("REDIS_URL", "/var/run/nutcracker/ratelimit.sock", S, "the host of `--backend` (`HOST:PORT`, or `HOST:PORT,HOST:PORT` for a cluster); under `ratelimit` it must be set, unless `RLS_BACKEND` is"),
         V("REDIS_POOL_SIZE", "10", D, "no pool: each Redis server gets two pipelined connections, which carry every call"),
         V("REDIS_AUTH", "", S, "`password` or `user:password`, in the `--backend` URL"),
-        V("REDIS_SENTINEL_AUTH", "", U, "Sentinel is not supported"),
+        V("REDIS_SENTINEL_AUTH", "", S, "`password` or `user:password` of the Sentinels: `?sentinel_password=` (and `sentinel_username=`); `REDIS_AUTH` stays the master's"),
         V("REDIS_TLS", "false", S, "`rediss://` (certificates verified)"),
         V("REDIS_TLS_CLIENT_CERT", "", S, "`?ssl_certfile=`"),
         V("REDIS_TLS_CLIENT_KEY", "", S, "`?ssl_keyfile=`"),
@@ -614,7 +631,7 @@ def _variables() -> tuple[Variable, ...]:
         V("REDIS_PERSECOND_AUTH", "", S, "as `REDIS_AUTH`"),
         V("REDIS_PERSECOND_TLS", "false", S, "as `REDIS_TLS` (with the `REDIS_TLS_*` files, as in the reference)"),
         V("REDIS_PERSECOND_POOL_SIZE", "10", D, "as `REDIS_POOL_SIZE`"),
-        V("REDIS_PERSECOND_SENTINEL_AUTH", "", U, "Sentinel is not supported"),
+        V("REDIS_PERSECOND_SENTINEL_AUTH", "", S, "as `REDIS_SENTINEL_AUTH`"),
         V("REDIS_PERSECOND_PIPELINE_WINDOW", "0", D, "as `REDIS_PIPELINE_WINDOW`"),
         V("REDIS_PERSECOND_PIPELINE_LIMIT", "0", D, "as `REDIS_PIPELINE_LIMIT`"),
         V("REDIS_PERSECOND_CLUSTER_PIPELINE_PARALLELISM", "1", D, "as `REDIS_CLUSTER_PIPELINE_PARALLELISM`"),

@@ -13,7 +13,9 @@ from reference_process import reference_process
 from sidecars import client, request
 
 from sidecar import cli, settings
+from sidecar.injector.urls import validate_url
 from sidecar.model import Code
+from sidecar.storage import open_backend
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -247,11 +249,43 @@ def test_rls_variables_and_flags_win_over_the_references() -> None:
     )  # fmt: skip
 
 
+def test_sentinel_settings_map_onto_a_sentinel_url() -> None:
+    """REDIS_TYPE=sentinel: REDIS_URL is the master's name then the Sentinels, REDIS_AUTH the
+    master's password, REDIS_SENTINEL_AUTH the Sentinels' (`user:password` or a password);
+    REDIS_TLS speaks TLS to both. The per-second store reads its own variables the same way."""
+    args = serve(
+        {
+            "REDIS_TYPE": "sentinel",
+            "REDIS_URL": "mymaster,s1:26379,s2:26379",
+            "REDIS_AUTH": "m@ster",
+            "REDIS_SENTINEL_AUTH": "watcher:s&cret",
+            "REDIS_TLS": "true",
+            "REDIS_PERSECOND": "true",
+            "REDIS_PERSECOND_TYPE": "SENTINEL",
+            "REDIS_PERSECOND_URL": "persecond,s3:26379",
+            "REDIS_PERSECOND_SENTINEL_AUTH": "only-a-password",
+        },
+        "--config",
+        "x",
+    )
+    assert args["backend"] == (
+        "rediss+sentinel://:m%40ster@s1:26379,s2:26379/mymaster"
+        "?sentinel_username=watcher&sentinel_password=s%26cret&ssl_cert_reqs=required"
+    )
+    assert args["backend_per_second"] == (
+        "redis+sentinel://s3:26379/persecond?sentinel_password=only-a-password"
+    )
+    for url in (args["backend"], args["backend_per_second"]):
+        assert isinstance(url, str)
+        validate_url(url)
+        open_backend(url)  # parses, connects nothing
+
+
 @pytest.mark.parametrize(
     ("env", "message"),
     [
         ({"BACKEND_TYPE": "memcache"}, "BACKEND_TYPE=memcache: Memcache is not supported"),
-        ({"REDIS_URL": "r:6379", "REDIS_TYPE": "sentinel"}, "REDIS_TYPE='sentinel'"),
+        ({"REDIS_URL": "r:6379", "REDIS_TYPE": "sentinel"}, "expected MASTER_NAME,SENTINEL_HOST"),
         ({"REDIS_URL": "/var/run/redis.sock"}, "Redis over a Unix socket is not supported"),
         ({"REDIS_URL": "r:6379", "REDIS_TLS": "maybe"}, "REDIS_TLS='maybe': expected true or false"),
         ({"REDIS_URL": "r:6379", "REDIS_TIMEOUT": "10"}, "REDIS_TIMEOUT='10': expected a duration"),
