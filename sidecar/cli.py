@@ -279,7 +279,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, _Flags]]:
     serve.add(
         "--backend-per-second",
         "a second store for the counters of descriptors whose windows are all in seconds "
-        "(redis:// or redis+cluster://; the reference's REDIS_PERSECOND)",
+        "(redis://, redis+cluster:// or redis+sentinel://; the reference's REDIS_PERSECOND)",
         metavar="URL",
     )
     serve.add(

@@ -352,7 +352,7 @@ def _backend(env: Env, defaults: bool) -> str | None:
     if backend_type == "memcache":
         raise SettingError(
             "BACKEND_TYPE=memcache: Memcache is not supported; use Redis (REDIS_URL) or set "
-            "RLS_BACKEND (memory://, redis://, redis+cluster://)"
+            "RLS_BACKEND (memory://, redis://, redis+cluster://, redis+sentinel://)"
         )
     if backend_type != "redis":
         raise SettingError(f"BACKEND_TYPE={backend_type!r}: expected redis")
