@@ -102,6 +102,9 @@ class Options:
     xds: XdsOptions | None = None
     #: Unhealthy until rules with at least one domain are loaded.
     health_requires_config: bool = False
+    #: Files declaring one domain add their descriptors to it (the reference's
+    #: MERGE_DOMAIN_CONFIG; rules over xDS take theirs from `xds`).
+    merge_domain_config: bool = False
     #: Another listener for Prometheus (HOST:PORT, at `metrics_path`), as the reference's
     #: USE_PROMETHEUS/PROMETHEUS_ADDR; /metrics on the HTTP port stays.
     metrics_address: str | None = None
@@ -174,6 +177,8 @@ class App:
         self.debug_port = 0
         self._stopped = False
         self._pending: set[asyncio.Task[None]] = set()
+        #: The rules' warnings already logged (each is logged once).
+        self._warned: set[str] = set()
 
     async def start(self) -> None:
         """Load, open and listen; raises ConfigError, InvalidOption or OSError after cleaning up."""
@@ -351,14 +356,23 @@ class App:
 
     def _load_rules(self) -> config.Rules:
         try:
-            rules = config.load(self.options.config)
+            rules = config.load(self.options.config, self.options.merge_domain_config)
         except ConfigError:
             self.stats.config_load_error += 1
             raise
         self.stats.config_load_success += 1
         for domain in rules.domains.values():
             log.info("config_loaded", summary=domain.summary())
+        self._warn(rules)
         return rules
+
+    def _warn(self, rules: config.Rules) -> None:
+        """Log each warning of the rules (see `config.ConfigWarning`) once, not at every reload."""
+        for warning in rules.warnings():
+            text = str(warning)
+            if text not in self._warned:
+                self._warned.add(text)
+                log.warning("config_warning", warning=text)
 
     def reload(self) -> bool:
         """Load the rules again and serve them from the next call; keep the old ones on error.
@@ -372,7 +386,7 @@ class App:
             log.info("config_reload_skipped", reason="rules come from xDS")
             return False
         try:
-            rules = config.load(self.options.config)
+            rules = config.load(self.options.config, self.options.merge_domain_config)
         except ConfigError as exc:
             self._reject_rules(exc)
             return False
@@ -384,6 +398,7 @@ class App:
         """Serve `rules` from the next call on (a reload, or an xDS push)."""
         self._last_config_error = None
         self.stats.config_load_success += 1
+        self._warn(rules)
         self.rules = rules
         if self._limiter is not None:
             self._limiter.rules = rules

@@ -85,7 +85,12 @@ serves its own /metrics."""
 
 _CHECK_DESCRIPTION = """\
 Validate rules files without starting anything: print one summary line per domain and exit
-0, or print the first error as 'FILE: PATH-IN-FILE: message' and exit 1."""
+0, or print the first error as 'FILE: PATH-IN-FILE: message' and exit 1.
+
+Every file envoyproxy/ratelimit loads loads here too. What it loads but is likely a mistake
+(a key where it does nothing, such as a unit beside rate_limit instead of inside it; a key
+repeated in one map; an empty rate_limit) is printed to stderr as 'warning: FILE: PATH:
+message'; `serve` logs it once. With --strict a warning fails the check (exit 1)."""
 
 _QUERY_DESCRIPTION = """\
 Send one ShouldRateLimit call to a running service and print the response.
@@ -403,6 +408,14 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, _Flags]]:
         metavar="SECONDS",
     )
     serve.add(
+        "--merge-domain-config",
+        "files (or xDS resources) declaring the same domain add their first-level descriptors "
+        "to it, in order; one declared twice is refused (the reference's MERGE_DOMAIN_CONFIG). "
+        "Without it, a domain declared twice is refused",
+        action="store_true",
+        default=False,
+    )
+    serve.add(
         "--health-requires-config",
         "report unhealthy until rules with at least one domain are loaded",
         action="store_true",
@@ -440,6 +453,15 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, _Flags]]:
     )
     check.add_argument(
         "paths", nargs="+", metavar="PATH", help="a rules file or a directory of them"
+    )
+    check.add_argument(
+        "--strict", action="store_true", help="fail (exit 1) on a warning as on an error"
+    )
+    check.add_argument(
+        "--merge-domain-config",
+        action="store_true",
+        help="files declaring the same domain add their descriptors to it, as `serve "
+        "--merge-domain-config` does (the reference's MERGE_DOMAIN_CONFIG)",
     )
 
     query = _Flags(
@@ -581,6 +603,7 @@ def _serve(args: argparse.Namespace) -> int:
         config_poll_seconds=args.config_poll_seconds,
         xds=xds_flags.options(args),
         health_requires_config=args.health_requires_config,
+        merge_domain_config=args.merge_domain_config,
         metrics_address=args.metrics_address,
         metrics_path=args.metrics_path,
         debug_address=args.debug_address,
@@ -688,15 +711,21 @@ def _worker_flags(args: argparse.Namespace) -> list[str]:
 
 def _check(args: argparse.Namespace) -> int:
     try:
-        rules = config.load(args.paths)
+        rules = config.load(args.paths, merge=args.merge_domain_config)
     except ConfigError as exc:
         print(exc, file=sys.stderr)
         return 1
     if not rules.domains:
         print(f"{PROG}: no rules files (*.yaml, *.yml) in {', '.join(args.paths)}", file=sys.stderr)
         return 1
+    warnings = rules.warnings()
+    for warning in warnings:
+        print(f"warning: {warning}", file=sys.stderr)
     for domain in rules.domains.values():
         print(domain.summary())
+    if warnings and args.strict:
+        print(f"{PROG} check --strict: {len(warnings)} warning(s)", file=sys.stderr)
+        return 1
     return 0
 
 

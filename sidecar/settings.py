@@ -512,6 +512,7 @@ FLAGS: tuple[Flag, ...] = (
         ("FORCE_START_WITHOUT_INITIAL_CONFIG",),
         _flag("FORCE_START_WITHOUT_INITIAL_CONFIG"),
     ),
+    Flag("merge_domain_config", ("MERGE_DOMAIN_CONFIG",), _flag("MERGE_DOMAIN_CONFIG")),
     Flag(
         "health_requires_config",
         ("HEALTHY_WITH_AT_LEAST_ONE_CONFIG_LOADED",),
@@ -586,7 +587,7 @@ def _variables() -> tuple[Variable, ...]:
         V("RUNTIME_APPDIRECTORY", RUNTIME_APPDIRECTORY, S, "as `RUNTIME_ROOT`"),
         V("RUNTIME_IGNOREDOTFILES", "false", D, "files whose name starts with `.` are always ignored (as a Kubernetes ConfigMap's `..data` needs)", _truthy),
         V("RUNTIME_WATCH_ROOT", "true", S, "either way the same directory; its rules files are polled every 2 s (`--config-poll-seconds`), which sees a swapped symlink as well as an edited file"),
-        V("MERGE_DOMAIN_CONFIG", "false", U, "not yet: two files with one domain are refused (issue 21, rules-file fidelity)", _false),
+        V("MERGE_DOMAIN_CONFIG", "false", S, "`--merge-domain-config`: files (or xDS resources) declaring one domain add their first-level descriptors to it; one declared in two is refused, as within a file"),
         V("CONFIG_GRPC_XDS_NODE_ID", "default", S, "`--xds-node-id`"),
         V("CONFIG_GRPC_XDS_NODE_METADATA", "", S, "`--xds-node-metadata k=v,k2=v2`"),
         V("CONFIG_GRPC_XDS_SERVER_URL", "localhost:18000", S, "`--xds-server`"),

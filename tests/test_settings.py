@@ -160,6 +160,7 @@ def test_listeners_runtime_and_redis_map_onto_flags() -> None:
             "STOP_CACHE_KEY_INCREMENT_WHEN_OVERLIMIT": "1",
             "LOCAL_CACHE_SIZE_IN_BYTES": "0",
             "HEALTHY_WITH_AT_LEAST_ONE_CONFIG_LOADED": "t",
+            "MERGE_DOMAIN_CONFIG": "true",
         }
     )
     assert (args["http_address"], args["grpc_address"]) == ("[::1]:9080", "unix:/run/rls.sock")
@@ -177,6 +178,7 @@ def test_listeners_runtime_and_redis_map_onto_flags() -> None:
         0,
     )
     assert args["health_requires_config"] is True
+    assert args["merge_domain_config"] is True
     assert args["xds_server"] is None
 
 

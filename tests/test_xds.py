@@ -392,6 +392,23 @@ def test_a_resource_reads_as_its_rules_file_would() -> None:
     assert rules.domains["d"].source == "xds:r"
 
 
+def test_resources_of_one_domain_add_up_with_merge_domain_config() -> None:
+    """MERGE_DOMAIN_CONFIG applies to resources as to files: two resources of one domain are
+    refused without it, and add their descriptors with it."""
+    first = rls_conf.RateLimitConfig(name="a", domain="d")
+    first.descriptors.add(key="k")
+    second = rls_conf.RateLimitConfig(name="b", domain="d")
+    second.descriptors.add(key="k2")
+    from sidecar.errors import ConfigError
+    from sidecar.xds import convert
+
+    resources = pack(first, second)
+    with pytest.raises(ConfigError, match="duplicate domain 'd'"):
+        convert.rules(resources)
+    rules = convert.rules(resources, merge=True)
+    assert [n.label for n in rules.domains["d"].root.nodes()] == ["k", "k2"]
+
+
 @pytest.mark.parametrize(
     ("attempt", "jitter", "draw", "expected"),
     [

@@ -74,6 +74,8 @@ class XdsOptions:
     max_message_bytes: int | None = None
     #: Serve before the first rules arrive (with none: every domain is unknown, so OK).
     force_start: bool = False
+    #: Resources declaring one domain add their descriptors to it (MERGE_DOMAIN_CONFIG).
+    merge_domain_config: bool = False
 
 
 def backoff_delay(
@@ -204,7 +206,7 @@ class XdsClient:
                 raise ConfigError(
                     "xds", "", f"a response of type {response.type_url!r}, not {convert.TYPE_URL!r}"
                 )
-            rules = convert.rules(response.resources)
+            rules = convert.rules(response.resources, self.options.merge_domain_config)
         except ConfigError as exc:
             self._on_error(exc, version)
             return self._request(

@@ -23,10 +23,11 @@ TYPE_URL = "type.googleapis.com/ratelimit.config.ratelimit.v3.RateLimitConfig"
 _FLAGS = ("shadow_mode", "detailed_metric", "quota_mode")
 
 
-def rules(resources: Sequence[any_pb2.Any]) -> config.Rules:
+def rules(resources: Sequence[any_pb2.Any], merge: bool = False) -> config.Rules:
     """The rules of a whole state-of-the-world response; raises ConfigError for the first
-    resource that is not a RateLimitConfig, does not decode, or holds rules a file could not."""
-    return config.gather(domain(resource) for resource in resources)
+    resource that is not a RateLimitConfig, does not decode, or holds rules a file could not.
+    `merge`: resources declaring one domain add up, as files do (`config.gather`)."""
+    return config.gather((domain(resource) for resource in resources), merge)
 
 
 def domain(resource: any_pb2.Any) -> config.Domain:

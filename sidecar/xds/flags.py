@@ -157,4 +157,5 @@ def options(args: argparse.Namespace) -> XdsOptions | None:
         backoff_jitter=not args.xds_backoff_no_jitter,
         max_message_bytes=args.xds_max_message_bytes,
         force_start=args.force_start_without_initial_config,
+        merge_domain_config=args.merge_domain_config,
     )
