@@ -402,6 +402,8 @@ class App:
         self.rules = rules
         if self._limiter is not None:
             self._limiter.rules = rules
+            if self._limiter.over_limit_cache is not None:
+                self._limiter.over_limit_cache.clear()  # what it knew was for the old limits
         if self._caps is not None:
             self._caps.set_rules(rules)
         if self._http is not None:
