@@ -5,6 +5,8 @@ or a pattern where `*` matches any run of characters) and an optional `rate_limi
 `parse` is pure; `load` is the only function here that touches the disk.
 Every error is a ConfigError naming the file, the path inside it and, where it helps, the fix,
 worded as the reference words it so existing runbooks still match.
+A file the reference loads loads here, read as it reads it; what it loads but is likely a
+mistake (a key it ignores where it stands, a key repeated in one map) is a ConfigWarning.
 """
 
 from __future__ import annotations
@@ -441,6 +443,9 @@ class _Loader(yaml.SafeLoader):
 
 
 _Loader.add_constructor("tag:yaml.org,2002:map", _Loader.construct_rules_map)
+# go-yaml v2 also reads y, Y, n and N as booleans (YAML 1.1), where PyYAML reads text.
+_Loader.bool_values = {**yaml.SafeLoader.bool_values, "y": True, "n": False}
+_Loader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:y|Y|n|N)$"), list("yYnN"))
 
 
 def _yaml_problem(exc: yaml.YAMLError) -> str:

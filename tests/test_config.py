@@ -253,8 +253,8 @@ descriptors:
 
 def test_scalars_are_read_as_written() -> None:
     """A number, boolean or date where text belongs is the text as written (`010`, `on`), as
-    go-yaml reads it into a string; `~` flags and counts are false and 0; an empty value is a
-    key-only descriptor, as the reference reads it."""
+    go-yaml reads it into a string; `~` flags and counts are false and 0; `y` is a true flag, as
+    go-yaml reads it; an empty value is a key-only descriptor, as the reference reads it."""
     domain = config.parse(
         """
 domain: 2024-01-01
@@ -266,6 +266,9 @@ descriptors:
   - key: ev
     value: ""
     rate_limit: {unit: second, requests_per_unit: 1}
+  - key: n
+    value: y
+    quota_mode: y
 """,
         "rules.yaml",
     )
@@ -278,6 +281,7 @@ descriptors:
         False,
     )
     assert domain.root.keys["ev"].value is None
+    assert domain.root.exact[("n", "y")].limit is None
     assert match(domain, (Entry("ev", "a"),)) is not None
     assert not domain.warnings
 
