@@ -1,7 +1,9 @@
 """The command line, `serve`, `check` and `query`: a thin layer over `app`, `config`, `rls.client`.
 
 Every flag can also come from the environment as `RLS_<FLAG>` (upper case, dashes as
-underscores); a flag on the command line wins over its variable.
+underscores); a flag on the command line wins over its variable. `serve` also reads the
+reference's variables (`sidecar.settings`), beneath both. `ratelimit`, the reference's entry
+point (`reference_main`), is `serve` with the reference's defaults.
 """
 
 from __future__ import annotations
@@ -15,10 +17,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sidecar import __version__, config, logs
+from sidecar import __version__, config, logs, settings
 from sidecar.envoy_config.commands import register as register_envoy_config
 from sidecar.errors import ConfigError
 from sidecar.injector.commands import register as register_injector
+from sidecar.xds import flags as xds_flags
 
 # grpc's C core writes its own lines to stderr; keep them to errors so the log stays one format.
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
@@ -34,7 +37,10 @@ for envoyproxy/ratelimit: the same YAML rules, the same gRPC and HTTP endpoints,
 in memory, Redis or Redis Cluster.
 
 Every flag can also be set in the environment as RLS_<FLAG> (upper case, dashes as
-underscores: --grpc-address is RLS_GRPC_ADDRESS). A flag on the command line wins."""
+underscores: --grpc-address is RLS_GRPC_ADDRESS). A flag on the command line wins.
+`serve` also reads envoyproxy/ratelimit's variables (REDIS_URL, RUNTIME_ROOT, CONFIG_TYPE, ...),
+beneath RLS_* and flags; `ratelimit` with no arguments runs `serve` from them alone, as the
+reference's /bin/ratelimit does (README lists every variable)."""
 
 _EPILOG = """\
 examples:
@@ -51,8 +57,16 @@ Serve ShouldRateLimit over gRPC and, over HTTP: POST /json (the same call in pro
 rules) and GET /metrics (Prometheus). The gRPC health service reports SERVING for "" and
 "ratelimit" once the backend answers.
 
-Rules are envoyproxy/ratelimit YAML files, one domain per file. A bad file stops the start
-with 'FILE: PATH: message' and exit status 1; a backend URL that cannot be used exits with 2.
+Rules are envoyproxy/ratelimit YAML files, one domain per file (--config), or RateLimitConfig
+resources a control plane pushes over xDS (--xds-server; a push that is not valid rules is
+NACKed and the rules served before stay). A bad file stops the start with 'FILE: PATH:
+message' and exit status 1; a backend URL that cannot be used exits with 2.
+
+The reference's environment variables (HOST, PORT, GRPC_PORT, REDIS_URL, REDIS_TYPE,
+RUNTIME_ROOT, CONFIG_TYPE, CONFIG_GRPC_XDS_*, USE_PROMETHEUS, LOG_LEVEL, ...) set these flags
+too, beneath RLS_* variables and the command line; one it does not honour is logged at
+start-up.
+
 SIGTERM or SIGINT: report unhealthy, refuse new calls, let calls in flight finish (5 s),
 then exit 0. To replace a sidecar (--transport fast) without failing a call, start the new
 one on the same addresses first (--reuse-port on both for TCP; a unix:PATH is taken over as
@@ -71,7 +85,12 @@ serves its own /metrics."""
 
 _CHECK_DESCRIPTION = """\
 Validate rules files without starting anything: print one summary line per domain and exit
-0, or print the first error as 'FILE: PATH-IN-FILE: message' and exit 1."""
+0, or print the first error as 'FILE: PATH-IN-FILE: message' and exit 1.
+
+Every file envoyproxy/ratelimit loads loads here too. What it loads but is likely a mistake
+(a key where it does nothing, such as a unit beside rate_limit instead of inside it; a key
+repeated in one map; an empty rate_limit) is printed to stderr as 'warning: FILE: PATH:
+message'; `serve` logs it once. With --strict a warning fails the check (exit 1)."""
 
 _QUERY_DESCRIPTION = """\
 Send one ShouldRateLimit call to a running service and print the response.
@@ -172,6 +191,16 @@ def _grpc_address(text: str) -> str:
     return text
 
 
+def _socket_mode(text: str) -> int:
+    try:
+        mode = int(text, 8)
+    except ValueError:
+        mode = -1
+    if not 0 <= mode <= 0o777:
+        raise argparse.ArgumentTypeError(f"expected octal permission bits like 660, got {text!r}")
+    return mode
+
+
 def _address(text: str) -> str:
     from sidecar.app import InvalidOption, split_address
 
@@ -236,8 +265,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, _Flags]]:
     serve.add(
         "--config",
         "a rules file, or a directory of *.yaml/*.yml files; repeat for more. "
-        "In RLS_CONFIG, separate several paths with ':' or ','",
-        required=True,
+        "In RLS_CONFIG, separate several paths with ':' or ','. Required, unless --xds-server",
         action="append",
         metavar="PATH",
         separators=":,",
@@ -245,9 +273,18 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, _Flags]]:
     serve.add(
         "--backend",
         "where counters live: memory://, redis://[user:password@]host:port[/db], "
-        "rediss://... (TLS), redis+cluster://host:port[,host:port...] or rediss+cluster://... "
-        "(TLS)",
+        "rediss://... (TLS), redis+cluster://host:port[,host:port...], rediss+cluster://... "
+        "(TLS), or redis+sentinel://[user:password@]host:port[,host:port...]/master-name[/db] "
+        "(Sentinels, default port 26379, asked for the master and followed across failovers; "
+        "user:password is the master's, ?sentinel_username=&sentinel_password= the Sentinels'; "
+        "rediss+sentinel:// for TLS to both)",
         default="memory://",
+        metavar="URL",
+    )
+    serve.add(
+        "--backend-per-second",
+        "a second store for the counters of descriptors whose windows are all in seconds "
+        "(redis://, redis+cluster:// or redis+sentinel://; the reference's REDIS_PERSECOND)",
         metavar="URL",
     )
     serve.add(
@@ -257,6 +294,14 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, _Flags]]:
         default="0.0.0.0:8081",
         type=_grpc_address,
         metavar="ADDRESS",
+    )
+    serve.add(
+        "--grpc-socket-mode",
+        "with a unix:PATH gRPC address: the socket file's permission bits, in octal (660, "
+        "666), so a client running as another user (Envoy in the same pod) may connect; "
+        "unset: as the umask leaves them",
+        type=_socket_mode,
+        metavar="OCTAL",
     )
     serve.add(
         "--http-address",
@@ -363,6 +408,35 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, _Flags]]:
         metavar="SECONDS",
     )
     serve.add(
+        "--merge-domain-config",
+        "files (or xDS resources) declaring the same domain add their first-level descriptors "
+        "to it, in order; one declared twice is refused (the reference's MERGE_DOMAIN_CONFIG). "
+        "Without it, a domain declared twice is refused",
+        action="store_true",
+        default=False,
+    )
+    serve.add(
+        "--health-requires-config",
+        "report unhealthy until rules with at least one domain are loaded",
+        action="store_true",
+        default=False,
+    )
+    serve.add(
+        "--metrics-address",
+        "also serve Prometheus metrics on this address, at --metrics-path (/metrics on the "
+        "HTTP address stays)",
+        type=_address,
+        metavar="HOST:PORT",
+    )
+    serve.add("--metrics-path", "the path of --metrics-address", default="/metrics", metavar="PATH")
+    serve.add(
+        "--debug-address",
+        "also serve /rlconfig and /metrics on this address (the reference's debug port)",
+        type=_address,
+        metavar="HOST:PORT",
+    )
+    xds_flags.add(serve.add)
+    serve.add(
         "--dedupe-horizon",
         "frequency caps: seconds an impression id is remembered at least, so a repeated "
         "record within it counts nothing (ids are forgotten by twice that)",
@@ -379,6 +453,15 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, _Flags]]:
     )
     check.add_argument(
         "paths", nargs="+", metavar="PATH", help="a rules file or a directory of them"
+    )
+    check.add_argument(
+        "--strict", action="store_true", help="fail (exit 1) on a warning as on an error"
+    )
+    check.add_argument(
+        "--merge-domain-config",
+        action="store_true",
+        help="files declaring the same domain add their descriptors to it, as `serve "
+        "--merge-domain-config` does (the reference's MERGE_DOMAIN_CONFIG)",
     )
 
     query = _Flags(
@@ -428,23 +511,59 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, _Flags]]:
 
 
 def parse_args(
-    argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
+    argv: Sequence[str] | None = None,
+    environ: Mapping[str, str] | None = None,
+    reference_defaults: bool = False,
 ) -> argparse.Namespace:
-    """Flags, then RLS_* variables from `environ` (default os.environ), then defaults.
+    """Flags, then RLS_* variables from `environ` (default os.environ), then (for `serve`) the
+    reference's variables, then defaults; `reference_defaults` adds the reference's defaults
+    of the rules directory and of the backend (`ratelimit`).
 
     Exits with status 2 and a usage message when something is missing or malformed.
     """
     parser, env_flags = build_parser()
     args = parser.parse_args(argv)
+    environ = os.environ if environ is None else environ
     flags = env_flags.get(args.command)
-    if flags is not None:
-        flags.resolve(args, os.environ if environ is None else environ)
+    if flags is not None and args.command == "serve":
+        given = frozenset(
+            flag.dest
+            for flag in flags.flags
+            if getattr(args, flag.dest) is not None or environ.get(ENV_PREFIX + flag.dest.upper())
+        )
+        try:
+            translated = settings.translate(environ, defaults=reference_defaults, given=given)
+        except settings.SettingError as exc:
+            flags.parser.error(str(exc))
+        flags.resolve(args, {**translated, **environ})
+        if not args.config and not args.xds_server:
+            flags.parser.error(
+                "the following arguments are required: --config (or RLS_CONFIG), or --xds-server"
+            )
+        if args.config and args.xds_server:
+            flags.parser.error("--config and --xds-server exclude each other: rules come from one")
+        args.reference_applied = settings.applied(environ)
+        args.reference_ignored = settings.ignored(environ)
+    elif flags is not None:
+        flags.resolve(args, environ)
     return args
 
 
-def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> int:
+def reference_main(argv: Sequence[str] | None = None) -> int:
+    """`ratelimit`, the reference's /bin/ratelimit: `serve` configured by the reference's
+    environment variables, with its defaults (rules in RUNTIME_ROOT/RUNTIME_SUBDIRECTORY/
+    RUNTIME_APPDIRECTORY, Redis at REDIS_URL); arguments, if any, are `serve` flags."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    return main(["serve", *args], reference_defaults=True)
+
+
+def main(
+    argv: Sequence[str] | None = None,
+    environ: Mapping[str, str] | None = None,
+    reference_defaults: bool = False,
+) -> int:
     """Run the command line; returns the exit status."""
-    args = parse_args(argv, environ)
+    args = parse_args(argv, environ, reference_defaults)
     try:
         if hasattr(args, "func"):
             return int(args.func(args))
@@ -461,11 +580,13 @@ def _serve(args: argparse.Namespace) -> int:
     from sidecar.app import App, InvalidOption, Options
 
     logs.configure(args.log_level, args.log_format)
+    _log_reference_settings(args)
     if args.workers > 1:
         return _serve_workers(args)
     options = Options(
-        config=args.config,
+        config=args.config or [],
         backend=args.backend,
+        backend_per_second=args.backend_per_second,
         grpc_address=args.grpc_address,
         http_address=args.http_address,
         redis_timeout_ms=args.redis_timeout_ms,
@@ -477,8 +598,15 @@ def _serve(args: argparse.Namespace) -> int:
         transport=args.transport,
         reuse_port=args.reuse_port,
         grpc_socket_fd=args.grpc_socket_fd,
+        grpc_socket_mode=args.grpc_socket_mode,
         dedupe_horizon=args.dedupe_horizon,
         config_poll_seconds=args.config_poll_seconds,
+        xds=xds_flags.options(args),
+        health_requires_config=args.health_requires_config,
+        merge_domain_config=args.merge_domain_config,
+        metrics_address=args.metrics_address,
+        metrics_path=args.metrics_path,
+        debug_address=args.debug_address,
     )
     try:
         loop_factory = event_loop_factory(args.loop)
@@ -497,6 +625,23 @@ def _serve(args: argparse.Namespace) -> int:
     except OSError as exc:
         print(f"{PROG}: {exc}", file=sys.stderr)
         return 1
+
+
+def _log_reference_settings(args: argparse.Namespace) -> None:
+    """Once at start-up: which reference variables were read, and each one set to something
+    this sidecar does not do (never silently ignored)."""
+    import structlog
+
+    log = structlog.get_logger("sidecar.settings")
+    if args.reference_applied:
+        log.info("reference_settings", read=args.reference_applied)
+    for variable in args.reference_ignored:
+        if variable.support is settings.Support.DIFFERENT:
+            log.info("reference_setting_differs", variable=variable.name, here=variable.note)
+        else:
+            log.warning(
+                "reference_setting_not_supported", variable=variable.name, why=variable.note
+            )
 
 
 def event_loop_factory(name: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
@@ -566,15 +711,21 @@ def _worker_flags(args: argparse.Namespace) -> list[str]:
 
 def _check(args: argparse.Namespace) -> int:
     try:
-        rules = config.load(args.paths)
+        rules = config.load(args.paths, merge=args.merge_domain_config)
     except ConfigError as exc:
         print(exc, file=sys.stderr)
         return 1
     if not rules.domains:
         print(f"{PROG}: no rules files (*.yaml, *.yml) in {', '.join(args.paths)}", file=sys.stderr)
         return 1
+    warnings = rules.warnings()
+    for warning in warnings:
+        print(f"warning: {warning}", file=sys.stderr)
     for domain in rules.domains.values():
         print(domain.summary())
+    if warnings and args.strict:
+        print(f"{PROG} check --strict: {len(warnings)} warning(s)", file=sys.stderr)
+        return 1
     return 0
 
 

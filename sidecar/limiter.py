@@ -2,7 +2,7 @@
 
 prepare (once per request body and rules, `sidecar.plan`): validate, match each descriptor to a
 rule, drop replaced and unlimited rules, name the counters → decide (every call): one
-`backend.apply` for all remaining counters → per-descriptor statuses → `overall_code` (shadow
+`backend.apply_then` for all remaining counters → per-descriptor statuses → `overall_code` (shadow
 and quota modes) → stats. The clock is injected; nothing here knows about protobuf, gRPC or Redis.
 
 `decide_then` is the decision, through callbacks (`_begin` before the store is waiting,
@@ -35,7 +35,7 @@ from sidecar.model import (
     Window,
     new,
 )
-from sidecar.over_limit_cache import OverLimitCache
+from sidecar.over_limit_cache import OverLimitCache, added
 from sidecar.plan import Counted, Plan, prepare
 from sidecar.rules import Rules
 from sidecar.stats import Stats
@@ -116,9 +116,10 @@ class Limiter:
         self._all_or_nothing = (
             self.settings.rejected_hits == "skip" and not self.settings.shadow_mode
         )
-        #: Plain windows known to be over, answered without the backend (None: off).
+        #: Plain windows known to be over, answered without waiting for the backend (None:
+        #: off), their hits added to it afterwards through `apply_then`.
         self.over_limit_cache = (
-            OverLimitCache(over_limit_cache)
+            OverLimitCache(over_limit_cache, self._count_refused)
             if over_limit_cache and backend.name != "memory"
             else None
         )
@@ -183,6 +184,8 @@ class Limiter:
                 done(encode(begun))
                 return
             waiting = begun
+        if cache is not None and cache.pending:
+            cache.flush()  # ahead of this call, as they came before it
         self.backend.apply_then(waiting.hits, self._all_or_nothing, waiting.now_ms, waiting)
 
     def _begin(
@@ -317,25 +320,27 @@ class Limiter:
     def _cached(
         self, cache: OverLimitCache, item: Counted, windows: list[Hit], now_ms: int
     ) -> DescriptorStatus | None:
-        """The status of a descriptor one of whose plain windows is known to be over, if any."""
-        for hit in windows:
-            if not hit.window.plain:
-                continue
-            end = cache.get(hit.counter, now_ms)
-            if end is None:
-                continue
-            limit = item.match.limit
-            rule = self.stats.rules[item.match.metric_key]
-            rule.record(hit.limit, hit.limit, hit.hits, True, limit.shadow_mode)
-            rule.over_limit_with_local_cache += hit.hits
-            return DescriptorStatus(
-                _OK if limit.shadow_mode else _OVER_LIMIT,
-                limit,
-                0,
-                -(-(end - now_ms) // 1000),
-                hit.window,
-            )
-        return None
+        """The status of a descriptor one of whose plain windows is known to be over, if any
+        (its hits are added to the store after the answer: see `OverLimitCache.refuse`)."""
+        refused = cache.refuse(windows, now_ms)
+        if refused is None:
+            return None
+        hit, end = refused
+        limit = item.match.limit
+        rule = self.stats.rules[item.match.metric_key]
+        rule.record(hit.limit, hit.limit, hit.hits, True, limit.shadow_mode)
+        rule.over_limit_with_local_cache += hit.hits
+        return DescriptorStatus(
+            _OK if limit.shadow_mode else _OVER_LIMIT,
+            limit,
+            0,
+            -(-(end - now_ms) // 1000),
+            hit.window,
+        )
+
+    def _count_refused(self, hits: list[Hit]) -> None:
+        """Add `hits`, which the over-limit cache refused, to the store (see `OverLimitCache`)."""
+        self.backend.apply_then(hits, False, int(self._clock() * 1000), added)
 
     def _on_backend_failure(self, exc: StorageError, waiting: _Waiting) -> Decision:
         """Answer by the failure mode; log the first failure of a run, not every request.

@@ -1,6 +1,7 @@
 """The rule tree one rules file becomes, as matching, the limiter, the request plans and the
-frequency caps read it: a `Domain` of `Level`s of `Node`s, every domain in `Rules`, and each
-rule's line in `/rlconfig` (`describe`). Pure: `sidecar.config` parses and loads it.
+frequency caps read it: a `Domain` of `Level`s of `Node`s, every domain in `Rules`, each
+rule's line in `/rlconfig` (`describe`), and what in the rules is likely a mistake though they
+load (`ConfigWarning`). Pure: `sidecar.config` parses and loads it.
 """
 
 from __future__ import annotations
@@ -10,7 +11,25 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from sidecar.errors import ConfigError
 from sidecar.model import Algorithm, Limit, Unit, Window
+
+
+@dataclass(frozen=True, slots=True)
+class ConfigWarning:
+    """Something in a rules file that loads as envoyproxy/ratelimit loads it but is likely a
+    mistake (a key it ignores where it stands, a key repeated in one map). Logged once when the
+    rules are loaded, shown by `check`; `check --strict` makes it an error.
+
+    ``str(warning)`` reads ``FILE: PATH: message``, as a ConfigError does.
+    """
+
+    source: str
+    path: str
+    message: str
+
+    def __str__(self) -> str:
+        return str(ConfigError(self.source, self.path, self.message))
 
 
 @dataclass(slots=True)
@@ -25,10 +44,24 @@ class Level:
     wildcards: list[tuple[str, re.Pattern[str], Node]] = field(default_factory=list)
     keys: dict[str, Node] = field(default_factory=dict)
     declared: list[Node] = field(default_factory=list)
+    #: Each descriptor's `key` or `key_value`: the reference's name for it, which two
+    #: descriptors of one level may not share (`key: a_b` and `key: a, value: b` collide there).
+    labels: set[str] = field(default_factory=set)
 
     def nodes(self) -> Iterable[Node]:
         """The level's descriptors in declaration order."""
         return iter(self.declared)
+
+    def add(self, node: Node) -> None:
+        """Declare `node` at this level (after the ones declared before it)."""
+        self.declared.append(node)
+        self.labels.add(node.label)
+        if node.value is None:
+            self.keys[node.key] = node
+        elif "*" in node.value:
+            self.wildcards.append((node.key, _compile_pattern(node.value), node))
+        else:
+            self.exact[(node.key, node.value)] = node
 
 
 @dataclass(slots=True)
@@ -62,6 +95,7 @@ class Domain:
     name: str
     source: str
     root: Level
+    warnings: tuple[ConfigWarning, ...] = ()
 
     def limits(self) -> Iterable[Limit]:
         """Every limit of the domain, depth first in declaration order."""
@@ -86,6 +120,10 @@ class Rules:
     def dump(self) -> list[str]:
         """One line per rule, in the reference's `/rlconfig` format."""
         return [describe(limit) for domain in self.domains.values() for limit in domain.limits()]
+
+    def warnings(self) -> list[ConfigWarning]:
+        """What is likely a mistake in the rules, though they load (see ConfigWarning)."""
+        return [warning for domain in self.domains.values() for warning in domain.warnings]
 
 
 def describe(limit: Limit) -> str:
@@ -122,3 +160,8 @@ def _describe_window(window: Window) -> str:
 def yaml_bool(value: bool) -> str:
     """A flag as YAML writes it."""
     return "true" if value else "false"
+
+
+def _compile_pattern(value: str) -> re.Pattern[str]:
+    """A wildcard value as a regex: each `*` matches zero or more characters, anything else itself."""
+    return re.compile(".*".join(re.escape(part) for part in value.split("*")), re.DOTALL)
