@@ -33,6 +33,7 @@ from sidecar.rls.frequency import FrequencyService
 from sidecar.rls.h2.server import unix_path
 from sidecar.rls.server import GrpcServer
 from sidecar.rls.service import RateLimitService
+from sidecar.rls.tls import ServerTls, TlsError, TlsFiles
 from sidecar.stats import Stats
 from sidecar.storage import Backend, open_backend, peers
 from sidecar.storage.memory import MemoryBackend
@@ -87,8 +88,11 @@ class Options:
     grpc_socket_fd: int | None = None
     #: Seconds an impression id is remembered at least (frequency caps' exactly-once counting).
     dedupe_horizon: int = DEDUPE_HORIZON
-    #: Seconds between looks at the rules files for a change to reload (0: only on SIGHUP).
+    #: Seconds between looks at the rules files, and at the TLS files, for a change to reload
+    #: (0: only on SIGHUP).
     config_poll_seconds: float = 2.0
+    #: TLS (and with a client CA, mTLS) on the gRPC port; None: cleartext.
+    tls: TlsFiles | None = None
 
 
 def loop_name(loop: asyncio.AbstractEventLoop) -> str:
@@ -138,6 +142,8 @@ class App:
         self._health: Health | None = None
         self._watch: asyncio.Task[None] | None = None
         self._config_watch: asyncio.Task[None] | None = None
+        self._tls: ServerTls | None = None
+        self._tls_watch: asyncio.Task[None] | None = None
         #: `--failure-mode local --local-divisor auto`: this sidecar's name among its peers,
         #: and the task that registers it (see `sidecar.storage.peers`).
         self._peer_name = peers.own_name()
@@ -158,6 +164,11 @@ class App:
         except (OSError, ConfigError):
             config_marks = ()  # _load_rules reports what is wrong
         rules = self._load_rules()
+        if options.tls is not None:
+            try:
+                self._tls = ServerTls(options.tls)
+            except TlsError as exc:
+                raise InvalidOption(f"gRPC TLS: {exc}") from exc
         if self._backend is None:
             try:
                 self._backend = open_backend(options.backend, timeout_ms=options.redis_timeout_ms)
@@ -219,6 +230,10 @@ class App:
             self._config_watch = asyncio.create_task(
                 self._watch_config(config_marks, options.config_poll_seconds)
             )
+            if self._tls is not None:
+                self._tls_watch = asyncio.create_task(
+                    self._tls.watch(options.config_poll_seconds, asyncio.sleep)
+                )
         log.info(
             "started",
             grpc_port=self.grpc_port,
@@ -226,6 +241,7 @@ class App:
             grpc_address=options.grpc_address,
             http_address=options.http_address,
             transport=options.transport,
+            tls="off" if options.tls is None else "mtls" if options.tls.client_ca else "tls",
             build=build.name(),
             loop=loop_name(asyncio.get_running_loop()),
             backend=backend.name,
@@ -247,6 +263,7 @@ class App:
                 self.latency,
                 reuse_port=options.reuse_port,
                 frequency_service=frequency_service,
+                tls=self._tls,
             )
         sock = None
         if options.grpc_socket_fd is not None:
@@ -258,6 +275,7 @@ class App:
             reuse_port=options.reuse_port,
             sock=sock,
             frequency_service=frequency_service,
+            tls=self._tls,
         )
 
     @property
@@ -303,6 +321,12 @@ class App:
         log.info("config_reloaded", summaries=[d.summary() for d in rules.domains.values()])
         return True
 
+    def reload_all(self) -> None:
+        """SIGHUP: the rules, and the TLS files when they changed."""
+        self.reload()
+        if self._tls is not None:
+            self._tls.reload()
+
     async def _watch_config(
         self, marks: tuple[tuple[str, int, int, int], ...], interval: float
     ) -> None:
@@ -337,7 +361,7 @@ class App:
         self._stopped = True
         if self._health is not None:
             await self._health.drain()
-        for task in (self._watch, self._config_watch, self._peers_watch):
+        for task in (self._watch, self._config_watch, self._peers_watch, self._tls_watch):
             if task is None:
                 continue
             task.cancel()
@@ -365,7 +389,7 @@ class App:
             loop.add_signal_handler(signum, stopping.set)
         try:
             await self.start()
-            loop.add_signal_handler(signal.SIGHUP, self.reload)
+            loop.add_signal_handler(signal.SIGHUP, self.reload_all)
             # What exists now (modules, rules, servers) lives as long as the process: out of the
             # cycle collector's sight, its collections walk only what serving allocates, which
             # shortens the pauses they add to calls' latency.

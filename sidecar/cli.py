@@ -13,12 +13,14 @@ import re
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from sidecar import __version__, config, logs
 from sidecar.errors import ConfigError
 from sidecar.gateway.commands import register as register_envoy_config
 from sidecar.injector.commands import register as register_injector
+from sidecar.rls.tls import TlsFiles
 
 # grpc's C core writes its own lines to stderr; keep them to errors so the log stays one format.
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
@@ -60,7 +62,10 @@ it is), then send SIGTERM to the old one: its clients finish their calls there a
 their next connection to the new one.
 
 --transport fast (the default) serves gRPC with the sidecar's own HTTP/2 server: unary calls
-only (ShouldRateLimit, Health/Check), cleartext, over TCP or a Unix socket (unix:PATH).
+only (ShouldRateLimit, Health/Check), over TCP or a Unix socket (unix:PATH).
+Both transports serve TLS or mTLS with --grpc-tls-cert and --grpc-tls-key (and
+--grpc-tls-client-ca), or the reference's GRPC_SERVER_USE_TLS=true, GRPC_SERVER_TLS_CERT,
+GRPC_SERVER_TLS_KEY, GRPC_CLIENT_TLS_CACERT and GRPC_CLIENT_TLS_SAN.
 --transport grpcio serves it with grpc.aio, at several times the CPU per call.
 --loop auto (the default) runs the event loop on uvloop when it is installed, as it is with
 the package on Linux and macOS; --loop asyncio keeps the standard library's.
@@ -87,6 +92,10 @@ class _EnvFlag:
     default: Any
     from_env: Callable[[str], Any]
     required: bool
+    #: The reference's variable for the same setting (envoyproxy/ratelimit's settings.go), read
+    #: when RLS_<DEST> is not set, and only while `reference_when` (a boolean variable) is true.
+    reference: str | None = None
+    reference_when: str | None = None
 
 
 class _Flags:
@@ -104,17 +113,25 @@ class _Flags:
         default: Any = None,
         required: bool = False,
         separators: str = "",
+        reference: str | None = None,
+        reference_when: str | None = None,
         **kwargs: Any,
     ) -> None:
         dest = option.lstrip("-").replace("-", "_")
         var = ENV_PREFIX + dest.upper()
         shown = f"default: {default}; " if default not in (None, False) else ""
         where = "required; " if required else ""
+        if reference:
+            var += f", or {reference}"
+            if reference_when:
+                var += f" with {reference_when}=true"
         action = self.parser.add_argument(
             option, default=None, help=f"{help} ({where}{shown}env {var})", **kwargs
         )
         reader = _env_reader(action, kwargs.get("action"), separators)
-        self.flags.append(_EnvFlag(dest, option, default, reader, required))
+        self.flags.append(
+            _EnvFlag(dest, option, default, reader, required, reference, reference_when)
+        )
 
     def resolve(self, args: argparse.Namespace, environ: Mapping[str, str]) -> None:
         """Fill every flag the command line left out from its variable, else its default."""
@@ -123,6 +140,8 @@ class _Flags:
                 continue
             var = ENV_PREFIX + flag.dest.upper()
             raw = environ.get(var, "")
+            if not raw and flag.reference and _switched_on(environ, flag.reference_when):
+                var, raw = flag.reference, environ.get(flag.reference, "")
             value = flag.default
             if raw:
                 try:
@@ -151,6 +170,17 @@ def _env_reader(action: argparse.Action, kind: str | None, separators: str) -> C
         pattern = f"[{re.escape(separators)}]"
         return lambda raw: [one(part) for part in re.split(pattern, raw) if part.strip()]
     return one
+
+
+def _switched_on(environ: Mapping[str, str], variable: str | None) -> bool:
+    """Whether a boolean switch variable is true (no switch: always); a value that is not a
+    boolean counts as off, as it would not turn the reference's setting on either."""
+    if variable is None:
+        return True
+    try:
+        return _boolean(environ.get(variable, "false"))
+    except ValueError:
+        return False
 
 
 def _boolean(raw: str) -> bool:
@@ -342,6 +372,37 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, _Flags]]:
         metavar="ENTRIES",
     )
     serve.add(
+        "--grpc-tls-cert",
+        "serve gRPC over TLS (TLS 1.2 or later, ALPN h2) with this PEM certificate chain; "
+        "reloaded when it changes on disk (looked at every --config-poll-seconds, and on "
+        "SIGHUP), connections already open keeping theirs",
+        metavar="PATH",
+        reference="GRPC_SERVER_TLS_CERT",
+        reference_when="GRPC_SERVER_USE_TLS",
+    )
+    serve.add(
+        "--grpc-tls-key",
+        "the PEM private key of --grpc-tls-cert, reloaded with it",
+        metavar="PATH",
+        reference="GRPC_SERVER_TLS_KEY",
+        reference_when="GRPC_SERVER_USE_TLS",
+    )
+    serve.add(
+        "--grpc-tls-client-ca",
+        "mTLS: require a client certificate signed by a CA in this PEM file (reloaded too)",
+        metavar="PATH",
+        reference="GRPC_CLIENT_TLS_CACERT",
+        reference_when="GRPC_SERVER_USE_TLS",
+    )
+    serve.add(
+        "--grpc-tls-client-san",
+        "mTLS: also require this DNS name (wildcards as in host names) or IP address among the "
+        "client certificate's SANs",
+        metavar="NAME",
+        reference="GRPC_CLIENT_TLS_SAN",
+        reference_when="GRPC_SERVER_USE_TLS",
+    )
+    serve.add(
         "--log-format",
         "json: one JSON object per line; console: for people",
         default="json",
@@ -436,10 +497,43 @@ def parse_args(
     """
     parser, env_flags = build_parser()
     args = parser.parse_args(argv)
+    environ = os.environ if environ is None else environ
     flags = env_flags.get(args.command)
     if flags is not None:
-        flags.resolve(args, os.environ if environ is None else environ)
+        flags.resolve(args, environ)
+    if args.command == "serve":
+        problem = _tls_problem(args, environ)
+        if problem:
+            parser.error(problem)
     return args
+
+
+def _tls_problem(args: argparse.Namespace, environ: Mapping[str, str]) -> str | None:
+    """What is missing from the gRPC TLS flags, if anything."""
+    cert, key = args.grpc_tls_cert, args.grpc_tls_key
+    if cert is None and key is None and _switched_on(environ, "GRPC_SERVER_USE_TLS"):
+        return "GRPC_SERVER_USE_TLS=true needs GRPC_SERVER_TLS_CERT and GRPC_SERVER_TLS_KEY"
+    if (cert is None) != (key is None):
+        return "--grpc-tls-cert needs --grpc-tls-key, and the reverse"
+    if cert is None and (args.grpc_tls_client_ca or args.grpc_tls_client_san):
+        return (
+            "--grpc-tls-client-ca and --grpc-tls-client-san need --grpc-tls-cert and --grpc-tls-key"
+        )
+    if args.grpc_tls_client_san and not args.grpc_tls_client_ca:
+        return "--grpc-tls-client-san needs --grpc-tls-client-ca (the CA that verifies clients)"
+    return None
+
+
+def tls_files(args: argparse.Namespace) -> TlsFiles | None:
+    """The gRPC port's TLS files from `serve`'s flags; None for cleartext."""
+    if args.grpc_tls_cert is None:
+        return None
+    return TlsFiles(
+        Path(args.grpc_tls_cert),
+        Path(args.grpc_tls_key),
+        client_ca=Path(args.grpc_tls_client_ca) if args.grpc_tls_client_ca else None,
+        client_san=args.grpc_tls_client_san or None,
+    )
 
 
 def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> int:
@@ -479,6 +573,7 @@ def _serve(args: argparse.Namespace) -> int:
         grpc_socket_fd=args.grpc_socket_fd,
         dedupe_horizon=args.dedupe_horizon,
         config_poll_seconds=args.config_poll_seconds,
+        tls=tls_files(args),
     )
     try:
         loop_factory = event_loop_factory(args.loop)

@@ -26,6 +26,7 @@ from sidecar.rls.h2.server import H2Server
 from sidecar.rls.h2.unary import CallbackMethod, CallError, Method, Status
 from sidecar.rls.server import HEALTH_SERVICE_NAME, METHOD
 from sidecar.rls.service import RateLimitService
+from sidecar.rls.tls import ServerTls
 
 HEALTH_CHECK = "/grpc.health.v1.Health/Check"
 
@@ -51,8 +52,10 @@ class FastServer:
         reuse_port: bool = False,
         sock: socket.socket | None = None,
         frequency_service: frequency.FrequencyService | None = None,
+        tls: ServerTls | None = None,
     ) -> None:
         self.service = service
+        self.tls = tls
         self.address = address
         self.latency = latency or Latency()
         self.reuse_port = reuse_port
@@ -79,11 +82,17 @@ class FastServer:
             methods[frequency.RECORD_IMPRESSIONS] = self._frequency_call(
                 frequency.RECORD_IMPRESSIONS, frequency_service.record_impressions
             )
-        self._server = H2Server(methods)
+        admit = tls.admits_transport if tls is not None and tls.files.client_san else None
+        self._server = H2Server(methods, admit=admit)
 
     async def start(self) -> int:
         """Listen on `address`; NOT_SERVING until `set_serving(True)`."""
-        return await self._server.listen(self.address, reuse_port=self.reuse_port, sock=self.sock)
+        return await self._server.listen(
+            self.address,
+            reuse_port=self.reuse_port,
+            sock=self.sock,
+            tls=None if self.tls is None else self.tls.listening,
+        )
 
     async def set_serving(self, serving: bool) -> None:
         if self._stopping:

@@ -25,6 +25,7 @@ from sidecar.errors import InvalidRequest, Overloaded, StorageError, UnknownDoma
 from sidecar.metrics import Latency
 from sidecar.rls import frequency
 from sidecar.rls.service import RateLimitService
+from sidecar.rls.tls import ServerTls
 
 SERVICE_NAME = "envoy.service.ratelimit.v3.RateLimitService"
 METHOD = f"/{SERVICE_NAME}/ShouldRateLimit"
@@ -46,8 +47,10 @@ class GrpcServer:
         *,
         reuse_port: bool = False,
         frequency_service: frequency.FrequencyService | None = None,
+        tls: ServerTls | None = None,
     ) -> None:
         self.service = service
+        self.tls = tls
         self.frequency = frequency_service
         self.address = address
         # Without reuse_port a second server cannot bind the same port and silently share its
@@ -60,7 +63,11 @@ class GrpcServer:
 
     async def start(self) -> int:
         """Listen on `address` (port 0 picks a free port); NOT_SERVING until `set_serving(True)`."""
-        server = grpc.aio.server(options=[("grpc.so_reuseport", int(self.reuse_port))])
+        tls = self.tls
+        server = grpc.aio.server(
+            options=[("grpc.so_reuseport", int(self.reuse_port))],
+            interceptors=None if tls is None else tls.grpc_interceptors(),
+        )
         handler = grpc.unary_unary_rpc_method_handler(self._should_rate_limit)
         server.add_generic_rpc_handlers(
             (grpc.method_handlers_generic_handler(SERVICE_NAME, {"ShouldRateLimit": handler}),)
@@ -70,7 +77,11 @@ class GrpcServer:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         await self.set_serving(False)
         try:
-            port: int = server.add_insecure_port(self.address)
+            port: int = (
+                server.add_insecure_port(self.address)
+                if tls is None
+                else server.add_secure_port(self.address, tls.grpc_credentials())
+            )
         except RuntimeError as exc:
             raise OSError(f"cannot listen for gRPC on {self.address}: {exc}") from exc
         if port == 0:
