@@ -35,6 +35,7 @@ from sidecar.rls.server import GrpcServer
 from sidecar.rls.service import RateLimitService
 from sidecar.rls.tls import ServerTls, TlsError, TlsFiles
 from sidecar.stats import Stats
+from sidecar.statsd import StatsdError, StatsdReporter, StatsdSettings
 from sidecar.storage import Backend, open_backend, peers
 from sidecar.storage.memory import MemoryBackend
 
@@ -93,6 +94,8 @@ class Options:
     config_poll_seconds: float = 2.0
     #: TLS (and with a client CA, mTLS) on the gRPC port; None: cleartext.
     tls: TlsFiles | None = None
+    #: Where to send the stats as statsd or DogStatsD (beside /metrics); None: nowhere.
+    statsd: StatsdSettings | None = None
 
 
 def loop_name(loop: asyncio.AbstractEventLoop) -> str:
@@ -144,6 +147,7 @@ class App:
         self._config_watch: asyncio.Task[None] | None = None
         self._tls: ServerTls | None = None
         self._tls_watch: asyncio.Task[None] | None = None
+        self._statsd: StatsdReporter | None = None
         #: `--failure-mode local --local-divisor auto`: this sidecar's name among its peers,
         #: and the task that registers it (see `sidecar.storage.peers`).
         self._peer_name = peers.own_name()
@@ -169,6 +173,11 @@ class App:
                 self._tls = ServerTls(options.tls)
             except TlsError as exc:
                 raise InvalidOption(f"gRPC TLS: {exc}") from exc
+        if options.statsd is not None:
+            try:
+                self._statsd = StatsdReporter(options.statsd, self.stats, self.latency)
+            except StatsdError as exc:
+                raise InvalidOption(f"statsd: {exc}") from exc
         if self._backend is None:
             try:
                 self._backend = open_backend(options.backend, timeout_ms=options.redis_timeout_ms)
@@ -216,6 +225,8 @@ class App:
         except BaseException:
             await self.stop()
             raise
+        if self._statsd is not None:
+            self._statsd.start()
         health.listen(self._grpc.set_serving)
         await health.check()
         self._watch = asyncio.create_task(health.watch(HEALTH_INTERVAL))
@@ -375,6 +386,8 @@ class App:
         if self._http is not None:
             stops.append(self._http.stop())
         await asyncio.gather(*stops)
+        if self._statsd is not None:
+            await self._statsd.stop()  # what the last calls counted goes out too
         if self._backend is not None:
             await self._backend.close()
 

@@ -16,11 +16,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sidecar import __version__, config, logs
+from sidecar import __version__, config, logs, statsd
 from sidecar.errors import ConfigError
 from sidecar.gateway.commands import register as register_envoy_config
 from sidecar.injector.commands import register as register_injector
 from sidecar.rls.tls import TlsFiles
+from sidecar.statsd import StatsdError, StatsdSettings
 
 # grpc's C core writes its own lines to stderr; keep them to errors so the log stays one format.
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
@@ -403,6 +404,48 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, _Flags]]:
         reference_when="GRPC_SERVER_USE_TLS",
     )
     serve.add(
+        "--statsd-address",
+        "send the reference's stats to a statsd (or DogStatsD) server at HOST:PORT, every "
+        "--stats-flush-interval (also on with the reference's USE_STATSD=true or "
+        "USE_DOG_STATSD=true, at STATSD_HOST:STATSD_PORT, default localhost:8125); Prometheus "
+        "/metrics goes on beside it",
+        type=_address,
+        metavar="HOST:PORT",
+    )
+    serve.add(
+        "--statsd-protocol",
+        "tcp or udp (default: tcp for statsd, udp for DogStatsD)",
+        choices=("tcp", "udp"),
+        reference="STATSD_PROTOCOL",
+    )
+    serve.add(
+        "--statsd-format",
+        "statsd: tags folded into names, as the reference's statsd sink does; dogstatsd: "
+        "DogStatsD tags, and mogrifiers (default: dogstatsd with USE_DOG_STATSD=true, else "
+        "statsd)",
+        choices=("statsd", "dogstatsd"),
+    )
+    serve.add(
+        "--stats-flush-interval",
+        "how often stats are sent to statsd, in seconds or as 10s, 500ms",
+        default="10s",
+        metavar="DURATION",
+        reference="STATS_FLUSH_INTERVAL",
+    )
+    serve.add(
+        "--stats-tags",
+        "tags on every stat sent to statsd, as key:value,key2:value2",
+        metavar="TAGS",
+        reference="EXTRA_TAGS",
+    )
+    serve.add(
+        "--dogstatsd-mogrifiers",
+        "DogStatsD: names of the mogrifiers to apply, separated by ',', each defined by "
+        "DOG_STATSD_MOGRIFIER_<NAME>_PATTERN, _NAME and _TAGS in the environment",
+        metavar="NAMES",
+        reference="USE_DOG_STATSD_MOGRIFIERS",
+    )
+    serve.add(
         "--log-format",
         "json: one JSON object per line; console: for people",
         default="json",
@@ -505,7 +548,45 @@ def parse_args(
         problem = _tls_problem(args, environ)
         if problem:
             parser.error(problem)
+        try:
+            args.statsd = statsd_settings(args, environ)
+        except StatsdError as exc:
+            parser.error(str(exc))
     return args
+
+
+def statsd_settings(args: argparse.Namespace, environ: Mapping[str, str]) -> StatsdSettings | None:
+    """Where and how `serve` sends stats to statsd, from its flags and the reference's
+    USE_STATSD, USE_DOG_STATSD, STATSD_HOST and STATSD_PORT; None when it does not."""
+    dog = _switched_on(environ, "USE_DOG_STATSD")
+    address = args.statsd_address
+    if address is None and (dog or _switched_on(environ, "USE_STATSD")):
+        if dog and _switched_on(environ, "USE_STATSD"):
+            raise StatsdError("USE_STATSD=true and USE_DOG_STATSD=true: set one of them")
+        host = environ.get("STATSD_HOST") or "localhost"
+        address = f"{host}:{environ.get('STATSD_PORT') or statsd.DEFAULT_PORT}"
+        _address(address)
+    if address is None:
+        return None
+    format: statsd.Format = args.statsd_format or ("dogstatsd" if dog else "statsd")
+    protocol: statsd.Protocol = args.statsd_protocol or ("udp" if format == "dogstatsd" else "tcp")
+    if format == "dogstatsd" and dog and "RLS_STATSD_PROTOCOL" not in environ:
+        protocol = "udp"  # the reference's DogStatsD sink is UDP whatever STATSD_PROTOCOL says
+    if format == "dogstatsd" and protocol != "udp":
+        raise StatsdError("--statsd-format dogstatsd is sent over udp, not tcp")
+    host, _, port = address.rpartition(":")
+    names = [n.strip() for n in (args.dogstatsd_mogrifiers or "").split(",") if n.strip()]
+    if names and format != "dogstatsd":
+        raise StatsdError("--dogstatsd-mogrifiers needs --statsd-format dogstatsd")
+    return StatsdSettings(
+        host=host.strip("[]") or "localhost",
+        port=int(port),
+        protocol=protocol,
+        format=format,
+        flush_interval=statsd.parse_duration(args.stats_flush_interval),
+        tags=statsd.parse_tags(args.stats_tags or ""),
+        mogrifiers=statsd.mogrifiers_from_env(names, environ),
+    )
 
 
 def _tls_problem(args: argparse.Namespace, environ: Mapping[str, str]) -> str | None:
@@ -574,6 +655,7 @@ def _serve(args: argparse.Namespace) -> int:
         dedupe_horizon=args.dedupe_horizon,
         config_poll_seconds=args.config_poll_seconds,
         tls=tls_files(args),
+        statsd=args.statsd,
     )
     try:
         loop_factory = event_loop_factory(args.loop)
