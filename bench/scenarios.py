@@ -124,6 +124,13 @@ SCENARIOS: tuple[Scenario, ...] = (
         tls=True,
     ),
     Scenario(
+        name="fast-redis-tracing",
+        description="as fast-redis, every call traced (--tracing, OTLP http to a sink that drops it)",
+        command=(*_sidecar("{redis_url}", "fast"), "--tracing", "--tracing-endpoint", "{otlp_url}"),
+        services=("redis", "otlp"),
+        ports=("grpc_port", "http_port"),
+    ),
+    Scenario(
         name="fast-cluster",
         description="sidecar on its own HTTP/2 server (--transport fast), 3-master Redis Cluster",
         command=_sidecar("{redis_cluster_url}", "fast"),

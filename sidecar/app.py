@@ -38,6 +38,7 @@ from sidecar.stats import Stats
 from sidecar.statsd import StatsdError, StatsdReporter, StatsdSettings
 from sidecar.storage import Backend, open_backend, peers
 from sidecar.storage.memory import MemoryBackend
+from sidecar.tracing import Tracing, TracingError, TracingSettings
 
 #: Seconds calls in flight get to finish once shutdown starts.
 SHUTDOWN_GRACE = 5.0
@@ -96,6 +97,8 @@ class Options:
     tls: TlsFiles | None = None
     #: Where to send the stats as statsd or DogStatsD (beside /metrics); None: nowhere.
     statsd: StatsdSettings | None = None
+    #: OpenTelemetry tracing of ShouldRateLimit; None: off, at no cost to a call.
+    tracing: TracingSettings | None = None
 
 
 def loop_name(loop: asyncio.AbstractEventLoop) -> str:
@@ -148,6 +151,7 @@ class App:
         self._tls: ServerTls | None = None
         self._tls_watch: asyncio.Task[None] | None = None
         self._statsd: StatsdReporter | None = None
+        self._tracing: Tracing | None = None
         #: `--failure-mode local --local-divisor auto`: this sidecar's name among its peers,
         #: and the task that registers it (see `sidecar.storage.peers`).
         self._peer_name = peers.own_name()
@@ -178,6 +182,11 @@ class App:
                 self._statsd = StatsdReporter(options.statsd, self.stats, self.latency)
             except StatsdError as exc:
                 raise InvalidOption(f"statsd: {exc}") from exc
+        if options.tracing is not None:
+            try:
+                self._tracing = Tracing(options.tracing)
+            except TracingError as exc:
+                raise InvalidOption(f"tracing: {exc}") from exc
         if self._backend is None:
             try:
                 self._backend = open_backend(options.backend, timeout_ms=options.redis_timeout_ms)
@@ -188,7 +197,7 @@ class App:
             self.registry.register(metrics.MemoryCollector(backend))
         limiter = Limiter(
             rules,
-            backend,
+            backend if self._tracing is None else self._tracing.backend(backend),
             settings=Settings(
                 shadow_mode=options.shadow_mode,
                 rejected_hits=options.rejected_hits,
@@ -275,6 +284,7 @@ class App:
                 reuse_port=options.reuse_port,
                 frequency_service=frequency_service,
                 tls=self._tls,
+                tracing=self._tracing,
             )
         sock = None
         if options.grpc_socket_fd is not None:
@@ -287,6 +297,7 @@ class App:
             sock=sock,
             frequency_service=frequency_service,
             tls=self._tls,
+            tracing=self._tracing,
         )
 
     @property
@@ -388,6 +399,8 @@ class App:
         await asyncio.gather(*stops)
         if self._statsd is not None:
             await self._statsd.stop()  # what the last calls counted goes out too
+        if self._tracing is not None:
+            await asyncio.to_thread(self._tracing.shutdown)  # the last spans go out too
         if self._backend is not None:
             await self._backend.close()
 

@@ -22,6 +22,7 @@ from sidecar.gateway.commands import register as register_envoy_config
 from sidecar.injector.commands import register as register_injector
 from sidecar.rls.tls import TlsFiles
 from sidecar.statsd import StatsdError, StatsdSettings
+from sidecar.tracing import TracingSettings
 
 # grpc's C core writes its own lines to stderr; keep them to errors so the log stays one format.
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
@@ -237,6 +238,16 @@ def _count_or_auto(text: str) -> int | str:
     return _count(1)(text)
 
 
+def _share(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number from 0 to 1, got {text!r}") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be from 0 to 1, got {text}")
+    return value
+
+
 def _seconds(text: str) -> float:
     try:
         value = float(text)
@@ -446,6 +457,56 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, _Flags]]:
         reference="USE_DOG_STATSD_MOGRIFIERS",
     )
     serve.add(
+        "--tracing",
+        "trace ShouldRateLimit with OpenTelemetry (spans over OTLP, the parent from Envoy's "
+        "W3C traceparent or B3 headers); needs the tracing extra",
+        action="store_true",
+        default=False,
+        reference="TRACING_ENABLED",
+    )
+    serve.add(
+        "--tracing-protocol",
+        "OTLP over http (protobuf) or grpc",
+        default="http",
+        choices=("http", "grpc"),
+        reference="TRACING_EXPORTER_PROTOCOL",
+    )
+    serve.add(
+        "--tracing-endpoint",
+        "where spans go (default: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or "
+        "OTEL_EXPORTER_OTLP_ENDPOINT, else http://localhost:4318/v1/traces for http, "
+        "localhost:4317 for grpc)",
+        metavar="URL",
+    )
+    serve.add(
+        "--tracing-service-name",
+        "the spans' service.name",
+        default="RateLimit",
+        metavar="NAME",
+        reference="TRACING_SERVICE_NAME",
+    )
+    serve.add(
+        "--tracing-service-namespace",
+        "the spans' service.namespace",
+        metavar="NAME",
+        reference="TRACING_SERVICE_NAMESPACE",
+    )
+    serve.add(
+        "--tracing-service-instance-id",
+        "the spans' service.instance.id (default: a random UUID)",
+        metavar="ID",
+        reference="TRACING_SERVICE_INSTANCE_ID",
+    )
+    serve.add(
+        "--tracing-sampling-rate",
+        "the share of calls without a sampled parent that are traced (a sampled parent is "
+        "always followed)",
+        default=1.0,
+        type=_share,
+        metavar="0..1",
+        reference="TRACING_SAMPLING_RATE",
+    )
+    serve.add(
         "--log-format",
         "json: one JSON object per line; console: for people",
         default="json",
@@ -605,6 +666,20 @@ def _tls_problem(args: argparse.Namespace, environ: Mapping[str, str]) -> str | 
     return None
 
 
+def tracing_settings(args: argparse.Namespace) -> TracingSettings | None:
+    """`serve`'s OpenTelemetry settings; None when tracing is off."""
+    if not args.tracing:
+        return None
+    return TracingSettings(
+        protocol=args.tracing_protocol,
+        endpoint=args.tracing_endpoint,
+        service_name=args.tracing_service_name,
+        service_namespace=args.tracing_service_namespace or "",
+        service_instance_id=args.tracing_service_instance_id or "",
+        sampling_rate=args.tracing_sampling_rate,
+    )
+
+
 def tls_files(args: argparse.Namespace) -> TlsFiles | None:
     """The gRPC port's TLS files from `serve`'s flags; None for cleartext."""
     if args.grpc_tls_cert is None:
@@ -656,6 +731,7 @@ def _serve(args: argparse.Namespace) -> int:
         config_poll_seconds=args.config_poll_seconds,
         tls=tls_files(args),
         statsd=args.statsd,
+        tracing=tracing_settings(args),
     )
     try:
         loop_factory = event_loop_factory(args.loop)

@@ -19,12 +19,10 @@ from typing import Any
 import pytest
 import yaml
 from certs import Authority
-from envoys import Envoy, ProcessError, Sidecar, free_port, get
-from test_gateway_e2e import generating_command, inside_one_window, unique
+from envoys import Envoy, Sidecar, free_port, get, start_together
+from test_gateway_e2e import bootstrap, inside_one_window, unique
 
-from sidecar import cli
 from sidecar.app import TRANSPORTS
-from sidecar.gateway import commands
 
 RULES = """\
 domain: gateway
@@ -60,16 +58,10 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
 def envoy_config(
     rules: Path, sidecar_port: int, port: int, admin_port: int, pki: Pki, client: tuple[Path, Path]
 ) -> str:
-    """envoy/gateway.yaml's bootstrap for these ports, its ratelimit cluster over mTLS."""
-    argv = generating_command()
-    args = cli.parse_args(argv)
-    args.rules = [str(rules)]
-    args.sidecar = ("127.0.0.1", sidecar_port)
-    args.listen = ("127.0.0.1", port)
-    args.upstream = ("127.0.0.1", free_port())  # no upstream: a 503 means "passed the limit"
-    args.admin = ("127.0.0.1", admin_port)
-    args.timeout_ms = 2_000
-    config: dict[str, Any] = yaml.safe_load(commands.generate(args, argv))
+    """envoy/gateway.yaml's bootstrap for these ports, its ratelimit cluster over mTLS (no
+    upstream listens: a 503 means the request passed the limit)."""
+    generated = bootstrap(rules, sidecar_port, port, admin_port, free_port())
+    config: dict[str, Any] = yaml.safe_load(generated)
     (cluster,) = [c for c in config["static_resources"]["clusters"] if c["name"] == "ratelimit"]
     cert, key = client
     cluster["transport_socket"] = {
@@ -112,7 +104,10 @@ def start_gateway(
     rules.write_text(RULES)
     tls = ["--grpc-tls-cert", str(pki.server[0]), "--grpc-tls-key", str(pki.server[1]),
            "--grpc-tls-client-ca", str(pki.ca), "--grpc-tls-client-san", CLIENT_SAN]  # fmt: skip
-    for attempt in range(3):  # ports picked free can be taken before they are bound
+    port = 0
+
+    def make(attempt: int) -> tuple[Sidecar, Envoy]:
+        nonlocal port
         sidecar = Sidecar(
             ["--config", str(rules), "--transport", transport, *tls],
             free_port(), free_port(), workdir / f"sidecar-{attempt}.log", log_level="info",
@@ -120,17 +115,11 @@ def start_gateway(
         port, admin_port = free_port(), free_port()
         config = workdir / f"envoy-{attempt}.yaml"
         config.write_text(envoy_config(rules, sidecar.grpc_port, port, admin_port, pki, client))
-        envoy = Envoy(envoy_binary, config, admin_port, workdir / f"envoy-{attempt}.log")
-        try:
-            sidecar.start()
-            envoy.start()
-            return Gateway(envoy, sidecar, port)
-        except ProcessError:
-            envoy.stop()
-            sidecar.stop()
-            if attempt == 2:
-                raise
-    raise AssertionError("unreachable")
+        return sidecar, Envoy(envoy_binary, config, admin_port, workdir / f"envoy-{attempt}.log")
+
+    sidecar, envoy = start_together(make)
+    assert isinstance(sidecar, Sidecar) and isinstance(envoy, Envoy)
+    return Gateway(envoy, sidecar, port)
 
 
 @pytest.fixture(params=TRANSPORTS)

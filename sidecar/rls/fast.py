@@ -27,6 +27,7 @@ from sidecar.rls.h2.unary import CallbackMethod, CallError, Method, Status
 from sidecar.rls.server import HEALTH_SERVICE_NAME, METHOD
 from sidecar.rls.service import RateLimitService
 from sidecar.rls.tls import ServerTls
+from sidecar.tracing import TRACE_FIELDS, Tracing
 
 HEALTH_CHECK = "/grpc.health.v1.Health/Check"
 
@@ -53,6 +54,7 @@ class FastServer:
         sock: socket.socket | None = None,
         frequency_service: frequency.FrequencyService | None = None,
         tls: ServerTls | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
         self.service = service
         self.tls = tls
@@ -75,6 +77,8 @@ class FastServer:
             else self._should_rate_limit,
             HEALTH_CHECK: self._check,
         }
+        if tracing is not None:  # without it, nothing of tracing is on a call's way
+            methods[METHOD] = self._traced(methods[METHOD], tracing)
         if frequency_service is not None:
             methods[frequency.CHECK_ADS] = self._frequency_call(
                 frequency.CHECK_ADS, frequency_service.check_ads
@@ -83,7 +87,19 @@ class FastServer:
                 frequency.RECORD_IMPRESSIONS, frequency_service.record_impressions
             )
         admit = tls.admits_transport if tls is not None and tls.files.client_san else None
-        self._server = H2Server(methods, admit=admit)
+        kept = TRACE_FIELDS if tracing is not None else frozenset()
+        self._server = H2Server(methods, admit=admit, kept_fields=kept)
+
+    def _traced(self, method: Method | CallbackMethod, tracing: Tracing) -> Method | CallbackMethod:
+        """ShouldRateLimit as a span, child of the trace context the call's fields carry."""
+
+        def fields() -> tuple[tuple[bytes, bytes], ...]:
+            return self._server.request_fields
+
+        if isinstance(method, CallbackMethod):
+            handle = tracing.callback(method.handle, fields, method.errors)
+            return CallbackMethod(handle, errors=method.errors, observe=method.observe)
+        return tracing.method(method, fields)
 
     async def start(self) -> int:
         """Listen on `address`; NOT_SERVING until `set_serving(True)`."""

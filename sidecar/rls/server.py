@@ -26,6 +26,7 @@ from sidecar.metrics import Latency
 from sidecar.rls import frequency
 from sidecar.rls.service import RateLimitService
 from sidecar.rls.tls import ServerTls
+from sidecar.tracing import Tracing
 
 SERVICE_NAME = "envoy.service.ratelimit.v3.RateLimitService"
 METHOD = f"/{SERVICE_NAME}/ShouldRateLimit"
@@ -48,9 +49,11 @@ class GrpcServer:
         reuse_port: bool = False,
         frequency_service: frequency.FrequencyService | None = None,
         tls: ServerTls | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
         self.service = service
         self.tls = tls
+        self.tracing = tracing
         self.frequency = frequency_service
         self.address = address
         # Without reuse_port a second server cannot bind the same port and silently share its
@@ -66,7 +69,11 @@ class GrpcServer:
         tls = self.tls
         server = grpc.aio.server(
             options=[("grpc.so_reuseport", int(self.reuse_port))],
-            interceptors=None if tls is None else tls.grpc_interceptors(),
+            interceptors=[
+                *(() if tls is None else tls.grpc_interceptors()),
+                *(() if self.tracing is None else self.tracing.grpc_interceptors()),
+            ]
+            or None,
         )
         handler = grpc.unary_unary_rpc_method_handler(self._should_rate_limit)
         server.add_generic_rpc_handlers(

@@ -98,9 +98,11 @@ class H2Server:
         idle_timeout: float = IDLE_TIMEOUT,
         handshake_timeout: float = HANDSHAKE_TIMEOUT,
         admit: Callable[[asyncio.BaseTransport], bool] | None = None,
+        kept_fields: frozenset[bytes] = frozenset(),
     ) -> None:
         """`admit`, when given, sees every connection as it is made (over TLS: its handshake
-        done) and closes it by answering False."""
+        done) and closes it by answering False. With `kept_fields` (request field names, lower
+        case), `request_fields` holds those of the call being started, as a method starts."""
         self.methods = dict(methods)
         self.limits = limits
         self.max_connections = max_connections
@@ -111,6 +113,8 @@ class H2Server:
         self.idle_timeout = idle_timeout
         self.handshake_timeout = handshake_timeout
         self.admit = admit
+        self.kept_fields = kept_fields
+        self.request_fields: tuple[tuple[bytes, bytes], ...] = ()
         self.stopping = False
         self.protocols: set[_Protocol] = set()
         self.calls = Calls()
@@ -260,7 +264,9 @@ class _Protocol(asyncio.Protocol):
         self.server = server
         self.methods = server.methods
         self.loop = asyncio.get_running_loop()
-        self.conn = Connection(self._on_call, server.limits, server.budget)
+        # Without kept fields (no tracing), calls go straight to _on_call: nothing per call.
+        on_call = self._on_call_with_fields if server.kept_fields else self._on_call
+        self.conn = Connection(on_call, server.limits, server.budget, server.kept_fields)
         self.transport: asyncio.Transport | None = None
         self.finished: asyncio.Future[None] = self.loop.create_future()
         self._flush_scheduled = False
@@ -437,6 +443,11 @@ class _Protocol(asyncio.Protocol):
     def abort(self) -> None:
         if self.transport is not None:
             self.transport.abort()
+
+    def _on_call_with_fields(self, stream_id: int, path: str, message: bytes) -> None:
+        stream = self.conn.streams.get(stream_id)
+        self.server.request_fields = () if stream is None else stream.head.kept
+        self._on_call(stream_id, path, message)
 
     def _on_call(self, stream_id: int, path: str, message: bytes) -> None:
         method = self.methods.get(path)
