@@ -67,6 +67,7 @@ def _sidecar(backend: str, transport: str | None = None) -> tuple[str, ...]:
 
 
 _TLS_FLAGS = ("--grpc-tls-cert", "{tls_cert}", "--grpc-tls-key", "{tls_key}")
+_TRACING_FLAGS = ("--tracing", "--tracing-endpoint", "{otlp_url}")
 _NOOP = ("{python}", "{bench_dir}/noop_server.py", "--port", "{grpc_port}")
 
 SCENARIOS: tuple[Scenario, ...] = (
@@ -126,7 +127,19 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario(
         name="fast-redis-tracing",
         description="as fast-redis, every call traced (--tracing, OTLP http to a sink that drops it)",
-        command=(*_sidecar("{redis_url}", "fast"), "--tracing", "--tracing-endpoint", "{otlp_url}"),
+        command=(*_sidecar("{redis_url}", "fast"), *_TRACING_FLAGS),
+        services=("redis", "otlp"),
+        ports=("grpc_port", "http_port"),
+    ),
+    Scenario(
+        name="fast-redis-tracing-1pct",
+        description="as fast-redis-tracing, 1% of calls sampled (--tracing-sampling-rate 0.01)",
+        command=(
+            *_sidecar("{redis_url}", "fast"),
+            *_TRACING_FLAGS,
+            "--tracing-sampling-rate",
+            "0.01",
+        ),
         services=("redis", "otlp"),
         ports=("grpc_port", "http_port"),
     ),

@@ -5,6 +5,7 @@ context the call carries; off, nothing of it is on a call's way."""
 from __future__ import annotations
 
 import os
+import random
 from pathlib import Path
 
 import grpc
@@ -17,7 +18,7 @@ from sidecar.app import TRANSPORTS
 from sidecar.rls.fast import FastServer
 from sidecar.rls.h2.unary import CallbackMethod
 from sidecar.rls.server import METHOD
-from sidecar.tracing import BACKEND_SPAN, SERVER_SPAN, TracingSettings
+from sidecar.tracing import BACKEND_SPAN, SERVER_SPAN, Tracing, TracingSettings
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT_ID = "00f067aa0ba902b7"
@@ -176,3 +177,19 @@ async def test_serve_with_the_reference_variables_exports_over_otlp_grpc(rules: 
                 )
             spans = await received.wait_for(SERVER_SPAN, 3)
     assert {(s.trace_id, s.parent_span_id) for s in spans} == {(TRACE_ID, PARENT_ID)}
+
+
+def test_calls_without_a_parent_are_sampled_at_the_rate() -> None:
+    """A root call is traced with the probability the rate gives (0: never, 1: always)."""
+    from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+
+    class Drop(SpanExporter):  # type: ignore[misc]
+        def export(self, spans: object) -> SpanExportResult:
+            return SpanExportResult.SUCCESS
+
+    random.seed(24)
+    for rate, low, high in ((0.0, 0, 0), (0.25, 4_700, 5_300), (1.0, 20_000, 20_000)):
+        tracing = Tracing(TracingSettings(sampling_rate=rate), exporter=Drop())
+        sampled = sum(not tracing._unsampled_root() for _ in range(20_000))
+        tracing.shutdown()
+        assert low <= sampled <= high, (rate, sampled)
