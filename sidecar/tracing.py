@@ -247,13 +247,11 @@ class Tracing:
         return _TracedBackend(backend, self)
 
     def _child(self, hits: Sequence[Any]) -> Any:
-        from opentelemetry import context
-
-        return self.tracer.start_span(
-            BACKEND_SPAN,
-            context=context.get_current(),
-            attributes={"pipeline length": len(hits)},
-        )
+        """The backend call's span, under the call's span; None when no call's span is being
+        recorded (the call was not sampled, or the store call is not a call's: then no span)."""
+        if not self._trace.get_current_span().is_recording():
+            return None
+        return self.tracer.start_span(BACKEND_SPAN, attributes={"pipeline length": len(hits)})
 
     def shutdown(self) -> None:
         """Export the spans still waiting, then stop (blocks: run it off the event loop)."""
@@ -289,6 +287,8 @@ class _TracedBackend:
 
     async def apply(self, hits: Sequence[Any], *args: Any) -> Any:
         span = self._tracing._child(hits)
+        if span is None:
+            return await self._backend.apply(hits, *args)
         try:
             return await self._backend.apply(hits, *args)
         finally:
@@ -296,6 +296,9 @@ class _TracedBackend:
 
     def _apply_then(self, hits: Sequence[Any], *args: Any) -> None:
         span = self._tracing._child(hits)
+        if span is None:
+            self._backend.apply_then(hits, *args)
+            return
         *rest, done = args
 
         def applied(outcomes: Any) -> None:

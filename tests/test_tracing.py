@@ -193,3 +193,23 @@ def test_calls_without_a_parent_are_sampled_at_the_rate() -> None:
         sampled = sum(not tracing._unsampled_root() for _ in range(20_000))
         tracing.shutdown()
         assert low <= sampled <= high, (rate, sampled)
+
+
+async def test_a_backend_call_outside_a_traced_call_makes_no_span(rules: Path) -> None:
+    """The HTTP port's /json decides without a ShouldRateLimit span: its backend call makes no
+    span of its own (no orphan root spans), while a gRPC call's backend call does."""
+    import aiohttp
+
+    async with http_receiver() as received:
+        settings = TracingSettings(endpoint=received.endpoint)
+        async with running_app(rules, tracing=settings) as app:
+            body = {"domain": "test", "descriptors": [{"entries": [{"key": "user", "value": "b"}]}]}
+            async with (
+                aiohttp.ClientSession() as session,
+                session.post(f"http://127.0.0.1:{app.http_port}/json", json=body) as answer,
+            ):
+                assert answer.status == 200
+            await traced_call(app.grpc_port, [])
+        assert len(received.named(SERVER_SPAN)) == 1
+        (backend,) = received.named(BACKEND_SPAN)
+        assert backend.parent_span_id == received.named(SERVER_SPAN)[0].span_id
