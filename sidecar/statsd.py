@@ -224,7 +224,8 @@ class Deltas:
         self.stats = stats
         self.latency = latency
         self._sent: dict[str, int] = {}
-        self._latency_sent = [0] * (len(Latency.BUCKETS) + 1)
+        # From the instance: in the compiled build a class attribute of Latency is not a tuple.
+        self._latency_sent = [0] * (len(latency.counts) if latency is not None else 0)
 
     def take(self) -> list[Stat]:
         found = []
@@ -257,7 +258,8 @@ class Deltas:
             return []
         found = []
         counts = list(self.latency.counts)
-        bounds = (*Latency.BUCKETS, Latency.BUCKETS[-1])  # past the last bound: the last bound
+        buckets = self.latency.BUCKETS
+        bounds = (*buckets, buckets[-1])  # past the last bound: the last bound
         for index, (count, sent) in enumerate(zip(counts, self._latency_sent, strict=True)):
             calls = count - sent
             if calls > 0:
