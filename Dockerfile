@@ -38,11 +38,15 @@ ENV PATH=/opt/ratelimit-sidecar/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1
 COPY --from=build /opt/ratelimit-sidecar /opt/ratelimit-sidecar
+# /bin/ratelimit is where a Deployment written for envoyproxy/ratelimit (Envoy Gateway's
+# envoy-ratelimit, Helm charts) runs it: `serve` from the reference's environment variables.
 RUN python -m compileall -q /opt/ratelimit-sidecar/lib \
+ && ln -s /opt/ratelimit-sidecar/bin/ratelimit /bin/ratelimit \
  && groupadd --system --gid 65532 ratelimit \
  && useradd --system --uid 65532 --gid 65532 --no-create-home --shell /usr/sbin/nologin ratelimit
 USER 65532:65532
 # 8081: gRPC ShouldRateLimit; 8080: /healthcheck, /json, /rlconfig, /metrics; 8443: webhook.
+# Run as the reference (`/bin/ratelimit`), it may also open PROMETHEUS_ADDR and DEBUG_PORT.
 EXPOSE 8080 8081 8443
 ENTRYPOINT ["ratelimit-sidecar"]
 CMD ["--help"]

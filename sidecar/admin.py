@@ -139,8 +139,7 @@ class AdminServer:
     async def _healthcheck(self, request: web.Request) -> web.Response:
         if await self.health.check():
             return web.Response(text="OK")
-        reason = "shutting down" if self.health.draining else "backend unavailable"
-        return web.Response(status=500, text=f"Internal Server Error: {reason}\n")
+        return web.Response(status=500, text=f"Internal Server Error: {self.health.reason}\n")
 
     async def _rlconfig(self, request: web.Request) -> web.Response:
         lines = self.rules.dump()

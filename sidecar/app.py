@@ -34,11 +34,14 @@ from sidecar.rls.h2.server import unix_path
 from sidecar.rls.server import GrpcServer
 from sidecar.rls.service import RateLimitService
 from sidecar.rls.tls import ServerTls, TlsError, TlsFiles
+from sidecar.side_ports import SidePort
 from sidecar.stats import Stats
 from sidecar.statsd import StatsdError, StatsdReporter, StatsdSettings
 from sidecar.storage import Backend, open_backend, peers
 from sidecar.storage.memory import MemoryBackend
+from sidecar.storage.per_second import PerSecond
 from sidecar.tracing import Tracing, TracingError, TracingSettings
+from sidecar.xds.client import XdsClient, XdsOptions, check_files
 
 #: Seconds calls in flight get to finish once shutdown starts.
 SHUTDOWN_GRACE = 5.0
@@ -70,8 +73,12 @@ class InvalidOption(ValueError):
 class Options:
     """What `serve` needs; the CLI fills it from flags and RLS_* variables."""
 
+    #: Rules files or directories; empty when the rules come over xDS (`xds`).
     config: Sequence[str | Path]
     backend: str = "memory://"
+    #: A second store for the counters of per-second descriptors (the reference's
+    #: REDIS_PERSECOND; `sidecar.storage.per_second`).
+    backend_per_second: str | None = None
     grpc_address: str = "0.0.0.0:8081"
     http_address: str = "0.0.0.0:8080"
     redis_timeout_ms: int = 50
@@ -88,6 +95,8 @@ class Options:
     reuse_port: bool = False
     #: A listening Unix socket inherited from the parent of `serve --workers N`.
     grpc_socket_fd: int | None = None
+    #: Permission bits set on a unix:PATH gRPC socket once bound (None: as the umask left them).
+    grpc_socket_mode: int | None = None
     #: Seconds an impression id is remembered at least (frequency caps' exactly-once counting).
     dedupe_horizon: int = DEDUPE_HORIZON
     #: Seconds between looks at the rules files, and at the TLS files, for a change to reload
@@ -99,6 +108,19 @@ class Options:
     statsd: StatsdSettings | None = None
     #: OpenTelemetry tracing of ShouldRateLimit; None: off, at no cost to a call.
     tracing: TracingSettings | None = None
+    #: Rules from a control plane instead of files (`sidecar.xds`).
+    xds: XdsOptions | None = None
+    #: Unhealthy until rules with at least one domain are loaded.
+    health_requires_config: bool = False
+    #: Files declaring one domain add their descriptors to it (the reference's
+    #: MERGE_DOMAIN_CONFIG; rules over xDS take theirs from `xds`).
+    merge_domain_config: bool = False
+    #: Another listener for Prometheus (HOST:PORT, at `metrics_path`), as the reference's
+    #: USE_PROMETHEUS/PROMETHEUS_ADDR; /metrics on the HTTP port stays.
+    metrics_address: str | None = None
+    metrics_path: str = "/metrics"
+    #: Another listener for /rlconfig and /metrics, as the reference's DEBUG_PORT.
+    debug_address: str | None = None
 
 
 def loop_name(loop: asyncio.AbstractEventLoop) -> str:
@@ -159,38 +181,56 @@ class App:
         self._limiter: Limiter | None = None
         self._caps: FrequencyCaps | None = None
         self._last_config_error: str | None = None
+        #: The rules served now (replaced by reloads and xDS pushes).
+        self.rules = config.Rules()
+        self._xds: XdsClient | None = None
+        self._xds_task: asyncio.Task[None] | None = None
+        self._side_ports: list[SidePort] = []
+        #: Bound ports of --metrics-address and --debug-address (0 when not opened).
+        self.metrics_port = 0
+        self.debug_port = 0
         self._stopped = False
+        self._pending: set[asyncio.Task[None]] = set()
+        #: The rules' warnings already logged (each is logged once).
+        self._warned: set[str] = set()
 
     async def start(self) -> None:
         """Load, open and listen; raises ConfigError, InvalidOption or OSError after cleaning up."""
         options = self.options
         check_grpc_address(options.grpc_address)
         http_host, http_port = split_address(options.http_address)
+        side_addresses = [
+            (name, split_address(address))
+            for name, address in (
+                ("metrics", options.metrics_address),
+                ("debug", options.debug_address),
+            )
+            if address is not None
+        ]
+        # Before the rules: a bad certificate or setting is reported at once, not after the
+        # wait for a control plane's first rules.
+        self._open_edges(options)
+        config_marks: tuple[tuple[str, int, int, int], ...] = ()
         try:
-            # Taken before loading, so a change made while loading is seen as a change.
-            config_marks = config.fingerprint(options.config)
-        except (OSError, ConfigError):
-            config_marks = ()  # _load_rules reports what is wrong
-        rules = self._load_rules()
-        if options.tls is not None:
-            try:
-                self._tls = ServerTls(options.tls)
-            except TlsError as exc:
-                raise InvalidOption(f"gRPC TLS: {exc}") from exc
-        if options.statsd is not None:
-            try:
-                self._statsd = StatsdReporter(options.statsd, self.stats, self.latency)
-            except StatsdError as exc:
-                raise InvalidOption(f"statsd: {exc}") from exc
-        if options.tracing is not None:
-            try:
-                self._tracing = Tracing(options.tracing)
-            except TracingError as exc:
-                raise InvalidOption(f"tracing: {exc}") from exc
+            if options.xds is not None:
+                rules = await self._start_xds(options.xds)
+            else:
+                # Taken before loading, so a change made while loading is seen as a change;
+                # _load_rules reports what is wrong.
+                with contextlib.suppress(OSError, ConfigError):
+                    config_marks = config.fingerprint(options.config)
+                rules = self._load_rules()
+        except BaseException:
+            await self.stop()  # the tracer's export thread, the xDS client
+            raise
+        self.rules = rules
         if self._backend is None:
             try:
                 self._backend = open_backend(options.backend, timeout_ms=options.redis_timeout_ms)
+                if options.backend_per_second is not None:
+                    self._backend = self._per_second(self._backend, options.backend_per_second)
             except ValueError as exc:
+                await self.stop()  # the xDS client may be running already
                 raise InvalidOption(str(exc)) from exc
         backend = self._backend
         if isinstance(backend, MemoryBackend):
@@ -210,7 +250,12 @@ class App:
         )
         self._limiter = limiter
         service = RateLimitService(limiter)
-        health = self._health = Health(backend, backend_required=options.failure_mode == "deny")
+        health = self._health = Health(
+            backend,
+            backend_required=options.failure_mode == "deny",
+            config_required=options.health_requires_config,
+        )
+        health.config_loaded = bool(rules.domains)
         # Frequency caps for ad servers: on the HTTP port, and on gRPC beside Envoy's service.
         caps = FrequencyCaps(
             rules, backend, clock=self._clock, dedupe_horizon=options.dedupe_horizon
@@ -228,9 +273,33 @@ class App:
             reuse_port=options.reuse_port,
             frequency=caps,
         )
+        self._side_ports = [
+            SidePort(
+                name,
+                host,
+                port,
+                self.registry,
+                lambda: self.rules,
+                metrics_path=options.metrics_path if name == "metrics" else "/metrics",
+                rlconfig=name == "debug",
+                reuse_port=options.reuse_port,
+            )
+            for name, (host, port) in side_addresses
+        ]
         try:
             self.grpc_port = await self._grpc.start()
+            socket_path = unix_path(options.grpc_address)
+            if socket_path is not None and options.grpc_socket_mode is not None:
+                # Connecting to a Unix socket needs write permission on it: Envoy beside the
+                # sidecar in a pod usually runs as another user.
+                os.chmod(socket_path, options.grpc_socket_mode)
             self.http_port = await self._http.start()
+            for side in self._side_ports:
+                bound = await side.start()
+                if side.name == "metrics":
+                    self.metrics_port = bound
+                else:
+                    self.debug_port = bound
         except BaseException:
             await self.stop()
             raise
@@ -246,18 +315,22 @@ class App:
         ):
             await self._count_peers(backend, limiter)
             self._peers_watch = asyncio.create_task(self._learn_peers(backend, limiter))
-        if options.config_poll_seconds > 0:
+        if options.config_poll_seconds > 0 and options.xds is None:
             self._config_watch = asyncio.create_task(
                 self._watch_config(config_marks, options.config_poll_seconds)
             )
-            if self._tls is not None:
-                self._tls_watch = asyncio.create_task(
-                    self._tls.watch(options.config_poll_seconds, asyncio.sleep)
-                )
+        if options.config_poll_seconds > 0 and self._tls is not None:
+            # Rules over xDS or from files, the certificate rotates on disk all the same.
+            self._tls_watch = asyncio.create_task(
+                self._tls.watch(options.config_poll_seconds, asyncio.sleep)
+            )
         log.info(
             "started",
             grpc_port=self.grpc_port,
             http_port=self.http_port,
+            metrics_port=self.metrics_port or None,
+            debug_port=self.debug_port or None,
+            rules="xds" if options.xds is not None else "files",
             grpc_address=options.grpc_address,
             http_address=options.http_address,
             transport=options.transport,
@@ -271,6 +344,32 @@ class App:
             shadow_mode=options.shadow_mode,
             pid=os.getpid(),
         )
+
+    def _open_edges(self, options: Options) -> None:
+        """TLS on the gRPC port, the statsd reporter and the tracer, as `options` ask."""
+        if options.tls is not None:
+            try:
+                self._tls = ServerTls(options.tls)
+            except TlsError as exc:
+                raise InvalidOption(f"gRPC TLS: {exc}") from exc
+        if options.statsd is not None:
+            try:
+                self._statsd = StatsdReporter(options.statsd, self.stats, self.latency)
+            except StatsdError as exc:
+                raise InvalidOption(f"statsd: {exc}") from exc
+        if options.tracing is not None:
+            try:
+                self._tracing = Tracing(options.tracing)
+            except TracingError as exc:
+                raise InvalidOption(f"tracing: {exc}") from exc
+
+    def _per_second(self, main: Backend, url: str) -> PerSecond:
+        if self.options.rejected_hits == "skip":
+            raise ValueError(
+                "--backend-per-second with --rejected-hits skip: two stores cannot decide one "
+                "request all or nothing (use one of them)"
+            )
+        return PerSecond(main, open_backend(url, timeout_ms=self.options.redis_timeout_ms))
 
     def _rls_server(
         self, service: RateLimitService, frequency_service: FrequencyService
@@ -308,14 +407,23 @@ class App:
 
     def _load_rules(self) -> config.Rules:
         try:
-            rules = config.load(self.options.config)
+            rules = config.load(self.options.config, self.options.merge_domain_config)
         except ConfigError:
             self.stats.config_load_error += 1
             raise
         self.stats.config_load_success += 1
         for domain in rules.domains.values():
             log.info("config_loaded", summary=domain.summary())
+        self._warn(rules)
         return rules
+
+    def _warn(self, rules: config.Rules) -> None:
+        """Log each warning of the rules (see `config.ConfigWarning`) once, not at every reload."""
+        for warning in rules.warnings():
+            text = str(warning)
+            if text not in self._warned:
+                self._warned.add(text)
+                log.warning("config_warning", warning=text)
 
     def reload(self) -> bool:
         """Load the rules again and serve them from the next call; keep the old ones on error.
@@ -323,25 +431,77 @@ class App:
         As the reference does: a bad file is counted (config_load_error) and logged once per
         distinct error, and the service goes on with the rules it had. Counters are untouched:
         their keys depend on the descriptors and windows, not on the rules' order.
+        Rules from xDS are not reloaded: they change when the control plane pushes.
         """
-        try:
-            rules = config.load(self.options.config)
-        except ConfigError as exc:
-            self.stats.config_load_error += 1
-            if str(exc) != self._last_config_error:
-                self._last_config_error = str(exc)
-                log.warning("config_load_error", error=str(exc), kept="previous rules")
+        if self.options.xds is not None:
+            log.info("config_reload_skipped", reason="rules come from xDS")
             return False
+        try:
+            rules = config.load(self.options.config, self.options.merge_domain_config)
+        except ConfigError as exc:
+            self._reject_rules(exc)
+            return False
+        self._serve_rules(rules)
+        log.info("config_reloaded", summaries=[d.summary() for d in rules.domains.values()])
+        return True
+
+    def _serve_rules(self, rules: config.Rules) -> None:
+        """Serve `rules` from the next call on (a reload, or an xDS push)."""
         self._last_config_error = None
         self.stats.config_load_success += 1
+        self._warn(rules)
+        self.rules = rules
         if self._limiter is not None:
             self._limiter.rules = rules
+            if self._limiter.over_limit_cache is not None:
+                self._limiter.over_limit_cache.clear()  # what it knew was for the old limits
         if self._caps is not None:
             self._caps.set_rules(rules)
         if self._http is not None:
             self._http.rules = rules
-        log.info("config_reloaded", summaries=[d.summary() for d in rules.domains.values()])
-        return True
+        if self._health is not None:
+            # Health listeners are coroutines (the gRPC health status); the HTTP check and the
+            # 2 s watch would catch up anyway, this makes it prompt.
+            task = asyncio.get_running_loop().create_task(
+                self._health.set_config_loaded(bool(rules.domains))
+            )
+            self._pending.add(task)
+            task.add_done_callback(self._pending.discard)
+
+    def _reject_rules(self, error: ConfigError) -> None:
+        """Count and log (once per distinct error) rules that cannot be served; the rules
+        served before stay."""
+        self.stats.config_load_error += 1
+        if str(error) != self._last_config_error:
+            self._last_config_error = str(error)
+            log.warning("config_load_error", error=str(error), kept="previous rules")
+
+    async def _start_xds(self, options: XdsOptions) -> config.Rules:
+        """Start the xDS client; unless told to start without rules, wait for its first."""
+        try:
+            check_files(options)
+        except OSError as exc:
+            raise InvalidOption(f"xDS TLS: {exc}") from exc
+
+        def applied(rules: config.Rules, version: str) -> None:
+            self._serve_rules(rules)
+            log.info(
+                "config_loaded_xds",
+                version=version,
+                summaries=[d.summary() for d in rules.domains.values()],
+            )
+
+        def rejected(error: ConfigError, version: str) -> None:
+            self._reject_rules(error)
+
+        client = self._xds = XdsClient(options, applied, rejected)
+        self._xds_task = asyncio.create_task(client.run())
+        if options.force_start:
+            log.info("xds_started_without_rules", server=options.server)
+            return config.Rules()
+        log.info("xds_waiting_for_rules", server=options.server, node_id=options.node_id)
+        await client.first_rules.wait()
+        return self.rules
 
     def reload_all(self) -> None:
         """SIGHUP: the rules, and the TLS files when they changed."""
@@ -383,7 +543,13 @@ class App:
         self._stopped = True
         if self._health is not None:
             await self._health.drain()
-        for task in (self._watch, self._config_watch, self._peers_watch, self._tls_watch):
+        for task in (
+            self._watch,
+            self._config_watch,
+            self._peers_watch,
+            self._tls_watch,
+            self._xds_task,
+        ):
             if task is None:
                 continue
             task.cancel()
@@ -396,6 +562,7 @@ class App:
             stops.append(self._grpc.stop(grace))
         if self._http is not None:
             stops.append(self._http.stop())
+        stops.extend(side.stop() for side in self._side_ports)
         await asyncio.gather(*stops)
         if self._statsd is not None:
             await self._statsd.stop()  # what the last calls counted goes out too
@@ -403,6 +570,22 @@ class App:
             await asyncio.to_thread(self._tracing.shutdown)  # the last spans go out too
         if self._backend is not None:
             await self._backend.close()
+
+    async def _start_unless(self, stopping: asyncio.Event) -> bool:
+        """`start`, unless `stopping` is set first (a sidecar waiting for its first rules over
+        xDS must still stop on SIGTERM); returns whether it started."""
+        starting = asyncio.ensure_future(self.start())
+        signalled = asyncio.ensure_future(stopping.wait())
+        await asyncio.wait((starting, signalled), return_when=asyncio.FIRST_COMPLETED)
+        signalled.cancel()
+        if starting.done():
+            starting.result()  # raises what start raised
+            return True
+        starting.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await starting
+        await self.stop()
+        return False
 
     async def run(self) -> int:
         """Start, serve until SIGTERM or SIGINT, stop; returns the exit status (0)."""
@@ -414,7 +597,9 @@ class App:
         for signum in signals:
             loop.add_signal_handler(signum, stopping.set)
         try:
-            await self.start()
+            if not await self._start_unless(stopping):
+                log.info("stopped", before="the first rules arrived")
+                return 0
             loop.add_signal_handler(signal.SIGHUP, self.reload_all)
             # What exists now (modules, rules, servers) lives as long as the process: out of the
             # cycle collector's sight, its collections walk only what serving allocates, which

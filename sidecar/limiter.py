@@ -35,7 +35,7 @@ from sidecar.model import (
     Window,
     new,
 )
-from sidecar.over_limit_cache import OverLimitCache
+from sidecar.over_limit_cache import OverLimitCache, added
 from sidecar.plan import Counted, Plan, prepare
 from sidecar.stats import Stats
 from sidecar.storage import Backend
@@ -127,10 +127,11 @@ class Limiter:
         self._all_or_nothing = (
             self.settings.rejected_hits == "skip" and not self.settings.shadow_mode
         )
-        #: Plain windows known to be over, answered without the backend (None: off).
+        #: Plain windows known to be over, answered without waiting for the backend (None:
+        #: off), their hits added to it afterwards through `apply_then`.
         self.over_limit_cache = (
-            OverLimitCache(over_limit_cache)
-            if over_limit_cache and backend.name != "memory"
+            OverLimitCache(over_limit_cache, self._count_refused)
+            if over_limit_cache and backend.name != "memory" and hasattr(backend, "apply_then")
             else None
         )
         #: The cache as decisions use it: not with `--rejected-hits skip`, where a refused
@@ -175,6 +176,8 @@ class Limiter:
         if isinstance(begun, Decision):
             return begun
         statuses, judged, counted, hits, now_ms = begun
+        if self._cache is not None and self._cache.pending:
+            self._cache.flush()  # ahead of this call, as they came before it
         try:
             outcomes = await self.backend.apply(hits, self._all_or_nothing, now_ms)
         except StorageError as exc:
@@ -241,6 +244,8 @@ class Limiter:
                 answer = exc
             done(answer)
 
+        if cache is not None and cache.pending:
+            cache.flush()  # ahead of this call, as they came before it
         self.backend.apply_then(  # type: ignore[attr-defined]
             hits, self._all_or_nothing, now_ms, applied
         )
@@ -420,25 +425,29 @@ class Limiter:
     def _cached(
         self, cache: OverLimitCache, item: Counted, windows: list[Hit], now_ms: int
     ) -> DescriptorStatus | None:
-        """The status of a descriptor one of whose plain windows is known to be over, if any."""
-        for hit in windows:
-            if not hit.window.plain:
-                continue
-            end = cache.get(hit.counter, now_ms)
-            if end is None:
-                continue
-            limit = item.match.limit
-            rule = self.stats.rules[item.match.metric_key]
-            rule.record(hit.limit, hit.limit, hit.hits, True, limit.shadow_mode)
-            rule.over_limit_with_local_cache += hit.hits
-            return DescriptorStatus(
-                _OK if limit.shadow_mode else _OVER_LIMIT,
-                limit,
-                0,
-                -(-(end - now_ms) // 1000),
-                hit.window,
-            )
-        return None
+        """The status of a descriptor one of whose plain windows is known to be over, if any
+        (its hits are added to the store after the answer: see `OverLimitCache.refuse`)."""
+        refused = cache.refuse(windows, now_ms)
+        if refused is None:
+            return None
+        hit, end = refused
+        limit = item.match.limit
+        rule = self.stats.rules[item.match.metric_key]
+        rule.record(hit.limit, hit.limit, hit.hits, True, limit.shadow_mode)
+        rule.over_limit_with_local_cache += hit.hits
+        return DescriptorStatus(
+            _OK if limit.shadow_mode else _OVER_LIMIT,
+            limit,
+            0,
+            -(-(end - now_ms) // 1000),
+            hit.window,
+        )
+
+    def _count_refused(self, hits: list[Hit]) -> None:
+        """Add `hits`, which the over-limit cache refused, to the store (see `OverLimitCache`)."""
+        self.backend.apply_then(  # type: ignore[attr-defined]
+            hits, False, int(self._clock() * 1000), added
+        )
 
     def _on_backend_failure(
         self,

@@ -287,6 +287,27 @@ def test_a_bootstrap_with_every_attribute_passes_envoy_validate(
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+def test_a_unix_socket_sidecar_is_a_static_pipe_cluster_envoy_accepts(
+    capsys: pytest.CaptureFixture[str], envoy_binary: str, tmp_path: Path
+) -> None:
+    """`--sidecar unix:PATH` (the injected sidecar's socket in a pod): the ratelimit cluster
+    reaches a pipe at PATH, needs no resolver, still speaks HTTP/2, and Envoy accepts it."""
+    socket = "/var/run/ratelimit-sidecar/rls.sock"
+    bootstrap = generate(capsys, tmp_path, "--bootstrap", "--route", "api=/api",
+        "--route", "ads=/ads", "--sidecar", f"unix:{socket}",
+    )  # fmt: skip
+    (cluster,) = [c for c in bootstrap["static_resources"]["clusters"] if c["name"] == "ratelimit"]
+    assert cluster["type"] == "STATIC"
+    (endpoint,) = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"]
+    assert endpoint["endpoint"]["address"] == {"pipe": {"path": socket}}
+    options = cluster["typed_extension_protocol_options"]
+    assert "http2_protocol_options" in str(options)
+    path = tmp_path / "bootstrap.yaml"
+    path.write_text(yaml.safe_dump(bootstrap))
+    result = validate(envoy_binary, path)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
 def test_a_rule_key_without_a_source_is_an_error_naming_it(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -335,10 +356,18 @@ def test_several_domains_need_domain_flag(
 
 @pytest.mark.parametrize(
     "flag",
-    [["--route", "api"], ["--route", "api=api"], ["--sidecar", "nowhere"], ["--timeout-ms", "0"]],
+    [
+        ["--route", "api"],
+        ["--route", "api=api"],
+        ["--sidecar", "nowhere"],
+        ["--sidecar", "unix:rls.sock"],
+        ["--sidecar", "unix:"],
+        ["--timeout-ms", "0"],
+    ],
 )
 def test_malformed_flags_exit_2(tmp_path: Path, flag: list[str]) -> None:
-    """A route without NAME=/PREFIX, an address without a port or a zero timeout is a usage error."""
+    """A route without NAME=/PREFIX, an address without a port, a relative socket path or a
+    zero timeout is a usage error."""
     with pytest.raises(SystemExit) as caught:
         cli.main(["envoy-config", "--rules", "r", "--sources", "s", *flag])
     assert caught.value.code == 2

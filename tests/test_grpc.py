@@ -172,8 +172,8 @@ async def test_an_override_with_unit_unknown_is_invalid_argument(
 
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert caught.value.details() == (
-        "descriptors[0].limit.unit must be one of SECOND, MINUTE, HOUR, DAY, MONTH, YEAR, "
-        "got UNKNOWN (0)"
+        "descriptors[0].limit.unit must be one of SECOND (1), MINUTE (2), HOUR (3), DAY (4), "
+        "MONTH (5), YEAR (6), WEEK (7), got UNKNOWN (0)"
     )
     assert unknown_number.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert unknown_number.value.details().endswith("got 42")

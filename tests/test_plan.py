@@ -139,3 +139,15 @@ def test_packed_script_call_is_hiredis_packing_of_the_arguments() -> None:
                 for hit in request:  # a call on one hit, kept whole (but for decide's mode, time)
                     expected = hiredis.pack_command(tuple(_command([hit], mode, now_ms)))
                     assert packer.command([hit], mode, now_ms) == expected
+
+
+def test_an_overrides_stats_key_names_an_empty_value_by_its_key_alone() -> None:
+    """A `limit` override is named by every entry, `key_value`, or the key alone when the
+    value is empty, as the reference names it (`domain.k1_v1.k2`)."""
+    from sidecar.model import Override
+
+    rules = _rules()
+    descriptor = Descriptor((Entry("k1", "v1"), Entry("k2", "")), None, Override(5, Unit.MINUTE))
+    plan = prepare(rules, Request(next(iter(rules.domains)), (descriptor,)))
+    (counted,) = plan.counted
+    assert counted.match.metric_key == f"{next(iter(rules.domains))}.k1_v1.k2"

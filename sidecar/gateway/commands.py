@@ -79,9 +79,11 @@ def register(subparsers: Any) -> None:
     parser.add_argument(
         "--sidecar",
         default="127.0.0.1:8081",
-        type=_address,
-        metavar="HOST:PORT",
-        help="the sidecar's gRPC address (default: 127.0.0.1:8081)",
+        type=_sidecar,
+        metavar="HOST:PORT|unix:PATH",
+        help="the sidecar's gRPC address: TCP, or a Unix socket Envoy reaches as a pipe, such as "
+        "unix:/var/run/ratelimit-sidecar/rls.sock where the injected sidecar listens in a "
+        "Kubernetes pod (default: 127.0.0.1:8081)",
     )
     parser.add_argument(
         "--timeout-ms",
@@ -151,7 +153,11 @@ def generate(
         raise ConfigError("--route", "", f"route '{duplicates[0]}' is given twice")
     feed = plan.plan(domain, sources.load(args.sources), routes)
     settings = messages.Settings(
-        sidecar=messages.Address(*args.sidecar),
+        sidecar=(
+            messages.Pipe(args.sidecar)
+            if isinstance(args.sidecar, str)
+            else messages.Address(*args.sidecar)
+        ),
         timeout=datetime.timedelta(milliseconds=args.timeout_ms),
         failure_mode_deny=args.failure_mode_deny,
         listen=messages.Address(*args.listen),
@@ -203,6 +209,16 @@ def _address(text: str) -> tuple[str, int]:
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}")
     return host, int(port)
+
+
+def _sidecar(text: str) -> tuple[str, int] | str:
+    """``HOST:PORT``, or ``unix:PATH`` with an absolute PATH (returned as the path alone)."""
+    if not text.startswith("unix:"):
+        return _address(text)
+    path = text.removeprefix("unix:")
+    if not path.startswith("/"):
+        raise argparse.ArgumentTypeError(f"expected unix:/ABSOLUTE/PATH, got {text!r}")
+    return path
 
 
 def _milliseconds(text: str) -> int:

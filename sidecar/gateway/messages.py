@@ -67,6 +67,16 @@ class Address:
 
 
 @dataclass(frozen=True)
+class Pipe:
+    """A Unix socket, as Envoy names one: the injected sidecar listens on one in its pod."""
+
+    path: str
+
+    def __str__(self) -> str:
+        return f"unix:{self.path}"
+
+
+@dataclass(frozen=True)
 class Settings:
     """How Envoy reaches the sidecar and, for a bootstrap, where the gateway listens and sends.
 
@@ -74,7 +84,7 @@ class Settings:
     `failure_mode_deny` decides (false: the request goes on unlimited).
     """
 
-    sidecar: Address
+    sidecar: Address | Pipe
     timeout: datetime.timedelta
     failure_mode_deny: bool = False
     listen: Address = Address("0.0.0.0", 10000)
@@ -103,7 +113,7 @@ def rate_limit_filter(domain: str, settings: Settings) -> hcm_v3.HttpFilter:
     return hcm_v3.HttpFilter(name=FILTER_NAME, typed_config=AnyMessage.pack(config))
 
 
-def sidecar_cluster(address: Address) -> cluster_v3.Cluster:
+def sidecar_cluster(address: Address | Pipe) -> cluster_v3.Cluster:
     """The `ratelimit` cluster: gRPC, so HTTP/2 only, to the sidecar."""
     http2 = upstream_http_v3.HttpProtocolOptions(
         explicit_http_config=upstream_http_v3.HttpProtocolOptionsExplicitHttpConfig(
@@ -290,12 +300,12 @@ def _show_failure_mode(data: Any) -> Any:
     return data
 
 
-def _cluster(name: str, address: Address) -> cluster_v3.Cluster:
-    # An IP needs no resolver; a name is resolved and re-resolved as DNS changes.
+def _cluster(name: str, address: Address | Pipe) -> cluster_v3.Cluster:
+    # An IP or a pipe needs no resolver; a name is resolved and re-resolved as DNS changes.
     kind = (
-        cluster_v3.ClusterDiscoveryType.STATIC
-        if _is_ip(address.host)
-        else cluster_v3.ClusterDiscoveryType.STRICT_DNS
+        cluster_v3.ClusterDiscoveryType.STRICT_DNS
+        if isinstance(address, Address) and not _is_ip(address.host)
+        else cluster_v3.ClusterDiscoveryType.STATIC
     )
     return cluster_v3.Cluster(
         name=name,
@@ -316,7 +326,9 @@ def _cluster(name: str, address: Address) -> cluster_v3.Cluster:
     )
 
 
-def _address(address: Address) -> core_v3.Address:
+def _address(address: Address | Pipe) -> core_v3.Address:
+    if isinstance(address, Pipe):
+        return core_v3.Address(pipe=core_v3.Pipe(path=address.path))
     return core_v3.Address(
         socket_address=core_v3.SocketAddress(address=address.host, port_value=address.port)
     )

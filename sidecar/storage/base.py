@@ -1,8 +1,9 @@
 """The one interface every counter store implements, and the URL that picks one.
 
 Backend URLs: ``memory://`` (the default; ``memory://?max_counters=N`` caps its counters), ``redis://[user:password@]host:port[/db]``,
-``rediss://...`` (TLS) and ``redis+cluster://host:port[,host:port...]`` (``rediss+cluster://``
-for TLS).
+``rediss://...`` (TLS), ``redis+cluster://host:port[,host:port...]`` (``rediss+cluster://``
+for TLS) and ``redis+sentinel://[user:password@]host:port[,host:port...]/master-name[/db]``
+(``rediss+sentinel://`` for TLS; ``?sentinel_username=&sentinel_password=`` for the Sentinels).
 """
 
 from __future__ import annotations
@@ -95,9 +96,14 @@ def open_backend(url: str, timeout_ms: int = 50) -> Backend:
         from sidecar.storage.cluster import RedisClusterBackend
 
         return RedisClusterBackend.from_url(url, timeout_ms=timeout_ms)
+    if scheme in ("redis+sentinel", "rediss+sentinel"):
+        from sidecar.storage import sentinel
+
+        return sentinel.from_url(url, timeout_ms=timeout_ms)
     raise ValueError(
-        f"unsupported backend URL {url!r}: use memory://, redis://host:port, rediss://host:port "
-        "or redis+cluster://host:port[,host:port...] (rediss+cluster:// for TLS)"
+        f"unsupported backend URL {url!r}: use memory://, redis://host:port, rediss://host:port, "
+        "redis+cluster://host:port[,host:port...] (rediss+cluster:// for TLS) "
+        "or redis+sentinel://host:port[,host:port...]/master-name (rediss+sentinel:// for TLS)"
     )
 
 

@@ -435,9 +435,11 @@ class RedisBackend:
     packed once per window (`ApplyPacker`) and its deadline kept by the client.
     """
 
-    name = "redis"
+    name: str
 
-    def __init__(self, client: PipelinedRedis, timeout_ms: int) -> None:
+    def __init__(self, client: PipelinedRedis, timeout_ms: int, name: str = "redis") -> None:
+        #: "redis", or "redis-sentinel" for a master found through Sentinel (`sentinel.py`).
+        self.name = name
         self._client = client
         self._timeout_ms = timeout_ms
         self._timeout = timeout_ms / 1000
@@ -611,8 +613,9 @@ def _timeout_seconds(url: str, timeout_ms: int) -> float:
     return timeout_ms / 1000
 
 
-def _address(url: str, address: str) -> tuple[str, int]:
-    """``host[:port]`` (IPv6 in brackets) to a host and a port, 6379 when none is given."""
+def _address(url: str, address: str, default_port: int = DEFAULT_PORT) -> tuple[str, int]:
+    """``host[:port]`` (IPv6 in brackets) to a host and a port, `default_port` (6379) when none
+    is given."""
     parts = urlsplit(f"//{address}")
     host = parts.hostname
     if not host:
@@ -624,7 +627,7 @@ def _address(url: str, address: str) -> tuple[str, int]:
         raise ValueError(bad_port) from None
     if port == 0:
         raise ValueError(bad_port)
-    return host, port if port is not None else DEFAULT_PORT
+    return host, port if port is not None else default_port
 
 
 def _database(url: str, path: str) -> int:
@@ -657,10 +660,17 @@ def _tls_options(url: str, query: str, tls: bool) -> dict[str, Any]:
 
 
 def _redact(url: str) -> str:
-    """The URL with its password hidden, for error messages that end up in logs."""
+    """The URL with its passwords hidden (the userinfo's, and a ``sentinel_password`` query
+    parameter's), for error messages that end up in logs."""
     parts = urlsplit(url)
     userinfo, at, hosts = parts.netloc.rpartition("@")
-    if not at or ":" not in userinfo:
+    hide_password = bool(at) and ":" in userinfo
+    if not hide_password and "sentinel_password=" not in parts.query:
         return url
-    user = userinfo.partition(":")[0]
-    return parts._replace(netloc=f"{user}:***@{hosts}").geturl()
+    if hide_password:
+        parts = parts._replace(netloc=f"{userinfo.partition(':')[0]}:***@{hosts}")
+    query = "&".join(
+        "sentinel_password=***" if field.startswith("sentinel_password=") else field
+        for field in parts.query.split("&")
+    )
+    return parts._replace(query=query).geturl()
