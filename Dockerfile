@@ -21,8 +21,8 @@ COPY sidecar ./sidecar
 # compiled, by mypyc, which type-checks it against the dependencies and their stubs. So the
 # package goes in twice: first as it is, with its dependencies, setuptools, mypy and the stubs
 # of the dev extra; then compiled, built in that environment (--no-build-isolation). Then the
-# build tools leave with pip.
-RUN /opt/ratelimit-sidecar/bin/pip install --upgrade "setuptools>=77" mypy types-PyYAML . \
+# build tools leave with pip. The tracing extra makes `serve --tracing` work in the image.
+RUN /opt/ratelimit-sidecar/bin/pip install --upgrade "setuptools>=77" mypy types-PyYAML ".[tracing]" \
  && RATELIMIT_SIDECAR_COMPILE=1 /opt/ratelimit-sidecar/bin/pip install \
         --no-build-isolation --no-deps --force-reinstall . \
  && /opt/ratelimit-sidecar/bin/python -P -c "from sidecar import build; import sidecar.rls.fast, sidecar.storage.redis; assert build.name() == 'compiled', build.compiled()" \

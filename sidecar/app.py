@@ -33,12 +33,15 @@ from sidecar.rls.fast import FastServer
 from sidecar.rls.h2.server import unix_path
 from sidecar.rls.server import GrpcServer
 from sidecar.rls.service import RateLimitService
+from sidecar.rls.tls import ServerTls, TlsError, TlsFiles
 from sidecar.rules import Rules
 from sidecar.side_ports import SidePort
 from sidecar.stats import Stats
+from sidecar.statsd import StatsdError, StatsdReporter, StatsdSettings
 from sidecar.storage import Backend, open_backend, peers
 from sidecar.storage.memory import MemoryBackend
 from sidecar.storage.per_second import PerSecond
+from sidecar.tracing import Tracing, TracingError, TracingSettings
 from sidecar.xds.client import XdsClient, XdsOptions, check_files
 
 #: Seconds calls in flight get to finish once shutdown starts.
@@ -97,8 +100,15 @@ class Options:
     grpc_socket_mode: int | None = None
     #: Seconds an impression id is remembered at least (frequency caps' exactly-once counting).
     dedupe_horizon: int = DEDUPE_HORIZON
-    #: Seconds between looks at the rules files for a change to reload (0: only on SIGHUP).
+    #: Seconds between looks at the rules files, and at the TLS files, for a change to reload
+    #: (0: only on SIGHUP).
     config_poll_seconds: float = 2.0
+    #: TLS (and with a client CA, mTLS) on the gRPC port; None: cleartext.
+    tls: TlsFiles | None = None
+    #: Where to send the stats as statsd or DogStatsD (beside /metrics); None: nowhere.
+    statsd: StatsdSettings | None = None
+    #: OpenTelemetry tracing of ShouldRateLimit; None: off, at no cost to a call.
+    tracing: TracingSettings | None = None
     #: Rules from a control plane instead of files (`sidecar.xds`).
     xds: XdsOptions | None = None
     #: Unhealthy until rules with at least one domain are loaded.
@@ -161,6 +171,10 @@ class App:
         self._health: Health | None = None
         self._watch: asyncio.Task[None] | None = None
         self._config_watch: asyncio.Task[None] | None = None
+        self._tls: ServerTls | None = None
+        self._tls_watch: asyncio.Task[None] | None = None
+        self._statsd: StatsdReporter | None = None
+        self._tracing: Tracing | None = None
         #: `--failure-mode local --local-divisor auto`: this sidecar's name among its peers,
         #: and the task that registers it (see `sidecar.storage.peers`).
         self._peer_name = peers.own_name()
@@ -194,15 +208,22 @@ class App:
             )
             if address is not None
         ]
+        # Before the rules: a bad certificate or setting is reported at once, not after the
+        # wait for a control plane's first rules.
+        self._open_edges(options)
         config_marks: tuple[tuple[str, int, int, int], ...] = ()
-        if options.xds is not None:
-            rules = await self._start_xds(options.xds)
-        else:
-            # Taken before loading, so a change made while loading is seen as a change;
-            # _load_rules reports what is wrong.
-            with contextlib.suppress(OSError, ConfigError):
-                config_marks = config.fingerprint(options.config)
-            rules = self._load_rules()
+        try:
+            if options.xds is not None:
+                rules = await self._start_xds(options.xds)
+            else:
+                # Taken before loading, so a change made while loading is seen as a change;
+                # _load_rules reports what is wrong.
+                with contextlib.suppress(OSError, ConfigError):
+                    config_marks = config.fingerprint(options.config)
+                rules = self._load_rules()
+        except BaseException:
+            await self.stop()  # the tracer's export thread, the xDS client
+            raise
         self.rules = rules
         if self._backend is None:
             try:
@@ -217,7 +238,7 @@ class App:
             self.registry.register(metrics.MemoryCollector(backend))
         limiter = Limiter(
             rules,
-            backend,
+            backend if self._tracing is None else self._tracing.backend(backend),
             settings=Settings(
                 shadow_mode=options.shadow_mode,
                 rejected_hits=options.rejected_hits,
@@ -283,6 +304,8 @@ class App:
         except BaseException:
             await self.stop()
             raise
+        if self._statsd is not None:
+            self._statsd.start()
         health.listen(self._grpc.set_serving)
         await health.check()
         self._watch = asyncio.create_task(health.watch(HEALTH_INTERVAL))
@@ -297,6 +320,11 @@ class App:
             self._config_watch = asyncio.create_task(
                 self._watch_config(config_marks, options.config_poll_seconds)
             )
+        if options.config_poll_seconds > 0 and self._tls is not None:
+            # Rules over xDS or from files, the certificate rotates on disk all the same.
+            self._tls_watch = asyncio.create_task(
+                self._tls.watch(options.config_poll_seconds, asyncio.sleep)
+            )
         log.info(
             "started",
             grpc_port=self.grpc_port,
@@ -307,6 +335,7 @@ class App:
             grpc_address=options.grpc_address,
             http_address=options.http_address,
             transport=options.transport,
+            tls="off" if options.tls is None else "mtls" if options.tls.client_ca else "tls",
             build=build.name(),
             loop=loop_name(asyncio.get_running_loop()),
             backend=backend.name,
@@ -316,6 +345,24 @@ class App:
             shadow_mode=options.shadow_mode,
             pid=os.getpid(),
         )
+
+    def _open_edges(self, options: Options) -> None:
+        """TLS on the gRPC port, the statsd reporter and the tracer, as `options` ask."""
+        if options.tls is not None:
+            try:
+                self._tls = ServerTls(options.tls)
+            except TlsError as exc:
+                raise InvalidOption(f"gRPC TLS: {exc}") from exc
+        if options.statsd is not None:
+            try:
+                self._statsd = StatsdReporter(options.statsd, self.stats, self.latency)
+            except StatsdError as exc:
+                raise InvalidOption(f"statsd: {exc}") from exc
+        if options.tracing is not None:
+            try:
+                self._tracing = Tracing(options.tracing)
+            except TracingError as exc:
+                raise InvalidOption(f"tracing: {exc}") from exc
 
     def _per_second(self, main: Backend, url: str) -> PerSecond:
         if self.options.rejected_hits == "skip":
@@ -336,6 +383,8 @@ class App:
                 self.latency,
                 reuse_port=options.reuse_port,
                 frequency_service=frequency_service,
+                tls=self._tls,
+                tracing=self._tracing,
             )
         sock = None
         if options.grpc_socket_fd is not None:
@@ -347,6 +396,8 @@ class App:
             reuse_port=options.reuse_port,
             sock=sock,
             frequency_service=frequency_service,
+            tls=self._tls,
+            tracing=self._tracing,
         )
 
     @property
@@ -453,6 +504,12 @@ class App:
         await client.first_rules.wait()
         return self.rules
 
+    def reload_all(self) -> None:
+        """SIGHUP: the rules, and the TLS files when they changed."""
+        self.reload()
+        if self._tls is not None:
+            self._tls.reload()
+
     async def _watch_config(
         self, marks: tuple[tuple[str, int, int, int], ...], interval: float
     ) -> None:
@@ -487,7 +544,13 @@ class App:
         self._stopped = True
         if self._health is not None:
             await self._health.drain()
-        for task in (self._watch, self._config_watch, self._peers_watch, self._xds_task):
+        for task in (
+            self._watch,
+            self._config_watch,
+            self._peers_watch,
+            self._tls_watch,
+            self._xds_task,
+        ):
             if task is None:
                 continue
             task.cancel()
@@ -502,6 +565,10 @@ class App:
             stops.append(self._http.stop())
         stops.extend(side.stop() for side in self._side_ports)
         await asyncio.gather(*stops)
+        if self._statsd is not None:
+            await self._statsd.stop()  # what the last calls counted goes out too
+        if self._tracing is not None:
+            await asyncio.to_thread(self._tracing.shutdown)  # the last spans go out too
         if self._backend is not None:
             await self._backend.close()
 
@@ -534,7 +601,7 @@ class App:
             if not await self._start_unless(stopping):
                 log.info("stopped", before="the first rules arrived")
                 return 0
-            loop.add_signal_handler(signal.SIGHUP, self.reload)
+            loop.add_signal_handler(signal.SIGHUP, self.reload_all)
             # What exists now (modules, rules, servers) lives as long as the process: out of the
             # cycle collector's sight, its collections walk only what serving allocates, which
             # shortens the pauses they add to calls' latency.

@@ -15,12 +15,16 @@ import re
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from sidecar import __version__, config, logs, settings
+from sidecar import __version__, config, logs, settings, statsd
 from sidecar.envoy_config.commands import register as register_envoy_config
 from sidecar.errors import ConfigError
 from sidecar.injector.commands import register as register_injector
+from sidecar.rls.tls import TlsFiles
+from sidecar.statsd import StatsdError, StatsdSettings
+from sidecar.tracing import TracingSettings
 from sidecar.xds import flags as xds_flags
 
 # grpc's C core writes its own lines to stderr; keep them to errors so the log stays one format.
@@ -62,10 +66,10 @@ resources a control plane pushes over xDS (--xds-server; a push that is not vali
 NACKed and the rules served before stay). A bad file stops the start with 'FILE: PATH:
 message' and exit status 1; a backend URL that cannot be used exits with 2.
 
-The reference's environment variables (HOST, PORT, GRPC_PORT, REDIS_URL, REDIS_TYPE,
-RUNTIME_ROOT, CONFIG_TYPE, CONFIG_GRPC_XDS_*, USE_PROMETHEUS, LOG_LEVEL, ...) set these flags
-too, beneath RLS_* variables and the command line; one it does not honour is logged at
-start-up.
+The reference's environment variables (HOST, PORT, GRPC_PORT, GRPC_SERVER_USE_TLS,
+REDIS_URL, REDIS_TYPE, RUNTIME_ROOT, CONFIG_TYPE, CONFIG_GRPC_XDS_*, USE_STATSD, TRACING_*,
+USE_PROMETHEUS, LOG_LEVEL, ...) set these flags too, beneath RLS_* variables and the command
+line; one it does not honour is logged at start-up.
 
 SIGTERM or SIGINT: report unhealthy, refuse new calls, let calls in flight finish (5 s),
 then exit 0. To replace a sidecar (--transport fast) without failing a call, start the new
@@ -74,7 +78,10 @@ it is), then send SIGTERM to the old one: its clients finish their calls there a
 their next connection to the new one.
 
 --transport fast (the default) serves gRPC with the sidecar's own HTTP/2 server: unary calls
-only (ShouldRateLimit, Health/Check), cleartext, over TCP or a Unix socket (unix:PATH).
+only (ShouldRateLimit, Health/Check), over TCP or a Unix socket (unix:PATH).
+Both transports serve TLS or mTLS with --grpc-tls-cert and --grpc-tls-key (and
+--grpc-tls-client-ca), or the reference's GRPC_SERVER_USE_TLS=true, GRPC_SERVER_TLS_CERT,
+GRPC_SERVER_TLS_KEY, GRPC_CLIENT_TLS_CACERT and GRPC_CLIENT_TLS_SAN.
 --transport grpcio serves it with grpc.aio, at several times the CPU per call.
 --loop auto (the default) runs the event loop on uvloop when it is installed, as it is with
 the package on Linux and macOS; --loop asyncio keeps the standard library's.
@@ -235,6 +242,16 @@ def _count_or_auto(text: str) -> int | str:
     return _count(1)(text)
 
 
+def _share(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number from 0 to 1, got {text!r}") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be from 0 to 1, got {text}")
+    return value
+
+
 def _seconds(text: str) -> float:
     try:
         value = float(text)
@@ -387,6 +404,110 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, _Flags]]:
         metavar="ENTRIES",
     )
     serve.add(
+        "--grpc-tls-cert",
+        "serve gRPC over TLS (TLS 1.2 or later, ALPN h2) with this PEM certificate chain; "
+        "reloaded when it changes on disk (looked at every --config-poll-seconds, and on "
+        "SIGHUP), connections already open keeping theirs",
+        metavar="PATH",
+    )
+    serve.add(
+        "--grpc-tls-key",
+        "the PEM private key of --grpc-tls-cert, reloaded with it",
+        metavar="PATH",
+    )
+    serve.add(
+        "--grpc-tls-client-ca",
+        "mTLS: require a client certificate signed by a CA in this PEM file (reloaded too)",
+        metavar="PATH",
+    )
+    serve.add(
+        "--grpc-tls-client-san",
+        "mTLS: also require this DNS name (wildcards as in host names) or IP address among the "
+        "client certificate's SANs",
+        metavar="NAME",
+    )
+    serve.add(
+        "--statsd-address",
+        "send the reference's stats to a statsd (or DogStatsD) server at HOST:PORT, every "
+        "--stats-flush-interval (the reference's USE_STATSD or USE_DOG_STATSD turn it on at "
+        "STATSD_HOST:STATSD_PORT, default localhost:8125); Prometheus /metrics goes on beside it",
+        type=_address,
+        metavar="HOST:PORT",
+    )
+    serve.add(
+        "--statsd-protocol",
+        "tcp or udp (default: tcp for statsd, udp for DogStatsD)",
+        choices=("tcp", "udp"),
+    )
+    serve.add(
+        "--statsd-format",
+        "statsd: tags folded into names, as the reference's statsd sink does; dogstatsd: "
+        "DogStatsD tags, and mogrifiers (default: dogstatsd with USE_DOG_STATSD=true, else "
+        "statsd)",
+        choices=("statsd", "dogstatsd"),
+    )
+    serve.add(
+        "--stats-flush-interval",
+        "how often stats are sent to statsd, in seconds or as 10s, 500ms",
+        default="10s",
+        metavar="DURATION",
+    )
+    serve.add(
+        "--stats-tags",
+        "tags on every stat sent to statsd, as key:value,key2:value2",
+        metavar="TAGS",
+    )
+    serve.add(
+        "--dogstatsd-mogrifiers",
+        "DogStatsD: names of the mogrifiers to apply, separated by ',', each defined by "
+        "DOG_STATSD_MOGRIFIER_<NAME>_PATTERN, _NAME and _TAGS in the environment",
+        metavar="NAMES",
+    )
+    serve.add(
+        "--tracing",
+        "trace ShouldRateLimit with OpenTelemetry (spans over OTLP, the parent from Envoy's "
+        "W3C traceparent or B3 headers); needs the tracing extra",
+        action="store_true",
+        default=False,
+    )
+    serve.add(
+        "--tracing-protocol",
+        "OTLP over http (protobuf) or grpc",
+        default="http",
+        choices=("http", "grpc"),
+    )
+    serve.add(
+        "--tracing-endpoint",
+        "where spans go (default: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or "
+        "OTEL_EXPORTER_OTLP_ENDPOINT, else http://localhost:4318/v1/traces for http, "
+        "localhost:4317 for grpc)",
+        metavar="URL",
+    )
+    serve.add(
+        "--tracing-service-name",
+        "the spans' service.name",
+        default="RateLimit",
+        metavar="NAME",
+    )
+    serve.add(
+        "--tracing-service-namespace",
+        "the spans' service.namespace",
+        metavar="NAME",
+    )
+    serve.add(
+        "--tracing-service-instance-id",
+        "the spans' service.instance.id (default: a random UUID)",
+        metavar="ID",
+    )
+    serve.add(
+        "--tracing-sampling-rate",
+        "the share of calls without a sampled parent that are traced (a sampled parent is "
+        "always followed)",
+        default=1.0,
+        type=_share,
+        metavar="0..1",
+    )
+    serve.add(
         "--log-format",
         "json: one JSON object per line; console: for people",
         default="json",
@@ -517,7 +638,7 @@ def parse_args(
 ) -> argparse.Namespace:
     """Flags, then RLS_* variables from `environ` (default os.environ), then (for `serve`) the
     reference's variables, then defaults; `reference_defaults` adds the reference's defaults
-    of the rules directory and of the backend (`ratelimit`).
+    of the rules directory, of the backend and of statsd (`ratelimit`).
 
     Exits with status 2 and a usage message when something is missing or malformed.
     """
@@ -542,6 +663,13 @@ def parse_args(
             )
         if args.config and args.xds_server:
             flags.parser.error("--config and --xds-server exclude each other: rules come from one")
+        problem = _tls_problem(args)
+        if problem:
+            flags.parser.error(problem)
+        try:
+            args.statsd = statsd_settings(args, environ)
+        except StatsdError as exc:
+            flags.parser.error(str(exc))
         args.reference_applied = settings.applied(environ)
         args.reference_ignored = settings.ignored(environ)
     elif flags is not None:
@@ -552,9 +680,76 @@ def parse_args(
 def reference_main(argv: Sequence[str] | None = None) -> int:
     """`ratelimit`, the reference's /bin/ratelimit: `serve` configured by the reference's
     environment variables, with its defaults (rules in RUNTIME_ROOT/RUNTIME_SUBDIRECTORY/
-    RUNTIME_APPDIRECTORY, Redis at REDIS_URL); arguments, if any, are `serve` flags."""
+    RUNTIME_APPDIRECTORY, Redis at REDIS_URL, statsd unless USE_STATSD=false); arguments, if
+    any, are `serve` flags."""
     args = list(sys.argv[1:] if argv is None else argv)
     return main(["serve", *args], reference_defaults=True)
+
+
+def statsd_settings(args: argparse.Namespace, environ: Mapping[str, str]) -> StatsdSettings | None:
+    """Where and how `serve` sends stats to statsd, from its flags (which the reference's
+    USE_STATSD, USE_DOG_STATSD, STATSD_* and EXTRA_TAGS set, see `sidecar.settings`); None
+    when it does not. The mogrifiers --dogstatsd-mogrifiers names are defined in `environ`."""
+    address = args.statsd_address
+    if address is None:
+        return None
+    format: statsd.Format = args.statsd_format or "statsd"
+    protocol: statsd.Protocol = args.statsd_protocol or ("udp" if format == "dogstatsd" else "tcp")
+    if format == "dogstatsd" and protocol != "udp":
+        raise StatsdError("--statsd-format dogstatsd is sent over udp, not tcp")
+    host, _, port = address.rpartition(":")
+    names = [n.strip() for n in (args.dogstatsd_mogrifiers or "").split(",") if n.strip()]
+    if names and format != "dogstatsd":
+        raise StatsdError("--dogstatsd-mogrifiers needs --statsd-format dogstatsd")
+    return StatsdSettings(
+        host=host.strip("[]") or "localhost",
+        port=int(port),
+        protocol=protocol,
+        format=format,
+        flush_interval=statsd.parse_duration(args.stats_flush_interval),
+        tags=statsd.parse_tags(args.stats_tags or ""),
+        mogrifiers=statsd.mogrifiers_from_env(names, environ),
+    )
+
+
+def _tls_problem(args: argparse.Namespace) -> str | None:
+    """What is missing from the gRPC TLS flags, if anything."""
+    cert, key = args.grpc_tls_cert, args.grpc_tls_key
+    if (cert is None) != (key is None):
+        return "--grpc-tls-cert needs --grpc-tls-key, and the reverse"
+    if cert is None and (args.grpc_tls_client_ca or args.grpc_tls_client_san):
+        return (
+            "--grpc-tls-client-ca and --grpc-tls-client-san need --grpc-tls-cert and --grpc-tls-key"
+        )
+    if args.grpc_tls_client_san and not args.grpc_tls_client_ca:
+        return "--grpc-tls-client-san needs --grpc-tls-client-ca (the CA that verifies clients)"
+    return None
+
+
+def tracing_settings(args: argparse.Namespace) -> TracingSettings | None:
+    """`serve`'s OpenTelemetry settings; None when tracing is off."""
+    if not args.tracing:
+        return None
+    return TracingSettings(
+        protocol=args.tracing_protocol,
+        endpoint=args.tracing_endpoint,
+        service_name=args.tracing_service_name,
+        service_namespace=args.tracing_service_namespace or "",
+        service_instance_id=args.tracing_service_instance_id or "",
+        sampling_rate=args.tracing_sampling_rate,
+    )
+
+
+def tls_files(args: argparse.Namespace) -> TlsFiles | None:
+    """The gRPC port's TLS files from `serve`'s flags; None for cleartext."""
+    if args.grpc_tls_cert is None:
+        return None
+    return TlsFiles(
+        Path(args.grpc_tls_cert),
+        Path(args.grpc_tls_key),
+        client_ca=Path(args.grpc_tls_client_ca) if args.grpc_tls_client_ca else None,
+        client_san=args.grpc_tls_client_san or None,
+    )
 
 
 def main(
@@ -607,6 +802,9 @@ def _serve(args: argparse.Namespace) -> int:
         metrics_address=args.metrics_address,
         metrics_path=args.metrics_path,
         debug_address=args.debug_address,
+        tls=tls_files(args),
+        statsd=args.statsd,
+        tracing=tracing_settings(args),
     )
     try:
         loop_factory = event_loop_factory(args.loop)

@@ -13,6 +13,12 @@ reads them beneath the real `RLS_*` variables and flags, which therefore win. `i
 the variables that are set but ask for something the sidecar does not do, to be logged once at
 start-up: nothing set is silently ignored. To support another variable, add a row to `FLAGS`
 and mark it supported in `VARIABLES`.
+
+Three kinds of variables the reference's libraries read, not settings.go, are honoured too:
+STATSD_PROTOCOL (lyft/gostats; a row of `FLAGS`), DOG_STATSD_MOGRIFIER_<NAME>_PATTERN, _NAME
+and _TAGS (the definitions of the mogrifiers USE_DOG_STATSD_MOGRIFIERS names, read by
+`sidecar.statsd`, for --dogstatsd-mogrifiers too) and OTEL_EXPORTER_OTLP_* (read by the
+OpenTelemetry SDK).
 """
 
 from __future__ import annotations
@@ -46,8 +52,6 @@ class Support(enum.Enum):
     DIFFERENT = "different"
     #: Not supported; set to anything but its harmless values, it is logged at start-up.
     UNSUPPORTED = "not supported"
-    #: Served by work on another branch (TLS on the gRPC port, statsd, tracing).
-    ELSEWHERE = "not yet"
 
 
 def _false(value: str) -> bool:
@@ -293,18 +297,115 @@ def _node_metadata(env: Env, defaults: bool) -> str | None:
     return ",".join(pairs) or None
 
 
-def _headers(env: Env, defaults: bool) -> str | None:
-    """`k1:v1,k2:v2`, as the reference's map variables read."""
-    raw = env.get("CONFIG_GRPC_XDS_CLIENT_ADDITIONAL_HEADERS", "").strip()
+def _pairs(name: str, form: str) -> Callable[[Env, bool], str | None]:
+    """`k1:v1,k2:v2`, as the reference's map variables read; `form` names a pair in the error."""
+
+    def convert(env: Env, defaults: bool) -> str | None:
+        raw = env.get(name, "").strip()
+        if not raw:
+            return None
+        for part in raw.split(","):
+            if ":" not in part or not part.split(":", 1)[0].strip():
+                raise SettingError(f"{name}={raw!r}: expected {form} pairs separated by ','")
+        return raw
+
+    return convert
+
+
+# --- TLS on the gRPC port, statsd and tracing -------------------------------------------------
+
+
+def _grpc_tls(name: str, required: bool = False) -> Callable[[Env, bool], str | None]:
+    """A TLS file of the gRPC port: read only with GRPC_SERVER_USE_TLS=true, as in the reference,
+    where the certificate and the key must then be given."""
+
+    def convert(env: Env, defaults: bool) -> str | None:
+        if not boolean("GRPC_SERVER_USE_TLS", env):
+            return None
+        value = env.get(name, "").strip()
+        if required and not value:
+            raise SettingError(
+                "GRPC_SERVER_USE_TLS=true needs GRPC_SERVER_TLS_CERT and GRPC_SERVER_TLS_KEY"
+            )
+        return value or None
+
+    return convert
+
+
+def _statsd_sink(env: Env, defaults: bool) -> str | None:
+    """The reference's statsd sink: "statsd", "dogstatsd" or None. DISABLE_STATS turns every
+    sink off; USE_STATSD is true by default there, which applies under `ratelimit`."""
+    if boolean("DISABLE_STATS", env):
+        return None
+    dog, plain = boolean("USE_DOG_STATSD", env), boolean("USE_STATSD", env)
+    if dog and plain:
+        raise SettingError(
+            "USE_STATSD=true and USE_DOG_STATSD=true: set one of them (the reference sends "
+            "stats to one sink)"
+        )
+    if dog:
+        return "dogstatsd"
+    if plain or (plain is None and defaults):
+        return "statsd"
+    return None
+
+
+def _statsd_address(env: Env, defaults: bool) -> str | None:
+    if _statsd_sink(env, defaults) is None:
+        return None
+    return _join(env.get("STATSD_HOST", "").strip() or "localhost", _port("STATSD_PORT", env, 8125))
+
+
+def _statsd_format(env: Env, defaults: bool) -> str | None:
+    return "dogstatsd" if _statsd_sink(env, defaults) == "dogstatsd" else None
+
+
+def _statsd_protocol(env: Env, defaults: bool) -> str | None:
+    """UDP for DogStatsD whatever STATSD_PROTOCOL says (the reference's DogStatsD sink is UDP);
+    else STATSD_PROTOCOL, which the reference's stats library (lyft/gostats) reads."""
+    if boolean("USE_DOG_STATSD", env):
+        return "udp"
+    raw = env.get("STATSD_PROTOCOL", "").strip()
     if not raw:
         return None
-    for part in raw.split(","):
-        if ":" not in part or not part.split(":", 1)[0].strip():
-            raise SettingError(
-                f"CONFIG_GRPC_XDS_CLIENT_ADDITIONAL_HEADERS={raw!r}: expected NAME:VALUE pairs "
-                "separated by ','"
-            )
+    if raw.lower() not in ("tcp", "udp"):
+        raise SettingError(f"STATSD_PROTOCOL={raw!r}: expected tcp or udp")
+    return raw.lower()
+
+
+def _flush_interval(env: Env, defaults: bool) -> str | None:
+    seconds = duration("STATS_FLUSH_INTERVAL", env)
+    if seconds is None:
+        return None
+    if seconds <= 0:
+        raise SettingError(
+            f"STATS_FLUSH_INTERVAL={env['STATS_FLUSH_INTERVAL']!r}: must be more than 0"
+        )
+    return repr(seconds)
+
+
+def _tracing_protocol(env: Env, defaults: bool) -> str | None:
+    raw = env.get("TRACING_EXPORTER_PROTOCOL", "").strip()
+    if not raw:
+        return None  # the reference takes an empty one as http, the default
+    if raw not in ("http", "grpc"):
+        raise SettingError(f"TRACING_EXPORTER_PROTOCOL={raw!r}: expected http or grpc")
     return raw
+
+
+def _sampling_rate(env: Env, defaults: bool) -> str | None:
+    """A number; outside 0..1 it is the nearest bound, as the reference's ratio sampler takes
+    it (1 or more samples every call, 0 or less none)."""
+    raw = env.get("TRACING_SAMPLING_RATE", "").strip()
+    if not raw:
+        return None
+    try:
+        rate = float(raw)
+    except ValueError:
+        raise SettingError(f"TRACING_SAMPLING_RATE={raw!r}: expected a number") from None
+    if rate != rate:  # NaN
+        raise SettingError(f"TRACING_SAMPLING_RATE={raw!r}: expected a number")
+    return repr(min(1.0, max(0.0, rate)))
 
 
 def _log_level(env: Env, defaults: bool) -> str | None:
@@ -467,7 +568,11 @@ FLAGS: tuple[Flag, ...] = (
     Flag("xds_server", ("CONFIG_TYPE", "CONFIG_GRPC_XDS_SERVER_URL"), _xds_server),
     Flag("xds_node_id", ("CONFIG_GRPC_XDS_NODE_ID",), _text("CONFIG_GRPC_XDS_NODE_ID")),
     Flag("xds_node_metadata", ("CONFIG_GRPC_XDS_NODE_METADATA",), _node_metadata),
-    Flag("xds_header", ("CONFIG_GRPC_XDS_CLIENT_ADDITIONAL_HEADERS",), _headers),
+    Flag(
+        "xds_header",
+        ("CONFIG_GRPC_XDS_CLIENT_ADDITIONAL_HEADERS",),
+        _pairs("CONFIG_GRPC_XDS_CLIENT_ADDITIONAL_HEADERS", "NAME:VALUE"),
+    ),
     Flag("xds_tls", ("CONFIG_GRPC_XDS_SERVER_USE_TLS",), _flag("CONFIG_GRPC_XDS_SERVER_USE_TLS")),
     Flag(
         "xds_ca", ("CONFIG_GRPC_XDS_SERVER_TLS_CACERT",), _text("CONFIG_GRPC_XDS_SERVER_TLS_CACERT")
@@ -553,13 +658,60 @@ FLAGS: tuple[Flag, ...] = (
     Flag("shadow_mode", ("SHADOW_MODE",), _flag("SHADOW_MODE")),
     Flag("log_level", ("LOG_LEVEL",), _log_level),
     Flag("log_format", ("LOG_FORMAT",), _log_format),
+    Flag(
+        "grpc_tls_cert",
+        ("GRPC_SERVER_USE_TLS", "GRPC_SERVER_TLS_CERT"),
+        _grpc_tls("GRPC_SERVER_TLS_CERT", required=True),
+    ),
+    Flag(
+        "grpc_tls_key",
+        ("GRPC_SERVER_USE_TLS", "GRPC_SERVER_TLS_KEY"),
+        _grpc_tls("GRPC_SERVER_TLS_KEY", required=True),
+    ),
+    Flag(
+        "grpc_tls_client_ca",
+        ("GRPC_SERVER_USE_TLS", "GRPC_CLIENT_TLS_CACERT"),
+        _grpc_tls("GRPC_CLIENT_TLS_CACERT"),
+    ),
+    Flag(
+        "grpc_tls_client_san",
+        ("GRPC_SERVER_USE_TLS", "GRPC_CLIENT_TLS_SAN"),
+        _grpc_tls("GRPC_CLIENT_TLS_SAN"),
+    ),
+    Flag(
+        "statsd_address",
+        ("DISABLE_STATS", "USE_STATSD", "USE_DOG_STATSD", "STATSD_HOST", "STATSD_PORT"),
+        _statsd_address,
+    ),
+    Flag("statsd_format", ("DISABLE_STATS", "USE_STATSD", "USE_DOG_STATSD"), _statsd_format),
+    Flag("statsd_protocol", ("USE_DOG_STATSD", "STATSD_PROTOCOL"), _statsd_protocol),
+    Flag("stats_flush_interval", ("STATS_FLUSH_INTERVAL",), _flush_interval),
+    Flag("stats_tags", ("EXTRA_TAGS",), _pairs("EXTRA_TAGS", "key:value")),
+    Flag(
+        "dogstatsd_mogrifiers",
+        ("USE_DOG_STATSD_MOGRIFIERS",),
+        _text("USE_DOG_STATSD_MOGRIFIERS"),
+    ),
+    Flag("tracing", ("TRACING_ENABLED",), _flag("TRACING_ENABLED")),
+    Flag("tracing_protocol", ("TRACING_EXPORTER_PROTOCOL",), _tracing_protocol),
+    Flag("tracing_service_name", ("TRACING_SERVICE_NAME",), _text("TRACING_SERVICE_NAME")),
+    Flag(
+        "tracing_service_namespace",
+        ("TRACING_SERVICE_NAMESPACE",),
+        _text("TRACING_SERVICE_NAMESPACE"),
+    ),
+    Flag(
+        "tracing_service_instance_id",
+        ("TRACING_SERVICE_INSTANCE_ID",),
+        _text("TRACING_SERVICE_INSTANCE_ID"),
+    ),
+    Flag("tracing_sampling_rate", ("TRACING_SAMPLING_RATE",), _sampling_rate),
 )
 
 
 def _variables() -> tuple[Variable, ...]:
-    S, D, U, E = Support.SUPPORTED, Support.DIFFERENT, Support.UNSUPPORTED, Support.ELSEWHERE
+    S, D, U = Support.SUPPORTED, Support.DIFFERENT, Support.UNSUPPORTED
     V = Variable
-    tls, statsd, tracing = "see TLS on the gRPC port", "see statsd", "see tracing"
     memcache = "Memcache is not supported (`BACKEND_TYPE`)"
     return (
         # Listeners.
@@ -572,11 +724,11 @@ def _variables() -> tuple[Variable, ...]:
         V("GRPC_UDS", "", S, "`--grpc-address unix:PATH`"),
         V("GRPC_MAX_CONNECTION_AGE", "24h", U, "connections last until Envoy closes them; the fast transport has no maximum age"),
         V("GRPC_MAX_CONNECTION_AGE_GRACE", "1h", U, "as `GRPC_MAX_CONNECTION_AGE`"),
-        V("GRPC_SERVER_USE_TLS", "false", E, tls, _false),
-        V("GRPC_SERVER_TLS_CERT", "", E, tls, _always),
-        V("GRPC_SERVER_TLS_KEY", "", E, tls, _always),
-        V("GRPC_CLIENT_TLS_CACERT", "", E, tls, _always),
-        V("GRPC_CLIENT_TLS_SAN", "", E, tls, _always),
+        V("GRPC_SERVER_USE_TLS", "false", S, "TLS (1.2 or later, ALPN `h2`) on the gRPC port, on both transports, with `GRPC_SERVER_TLS_CERT` and `GRPC_SERVER_TLS_KEY`, which must then be set; the other `GRPC_*TLS*` variables are read only with it"),
+        V("GRPC_SERVER_TLS_CERT", "", S, "`--grpc-tls-cert`; reloaded when it changes on disk (and on SIGHUP), as in the reference"),
+        V("GRPC_SERVER_TLS_KEY", "", S, "`--grpc-tls-key`; reloaded with the certificate"),
+        V("GRPC_CLIENT_TLS_CACERT", "", S, "`--grpc-tls-client-ca`: mTLS, a client certificate signed by this CA is required. Envoy Gateway also sets `GRPC_SERVER_TLS_CA_CERT`, which the reference does not read, and neither does the sidecar: its gRPC port is then TLS without client certificates, as the reference's is"),
+        V("GRPC_CLIENT_TLS_SAN", "", D, "`--grpc-tls-client-san`: the client certificate must carry this DNS name or IP address among its SANs; without `GRPC_CLIENT_TLS_CACERT` the start stops (the reference then ignores it, pinning nothing)", _always),
         V("LOG_LEVEL", "WARN", S, "`--log-level` (trace is debug, fatal and panic are critical); unset, `info`"),
         V("LOG_FORMAT", "text", D, "`--log-format`: `json` is JSON lines (`event`, `timestamp`, not `@message`, `@timestamp`); `text` is the console format; unset, `json`"),
         # Where the rules come from.
@@ -667,26 +819,26 @@ def _variables() -> tuple[Variable, ...]:
         V("LIMIT_RESET_HEADER", "RateLimit-Reset", U, "with `LIMIT_RESPONSE_HEADERS_ENABLED`", _always),
         V("HEALTHY_WITH_AT_LEAST_ONE_CONFIG_LOADED", "false", S, "`--health-requires-config`: unhealthy until rules with at least one domain are loaded"),
         # Stats.
-        V("USE_STATSD", "true", E, statsd, _false),
-        V("STATSD_HOST", "localhost", E, statsd, _always),
-        V("STATSD_PORT", "8125", E, statsd, _always),
-        V("EXTRA_TAGS", "", E, statsd),
-        V("STATS_FLUSH_INTERVAL", "10s", E, statsd, _always),
-        V("DISABLE_STATS", "false", D, "the counters cost nothing until `/metrics` is scraped, and it keeps serving them", _false),
-        V("USE_DOG_STATSD", "false", U, "DogStatsD is not supported; `/metrics` is Prometheus", _false),
-        V("USE_DOG_STATSD_MOGRIFIERS", "", U, "as `USE_DOG_STATSD`"),
+        V("USE_STATSD", "true", D, "`--statsd-address STATSD_HOST:STATSD_PORT`: the reference's stat names over TCP (`STATSD_PROTOCOL=udp`, which the reference's stats library reads, for UDP); under `ratelimit` on unless false, as in the reference, under `serve` only when true. Prometheus `/metrics` stays beside it (the reference allows one sink)", _always),
+        V("STATSD_HOST", "localhost", S, "the host of `--statsd-address`"),
+        V("STATSD_PORT", "8125", S, "the port of `--statsd-address`"),
+        V("EXTRA_TAGS", "", S, "`--stats-tags k:v,k2:v2`: folded into the names for statsd (as the reference's statsd sink does), tags for DogStatsD"),
+        V("STATS_FLUSH_INTERVAL", "10s", S, "`--stats-flush-interval`: stats leave in batches, never a write per call"),
+        V("DISABLE_STATS", "false", D, "no statsd or DogStatsD; `/metrics` keeps serving (its counters cost nothing until scraped)", _false),
+        V("USE_DOG_STATSD", "false", S, "`--statsd-format dogstatsd`, over UDP to `STATSD_HOST:STATSD_PORT`; with `USE_STATSD=true` the start stops, as the reference's does"),
+        V("USE_DOG_STATSD_MOGRIFIERS", "", S, "`--dogstatsd-mogrifiers NAME,...`, each defined by `DOG_STATSD_MOGRIFIER_<NAME>_PATTERN`, `_NAME` and `_TAGS`, read as the reference's DogStatsD library reads them"),
         V("USE_PROMETHEUS", "false", S, "`--metrics-address` from `PROMETHEUS_ADDR`; `/metrics` on the HTTP port is always there", _always),
         V("PROMETHEUS_ADDR", ":9090", S, "`--metrics-address` (with `USE_PROMETHEUS=true`)"),
         V("PROMETHEUS_PATH", "/metrics", S, "`--metrics-path` (with `USE_PROMETHEUS=true`)"),
         V("PROMETHEUS_MAPPER_YAML", "", D, "series are named as the reference's built-in mapper names them; a mapper file is not read"),
         V("PROMETHEUS_RESPONSE_TIME_AS_MILLISECONDS", "false", U, "the latency histogram is in seconds", _false),
         # Tracing.
-        V("TRACING_ENABLED", "false", E, tracing, _false),
-        V("TRACING_SERVICE_NAME", "RateLimit", E, tracing, _always),
-        V("TRACING_SERVICE_NAMESPACE", "", E, tracing, _always),
-        V("TRACING_SERVICE_INSTANCE_ID", "", E, tracing, _always),
-        V("TRACING_EXPORTER_PROTOCOL", "http", E, tracing, _always),
-        V("TRACING_SAMPLING_RATE", "1", E, tracing, _always),
+        V("TRACING_ENABLED", "false", S, "`--tracing`: OpenTelemetry spans of `ShouldRateLimit` and its backend call over OTLP, the parent from W3C or B3 headers; the endpoint from the standard `OTEL_EXPORTER_OTLP_*` variables"),
+        V("TRACING_SERVICE_NAME", "RateLimit", S, "`--tracing-service-name`"),
+        V("TRACING_SERVICE_NAMESPACE", "", S, "`--tracing-service-namespace`"),
+        V("TRACING_SERVICE_INSTANCE_ID", "", S, "`--tracing-service-instance-id`; unset, a random UUID"),
+        V("TRACING_EXPORTER_PROTOCOL", "http", S, "`--tracing-protocol`: `http` or `grpc`"),
+        V("TRACING_SAMPLING_RATE", "1", S, "`--tracing-sampling-rate`: the share of calls without a sampled parent traced; outside 0..1 the nearest bound, as in the reference"),
     )  # fmt: skip
 
 
@@ -715,7 +867,7 @@ def translate(
 
 def ignored(env: Env) -> list[Variable]:
     """The reference variables set in `env` to something the sidecar does not do: unsupported
-    (or not yet) at a value that asks for it, or accepted with a different meaning."""
+    at a value that asks for it, or accepted with a different meaning."""
     found = []
     for name, value in env.items():
         variable = _BY_NAME.get(name)

@@ -219,6 +219,7 @@ async def raw(served: Served) -> AsyncIterator[Peer]:
 BOTH_LOOPS = {
     "test_batching.py",
     "test_grpc.py",
+    "test_grpc_tls.py",
     "test_h2_calls.py",
     "test_h2_conformance.py",
     "test_h2_streams.py",

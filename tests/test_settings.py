@@ -295,9 +295,17 @@ def test_sentinel_settings_map_onto_a_sentinel_url() -> None:
         ({"CONFIG_TYPE": "GRPC_XDS_DELTA"}, "CONFIG_TYPE='GRPC_XDS_DELTA': expected one of FILE"),
         ({"LOG_LEVEL": "loud"}, "LOG_LEVEL='loud'"),
         ({"RLS_CONFIG": "a", "CONFIG_TYPE": "GRPC_XDS_SOTW"}, "--config and --xds-server exclude"),
+        ({"STATSD_PROTOCOL": "quic"}, "STATSD_PROTOCOL='quic': expected tcp or udp"),
+        ({"STATSD_PORT": "99999", "USE_STATSD": "true"}, "STATSD_PORT=99999: not a port number"),
+        ({"STATS_FLUSH_INTERVAL": "0s"}, "STATS_FLUSH_INTERVAL='0s': must be more than 0"),
+        ({"EXTRA_TAGS": "a:b,c"}, "EXTRA_TAGS='a:b,c': expected key:value pairs"),
+        ({"GRPC_SERVER_USE_TLS": "yes"}, "GRPC_SERVER_USE_TLS='yes': expected true or false"),
+        ({"TRACING_EXPORTER_PROTOCOL": "zipkin"}, "TRACING_EXPORTER_PROTOCOL='zipkin': expected"),
+        ({"TRACING_SAMPLING_RATE": "half"}, "TRACING_SAMPLING_RATE='half': expected a number"),
     ],
     ids=["memcache", "sentinel", "unix", "bad-bool", "bad-duration", "bad-port", "config-type",
-         "log-level", "both-sources"],
+         "log-level", "both-sources", "statsd-protocol", "statsd-port", "flush-interval",
+         "extra-tags", "use-tls", "tracing-protocol", "sampling-rate"],
 )  # fmt: skip
 def test_a_reference_variable_that_cannot_be_used_stops_the_start(
     env: dict[str, str], message: str, capsys: pytest.CaptureFixture[str]
@@ -307,6 +315,41 @@ def test_a_reference_variable_that_cannot_be_used_stops_the_start(
         cli.parse_args(["serve", "--config", "x"] if "RLS_CONFIG" not in env else ["serve"], env)
     assert exited.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_statsd_tls_and_tracing_variables_read_as_the_reference_reads_them() -> None:
+    """Under `ratelimit` statsd goes to localhost:8125 over TCP unless USE_STATSD=false (the
+    reference's default is true), under `serve` only when asked; DISABLE_STATS turns it off.
+    GRPC_SERVER_TLS_CA_CERT (Envoy Gateway's) is not the reference's: TLS without client
+    certificates. A sampling rate outside 0..1 is its nearest bound, as the reference's
+    sampler takes it."""
+    memory = {"RLS_BACKEND": "memory://"}
+    statsd = cli.parse_args(["serve"], memory, reference_defaults=True).statsd
+    assert statsd is not None
+    assert (statsd.host, statsd.port, statsd.protocol, statsd.format) == (
+        "localhost", 8125, "tcp", "statsd",
+    )  # fmt: skip
+    for env in ({"USE_STATSD": "false"}, {"DISABLE_STATS": "true"}):
+        assert cli.parse_args(["serve"], {**memory, **env}, reference_defaults=True).statsd is None
+        assert cli.parse_args(["serve", "--config", "x"], env).statsd is None
+    assert cli.parse_args(["serve", "--config", "x"], {}).statsd is None
+
+    tls = {
+        "GRPC_SERVER_USE_TLS": "true",
+        "GRPC_SERVER_TLS_CERT": "/certs/tls.crt",
+        "GRPC_SERVER_TLS_KEY": "/certs/tls.key",
+        "GRPC_SERVER_TLS_CA_CERT": "/certs/ca.crt",
+    }
+    files = cli.tls_files(cli.parse_args(["serve", "--config", "x"], tls))
+    assert files is not None
+    assert (str(files.cert), str(files.key), files.client_ca) == (
+        "/certs/tls.crt", "/certs/tls.key", None,
+    )  # fmt: skip
+    assert "GRPC_SERVER_TLS_CA_CERT" not in {v.name for v in settings.ignored(tls)}
+
+    for raw, rate in (("2", 1.0), ("-0.5", 0.0), ("0.3", 0.3)):
+        args = cli.parse_args(["serve", "--config", "x"], {"TRACING_SAMPLING_RATE": raw})
+        assert args.tracing_sampling_rate == rate
 
 
 def test_set_variables_the_sidecar_does_not_honour_are_listed_for_the_log() -> None:
@@ -328,12 +371,12 @@ def test_set_variables_the_sidecar_does_not_honour_are_listed_for_the_log() -> N
     reported = {v.name: v.support for v in settings.ignored(env)}
     assert reported == {
         "QUOTA_MODE": settings.Support.UNSUPPORTED,
-        "GRPC_SERVER_USE_TLS": settings.Support.ELSEWHERE,
         "NEAR_LIMIT_RATIO": settings.Support.UNSUPPORTED,
         "EXPIRATION_JITTER_MAX_SECONDS": settings.Support.DIFFERENT,
         "REDIS_POOL_SIZE": settings.Support.DIFFERENT,
     }
     assert "USE_STATSD" not in reported and "LIMIT_LIMIT_HEADER" not in reported
+    assert "GRPC_SERVER_USE_TLS" not in reported  # supported: TLS on the gRPC port
     assert "HOME" not in reported and "REDIS_URL" not in reported
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import grpc
 import pytest
 from certs import write_certificate
 from control_plane import ControlPlane, pack
@@ -92,8 +93,9 @@ async def control_plane(pki: dict[str, Path]) -> AsyncIterator[ControlPlane]:
 def envoy_gateway_env(plane: ControlPlane, pki: dict[str, Path], redis_url: str) -> dict[str, str]:
     """The environment of Envoy Gateway's `envoy-ratelimit` Deployment (its
     internal/infrastructure/kubernetes/ratelimit/resource.go), pointed at the tests' control
-    plane, Redis and certificates, on loopback ports the kernel picks. Left out until TLS on the
-    gRPC port lands: GRPC_SERVER_USE_TLS, GRPC_SERVER_TLS_CERT/KEY and GRPC_SERVER_TLS_CA_CERT."""
+    plane, Redis and certificates, on loopback ports the kernel picks. As there, the gRPC port's
+    certificate is the one the xDS client presents, and the CA is named GRPC_SERVER_TLS_CA_CERT,
+    a variable the reference does not read (its client CA is GRPC_CLIENT_TLS_CACERT)."""
     return {
         "RUNTIME_ROOT": "/data",
         "RUNTIME_SUBDIRECTORY": "ratelimit",
@@ -104,6 +106,10 @@ def envoy_gateway_env(plane: ControlPlane, pki: dict[str, Path], redis_url: str)
         "CONFIG_TYPE": "GRPC_XDS_SOTW",
         "CONFIG_GRPC_XDS_SERVER_URL": f"localhost:{plane.port}",
         "CONFIG_GRPC_XDS_NODE_ID": "envoy-ratelimit",
+        "GRPC_SERVER_USE_TLS": "true",
+        "GRPC_SERVER_TLS_CERT": str(pki["client_cert"]),
+        "GRPC_SERVER_TLS_KEY": str(pki["client_key"]),
+        "GRPC_SERVER_TLS_CA_CERT": str(pki["server_cert"]),
         "CONFIG_GRPC_XDS_SERVER_USE_TLS": "true",
         "CONFIG_GRPC_XDS_CLIENT_TLS_CERT": str(pki["client_cert"]),
         "CONFIG_GRPC_XDS_CLIENT_TLS_KEY": str(pki["client_key"]),
@@ -132,10 +138,13 @@ async def test_envoy_gateway_deployment_takes_pushed_rules_over_mtls(
     """`ratelimit` with Envoy Gateway's environment starts without rules, connects over mTLS
     with its node id, serves each valid push (ACKed with its version), NACKs a bad push with
     the error and keeps serving the rules it had, and keeps them through a control plane
-    restart until the new control plane's rules arrive."""
+    restart until the new control plane's rules arrive. Its gRPC port is TLS without client
+    certificates, as the reference's is under these variables."""
     env = envoy_gateway_env(control_plane, pki, redis_url)
-    async with reference_process(env) as sidecar, client(sidecar.started["grpc_port"]) as rls:
+    tls = grpc.ssl_channel_credentials(root_certificates=pki["client_cert"].read_bytes())
+    async with reference_process(env) as sidecar, client(sidecar.started["grpc_port"], tls) as rls:
         assert sidecar.started["rules"] == "xds"
+        assert sidecar.started["tls"] == "tls"  # no client certificate asked for
         assert await served_limit(rls, "eg", "user") is None  # no rules yet: unknown domain, OK
 
         first = await control_plane.answer("")  # the subscription

@@ -5,7 +5,9 @@ It answers exactly as the grpc.aio transport (`sidecar.rls.server`) does: an err
 `sidecar.rls.statuses`' (INVALID_ARGUMENT, NOT_FOUND, UNAVAILABLE, or INTERNAL for a bug, the
 first exception of each type logged with its traceback), and health reports "" and
 "ratelimit", NOT_SERVING for good once stopping starts. Only unary
-calls exist here: Health/Watch, reflection and TLS are grpcio's.
+calls exist here: Health/Watch and reflection are grpcio's. TLS is the event loop's, with the
+context and the client SAN check of `sidecar.rls.tls`; tracing wraps ShouldRateLimit's method
+only when it is on (`sidecar.tracing`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from sidecar.rls.h2.unary import CallbackMethod, CallError, Method, Status
 from sidecar.rls.server import HEALTH_SERVICE_NAME, METHOD
 from sidecar.rls.service import RateLimitService
 from sidecar.rls.statuses import Answers, is_bug
+from sidecar.rls.tls import ServerTls
+from sidecar.tracing import TRACE_FIELDS, Tracing
 
 HEALTH_CHECK = "/grpc.health.v1.Health/Check"
 
@@ -46,8 +50,11 @@ class FastServer:
         reuse_port: bool = False,
         sock: socket.socket | None = None,
         frequency_service: frequency.FrequencyService | None = None,
+        tls: ServerTls | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
         self.service = service
+        self.tls = tls
         self.address = address
         self.latency = latency or Latency()
         self.reuse_port = reuse_port
@@ -55,14 +62,17 @@ class FastServer:
         self._health: dict[str, bytes] = {"": _NOT_SERVING, HEALTH_SERVICE_NAME: _NOT_SERVING}
         self._stopping = False
         self._answers = Answers()
+        # The hot path: the service's own method, answering through a callback, timed and its
+        # errors turned into statuses by the server.
+        should_rate_limit = CallbackMethod(
+            service.should_rate_limit_then,
+            errors=self._should_rate_limit_error,
+            observe=self.latency.observe,
+        )
+        if tracing is not None:  # without it, nothing of tracing is on a call's way
+            should_rate_limit = self._traced(should_rate_limit, tracing)
         methods: dict[str, Method | CallbackMethod] = {
-            # The hot path: the service's own method, answering through a callback, timed and
-            # its errors turned into statuses by the server.
-            METHOD: CallbackMethod(
-                service.should_rate_limit_then,
-                errors=self._should_rate_limit_error,
-                observe=self.latency.observe,
-            ),
+            METHOD: should_rate_limit,
             HEALTH_CHECK: self._check,
         }
         if frequency_service is not None:
@@ -72,11 +82,27 @@ class FastServer:
             methods[frequency.RECORD_IMPRESSIONS] = self._frequency_call(
                 frequency.RECORD_IMPRESSIONS, frequency_service.record_impressions
             )
-        self._server = H2Server(methods)
+        admit = tls.admits_transport if tls is not None and tls.files.client_san else None
+        kept = TRACE_FIELDS if tracing is not None else frozenset()
+        self._server = H2Server(methods, admit=admit, kept_fields=kept)
+
+    def _traced(self, method: CallbackMethod, tracing: Tracing) -> CallbackMethod:
+        """ShouldRateLimit as a span, child of the trace context the call's fields carry."""
+
+        def fields() -> tuple[tuple[bytes, bytes], ...]:
+            return self._server.request_fields
+
+        handle = tracing.callback(method.handle, fields, method.errors)
+        return CallbackMethod(handle, errors=method.errors, observe=method.observe)
 
     async def start(self) -> int:
         """Listen on `address`; NOT_SERVING until `set_serving(True)`."""
-        return await self._server.listen(self.address, reuse_port=self.reuse_port, sock=self.sock)
+        return await self._server.listen(
+            self.address,
+            reuse_port=self.reuse_port,
+            sock=self.sock,
+            tls=None if self.tls is None else self.tls.listening,
+        )
 
     async def set_serving(self, serving: bool) -> None:
         if self._stopping:

@@ -23,6 +23,8 @@ from sidecar.frequency import service as frequency
 from sidecar.metrics import Latency
 from sidecar.rls.service import RateLimitService
 from sidecar.rls.statuses import Answers, is_bug
+from sidecar.rls.tls import ServerTls
+from sidecar.tracing import Tracing
 
 SERVICE_NAME = "envoy.service.ratelimit.v3.RateLimitService"
 METHOD = f"/{SERVICE_NAME}/ShouldRateLimit"
@@ -45,8 +47,12 @@ class GrpcServer:
         *,
         reuse_port: bool = False,
         frequency_service: frequency.FrequencyService | None = None,
+        tls: ServerTls | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
         self.service = service
+        self.tls = tls
+        self.tracing = tracing
         self.frequency = frequency_service
         self.address = address
         # Without reuse_port a second server cannot bind the same port and silently share its
@@ -59,7 +65,15 @@ class GrpcServer:
 
     async def start(self) -> int:
         """Listen on `address` (port 0 picks a free port); NOT_SERVING until `set_serving(True)`."""
-        server = grpc.aio.server(options=[("grpc.so_reuseport", int(self.reuse_port))])
+        tls = self.tls
+        server = grpc.aio.server(
+            options=[("grpc.so_reuseport", int(self.reuse_port))],
+            interceptors=[
+                *(() if tls is None else tls.grpc_interceptors()),
+                *(() if self.tracing is None else self.tracing.grpc_interceptors()),
+            ]
+            or None,
+        )
         handler = grpc.unary_unary_rpc_method_handler(self._should_rate_limit)
         server.add_generic_rpc_handlers(
             (grpc.method_handlers_generic_handler(SERVICE_NAME, {"ShouldRateLimit": handler}),)
@@ -69,7 +83,11 @@ class GrpcServer:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         await self.set_serving(False)
         try:
-            port: int = server.add_insecure_port(self.address)
+            port: int = (
+                server.add_insecure_port(self.address)
+                if tls is None
+                else server.add_secure_port(self.address, tls.grpc_credentials())
+            )
         except RuntimeError as exc:
             raise OSError(f"cannot listen for gRPC on {self.address}: {exc}") from exc
         if port == 0:

@@ -11,7 +11,10 @@ answered INTERNAL and logged.
 Shutdown follows RFC 9113 §6.8: GOAWAY with the largest stream id and a PING, then, once the
 PING comes back (or after SHUTDOWN_PING_TIMEOUT), GOAWAY with the last stream taken. Calls
 taken are answered; the connection closes when none is left, or when the grace period ends.
-A Unix socket's file is removed on the way out only if it is still this server's: a
+Over TLS (`listen(tls=...)`, the event loop's own SSL support) the handshake is bounded by the
+same HANDSHAKE_TIMEOUT as the HTTP/2 preface that follows it, and a connection counts toward
+MAX_CONNECTIONS from the end of its handshake, when `admit` (if given) decides whether its
+peer may stay. A Unix socket's file is removed on the way out only if it is still this server's: a
 replacement started on the same path has put its own there.
 
 Bounds across connections: at most MAX_CONNECTIONS open (one more is closed at once); request
@@ -33,7 +36,8 @@ import asyncio
 import contextlib
 import os
 import socket
-from collections.abc import Awaitable, Mapping
+import ssl
+from collections.abc import Awaitable, Callable, Mapping
 from time import perf_counter
 from typing import Any, cast
 
@@ -47,7 +51,8 @@ from sidecar.rls.h2.unary import Answer, CallbackMethod, CallError, Method, Stat
 
 #: Seconds to wait for the PING ACK between the two GOAWAY frames of a shutdown.
 SHUTDOWN_PING_TIMEOUT = 1.0
-#: Seconds a new connection has to send its preface and SETTINGS before it is closed.
+#: Seconds a new connection has to finish its TLS handshake, if any, and again to send its
+#: preface and SETTINGS, before it is closed.
 HANDSHAKE_TIMEOUT = 10.0
 #: Pending connections the kernel queues per listening socket.
 BACKLOG = 1_024
@@ -94,7 +99,13 @@ class H2Server:
         sweep_interval: float = SWEEP_INTERVAL,
         frame_timeout: float = FRAME_TIMEOUT,
         idle_timeout: float = IDLE_TIMEOUT,
+        handshake_timeout: float = HANDSHAKE_TIMEOUT,
+        admit: Callable[[asyncio.BaseTransport], bool] | None = None,
+        kept_fields: frozenset[bytes] = frozenset(),
     ) -> None:
+        """`admit`, when given, sees every connection as it is made (over TLS: its handshake
+        done) and closes it by answering False. With `kept_fields` (request field names, lower
+        case), `request_fields` holds those of the call being started, as a method starts."""
         self.calls = Calls()
         #: Every method in the callback form.
         self.methods = {
@@ -108,6 +119,10 @@ class H2Server:
         self.sweep_interval = sweep_interval
         self.frame_timeout = frame_timeout
         self.idle_timeout = idle_timeout
+        self.handshake_timeout = handshake_timeout
+        self.admit = admit
+        self.kept_fields = kept_fields
+        self.request_fields: tuple[tuple[bytes, bytes], ...] = ()
         self.stopping = False
         self.protocols: set[_Protocol] = set()
         #: Request bytes buffered by all connections (Limits.max_buffered_bytes_all).
@@ -122,18 +137,27 @@ class H2Server:
         self._unix_paths: list[tuple[str, SocketFile]] = []
 
     async def listen(
-        self, address: str, *, reuse_port: bool = False, sock: socket.socket | None = None
+        self,
+        address: str,
+        *,
+        reuse_port: bool = False,
+        sock: socket.socket | None = None,
+        tls: ssl.SSLContext | None = None,
     ) -> int:
-        """Listen on `HOST:PORT` or `unix:PATH` (or on `sock`); returns the TCP port, else 0."""
+        """Listen on `HOST:PORT` or `unix:PATH` (or on `sock`), over TLS with `tls`; returns the
+        TCP port, else 0."""
         loop = asyncio.get_running_loop()
         path = unix_path(address)
+        options: dict[str, Any] = {"backlog": BACKLOG}
+        if tls is not None:
+            options.update(ssl=tls, ssl_handshake_timeout=self.handshake_timeout)
         try:
             if sock is not None and sock.family == socket.AF_UNIX:
-                listener = await loop.create_unix_server(self._protocol, sock=sock, backlog=BACKLOG)
+                listener = await loop.create_unix_server(self._protocol, sock=sock, **options)
             elif sock is not None:
-                listener = await loop.create_server(self._protocol, sock=sock, backlog=BACKLOG)
+                listener = await loop.create_server(self._protocol, sock=sock, **options)
             elif path is not None:
-                listener = await loop.create_unix_server(self._protocol, path, backlog=BACKLOG)
+                listener = await loop.create_unix_server(self._protocol, path, **options)
                 self._unix_paths.append((path, socket_file(path)))
             else:
                 host, _, port = address.rpartition(":")
@@ -142,7 +166,7 @@ class H2Server:
                     host.strip("[]") or None,
                     int(port),
                     reuse_port=reuse_port,
-                    backlog=BACKLOG,
+                    **options,
                 )
         except OSError as exc:
             raise OSError(f"cannot listen for gRPC on {address}: {exc.strerror or exc}") from exc
@@ -272,7 +296,9 @@ class _Protocol(asyncio.Protocol):
         self.server = server
         self.methods = server.methods
         self.loop = asyncio.get_running_loop()
-        self.conn = Connection(self._on_call, server.limits, server.budget)
+        # Without kept fields (no tracing), calls go straight to _on_call: nothing per call.
+        on_call = self._on_call_with_fields if server.kept_fields else self._on_call
+        self.conn = Connection(on_call, server.limits, server.budget, server.kept_fields)
         self.transport: asyncio.Transport | None = None
         self.finished: asyncio.Future[None] = self.loop.create_future()
         self._flush_scheduled = False
@@ -298,9 +324,14 @@ class _Protocol(asyncio.Protocol):
             self.transport.abort()
             return
         server._refusing = False
+        if server.admit is not None and not server.admit(transport):
+            self.transport.abort()
+            return
         server.protocols.add(self)
         self.conn.initiate()
-        self._handshake_timer = self.loop.call_later(HANDSHAKE_TIMEOUT, self._handshake_expired)
+        self._handshake_timer = self.loop.call_later(
+            server.handshake_timeout, self._handshake_expired
+        )
         if self.server.stopping:
             self.conn.start_shutdown()
             self.conn.finish_shutdown()
@@ -444,6 +475,11 @@ class _Protocol(asyncio.Protocol):
     def abort(self) -> None:
         if self.transport is not None:
             self.transport.abort()
+
+    def _on_call_with_fields(self, stream_id: int, path: str, message: bytes) -> None:
+        stream = self.conn.streams.get(stream_id)
+        self.server.request_fields = () if stream is None else stream.head.kept
+        self._on_call(stream_id, path, message)
 
     def _on_call(self, stream_id: int, path: str, message: bytes) -> None:
         method = self.methods.get(path)
