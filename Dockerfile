@@ -21,8 +21,8 @@ COPY sidecar ./sidecar
 # compiled, by mypyc, which type-checks it against the dependencies and their stubs. So the
 # package goes in twice: first as it is, with its dependencies, setuptools, mypy and the stubs
 # of the dev extra; then compiled, built in that environment (--no-build-isolation). Then the
-# build tools leave with pip.
-RUN /opt/ratelimit-sidecar/bin/pip install --upgrade "setuptools>=77" mypy types-PyYAML . \
+# build tools leave with pip. The tracing extra makes `serve --tracing` work in the image.
+RUN /opt/ratelimit-sidecar/bin/pip install --upgrade "setuptools>=77" mypy types-PyYAML ".[tracing]" \
  && RATELIMIT_SIDECAR_COMPILE=1 /opt/ratelimit-sidecar/bin/pip install \
         --no-build-isolation --no-deps --force-reinstall . \
  && /opt/ratelimit-sidecar/bin/python -P -c "from sidecar import build; import sidecar.rls.fast, sidecar.storage.redis; assert build.name() == 'compiled', build.compiled()" \
@@ -38,11 +38,15 @@ ENV PATH=/opt/ratelimit-sidecar/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1
 COPY --from=build /opt/ratelimit-sidecar /opt/ratelimit-sidecar
+# /bin/ratelimit is where a Deployment written for envoyproxy/ratelimit (Envoy Gateway's
+# envoy-ratelimit, Helm charts) runs it: `serve` from the reference's environment variables.
 RUN python -m compileall -q /opt/ratelimit-sidecar/lib \
+ && ln -s /opt/ratelimit-sidecar/bin/ratelimit /bin/ratelimit \
  && groupadd --system --gid 65532 ratelimit \
  && useradd --system --uid 65532 --gid 65532 --no-create-home --shell /usr/sbin/nologin ratelimit
 USER 65532:65532
 # 8081: gRPC ShouldRateLimit; 8080: /healthcheck, /json, /rlconfig, /metrics; 8443: webhook.
+# Run as the reference (`/bin/ratelimit`), it may also open PROMETHEUS_ADDR and DEBUG_PORT.
 EXPOSE 8080 8081 8443
 ENTRYPOINT ["ratelimit-sidecar"]
 CMD ["--help"]

@@ -99,11 +99,13 @@ bench-instructions: venv test-deps compiled
 ## The benchmarks use the tests' programs (h2load, wrk, redis-server); test-deps installs them.
 bench-deps: test-deps
 
-## Regenerate the frequency-cap stubs in sidecar/proto from proto/ (a test checks they are current).
+## Regenerate the Python stubs in sidecar/proto from proto/: the frequency caps, and the
+## reference's RateLimitConfig that rules arrive in over xDS (tests check they are current).
 .PHONY: proto
 proto: venv
 	$(BIN)/python -m grpc_tools.protoc -I proto --python_out=sidecar/proto --pyi_out=sidecar/proto \
-		proto/ratelimit_sidecar/frequency/v1/frequency.proto
+		proto/ratelimit_sidecar/frequency/v1/frequency.proto \
+		proto/ratelimit/config/ratelimit/v3/rls_conf.proto
 
 lint: venv
 	$(BIN)/ruff check sidecar tests bench

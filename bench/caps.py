@@ -44,8 +44,8 @@ from bench.load import run as run_load
 from bench.probe import grpc_frame
 from bench.processes import BenchError, Process, free_port, start
 from bench.services import Service, start_redis
+from sidecar.frequency.service import CHECK_ADS, RECORD_IMPRESSIONS
 from sidecar.proto.ratelimit_sidecar.frequency.v1 import frequency_pb2 as pb
-from sidecar.rls.frequency import CHECK_ADS, RECORD_IMPRESSIONS
 
 RULES = """\
 domain: ads

@@ -21,6 +21,15 @@ OK answers against the limit). Probes:
   overload            h2load: 1,000 connections x 8 streams flat out on a limit of 1,000/hour
   redis-pause         Redis SIGSTOP for 2 s, then SIGCONT
   redis-restart       Redis SIGKILL, then started again on the same port
+  sentinel-failover   redis+sentinel:// (a master, its replica, 3 Sentinels): the master SIGKILLed
+  cluster-failover    a 3-master cluster, the first master with a replica (node timeout 1 s):
+                      that master SIGKILLed, its replica promoted by the cluster
+
+The two failover probes run the sidecar with `--failure-mode deny`, so that the calls the failure
+mode answers show as failed; their last column says when the new master was available (as the
+Sentinels or every master's slot map say, from the kill) and how long after that the legitimate
+client's last failed call ended (negative: the sidecar was on the new master before the test saw
+it). Their servers come from the tests' own helpers (tests/servers.py), not a second copy.
 
 Every process it starts is stopped by its PID.
 """
@@ -47,6 +56,12 @@ import hpack
 
 from bench.processes import BenchError, Process, free_port, start
 from sidecar import build as sidecar_build
+
+#: The failover probes' topologies are the tests' (tests/servers.py), not written twice.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+import servers
+
+FAILOVERS = ("sentinel-failover", "cluster-failover")
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 DATA, HEADERS, PRIORITY, RST_STREAM, SETTINGS, PING, GOAWAY, WINDOW_UPDATE, CONTINUATION = (
@@ -322,18 +337,82 @@ def phases_of(results: list[tuple[float, float, bool]], bounds: list[float]) -> 
     return named
 
 
+class Failover:
+    """A replicated topology for the failover probes: `kill` its master, then `promoted` says
+    when the new one is available."""
+
+    def __init__(self, name: str, workdir: Path) -> None:
+        self.sentinels: servers.SentinelGroup | None = None
+        self.cluster: servers.RedisCluster | None = None
+        if name == "sentinel-failover":
+            self.sentinels = servers.start_sentinels(workdir / "sentinel", 3)
+            self.url = self.sentinels.url
+            self.old, self.new = self.sentinels.master(), self.sentinels.replica()
+        else:
+            self.cluster = servers.start_cluster(workdir / "cluster", node_timeout_ms=1000)
+            # The master killed is the one holding the legitimate client's counter.
+            self._slot, self.old = _owner(self.cluster)
+            self.new = servers.add_replica(self.cluster, self.old, workdir / "cluster")
+            self.url = self.cluster.url
+
+    def fail_over(self) -> str:
+        """Kill the master and wait until the new one is available; says after how long."""
+        killed = time.time()
+        self.old.kill()
+        servers.wait_for(self.promoted, "the new master", timeout=60)
+        self.available_at = time.time()
+        return f"new master after {self.available_at - killed:.1f} s"
+
+    def promoted(self) -> bool:
+        if servers.role(self.new) != "master":
+            return False
+        if self.sentinels is not None:
+            return self.sentinels.master_address() == (servers.HOST, self.new.port)
+        with self.new.client() as client:
+            ranges = client.execute_command("CLUSTER", "SLOTS")
+            state = client.execute_command("CLUSTER", "INFO")
+        owners = [int(m[1]) for a, b, m, *_ in ranges if a <= self._slot <= b]
+        return b"cluster_state:ok" in state and owners == [self.new.port]
+
+    def stop(self) -> None:
+        for group in (self.sentinels, self.cluster):
+            if group is not None:
+                group.stop()
+
+
+def _owner(cluster: servers.RedisCluster) -> tuple[int, servers.RedisServer]:
+    """The slot of the legitimate client's counters (their hash tag, `sidecar.storage.keys`)
+    and the master serving it."""
+    from redis.crc import key_slot
+
+    slot = key_slot(b"{chaos|legit|me}")
+    with cluster.nodes[0].client() as client:
+        ranges = client.execute_command("CLUSTER", "SLOTS")
+    port = next(int(m[1]) for a, b, m, *_ in ranges if a <= slot <= b)
+    return slot, next(node for node in cluster.nodes if node.port == port)
+
+
 def run_probe(name: str, transport: str, seconds: float, workdir: Path) -> Outcome:
     outcome = Outcome(name, transport)
     redis_port, grpc_port, http_port = free_port(), free_port(), free_port()
     redis_argv = ["redis-server", "--port", str(redis_port), "--bind", "127.0.0.1", "--save", "",
                   "--appendonly", "no"]  # fmt: skip
+    backend, failure_mode = f"redis://127.0.0.1:{redis_port}", "allow"
+    failover = None
+    if name in FAILOVERS:
+        try:
+            failover = Failover(name, workdir / f"{name}-{transport}")
+        except servers.ServerError as exc:
+            raise BenchError(str(exc)) from exc
+        backend, failure_mode = failover.url, "deny"
+        redis_argv = ["sleep", "3600"]  # no standalone Redis: a placeholder process
     redis = start(f"{name}-{transport}-redis", redis_argv, {}, workdir)
     rules = workdir / "rules.yaml"
     rules.write_text(RULES)
     sidecar_argv = [
         sys.executable, "-m", "sidecar", "serve", "--config", str(rules),
-        "--backend", f"redis://127.0.0.1:{redis_port}", "--redis-timeout-ms", "50",
-        "--failure-mode", "allow", "--over-limit-cache", "0", "--transport", transport,
+        "--backend", backend, "--redis-timeout-ms", "50",
+        "--failure-mode", failure_mode, "--over-limit-cache", "0", "--transport", transport,
         "--grpc-address", f"127.0.0.1:{grpc_port}", "--http-address", f"127.0.0.1:{http_port}",
         "--log-level", "warning",
     ]  # fmt: skip
@@ -358,7 +437,10 @@ def run_probe(name: str, transport: str, seconds: float, workdir: Path) -> Outco
         during_at = time.time()
         watch.peak = watch.rss_mb()
         cpu_before = cpu_seconds(sidecar.pid)
-        outcome.note = _attack(name, grpc_port, seconds, redis, redis_argv, workdir)
+        if failover is not None:
+            outcome.note = failover.fail_over()
+        else:
+            outcome.note = _attack(name, grpc_port, seconds, redis, redis_argv, workdir)
         outcome.cpu_s = cpu_seconds(sidecar.pid) - cpu_before
         after_at = max(time.time(), during_at + seconds)
         time.sleep(max(0.0, after_at - time.time()))
@@ -373,6 +455,11 @@ def run_probe(name: str, transport: str, seconds: float, workdir: Path) -> Outco
                 http_port, 'ratelimit_service_rate_limit_within_limit{domain="chaos",key1="flood"}'
             )
             outcome.exact = f"{admitted:.0f}/1000 {'yes' if admitted <= 1000 else 'NO'}"
+        if failover is not None:
+            failed_ends = [at + took for at, took, ok in results if not ok]
+            last = max(failed_ends) - failover.available_at if failed_ends else None
+            limiting = "no call failed" if last is None else f"last failed call {last:+.2f} s"
+            outcome.exact = f"{outcome.note}; {limiting}"
     finally:
         if watch is not None:
             watch.stop()
@@ -381,6 +468,8 @@ def run_probe(name: str, transport: str, seconds: float, workdir: Path) -> Outco
             legit.wait()
         sidecar.stop()
         redis.stop()
+        if failover is not None:
+            failover.stop()
     return outcome
 
 
@@ -444,7 +533,7 @@ def _attack(
 
 PROBES = (
     "continuation-empty", "continuation-1byte", "bodies", "settings", "rapid-reset", "ping",
-    "idle", "overload", "redis-pause", "redis-restart",
+    "idle", "overload", "redis-pause", "redis-restart", *FAILOVERS,
 )  # fmt: skip
 
 

@@ -279,7 +279,7 @@ def _wait_ready(process: Process, url: str, timeout: float) -> None:
 def _bootstrap(port: int, admin: int, sidecar: int, upstream: int, *, with_filter: bool) -> str:
     """envoy/gateway.yaml's own command, with the bench's rules and ports."""
     from sidecar import cli
-    from sidecar.gateway import commands
+    from sidecar.envoy_config import commands
 
     argv = shlex.split(GATEWAY.read_text().splitlines()[1].removeprefix("#"))[1:]
     args = cli.parse_args(argv)

@@ -43,8 +43,11 @@ def grpc_frame(message: bytes) -> bytes:
     return struct.pack(">BI", 0, len(message)) + message
 
 
-def wait_until_ok(process: Process, port: int, message: bytes, timeout: float) -> str:
-    """Retry the call until the server answers, then require `overall_code: OK`.
+def wait_until_ok(
+    process: Process, port: int, message: bytes, timeout: float, trusted: bytes | None = None
+) -> str:
+    """Retry the call until the server answers, then require `overall_code: OK`; over TLS
+    when given the `trusted` certificate (PEM).
 
     Returns the decoded response as one line of text for the report.
     """
@@ -55,7 +58,7 @@ def wait_until_ok(process: Process, port: int, message: bytes, timeout: float) -
         if code is not None:
             raise BenchError(exited_message(process, code))
         try:
-            return check_ok(process.name, port, message)
+            return check_ok(process.name, port, message, trusted)
         except grpc.RpcError as exc:
             if exc.code() not in _NOT_READY:
                 raise BenchError(
@@ -68,9 +71,16 @@ def wait_until_ok(process: Process, port: int, message: bytes, timeout: float) -
     )
 
 
-def check_ok(name: str, port: int, message: bytes) -> str:
-    """One call with the raw request bytes; raises grpc.RpcError or BenchError unless OK."""
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+def check_ok(name: str, port: int, message: bytes, trusted: bytes | None = None) -> str:
+    """One call with the raw request bytes (over TLS with `trusted`); raises grpc.RpcError or
+    BenchError unless OK."""
+    target = f"127.0.0.1:{port}"
+    channel = (
+        grpc.insecure_channel(target)
+        if trusted is None
+        else grpc.secure_channel(target, grpc.ssl_channel_credentials(trusted))
+    )
+    with channel:
         # No serializers: the exact bytes h2load sends go out, and the raw answer comes back.
         call = channel.unary_unary(METHOD)
         raw: bytes = call(message, timeout=CALL_TIMEOUT, wait_for_ready=False)

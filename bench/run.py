@@ -39,7 +39,7 @@ from pathlib import Path
 if not __package__:  # run as `python bench/run.py`: make the `bench` package importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench import gateway, load, probe, processes, report, scenarios
+from bench import gateway, load, probe, processes, report, scenarios, tls
 from bench.processes import CLOCK_TICKS_PER_SECOND, BenchError
 from bench.report import Result
 from bench.scenarios import Paced, Scenario
@@ -215,6 +215,10 @@ def measure(
         placeholders.update({port: str(processes.free_port()) for port in scenario.ports})
         for service in needed:
             placeholders.update(service.placeholders)
+        certificate = None
+        if scenario.tls:
+            certificate, key = tls.write_certificate(workdir)
+            placeholders.update(tls_cert=str(certificate), tls_key=str(key))
         argv = scenario.argv(placeholders)
     except (BenchError, ValueError) as exc:
         result.error = str(exc)
@@ -224,7 +228,9 @@ def measure(
     message = probe.request(scenario.domain, scenario.entries)
     body = workdir / f"{result.label}.body"
     body.write_bytes(probe.grpc_frame(message))
-    url = f"http://127.0.0.1:{port}{probe.METHOD}"
+    scheme = "https" if certificate else "http"
+    url = f"{scheme}://127.0.0.1:{port}{probe.METHOD}"
+    trusted = certificate.read_bytes() if certificate else None
 
     try:
         server = processes.start(result.label, argv, scenario.env, workdir)
@@ -232,7 +238,9 @@ def measure(
         result.error = str(exc)
         return result
     try:
-        result.response = probe.wait_until_ok(server, port, message, settings.start_timeout)
+        result.response = probe.wait_until_ok(
+            server, port, message, settings.start_timeout, trusted
+        )
         warmup, measured = settings.paced(paced.calls_per_second) if paced else settings.flat_out()
         log = workdir / f"{result.label}.tsv"
         load.run(url, body, warmup, log.with_suffix(".warmup.tsv"), settings.load_timeout)
@@ -246,7 +254,7 @@ def measure(
             result.service_us_per_call[service.kind] = _us_per_call(ticks, measured)
 
         # Still answering OK after the load: it did not degrade into errors halfway through.
-        probe.wait_until_ok(server, port, message, timeout=5.0)
+        probe.wait_until_ok(server, port, message, 5.0, trusted)
     except BenchError as exc:
         result.load = None
         result.error = str(exc)

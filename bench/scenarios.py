@@ -7,8 +7,8 @@ To measure something new (another algorithm, a Redis Cluster, an Envoy in front)
 needs a new backing server.
 
 Placeholders: `{python}`, `{sidecar}`, `{bench_dir}`, `{rules}`, one free port per name in
-`ports` (the load goes to `{grpc_port}`), and those of each service (`{redis_url}`,
-`{redis_cluster_url}`).
+`ports` (the load goes to `{grpc_port}`), those of each service (`{redis_url}`,
+`{redis_cluster_url}`), and for a TLS scenario `{tls_cert}` and `{tls_key}`.
 
 Two more names are not scenarios of their own:
 `fixed-rate` measures latency at a fixed offered rate (h2load `--rps`), on scenarios from this
@@ -43,6 +43,9 @@ class Scenario:
     target_ratio: float | None = None
     # Maximum server CPU µs per call under the flat-out load (issue 7); None: no target.
     target_cpu_us: float | None = None
+    # Over TLS: the harness makes a certificate ({tls_cert}, {tls_key}), loads https:// and
+    # probes with a client that trusts it.
+    tls: bool = False
 
     def argv(self, placeholders: Mapping[str, str]) -> list[str]:
         try:
@@ -63,6 +66,8 @@ def _sidecar(backend: str, transport: str | None = None) -> tuple[str, ...]:
     return command if transport is None else (*command, "--transport", transport)
 
 
+_TLS_FLAGS = ("--grpc-tls-cert", "{tls_cert}", "--grpc-tls-key", "{tls_key}")
+_TRACING_FLAGS = ("--tracing", "--tracing-endpoint", "{otlp_url}")
 _NOOP = ("{python}", "{bench_dir}/noop_server.py", "--port", "{grpc_port}")
 
 SCENARIOS: tuple[Scenario, ...] = (
@@ -110,6 +115,33 @@ SCENARIOS: tuple[Scenario, ...] = (
         services=("redis",),
         ports=("grpc_port", "http_port"),
         target_cpu_us=35.0,
+    ),
+    Scenario(
+        name="fast-redis-tls",
+        description="as fast-redis, over TLS (--grpc-tls-cert; h2load negotiates TLS 1.3, ALPN h2)",
+        command=(*_sidecar("{redis_url}", "fast"), *_TLS_FLAGS),
+        services=("redis",),
+        ports=("grpc_port", "http_port"),
+        tls=True,
+    ),
+    Scenario(
+        name="fast-redis-tracing",
+        description="as fast-redis, every call traced (--tracing, OTLP http to a sink that drops it)",
+        command=(*_sidecar("{redis_url}", "fast"), *_TRACING_FLAGS),
+        services=("redis", "otlp"),
+        ports=("grpc_port", "http_port"),
+    ),
+    Scenario(
+        name="fast-redis-tracing-1pct",
+        description="as fast-redis-tracing, 1% of calls sampled (--tracing-sampling-rate 0.01)",
+        command=(
+            *_sidecar("{redis_url}", "fast"),
+            *_TRACING_FLAGS,
+            "--tracing-sampling-rate",
+            "0.01",
+        ),
+        services=("redis", "otlp"),
+        ports=("grpc_port", "http_port"),
     ),
     Scenario(
         name="fast-cluster",

@@ -13,6 +13,7 @@ import random
 import shutil
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -91,9 +92,32 @@ def start_redis_cluster(log_dir: Path) -> Service:
     raise BenchError(f"redis-cluster: not started after {CLUSTER_START_ATTEMPTS} attempts: {error}")
 
 
+def start_otlp(log_dir: Path) -> Service:
+    """An OTLP/HTTP receiver that drops what it gets (bench/otlp_sink.py), for tracing."""
+    port = free_port()
+    sink = Path(__file__).resolve().parent / "otlp_sink.py"
+    process = start("otlp", [sys.executable, str(sink), "--port", str(port)], {}, log_dir)
+    deadline = time.monotonic() + START_TIMEOUT
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            code = process.exit_code()
+            if code is not None or time.monotonic() > deadline:
+                process.stop()
+                raise BenchError(
+                    exited_message(process, code) if code is not None else "otlp: not listening"
+                ) from None
+            time.sleep(0.05)
+    url = f"http://127.0.0.1:{port}/v1/traces"
+    return Service("otlp", [process], {"otlp_url": url}, kind="otlp")
+
+
 STARTERS: dict[str, Callable[[Path], Service]] = {
     "redis": start_redis,
     "redis-cluster": start_redis_cluster,
+    "otlp": start_otlp,
 }
 
 

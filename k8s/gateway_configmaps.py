@@ -3,8 +3,9 @@ same rules and the same generated Envoy gateway as envoy/gateway.yaml.
 
 `ratelimit-rules` holds envoy/rules/gateway.yaml as it is; `envoy-gateway` holds what the
 command in envoy/gateway.yaml's header prints with `--upstream` set to the sample's upstream
-Service. Run by `make envoy-config` and `make k8s-config`; `--check` writes nothing and exits 1
-when a ConfigMap is not what it would write (a test does the same).
+Service and `--sidecar` to the injected sidecar's socket. Run by `make envoy-config` and
+`make k8s-config`; `--check` writes nothing and exits 1 when a ConfigMap is not what it would
+write (a test does the same).
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from pathlib import Path
 import yaml
 
 from sidecar.cli import parse_args
-from sidecar.gateway import commands
+from sidecar.envoy_config import commands
+from sidecar.injector.container import SOCKET_PATH
 
 ROOT = Path(__file__).resolve().parent.parent
 RULES = ROOT / "envoy" / "rules" / "gateway.yaml"
@@ -34,10 +36,11 @@ _GENERATED = (
 
 
 def envoy_argv() -> list[str]:
-    """envoy/gateway.yaml's own command (its second line), sending to the sample's upstream."""
+    """envoy/gateway.yaml's own command (its second line), sending to the sample's upstream
+    and calling the injected sidecar on its socket in the pod."""
     command = GATEWAY.read_text().splitlines()[1].removeprefix("#").strip()
     argv = shlex.split(command)[1:]
-    return [*argv, "--upstream", UPSTREAM]
+    return [*argv, "--upstream", UPSTREAM, "--sidecar", f"unix:{SOCKET_PATH}"]
 
 
 def configmap(name: str, labels: dict[str, str], key: str, text: str, comment: str) -> str:
@@ -89,7 +92,8 @@ def render() -> dict[Path, str]:
             envoy_text,
             _GENERATED.format(source="envoy/rules and envoy/sources")
             + "# The gateway's Envoy: the bootstrap of envoy/gateway.yaml, proxying to the sample's\n"
-            "# upstream Service and checking each request with the sidecar on 127.0.0.1:8081.\n",
+            "# upstream Service and checking each request with the injected sidecar on its\n"
+            f"# Unix socket, {SOCKET_PATH}.\n",
         ),
     }
 

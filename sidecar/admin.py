@@ -3,12 +3,12 @@
 - `POST /json`: a `RateLimitRequest` in proto3 JSON; the response JSON with status 200 (OK),
   429 (OVER_LIMIT) or 500 (UNKNOWN); 400 with the reason for bad JSON or an invalid request;
   413 for a body over 1 MiB; 503 when the backend has as many calls in flight as it answers
-  in time (Overloaded).
+  in time (Overloaded). An error's status is `sidecar.rls.statuses`'.
 - `GET /healthcheck`: 200 `OK`, or 500 after SIGTERM or while the backend fails its ping.
 - `GET /rlconfig`: the loaded rules, one line per rule (the reference's format).
 - `GET /metrics`: Prometheus text format.
 - `POST /v1/caps/check`, `POST /v1/caps/record`: frequency caps for ad servers, in JSON (see
-  `frequency_json.py`): 200 with the answer, 400 with `{"error": reason}` for a bad body, 404 for
+  `json_api.py`): 200 with the answer, 400 with `{"error": reason}` for a bad body, 404 for
   a domain without caps, 413 for a body over 1 MiB, 503 when the backend fails.
 """
 
@@ -16,19 +16,21 @@ from __future__ import annotations
 
 import json
 from collections.abc import Awaitable, Callable
+from http import HTTPStatus
 from typing import Any
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
-from sidecar import frequency_json, metrics
-from sidecar.config import Rules
-from sidecar.errors import InvalidRequest, Overloaded, StorageError, UnknownDomain
-from sidecar.frequency import FrequencyCaps
+from sidecar import metrics
+from sidecar.frequency import json_api
+from sidecar.frequency.caps import FrequencyCaps
 from sidecar.health import Health
 from sidecar.http_bodies import LINGERING_SECONDS, SlowBody, read_body
 from sidecar.model import Code
 from sidecar.rls.service import RateLimitService
+from sidecar.rls.statuses import statuses
+from sidecar.rules import Rules
 
 MAX_BODY_BYTES = 1 << 20
 
@@ -130,17 +132,17 @@ class AdminServer:
             )
         try:
             code, text = await self.service.should_rate_limit_json(body)
-        except InvalidRequest as exc:
-            return web.Response(status=400, text=f"Bad Request: {exc}\n")
-        except Overloaded as exc:
-            return web.Response(status=503, text=f"Service Unavailable: {exc}\n")
+        except Exception as exc:
+            _, status = statuses(exc)
+            if status is HTTPStatus.INTERNAL_SERVER_ERROR:
+                raise  # a bug: aiohttp's 500, logged with its traceback
+            return web.Response(status=status, text=f"{status.phrase}: {exc}\n")
         return web.Response(status=_JSON_STATUS[code], text=text, content_type="application/json")
 
     async def _healthcheck(self, request: web.Request) -> web.Response:
         if await self.health.check():
             return web.Response(text="OK")
-        reason = "shutting down" if self.health.draining else "backend unavailable"
-        return web.Response(status=500, text=f"Internal Server Error: {reason}\n")
+        return web.Response(status=500, text=f"Internal Server Error: {self.health.reason}\n")
 
     async def _rlconfig(self, request: web.Request) -> web.Response:
         lines = self.rules.dump()
@@ -158,8 +160,8 @@ class AdminServer:
         assert caps is not None
 
         async def check(body: bytes) -> dict[str, Any]:
-            domain, user, candidates = frequency_json.check_request(body)
-            return frequency_json.check_response(await caps.check(domain, user, candidates))
+            domain, user, candidates = json_api.check_request(body)
+            return json_api.check_response(await caps.check(domain, user, candidates))
 
         return await _caps_call(request, check)
 
@@ -168,8 +170,8 @@ class AdminServer:
         assert caps is not None
 
         async def record(body: bytes) -> dict[str, Any]:
-            domain, impressions = frequency_json.record_request(body)
-            return frequency_json.record_response(await caps.record(domain, impressions))
+            domain, impressions = json_api.record_request(body)
+            return json_api.record_response(await caps.record(domain, impressions))
 
         return await _caps_call(request, record)
 
@@ -186,12 +188,12 @@ async def _caps_call(
         return _json_error(413, f"body too large: at most {MAX_BODY_BYTES} bytes")
     try:
         answer = await call(body)
-    except InvalidRequest as exc:
-        return _json_error(400, str(exc))
-    except UnknownDomain as exc:
-        return _json_error(404, str(exc))
-    except (StorageError, Overloaded) as exc:
-        return _json_error(503, f"counters unavailable: {exc}")
+    except Exception as exc:
+        _, status = statuses(exc)
+        if status is HTTPStatus.INTERNAL_SERVER_ERROR:
+            raise  # a bug: aiohttp's 500, logged with its traceback
+        unavailable = status is HTTPStatus.SERVICE_UNAVAILABLE
+        return _json_error(status, f"counters unavailable: {exc}" if unavailable else str(exc))
     return web.json_response(answer, dumps=_dumps)
 
 

@@ -25,7 +25,8 @@ import structlog
 from sidecar import build, config, metrics
 from sidecar.admin import AdminServer
 from sidecar.errors import ConfigError, Overloaded, StorageError
-from sidecar.frequency import DEDUPE_HORIZON, FrequencyCaps
+from sidecar.frequency.caps import DEDUPE_HORIZON, FrequencyCaps
+from sidecar.frequency.service import FrequencyService
 from sidecar.health import Health
 from sidecar.limiter import FailureMode, Limiter, RejectedHits, Settings
 from sidecar.quota.service import (
@@ -37,13 +38,19 @@ from sidecar.quota.service import (
 )
 from sidecar.quota.store import open_store
 from sidecar.rls.fast import FastServer
-from sidecar.rls.frequency import FrequencyService
 from sidecar.rls.h2.server import unix_path
 from sidecar.rls.server import GrpcServer
 from sidecar.rls.service import RateLimitService
+from sidecar.rls.tls import ServerTls, TlsError, TlsFiles
+from sidecar.rules import Rules
+from sidecar.side_ports import SidePort
 from sidecar.stats import Stats
+from sidecar.statsd import StatsdError, StatsdReporter, StatsdSettings
 from sidecar.storage import Backend, open_backend, peers
 from sidecar.storage.memory import MemoryBackend
+from sidecar.storage.per_second import PerSecond
+from sidecar.tracing import Tracing, TracingError, TracingSettings
+from sidecar.xds.client import XdsClient, XdsOptions, check_files
 
 #: Seconds calls in flight get to finish once shutdown starts.
 SHUTDOWN_GRACE = 5.0
@@ -75,8 +82,12 @@ class InvalidOption(ValueError):
 class Options:
     """What `serve` needs; the CLI fills it from flags and RLS_* variables."""
 
+    #: Rules files or directories; empty when the rules come over xDS (`xds`).
     config: Sequence[str | Path]
     backend: str = "memory://"
+    #: A second store for the counters of per-second descriptors (the reference's
+    #: REDIS_PERSECOND; `sidecar.storage.per_second`).
+    backend_per_second: str | None = None
     grpc_address: str = "0.0.0.0:8081"
     http_address: str = "0.0.0.0:8080"
     redis_timeout_ms: int = 50
@@ -93,14 +104,36 @@ class Options:
     reuse_port: bool = False
     #: A listening Unix socket inherited from the parent of `serve --workers N`.
     grpc_socket_fd: int | None = None
+    #: Permission bits set on a unix:PATH gRPC socket once bound (None: as the umask left them).
+    grpc_socket_mode: int | None = None
     #: Seconds an impression id is remembered at least (frequency caps' exactly-once counting).
     dedupe_horizon: int = DEDUPE_HORIZON
-    #: Seconds between looks at the rules files for a change to reload (0: only on SIGHUP).
+    #: Seconds between looks at the rules files, and at the TLS files, for a change to reload
+    #: (0: only on SIGHUP).
     config_poll_seconds: float = 2.0
     #: HOST:PORT of the Rate Limit Quota Service (`sidecar.quota`); None: not served.
     rlqs_address: str | None = None
     #: A quota assignment's `assignment_time_to_live`, in ms.
     rlqs_assignment_ttl_ms: int = DEFAULT_TTL_MS
+    #: TLS (and with a client CA, mTLS) on the gRPC port; None: cleartext.
+    tls: TlsFiles | None = None
+    #: Where to send the stats as statsd or DogStatsD (beside /metrics); None: nowhere.
+    statsd: StatsdSettings | None = None
+    #: OpenTelemetry tracing of ShouldRateLimit; None: off, at no cost to a call.
+    tracing: TracingSettings | None = None
+    #: Rules from a control plane instead of files (`sidecar.xds`).
+    xds: XdsOptions | None = None
+    #: Unhealthy until rules with at least one domain are loaded.
+    health_requires_config: bool = False
+    #: Files declaring one domain add their descriptors to it (the reference's
+    #: MERGE_DOMAIN_CONFIG; rules over xDS take theirs from `xds`).
+    merge_domain_config: bool = False
+    #: Another listener for Prometheus (HOST:PORT, at `metrics_path`), as the reference's
+    #: USE_PROMETHEUS/PROMETHEUS_ADDR; /metrics on the HTTP port stays.
+    metrics_address: str | None = None
+    metrics_path: str = "/metrics"
+    #: Another listener for /rlconfig and /metrics, as the reference's DEBUG_PORT.
+    debug_address: str | None = None
 
 
 def loop_name(loop: asyncio.AbstractEventLoop) -> str:
@@ -153,6 +186,10 @@ class App:
         self._health: Health | None = None
         self._watch: asyncio.Task[None] | None = None
         self._config_watch: asyncio.Task[None] | None = None
+        self._tls: ServerTls | None = None
+        self._tls_watch: asyncio.Task[None] | None = None
+        self._statsd: StatsdReporter | None = None
+        self._tracing: Tracing | None = None
         #: `--failure-mode local --local-divisor auto`: this sidecar's name among its peers,
         #: and the task that registers it (see `sidecar.storage.peers`).
         self._peer_name = peers.own_name()
@@ -160,7 +197,18 @@ class App:
         self._limiter: Limiter | None = None
         self._caps: FrequencyCaps | None = None
         self._last_config_error: str | None = None
+        #: The rules served now (replaced by reloads and xDS pushes).
+        self.rules = Rules()
+        self._xds: XdsClient | None = None
+        self._xds_task: asyncio.Task[None] | None = None
+        self._side_ports: list[SidePort] = []
+        #: Bound ports of --metrics-address and --debug-address (0 when not opened).
+        self.metrics_port = 0
+        self.debug_port = 0
         self._stopped = False
+        self._pending: set[asyncio.Task[None]] = set()
+        #: The rules' warnings already logged (each is logged once).
+        self._warned: set[str] = set()
 
     async def start(self) -> None:
         """Load, open and listen; raises ConfigError, InvalidOption or OSError after cleaning up."""
@@ -169,23 +217,45 @@ class App:
         http_host, http_port = split_address(options.http_address)
         if options.rlqs_address is not None:
             split_address(options.rlqs_address)
+        side_addresses = [
+            (name, split_address(address))
+            for name, address in (
+                ("metrics", options.metrics_address),
+                ("debug", options.debug_address),
+            )
+            if address is not None
+        ]
+        # Before the rules: a bad certificate or setting is reported at once, not after the
+        # wait for a control plane's first rules.
+        self._open_edges(options)
+        config_marks: tuple[tuple[str, int, int, int], ...] = ()
         try:
-            # Taken before loading, so a change made while loading is seen as a change.
-            config_marks = config.fingerprint(options.config)
-        except (OSError, ConfigError):
-            config_marks = ()  # _load_rules reports what is wrong
-        rules = self._load_rules()
+            if options.xds is not None:
+                rules = await self._start_xds(options.xds)
+            else:
+                # Taken before loading, so a change made while loading is seen as a change;
+                # _load_rules reports what is wrong.
+                with contextlib.suppress(OSError, ConfigError):
+                    config_marks = config.fingerprint(options.config)
+                rules = self._load_rules()
+        except BaseException:
+            await self.stop()  # the tracer's export thread, the xDS client
+            raise
+        self.rules = rules
         if self._backend is None:
             try:
                 self._backend = open_backend(options.backend, timeout_ms=options.redis_timeout_ms)
+                if options.backend_per_second is not None:
+                    self._backend = self._per_second(self._backend, options.backend_per_second)
             except ValueError as exc:
+                await self.stop()  # the xDS client may be running already
                 raise InvalidOption(str(exc)) from exc
         backend = self._backend
         if isinstance(backend, MemoryBackend):
             self.registry.register(metrics.MemoryCollector(backend))
         limiter = Limiter(
             rules,
-            backend,
+            backend if self._tracing is None else self._tracing.backend(backend),
             settings=Settings(
                 shadow_mode=options.shadow_mode,
                 rejected_hits=options.rejected_hits,
@@ -198,7 +268,12 @@ class App:
         )
         self._limiter = limiter
         service = RateLimitService(limiter)
-        health = self._health = Health(backend, backend_required=options.failure_mode == "deny")
+        health = self._health = Health(
+            backend,
+            backend_required=options.failure_mode == "deny",
+            config_required=options.health_requires_config,
+        )
+        health.config_loaded = bool(rules.domains)
         # Frequency caps for ad servers: on the HTTP port, and on gRPC beside Envoy's service.
         caps = FrequencyCaps(
             rules, backend, clock=self._clock, dedupe_horizon=options.dedupe_horizon
@@ -227,14 +302,40 @@ class App:
             )
             self.registry.register(QuotaCollector(self._quota.stats))
             self._rlqs = QuotaServer(self._quota, options.rlqs_address)
+        self._side_ports = [
+            SidePort(
+                name,
+                host,
+                port,
+                self.registry,
+                lambda: self.rules,
+                metrics_path=options.metrics_path if name == "metrics" else "/metrics",
+                rlconfig=name == "debug",
+                reuse_port=options.reuse_port,
+            )
+            for name, (host, port) in side_addresses
+        ]
         try:
             self.grpc_port = await self._grpc.start()
+            socket_path = unix_path(options.grpc_address)
+            if socket_path is not None and options.grpc_socket_mode is not None:
+                # Connecting to a Unix socket needs write permission on it: Envoy beside the
+                # sidecar in a pod usually runs as another user.
+                os.chmod(socket_path, options.grpc_socket_mode)
             self.http_port = await self._http.start()
             if self._rlqs is not None:
                 self.rlqs_port = await self._rlqs.start()
+            for side in self._side_ports:
+                bound = await side.start()
+                if side.name == "metrics":
+                    self.metrics_port = bound
+                else:
+                    self.debug_port = bound
         except BaseException:
             await self.stop()
             raise
+        if self._statsd is not None:
+            self._statsd.start()
         health.listen(self._grpc.set_serving)
         await health.check()
         self._watch = asyncio.create_task(health.watch(HEALTH_INTERVAL))
@@ -245,18 +346,27 @@ class App:
         ):
             await self._count_peers(backend, limiter)
             self._peers_watch = asyncio.create_task(self._learn_peers(backend, limiter))
-        if options.config_poll_seconds > 0:
+        if options.config_poll_seconds > 0 and options.xds is None:
             self._config_watch = asyncio.create_task(
                 self._watch_config(config_marks, options.config_poll_seconds)
+            )
+        if options.config_poll_seconds > 0 and self._tls is not None:
+            # Rules over xDS or from files, the certificate rotates on disk all the same.
+            self._tls_watch = asyncio.create_task(
+                self._tls.watch(options.config_poll_seconds, asyncio.sleep)
             )
         log.info(
             "started",
             grpc_port=self.grpc_port,
             http_port=self.http_port,
             rlqs_port=self.rlqs_port or None,
+            metrics_port=self.metrics_port or None,
+            debug_port=self.debug_port or None,
+            rules="xds" if options.xds is not None else "files",
             grpc_address=options.grpc_address,
             http_address=options.http_address,
             transport=options.transport,
+            tls="off" if options.tls is None else "mtls" if options.tls.client_ca else "tls",
             build=build.name(),
             loop=loop_name(asyncio.get_running_loop()),
             backend=backend.name,
@@ -266,6 +376,32 @@ class App:
             shadow_mode=options.shadow_mode,
             pid=os.getpid(),
         )
+
+    def _open_edges(self, options: Options) -> None:
+        """TLS on the gRPC port, the statsd reporter and the tracer, as `options` ask."""
+        if options.tls is not None:
+            try:
+                self._tls = ServerTls(options.tls)
+            except TlsError as exc:
+                raise InvalidOption(f"gRPC TLS: {exc}") from exc
+        if options.statsd is not None:
+            try:
+                self._statsd = StatsdReporter(options.statsd, self.stats, self.latency)
+            except StatsdError as exc:
+                raise InvalidOption(f"statsd: {exc}") from exc
+        if options.tracing is not None:
+            try:
+                self._tracing = Tracing(options.tracing)
+            except TracingError as exc:
+                raise InvalidOption(f"tracing: {exc}") from exc
+
+    def _per_second(self, main: Backend, url: str) -> PerSecond:
+        if self.options.rejected_hits == "skip":
+            raise ValueError(
+                "--backend-per-second with --rejected-hits skip: two stores cannot decide one "
+                "request all or nothing (use one of them)"
+            )
+        return PerSecond(main, open_backend(url, timeout_ms=self.options.redis_timeout_ms))
 
     def _rls_server(
         self, service: RateLimitService, frequency_service: FrequencyService
@@ -278,6 +414,8 @@ class App:
                 self.latency,
                 reuse_port=options.reuse_port,
                 frequency_service=frequency_service,
+                tls=self._tls,
+                tracing=self._tracing,
             )
         sock = None
         if options.grpc_socket_fd is not None:
@@ -289,6 +427,8 @@ class App:
             reuse_port=options.reuse_port,
             sock=sock,
             frequency_service=frequency_service,
+            tls=self._tls,
+            tracing=self._tracing,
         )
 
     @property
@@ -297,16 +437,25 @@ class App:
         assert self._health is not None, "App.start() first"
         return self._health
 
-    def _load_rules(self) -> config.Rules:
+    def _load_rules(self) -> Rules:
         try:
-            rules = config.load(self.options.config)
+            rules = config.load(self.options.config, self.options.merge_domain_config)
         except ConfigError:
             self.stats.config_load_error += 1
             raise
         self.stats.config_load_success += 1
         for domain in rules.domains.values():
             log.info("config_loaded", summary=domain.summary())
+        self._warn(rules)
         return rules
+
+    def _warn(self, rules: Rules) -> None:
+        """Log each warning of the rules (see `sidecar.rules.ConfigWarning`) once, not at every reload."""
+        for warning in rules.warnings():
+            text = str(warning)
+            if text not in self._warned:
+                self._warned.add(text)
+                log.warning("config_warning", warning=text)
 
     def reload(self) -> bool:
         """Load the rules again and serve them from the next call; keep the old ones on error.
@@ -314,27 +463,85 @@ class App:
         As the reference does: a bad file is counted (config_load_error) and logged once per
         distinct error, and the service goes on with the rules it had. Counters are untouched:
         their keys depend on the descriptors and windows, not on the rules' order.
+        Rules from xDS are not reloaded: they change when the control plane pushes.
         """
-        try:
-            rules = config.load(self.options.config)
-        except ConfigError as exc:
-            self.stats.config_load_error += 1
-            if str(exc) != self._last_config_error:
-                self._last_config_error = str(exc)
-                log.warning("config_load_error", error=str(exc), kept="previous rules")
+        if self.options.xds is not None:
+            log.info("config_reload_skipped", reason="rules come from xDS")
             return False
+        try:
+            rules = config.load(self.options.config, self.options.merge_domain_config)
+        except ConfigError as exc:
+            self._reject_rules(exc)
+            return False
+        self._serve_rules(rules)
+        log.info("config_reloaded", summaries=[d.summary() for d in rules.domains.values()])
+        return True
+
+    def _serve_rules(self, rules: Rules) -> None:
+        """Serve `rules` from the next call on (a reload, or an xDS push)."""
         self._last_config_error = None
         self.stats.config_load_success += 1
+        self._warn(rules)
+        self.rules = rules
         if self._limiter is not None:
             self._limiter.rules = rules
+            if self._limiter.over_limit_cache is not None:
+                self._limiter.over_limit_cache.clear()  # what it knew was for the old limits
         if self._caps is not None:
             self._caps.set_rules(rules)
         if self._http is not None:
             self._http.rules = rules
         if self._quota is not None:
             self._quota.set_rules(rules)
-        log.info("config_reloaded", summaries=[d.summary() for d in rules.domains.values()])
-        return True
+        if self._health is not None:
+            # Health listeners are coroutines (the gRPC health status); the HTTP check and the
+            # 2 s watch would catch up anyway, this makes it prompt.
+            task = asyncio.get_running_loop().create_task(
+                self._health.set_config_loaded(bool(rules.domains))
+            )
+            self._pending.add(task)
+            task.add_done_callback(self._pending.discard)
+
+    def _reject_rules(self, error: ConfigError) -> None:
+        """Count and log (once per distinct error) rules that cannot be served; the rules
+        served before stay."""
+        self.stats.config_load_error += 1
+        if str(error) != self._last_config_error:
+            self._last_config_error = str(error)
+            log.warning("config_load_error", error=str(error), kept="previous rules")
+
+    async def _start_xds(self, options: XdsOptions) -> Rules:
+        """Start the xDS client; unless told to start without rules, wait for its first."""
+        try:
+            check_files(options)
+        except OSError as exc:
+            raise InvalidOption(f"xDS TLS: {exc}") from exc
+
+        def applied(rules: Rules, version: str) -> None:
+            self._serve_rules(rules)
+            log.info(
+                "config_loaded_xds",
+                version=version,
+                summaries=[d.summary() for d in rules.domains.values()],
+            )
+
+        def rejected(error: ConfigError, version: str) -> None:
+            self._reject_rules(error)
+
+        client = self._xds = XdsClient(options, applied, rejected)
+        self._xds_task = asyncio.create_task(client.run())
+        if options.force_start:
+            log.info("xds_started_without_rules", server=options.server)
+            return Rules()
+        log.info("xds_waiting_for_rules", server=options.server, node_id=options.node_id)
+        await client.first_rules.wait()
+        return self.rules
+
+    def reload_all(self) -> None:
+        """SIGHUP: the rules, and the TLS files when they changed."""
+        self.reload()
+        if self._tls is not None:
+            self._tls.reload()
 
     async def _watch_config(
         self, marks: tuple[tuple[str, int, int, int], ...], interval: float
@@ -370,7 +577,13 @@ class App:
         self._stopped = True
         if self._health is not None:
             await self._health.drain()
-        for task in (self._watch, self._config_watch, self._peers_watch):
+        for task in (
+            self._watch,
+            self._config_watch,
+            self._peers_watch,
+            self._tls_watch,
+            self._xds_task,
+        ):
             if task is None:
                 continue
             task.cancel()
@@ -387,9 +600,30 @@ class App:
             # Streams never finish on their own: Envoys reconnect to another sidecar (or to
             # this one restarted) and keep their assignments meanwhile.
             stops.append(self._rlqs.stop(min(grace, 1.0)))
+        stops.extend(side.stop() for side in self._side_ports)
         await asyncio.gather(*stops)
+        if self._statsd is not None:
+            await self._statsd.stop()  # what the last calls counted goes out too
+        if self._tracing is not None:
+            await asyncio.to_thread(self._tracing.shutdown)  # the last spans go out too
         if self._backend is not None:
             await self._backend.close()
+
+    async def _start_unless(self, stopping: asyncio.Event) -> bool:
+        """`start`, unless `stopping` is set first (a sidecar waiting for its first rules over
+        xDS must still stop on SIGTERM); returns whether it started."""
+        starting = asyncio.ensure_future(self.start())
+        signalled = asyncio.ensure_future(stopping.wait())
+        await asyncio.wait((starting, signalled), return_when=asyncio.FIRST_COMPLETED)
+        signalled.cancel()
+        if starting.done():
+            starting.result()  # raises what start raised
+            return True
+        starting.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await starting
+        await self.stop()
+        return False
 
     async def run(self) -> int:
         """Start, serve until SIGTERM or SIGINT, stop; returns the exit status (0)."""
@@ -401,8 +635,10 @@ class App:
         for signum in signals:
             loop.add_signal_handler(signum, stopping.set)
         try:
-            await self.start()
-            loop.add_signal_handler(signal.SIGHUP, self.reload)
+            if not await self._start_unless(stopping):
+                log.info("stopped", before="the first rules arrived")
+                return 0
+            loop.add_signal_handler(signal.SIGHUP, self.reload_all)
             # What exists now (modules, rules, servers) lives as long as the process: out of the
             # cycle collector's sight, its collections walk only what serving allocates, which
             # shortens the pauses they add to calls' latency.

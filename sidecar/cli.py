@@ -1,7 +1,9 @@
 """The command line, `serve`, `check` and `query`: a thin layer over `app`, `config`, `rls.client`.
 
 Every flag can also come from the environment as `RLS_<FLAG>` (upper case, dashes as
-underscores); a flag on the command line wins over its variable.
+underscores); a flag on the command line wins over its variable. `serve` also reads the
+reference's variables (`sidecar.settings`), beneath both. `ratelimit`, the reference's entry
+point (`reference_main`), is `serve` with the reference's defaults.
 """
 
 from __future__ import annotations
@@ -13,12 +15,17 @@ import re
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from sidecar import __version__, config, logs
+from sidecar import __version__, config, logs, settings, statsd
+from sidecar.envoy_config.commands import register as register_envoy_config
 from sidecar.errors import ConfigError
-from sidecar.gateway.commands import register as register_envoy_config
 from sidecar.injector.commands import register as register_injector
+from sidecar.rls.tls import TlsFiles
+from sidecar.statsd import StatsdError, StatsdSettings
+from sidecar.tracing import TracingSettings
+from sidecar.xds import flags as xds_flags
 
 # grpc's C core writes its own lines to stderr; keep them to errors so the log stays one format.
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
@@ -34,7 +41,10 @@ for envoyproxy/ratelimit: the same YAML rules, the same gRPC and HTTP endpoints,
 in memory, Redis or Redis Cluster.
 
 Every flag can also be set in the environment as RLS_<FLAG> (upper case, dashes as
-underscores: --grpc-address is RLS_GRPC_ADDRESS). A flag on the command line wins."""
+underscores: --grpc-address is RLS_GRPC_ADDRESS). A flag on the command line wins.
+`serve` also reads envoyproxy/ratelimit's variables (REDIS_URL, RUNTIME_ROOT, CONFIG_TYPE, ...),
+beneath RLS_* and flags; `ratelimit` with no arguments runs `serve` from them alone, as the
+reference's /bin/ratelimit does (README lists every variable)."""
 
 _EPILOG = """\
 examples:
@@ -51,8 +61,16 @@ Serve ShouldRateLimit over gRPC and, over HTTP: POST /json (the same call in pro
 rules) and GET /metrics (Prometheus). The gRPC health service reports SERVING for "" and
 "ratelimit" once the backend answers.
 
-Rules are envoyproxy/ratelimit YAML files, one domain per file. A bad file stops the start
-with 'FILE: PATH: message' and exit status 1; a backend URL that cannot be used exits with 2.
+Rules are envoyproxy/ratelimit YAML files, one domain per file (--config), or RateLimitConfig
+resources a control plane pushes over xDS (--xds-server; a push that is not valid rules is
+NACKed and the rules served before stay). A bad file stops the start with 'FILE: PATH:
+message' and exit status 1; a backend URL that cannot be used exits with 2.
+
+The reference's environment variables (HOST, PORT, GRPC_PORT, GRPC_SERVER_USE_TLS,
+REDIS_URL, REDIS_TYPE, RUNTIME_ROOT, CONFIG_TYPE, CONFIG_GRPC_XDS_*, USE_STATSD, TRACING_*,
+USE_PROMETHEUS, LOG_LEVEL, ...) set these flags too, beneath RLS_* variables and the command
+line; one it does not honour is logged at start-up.
+
 SIGTERM or SIGINT: report unhealthy, refuse new calls, let calls in flight finish (5 s),
 then exit 0. To replace a sidecar (--transport fast) without failing a call, start the new
 one on the same addresses first (--reuse-port on both for TCP; a unix:PATH is taken over as
@@ -60,7 +78,10 @@ it is), then send SIGTERM to the old one: its clients finish their calls there a
 their next connection to the new one.
 
 --transport fast (the default) serves gRPC with the sidecar's own HTTP/2 server: unary calls
-only (ShouldRateLimit, Health/Check), cleartext, over TCP or a Unix socket (unix:PATH).
+only (ShouldRateLimit, Health/Check), over TCP or a Unix socket (unix:PATH).
+Both transports serve TLS or mTLS with --grpc-tls-cert and --grpc-tls-key (and
+--grpc-tls-client-ca), or the reference's GRPC_SERVER_USE_TLS=true, GRPC_SERVER_TLS_CERT,
+GRPC_SERVER_TLS_KEY, GRPC_CLIENT_TLS_CACERT and GRPC_CLIENT_TLS_SAN.
 --transport grpcio serves it with grpc.aio, at several times the CPU per call.
 --loop auto (the default) runs the event loop on uvloop when it is installed, as it is with
 the package on Linux and macOS; --loop asyncio keeps the standard library's.
@@ -78,7 +99,12 @@ service"."""
 
 _CHECK_DESCRIPTION = """\
 Validate rules files without starting anything: print one summary line per domain and exit
-0, or print the first error as 'FILE: PATH-IN-FILE: message' and exit 1."""
+0, or print the first error as 'FILE: PATH-IN-FILE: message' and exit 1.
+
+Every file envoyproxy/ratelimit loads loads here too. What it loads but is likely a mistake
+(a key where it does nothing, such as a unit beside rate_limit instead of inside it; a key
+repeated in one map; an empty rate_limit) is printed to stderr as 'warning: FILE: PATH:
+message'; `serve` logs it once. With --strict a warning fails the check (exit 1)."""
 
 _QUERY_DESCRIPTION = """\
 Send one ShouldRateLimit call to a running service and print the response.
@@ -179,6 +205,16 @@ def _grpc_address(text: str) -> str:
     return text
 
 
+def _socket_mode(text: str) -> int:
+    try:
+        mode = int(text, 8)
+    except ValueError:
+        mode = -1
+    if not 0 <= mode <= 0o777:
+        raise argparse.ArgumentTypeError(f"expected octal permission bits like 660, got {text!r}")
+    return mode
+
+
 def _address(text: str) -> str:
     from sidecar.app import InvalidOption, split_address
 
@@ -211,6 +247,16 @@ def _count_or_auto(text: str) -> int | str:
     if text == "auto":
         return text
     return _count(1)(text)
+
+
+def _share(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number from 0 to 1, got {text!r}") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be from 0 to 1, got {text}")
+    return value
 
 
 def _seconds(text: str) -> float:
@@ -250,8 +296,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, _Flags]]:
     serve.add(
         "--config",
         "a rules file, or a directory of *.yaml/*.yml files; repeat for more. "
-        "In RLS_CONFIG, separate several paths with ':' or ','",
-        required=True,
+        "In RLS_CONFIG, separate several paths with ':' or ','. Required, unless --xds-server",
         action="append",
         metavar="PATH",
         separators=":,",
@@ -259,9 +304,18 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, _Flags]]:
     serve.add(
         "--backend",
         "where counters live: memory://, redis://[user:password@]host:port[/db], "
-        "rediss://... (TLS), redis+cluster://host:port[,host:port...] or rediss+cluster://... "
-        "(TLS)",
+        "rediss://... (TLS), redis+cluster://host:port[,host:port...], rediss+cluster://... "
+        "(TLS), or redis+sentinel://[user:password@]host:port[,host:port...]/master-name[/db] "
+        "(Sentinels, default port 26379, asked for the master and followed across failovers; "
+        "user:password is the master's, ?sentinel_username=&sentinel_password= the Sentinels'; "
+        "rediss+sentinel:// for TLS to both)",
         default="memory://",
+        metavar="URL",
+    )
+    serve.add(
+        "--backend-per-second",
+        "a second store for the counters of descriptors whose windows are all in seconds "
+        "(redis://, redis+cluster:// or redis+sentinel://; the reference's REDIS_PERSECOND)",
         metavar="URL",
     )
     serve.add(
@@ -271,6 +325,14 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, _Flags]]:
         default="0.0.0.0:8081",
         type=_grpc_address,
         metavar="ADDRESS",
+    )
+    serve.add(
+        "--grpc-socket-mode",
+        "with a unix:PATH gRPC address: the socket file's permission bits, in octal (660, "
+        "666), so a client running as another user (Envoy in the same pod) may connect; "
+        "unset: as the umask leaves them",
+        type=_socket_mode,
+        metavar="OCTAL",
     )
     serve.add(
         "--http-address",
@@ -356,6 +418,110 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, _Flags]]:
         metavar="ENTRIES",
     )
     serve.add(
+        "--grpc-tls-cert",
+        "serve gRPC over TLS (TLS 1.2 or later, ALPN h2) with this PEM certificate chain; "
+        "reloaded when it changes on disk (looked at every --config-poll-seconds, and on "
+        "SIGHUP), connections already open keeping theirs",
+        metavar="PATH",
+    )
+    serve.add(
+        "--grpc-tls-key",
+        "the PEM private key of --grpc-tls-cert, reloaded with it",
+        metavar="PATH",
+    )
+    serve.add(
+        "--grpc-tls-client-ca",
+        "mTLS: require a client certificate signed by a CA in this PEM file (reloaded too)",
+        metavar="PATH",
+    )
+    serve.add(
+        "--grpc-tls-client-san",
+        "mTLS: also require this DNS name (wildcards as in host names) or IP address among the "
+        "client certificate's SANs",
+        metavar="NAME",
+    )
+    serve.add(
+        "--statsd-address",
+        "send the reference's stats to a statsd (or DogStatsD) server at HOST:PORT, every "
+        "--stats-flush-interval (the reference's USE_STATSD or USE_DOG_STATSD turn it on at "
+        "STATSD_HOST:STATSD_PORT, default localhost:8125); Prometheus /metrics goes on beside it",
+        type=_address,
+        metavar="HOST:PORT",
+    )
+    serve.add(
+        "--statsd-protocol",
+        "tcp or udp (default: tcp for statsd, udp for DogStatsD)",
+        choices=("tcp", "udp"),
+    )
+    serve.add(
+        "--statsd-format",
+        "statsd: tags folded into names, as the reference's statsd sink does; dogstatsd: "
+        "DogStatsD tags, and mogrifiers (default: dogstatsd with USE_DOG_STATSD=true, else "
+        "statsd)",
+        choices=("statsd", "dogstatsd"),
+    )
+    serve.add(
+        "--stats-flush-interval",
+        "how often stats are sent to statsd, in seconds or as 10s, 500ms",
+        default="10s",
+        metavar="DURATION",
+    )
+    serve.add(
+        "--stats-tags",
+        "tags on every stat sent to statsd, as key:value,key2:value2",
+        metavar="TAGS",
+    )
+    serve.add(
+        "--dogstatsd-mogrifiers",
+        "DogStatsD: names of the mogrifiers to apply, separated by ',', each defined by "
+        "DOG_STATSD_MOGRIFIER_<NAME>_PATTERN, _NAME and _TAGS in the environment",
+        metavar="NAMES",
+    )
+    serve.add(
+        "--tracing",
+        "trace ShouldRateLimit with OpenTelemetry (spans over OTLP, the parent from Envoy's "
+        "W3C traceparent or B3 headers); needs the tracing extra",
+        action="store_true",
+        default=False,
+    )
+    serve.add(
+        "--tracing-protocol",
+        "OTLP over http (protobuf) or grpc",
+        default="http",
+        choices=("http", "grpc"),
+    )
+    serve.add(
+        "--tracing-endpoint",
+        "where spans go (default: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or "
+        "OTEL_EXPORTER_OTLP_ENDPOINT, else http://localhost:4318/v1/traces for http, "
+        "localhost:4317 for grpc)",
+        metavar="URL",
+    )
+    serve.add(
+        "--tracing-service-name",
+        "the spans' service.name",
+        default="RateLimit",
+        metavar="NAME",
+    )
+    serve.add(
+        "--tracing-service-namespace",
+        "the spans' service.namespace",
+        metavar="NAME",
+    )
+    serve.add(
+        "--tracing-service-instance-id",
+        "the spans' service.instance.id (default: a random UUID)",
+        metavar="ID",
+    )
+    serve.add(
+        "--tracing-sampling-rate",
+        "the share of calls without a sampled parent that are traced (a sampled parent is "
+        "always followed)",
+        default=1.0,
+        type=_share,
+        metavar="0..1",
+    )
+    serve.add(
         "--log-format",
         "json: one JSON object per line; console: for people",
         default="json",
@@ -392,6 +558,35 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, _Flags]]:
         metavar="SECONDS",
     )
     serve.add(
+        "--merge-domain-config",
+        "files (or xDS resources) declaring the same domain add their first-level descriptors "
+        "to it, in order; one declared twice is refused (the reference's MERGE_DOMAIN_CONFIG). "
+        "Without it, a domain declared twice is refused",
+        action="store_true",
+        default=False,
+    )
+    serve.add(
+        "--health-requires-config",
+        "report unhealthy until rules with at least one domain are loaded",
+        action="store_true",
+        default=False,
+    )
+    serve.add(
+        "--metrics-address",
+        "also serve Prometheus metrics on this address, at --metrics-path (/metrics on the "
+        "HTTP address stays)",
+        type=_address,
+        metavar="HOST:PORT",
+    )
+    serve.add("--metrics-path", "the path of --metrics-address", default="/metrics", metavar="PATH")
+    serve.add(
+        "--debug-address",
+        "also serve /rlconfig and /metrics on this address (the reference's debug port)",
+        type=_address,
+        metavar="HOST:PORT",
+    )
+    xds_flags.add(serve.add)
+    serve.add(
         "--dedupe-horizon",
         "frequency caps: seconds an impression id is remembered at least, so a repeated "
         "record within it counts nothing (ids are forgotten by twice that)",
@@ -408,6 +603,15 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, _Flags]]:
     )
     check.add_argument(
         "paths", nargs="+", metavar="PATH", help="a rules file or a directory of them"
+    )
+    check.add_argument(
+        "--strict", action="store_true", help="fail (exit 1) on a warning as on an error"
+    )
+    check.add_argument(
+        "--merge-domain-config",
+        action="store_true",
+        help="files declaring the same domain add their descriptors to it, as `serve "
+        "--merge-domain-config` does (the reference's MERGE_DOMAIN_CONFIG)",
     )
 
     query = _Flags(
@@ -457,23 +661,133 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, _Flags]]:
 
 
 def parse_args(
-    argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
+    argv: Sequence[str] | None = None,
+    environ: Mapping[str, str] | None = None,
+    reference_defaults: bool = False,
 ) -> argparse.Namespace:
-    """Flags, then RLS_* variables from `environ` (default os.environ), then defaults.
+    """Flags, then RLS_* variables from `environ` (default os.environ), then (for `serve`) the
+    reference's variables, then defaults; `reference_defaults` adds the reference's defaults
+    of the rules directory, of the backend and of statsd (`ratelimit`).
 
     Exits with status 2 and a usage message when something is missing or malformed.
     """
     parser, env_flags = build_parser()
     args = parser.parse_args(argv)
+    environ = os.environ if environ is None else environ
     flags = env_flags.get(args.command)
-    if flags is not None:
-        flags.resolve(args, os.environ if environ is None else environ)
+    if flags is not None and args.command == "serve":
+        given = frozenset(
+            flag.dest
+            for flag in flags.flags
+            if getattr(args, flag.dest) is not None or environ.get(ENV_PREFIX + flag.dest.upper())
+        )
+        try:
+            translated = settings.translate(environ, defaults=reference_defaults, given=given)
+        except settings.SettingError as exc:
+            flags.parser.error(str(exc))
+        flags.resolve(args, {**translated, **environ})
+        if not args.config and not args.xds_server:
+            flags.parser.error(
+                "the following arguments are required: --config (or RLS_CONFIG), or --xds-server"
+            )
+        if args.config and args.xds_server:
+            flags.parser.error("--config and --xds-server exclude each other: rules come from one")
+        problem = _tls_problem(args)
+        if problem:
+            flags.parser.error(problem)
+        try:
+            args.statsd = statsd_settings(args, environ)
+        except StatsdError as exc:
+            flags.parser.error(str(exc))
+        args.reference_applied = settings.applied(environ)
+        args.reference_ignored = settings.ignored(environ)
+    elif flags is not None:
+        flags.resolve(args, environ)
     return args
 
 
-def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> int:
+def reference_main(argv: Sequence[str] | None = None) -> int:
+    """`ratelimit`, the reference's /bin/ratelimit: `serve` configured by the reference's
+    environment variables, with its defaults (rules in RUNTIME_ROOT/RUNTIME_SUBDIRECTORY/
+    RUNTIME_APPDIRECTORY, Redis at REDIS_URL, statsd unless USE_STATSD=false); arguments, if
+    any, are `serve` flags."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    return main(["serve", *args], reference_defaults=True)
+
+
+def statsd_settings(args: argparse.Namespace, environ: Mapping[str, str]) -> StatsdSettings | None:
+    """Where and how `serve` sends stats to statsd, from its flags (which the reference's
+    USE_STATSD, USE_DOG_STATSD, STATSD_* and EXTRA_TAGS set, see `sidecar.settings`); None
+    when it does not. The mogrifiers --dogstatsd-mogrifiers names are defined in `environ`."""
+    address = args.statsd_address
+    if address is None:
+        return None
+    format: statsd.Format = args.statsd_format or "statsd"
+    protocol: statsd.Protocol = args.statsd_protocol or ("udp" if format == "dogstatsd" else "tcp")
+    if format == "dogstatsd" and protocol != "udp":
+        raise StatsdError("--statsd-format dogstatsd is sent over udp, not tcp")
+    host, _, port = address.rpartition(":")
+    names = [n.strip() for n in (args.dogstatsd_mogrifiers or "").split(",") if n.strip()]
+    if names and format != "dogstatsd":
+        raise StatsdError("--dogstatsd-mogrifiers needs --statsd-format dogstatsd")
+    return StatsdSettings(
+        host=host.strip("[]") or "localhost",
+        port=int(port),
+        protocol=protocol,
+        format=format,
+        flush_interval=statsd.parse_duration(args.stats_flush_interval),
+        tags=statsd.parse_tags(args.stats_tags or ""),
+        mogrifiers=statsd.mogrifiers_from_env(names, environ),
+    )
+
+
+def _tls_problem(args: argparse.Namespace) -> str | None:
+    """What is missing from the gRPC TLS flags, if anything."""
+    cert, key = args.grpc_tls_cert, args.grpc_tls_key
+    if (cert is None) != (key is None):
+        return "--grpc-tls-cert needs --grpc-tls-key, and the reverse"
+    if cert is None and (args.grpc_tls_client_ca or args.grpc_tls_client_san):
+        return (
+            "--grpc-tls-client-ca and --grpc-tls-client-san need --grpc-tls-cert and --grpc-tls-key"
+        )
+    if args.grpc_tls_client_san and not args.grpc_tls_client_ca:
+        return "--grpc-tls-client-san needs --grpc-tls-client-ca (the CA that verifies clients)"
+    return None
+
+
+def tracing_settings(args: argparse.Namespace) -> TracingSettings | None:
+    """`serve`'s OpenTelemetry settings; None when tracing is off."""
+    if not args.tracing:
+        return None
+    return TracingSettings(
+        protocol=args.tracing_protocol,
+        endpoint=args.tracing_endpoint,
+        service_name=args.tracing_service_name,
+        service_namespace=args.tracing_service_namespace or "",
+        service_instance_id=args.tracing_service_instance_id or "",
+        sampling_rate=args.tracing_sampling_rate,
+    )
+
+
+def tls_files(args: argparse.Namespace) -> TlsFiles | None:
+    """The gRPC port's TLS files from `serve`'s flags; None for cleartext."""
+    if args.grpc_tls_cert is None:
+        return None
+    return TlsFiles(
+        Path(args.grpc_tls_cert),
+        Path(args.grpc_tls_key),
+        client_ca=Path(args.grpc_tls_client_ca) if args.grpc_tls_client_ca else None,
+        client_san=args.grpc_tls_client_san or None,
+    )
+
+
+def main(
+    argv: Sequence[str] | None = None,
+    environ: Mapping[str, str] | None = None,
+    reference_defaults: bool = False,
+) -> int:
     """Run the command line; returns the exit status."""
-    args = parse_args(argv, environ)
+    args = parse_args(argv, environ, reference_defaults)
     try:
         if hasattr(args, "func"):
             return int(args.func(args))
@@ -490,11 +804,13 @@ def _serve(args: argparse.Namespace) -> int:
     from sidecar.app import App, InvalidOption, Options
 
     logs.configure(args.log_level, args.log_format)
+    _log_reference_settings(args)
     if args.workers > 1:
         return _serve_workers(args)
     options = Options(
-        config=args.config,
+        config=args.config or [],
         backend=args.backend,
+        backend_per_second=args.backend_per_second,
         grpc_address=args.grpc_address,
         http_address=args.http_address,
         redis_timeout_ms=args.redis_timeout_ms,
@@ -506,10 +822,20 @@ def _serve(args: argparse.Namespace) -> int:
         transport=args.transport,
         reuse_port=args.reuse_port,
         grpc_socket_fd=args.grpc_socket_fd,
+        grpc_socket_mode=args.grpc_socket_mode,
         dedupe_horizon=args.dedupe_horizon,
         config_poll_seconds=args.config_poll_seconds,
         rlqs_address=args.rlqs_address,
         rlqs_assignment_ttl_ms=int(args.rlqs_assignment_ttl * 1000),
+        xds=xds_flags.options(args),
+        health_requires_config=args.health_requires_config,
+        merge_domain_config=args.merge_domain_config,
+        metrics_address=args.metrics_address,
+        metrics_path=args.metrics_path,
+        debug_address=args.debug_address,
+        tls=tls_files(args),
+        statsd=args.statsd,
+        tracing=tracing_settings(args),
     )
     try:
         loop_factory = event_loop_factory(args.loop)
@@ -528,6 +854,23 @@ def _serve(args: argparse.Namespace) -> int:
     except OSError as exc:
         print(f"{PROG}: {exc}", file=sys.stderr)
         return 1
+
+
+def _log_reference_settings(args: argparse.Namespace) -> None:
+    """Once at start-up: which reference variables were read, and each one set to something
+    this sidecar does not do (never silently ignored)."""
+    import structlog
+
+    log = structlog.get_logger("sidecar.settings")
+    if args.reference_applied:
+        log.info("reference_settings", read=args.reference_applied)
+    for variable in args.reference_ignored:
+        if variable.support is settings.Support.DIFFERENT:
+            log.info("reference_setting_differs", variable=variable.name, here=variable.note)
+        else:
+            log.warning(
+                "reference_setting_not_supported", variable=variable.name, why=variable.note
+            )
 
 
 def event_loop_factory(name: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
@@ -597,15 +940,21 @@ def _worker_flags(args: argparse.Namespace) -> list[str]:
 
 def _check(args: argparse.Namespace) -> int:
     try:
-        rules = config.load(args.paths)
+        rules = config.load(args.paths, merge=args.merge_domain_config)
     except ConfigError as exc:
         print(exc, file=sys.stderr)
         return 1
     if not rules.domains:
         print(f"{PROG}: no rules files (*.yaml, *.yml) in {', '.join(args.paths)}", file=sys.stderr)
         return 1
+    warnings = rules.warnings()
+    for warning in warnings:
+        print(f"warning: {warning}", file=sys.stderr)
     for domain in rules.domains.values():
         print(domain.summary())
+    if warnings and args.strict:
+        print(f"{PROG} check --strict: {len(warnings)} warning(s)", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -1,26 +1,34 @@
 """Rules in envoyproxy/ratelimit's YAML format: `parse` one file's text, `load` files from disk.
 
 One file holds one domain: a tree of descriptors, each a `key` with an optional `value` (exact,
-or a pattern where `*` matches any run of characters) and an optional `rate_limit`.
-`parse` is pure; `load` is the only function here that touches the disk.
+or a pattern where `*` matches any run of characters) and an optional `rate_limit`; it becomes
+the rule tree of `sidecar.rules`. `parse` is pure; `load` is the only function here that
+touches the disk. It is one module past 400 lines because it is the format: `_Loader` decodes
+its YAML as the reference's decoder does, each `_Parser` method reads one kind of map of it (a
+descriptor, a limit, a window and its parts: unit, algorithm, token bucket, borrowing, calendar),
+and a change of the format changes them together.
 Every error is a ConfigError naming the file, the path inside it and, where it helps, the fix,
 worded as the reference words it so existing runbooks still match.
+A file the reference loads loads here, read as it reads it; what it loads but is likely a
+mistake (a key it ignores where it stands, a key repeated in one map) is a ConfigWarning
+(`sidecar.rules`), kept on its Domain.
 """
 
 from __future__ import annotations
 
 import difflib
 import re
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from sidecar.algorithms.windows import check_zone, code, is_calendar_unit, kind
+from sidecar.algorithms.windows import check_zone, is_calendar_unit
+from sidecar.counters import code, kind
 from sidecar.errors import ConfigError
 from sidecar.model import Algorithm, Limit, Unit, Window
+from sidecar.rules import ConfigWarning, Domain, Level, Node, Rules, yaml_bool
 
 MAX_REQUESTS_PER_UNIT = 4_294_967_295
 
@@ -56,141 +64,87 @@ _RATE_LIMIT_KEYS = (
 _ALGORITHMS = {a.value: a for a in Algorithm}
 _WEEK_STARTS = {"monday": 0, "sunday": 6}
 _REPLACES_KEYS = ("name",)
+#: Every key envoyproxy/ratelimit accepts, at any depth of a rules file (its `validKeys`). One of
+#: them in the wrong place is ignored there, so here it is a warning, and the file loads as there.
+#: The fields of the reference's `rate_limit`: what a repeated `rate_limit` keeps of an earlier
+#: one (go-yaml decodes both into one struct, so a field only the earlier one sets survives).
+_LIMIT_FIELDS = ("unit", "requests_per_unit", "unlimited", "name", "replaces")
+_REFERENCE_KEYS = frozenset(
+    (
+        *_ROOT_KEYS,
+        *_LIMIT_FIELDS,
+        *(key for key in _DESCRIPTOR_KEYS if key not in ("rate_limits", "group_counters")),
+    )
+)
+#: Where each of those keys does something, for the warning's fix.
+_HOMES = {
+    **{key: "a descriptor" for key in _DESCRIPTOR_KEYS},
+    **{key: "rate_limit" for key in _RATE_LIMIT_KEYS},
+    "domain": "the top level",
+    "descriptors": "the top level or a descriptor",
+    "name": "rate_limit or a replaces entry",
+}
 _UNITS = {unit.name.lower(): unit for unit in Unit}
 _UNIT_LIST = ", ".join(u.name.lower() for u in sorted(Unit, key=lambda u: u.seconds))
 
 
-@dataclass(slots=True)
-class Level:
-    """The descriptors declared side by side at one depth of the tree.
-
-    Lookup order, as in the reference: exact `key_value`, then wildcard patterns in declaration
-    order, then `key` alone.
-    """
-
-    exact: dict[tuple[str, str], Node] = field(default_factory=dict)
-    wildcards: list[tuple[str, re.Pattern[str], Node]] = field(default_factory=list)
-    keys: dict[str, Node] = field(default_factory=dict)
-    declared: list[Node] = field(default_factory=list)
-
-    def nodes(self) -> Iterable[Node]:
-        """The level's descriptors in declaration order."""
-        return iter(self.declared)
-
-
-@dataclass(slots=True)
-class Node:
-    """One descriptor of the rules: what it matches, its limit and the level below it.
-
-    `label` is this node's part of the rule key (`key`, `key_value` or `key_pattern`);
-    `rule_key` is the whole path from the domain, as metrics and `/rlconfig` name the rule.
-    """
-
-    key: str
-    value: str | None
-    label: str
-    rule_key: str
-    limit: Limit | None
-    children: Level
-    detailed_metric: bool = False
-    value_to_metric: bool = False
-    share_threshold: bool = False
-    #: Every counter below this first-level descriptor lives in one hash per value (see
-    #: `storage.keys`). Opt-in: under a first entry with unbounded descendants (`app` with
-    #: millions of users below it) one hash would grow without bound and be hot on one node.
-    group_counters: bool = False
-    metadata: Mapping[str, Any] | None = None
-
-
-@dataclass(slots=True)
-class Domain:
-    """The rules of one domain, from one file."""
-
-    name: str
-    source: str
-    root: Level
-
-    def limits(self) -> Iterable[Limit]:
-        """Every limit of the domain, depth first in declaration order."""
-        stack = list(reversed(list(self.root.nodes())))
-        while stack:
-            node = stack.pop()
-            if node.limit is not None:
-                yield node.limit
-            stack.extend(reversed(list(node.children.nodes())))
-
-    def summary(self) -> str:
-        limits = list(self.limits())
-        return f"{self.source}: domain '{self.name}': {len(limits)} rate limits"
-
-
-@dataclass(slots=True)
-class Rules:
-    """Every loaded domain, by name."""
-
-    domains: dict[str, Domain] = field(default_factory=dict)
-
-    def dump(self) -> list[str]:
-        """One line per rule, in the reference's `/rlconfig` format."""
-        return [describe(limit) for domain in self.domains.values() for limit in domain.limits()]
-
-
-def describe(limit: Limit) -> str:
-    """A rule as `/rlconfig` prints it: the reference's line, plus any extension in use."""
-    if limit.unlimited:
-        head = f"{limit.rule_key}: unlimited"
-    else:
-        head = f"{limit.rule_key}: " + "; ".join(_describe_window(w) for w in limit.windows)
-    line = f"{head}, shadow_mode: {_yaml_bool(limit.shadow_mode)}, quota_mode: {_yaml_bool(limit.quota_mode)}"
-    if limit.name:
-        line += f", name: {limit.name}"
-    if limit.replaces:
-        line += f", replaces: {','.join(limit.replaces)}"
-    return line
-
-
-def _describe_window(window: Window) -> str:
-    text = f"unit={window.unit.name} requests_per_unit={window.requests_per_unit}"
-    if window.algorithm is not Algorithm.FIXED_WINDOW:
-        text += f" algorithm={window.algorithm.value}"
-    if window.unit_multiplier != 1:
-        text += f" unit_multiplier={window.unit_multiplier}"
-    if window.burst is not None:
-        text += f" burst={window.burst}"
-    if window.borrow:
-        text += f" borrow={window.borrow}"
-    if window.calendar:
-        text += f" calendar timezone={window.timezone}"
-        if window.unit is Unit.WEEK:
-            text += f" week_start={'sunday' if window.week_start == 6 else 'monday'}"
-    return text
-
-
-def _yaml_bool(value: bool) -> str:
-    return "true" if value else "false"
-
-
-def load(paths: Sequence[str | Path]) -> Rules:
+def load(paths: Sequence[str | Path], merge: bool = False) -> Rules:
     """Load every rules file named by `paths` (files, or directories of `*.yaml` / `*.yml`).
 
-    Raises ConfigError on the first bad file, or when two files declare the same domain.
+    Raises ConfigError on the first bad file, or when two files declare the same domain (unless
+    `merge`: see `gather`).
+    """
+    return gather((parse(_read(file), str(file)) for file in _files(paths)), merge)
+
+
+def _read(file: Path) -> str:
+    try:
+        return file.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(str(file), "", f"error loading config file: {exc}") from exc
+
+
+def gather(domains: Iterable[Domain], merge: bool = False) -> Rules:
+    """The rules of several parsed domains (files, or xDS resources); raises ConfigError when
+    two declare the same domain, naming the second's source.
+
+    With `merge` (the reference's MERGE_DOMAIN_CONFIG), a domain declared again adds its
+    first-level descriptors to the domain's, after them; one declared in both (the same `key`
+    or `key_value`) is refused, as it would be within one file.
     """
     rules = Rules()
-    for file in _files(paths):
-        try:
-            text = file.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ConfigError(str(file), "", f"error loading config file: {exc}") from exc
-        domain = parse(text, str(file))
-        if domain.name in rules.domains:
-            other = rules.domains[domain.name].source
+    for domain in domains:
+        known = rules.domains.get(domain.name)
+        if known is None:
+            rules.domains[domain.name] = domain
+        elif merge:
+            rules.domains[domain.name] = _merge(known, domain)
+        else:
             raise ConfigError(
-                str(file),
+                domain.source,
                 "domain",
-                f"duplicate domain '{domain.name}' in config file (already declared in {other})",
+                f"duplicate domain '{domain.name}' in config file (already declared in {known.source})",
             )
-        rules.domains[domain.name] = domain
     return rules
+
+
+def _merge(first: Domain, second: Domain) -> Domain:
+    """One domain with the first-level descriptors of `first`, then those of `second`."""
+    root = Level()
+    for node in first.root.nodes():
+        root.add(node)
+    for index, node in enumerate(second.root.nodes()):
+        if node.label in root.labels:
+            raise ConfigError(
+                second.source,
+                f"descriptors[{index}]",
+                f"duplicate descriptor composite key '{node.rule_key}' (already declared in "
+                f"{first.source}; merge the two descriptors)",
+            )
+        root.add(node)
+    return Domain(
+        first.name, f"{first.source}, {second.source}", root, first.warnings + second.warnings
+    )
 
 
 def fingerprint(paths: Sequence[str | Path]) -> tuple[tuple[str, int, int, int], ...]:
@@ -224,30 +178,134 @@ def _files(paths: Sequence[str | Path]) -> list[Path]:
 
 
 def parse(text: str, source: str) -> Domain:
-    """Parse one rules file's text; `source` names it in errors."""
+    """Parse one rules file's text; `source` names it in errors and warnings.
+
+    The YAML is read as the reference's decoder (go-yaml v2) reads it: the first document only,
+    a key repeated in one map keeps its last value (see `_Loader`), and a number or boolean
+    written where text belongs (`value: 010`, `value: on`) is that text.
+    """
+    loader = _Loader(text)
     try:
-        document = yaml.load(text, Loader=_StrictLoader)
+        document = loader.get_data() if loader.check_data() else None  # type: ignore[no-untyped-call]
+        loader.overlay()
+        try:
+            more = loader.check_data()  # type: ignore[no-untyped-call]
+        except yaml.YAMLError:  # the reference does not read past the first document
+            more = True
     except yaml.YAMLError as exc:
         raise ConfigError(source, "", f"error loading config file: {_yaml_problem(exc)}") from exc
+    finally:
+        loader.dispose()
+    notes = [ConfigWarning(source, "", note) for note in loader.notes]
+    if more:
+        notes.append(
+            ConfigWarning(
+                source,
+                "",
+                "yaml: a second document is ignored, as envoyproxy/ratelimit reads only the "
+                "first (one domain per file: move it to a file of its own)",
+            )
+        )
+    return _Parser(source, notes).root(document)
+
+
+def parse_mapping(document: object, source: str) -> Domain:
+    """Parse one domain's rules already decoded from their format (as `parse` does once YAML
+    has decoded a file): rules pushed over xDS take this way, through the same checks."""
     return _Parser(source).root(document)
 
 
-class _StrictLoader(yaml.SafeLoader):
-    """A SafeLoader that refuses a key repeated in one map, which YAML would silently overwrite."""
+class _Map(dict[Any, Any]):
+    """A decoded YAML map that remembers the text its non-string scalar values were written as."""
 
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-        seen: set[Any] = set()
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=deep)
-            if isinstance(key, str) and key in seen:
+    __slots__ = ("texts",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.texts: dict[Any, str] = {}
+
+
+def _text(mapping: Mapping[Any, Any], key: str) -> str | None:
+    """How `mapping[key]` was written, when YAML read it as a number, boolean or date."""
+    return mapping.texts.get(key) if isinstance(mapping, _Map) else None
+
+
+#: Keys whose repeats in one map are merged as go-yaml merges them (see `_Loader`): the fields
+#: an earlier one may leave in the last (None: any).
+_OVERLAID: dict[str, frozenset[str] | None] = {
+    "rate_limit": frozenset(_LIMIT_FIELDS),
+    "metadata": None,
+}
+
+
+class _Loader(yaml.SafeLoader):
+    """A SafeLoader that decodes a rules file as the reference's decoder (go-yaml v2) does.
+
+    A key repeated in one map keeps its last value (YAML forbids repeats; go-yaml takes them),
+    except that a repeated `rate_limit` or `metadata` map keeps what only an earlier one sets,
+    since go-yaml decodes each into the same struct or map. Each repeat is noted, to be warned
+    about. Maps are `_Map`s, which remember how their scalar values were written.
+    """
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        #: Warnings found while decoding (a key repeated in one map).
+        self.notes: list[str] = []
+        #: (last, earlier, keys the earlier may give) for each repeated `rate_limit` or
+        #: `metadata` map, in document order; `overlay` applies them once the maps are built.
+        self._overlays: list[tuple[_Map, _Map, frozenset[str] | None]] = []
+
+    def overlay(self) -> None:
+        """Give each repeated `rate_limit` or `metadata` the fields only an earlier one set."""
+        for last, earlier, keys in self._overlays:
+            for key, value in earlier.items():
+                if key not in last and (keys is None or key in keys):
+                    last[key] = value
+                    if key in earlier.texts:
+                        last.texts[key] = earlier.texts[key]
+        self._overlays.clear()
+
+    def construct_rules_map(self, node: yaml.MappingNode) -> Iterator[_Map]:
+        data = _Map()
+        yield data
+        stated = {id(key_node) for key_node, _ in node.value}
+        self.flatten_mapping(node)  # `<<` merge keys: merged pairs first, then the stated ones
+        from_stated: dict[Any, bool] = {}
+        for key_node, value_node in node.value:
+            key = self.construct_object(key_node)
+            try:
+                hash(key)
+            except TypeError:
                 raise yaml.constructor.ConstructorError(
                     "while constructing a mapping",
                     node.start_mark,
-                    f"found duplicate key '{key}'",
+                    "found unhashable key",
                     key_node.start_mark,
-                )
-            seen.add(key)
-        return super().construct_mapping(node, deep=deep)
+                ) from None
+            value = self.construct_object(value_node)
+            if key in data:
+                # A stated key overriding a merged one is what `<<` is for: no warning.
+                if id(key_node) in stated and from_stated[key]:
+                    self.notes.append(
+                        f"yaml: line {key_node.start_mark.line + 1}: key '{key}' is repeated in "
+                        "one map: the last one counts, as envoyproxy/ratelimit reads it (remove "
+                        "the others)"
+                    )
+                earlier = data[key]
+                if key in _OVERLAID and isinstance(value, _Map) and isinstance(earlier, _Map):
+                    self._overlays.append((value, earlier, _OVERLAID[key]))
+            data[key] = value
+            from_stated[key] = id(key_node) in stated
+            if isinstance(value_node, yaml.ScalarNode) and not isinstance(value, str | None):
+                data.texts[key] = value_node.value
+            else:
+                data.texts.pop(key, None)
+
+
+_Loader.add_constructor("tag:yaml.org,2002:map", _Loader.construct_rules_map)
+# go-yaml v2 also reads y, Y, n and N as booleans (YAML 1.1), where PyYAML reads text.
+_Loader.bool_values = {**yaml.SafeLoader.bool_values, "y": True, "n": False}
+_Loader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:y|Y|n|N)$"), list("yYnN"))
 
 
 def _yaml_problem(exc: yaml.YAMLError) -> str:
@@ -259,16 +317,20 @@ def _yaml_problem(exc: yaml.YAMLError) -> str:
 
 
 class _Parser:
-    """Walks one YAML document, keeping the file name for errors."""
+    """Walks one YAML document, keeping the file name for errors and the warnings found."""
 
-    def __init__(self, source: str) -> None:
+    def __init__(self, source: str, warnings: Sequence[ConfigWarning] = ()) -> None:
         self.source = source
+        self.warnings = list(warnings)
         # While parsing a group_counters tree: each window code in it, with the kind of window
         # that has it and where it was declared (two kinds must never share a code).
         self.codes: dict[str, tuple[tuple[object, ...], Window]] | None = None
 
     def error(self, path: str, message: str) -> ConfigError:
         return ConfigError(self.source, path, message)
+
+    def warn(self, path: str, message: str) -> None:
+        self.warnings.append(ConfigWarning(self.source, path, message))
 
     def root(self, document: object) -> Domain:
         if document is None:
@@ -277,27 +339,60 @@ class _Parser:
             raise self.error(
                 "", "config error, the file must be a map with 'domain' and 'descriptors'"
             )
-        self.check_keys(document, _ROOT_KEYS, "")
-        domain = document.get("domain")
-        if domain is None or domain == "":
+        self.check_keys(document, _ROOT_KEYS, "", "at the top level")
+        domain = self.scalar(document.get("domain"), "domain", _text(document, "domain"))
+        if not domain:
             raise self.error(
                 "domain", "config file cannot have empty domain (add a top-level 'domain: NAME')"
             )
-        if not isinstance(domain, str):
-            raise self.error("domain", f"domain must be a string, got {domain!r}")
         root = self.level(document.get("descriptors"), "descriptors", domain)
-        return Domain(name=domain, source=self.source, root=root)
+        return Domain(name=domain, source=self.source, root=root, warnings=tuple(self.warnings))
 
-    def check_keys(self, mapping: dict[Any, Any], allowed: Sequence[str], path: str) -> None:
-        for key in mapping:
+    def check_keys(
+        self, mapping: dict[Any, Any], allowed: Sequence[str], path: str, place: str
+    ) -> None:
+        """Refuse a key the reference refuses too; warn about one of its keys that stands
+        where it does nothing (`place` says where: "in a descriptor"), as there it is ignored."""
+        for key, value in mapping.items():
             if not isinstance(key, str):
                 raise self.error(path, f"config error, key is not of type string: {key} (quote it)")
-            if key not in allowed:
-                hint = difflib.get_close_matches(key, allowed, n=1, cutoff=0.6)
-                fix = (
-                    f" (did you mean '{hint[0]}'?)" if hint else f" (allowed: {', '.join(allowed)})"
+            if key in allowed:
+                continue
+            if key in _REFERENCE_KEYS:
+                self.check_ignored(value, f"{path}.{key}" if path else key, key)
+                self.warn(
+                    path,
+                    f"key '{key}' is ignored {place}, as envoyproxy/ratelimit ignores it (it "
+                    f"belongs in {_HOMES[key]}: move it there, or remove it)",
                 )
-                raise self.error(path, f"config error, unknown key '{key}'{fix}")
+                continue
+            hint = difflib.get_close_matches(key, allowed, n=1, cutoff=0.6)
+            fix = f" (did you mean '{hint[0]}'?)" if hint else f" (allowed: {', '.join(allowed)})"
+            raise self.error(path, f"config error, unknown key '{key}'{fix}")
+
+    def check_ignored(self, value: object, path: str, key: str) -> None:
+        """What the reference refuses even under a key it ignores (its check of keys walks the
+        whole file but `metadata`): a list of anything but maps, a key it does not know, a
+        number with a fraction."""
+        if key == "metadata":
+            return
+        if isinstance(value, list):
+            for index, item in enumerate(value):
+                if not isinstance(item, dict):
+                    raise self.error(
+                        f"{path}[{index}]",
+                        f"config error, yaml file contains list of type other than map: {item}",
+                    )
+                self.check_ignored(item, f"{path}[{index}]", "")
+        elif isinstance(value, dict):
+            for name, item in value.items():
+                if not isinstance(name, str):
+                    raise self.error(path, f"config error, key is not of type string: {name}")
+                if name not in _REFERENCE_KEYS:
+                    raise self.error(path, f"config error, unknown key '{name}'")
+                self.check_ignored(item, f"{path}.{name}", name)
+        elif isinstance(value, float):
+            raise self.error(path, f"error checking config: {value} is a number with a fraction")
 
     def level(self, items: object, path: str, parent_key: str, depth: int = 0) -> Level:
         level = Level()
@@ -319,19 +414,26 @@ class _Parser:
     def descriptor(
         self, item: dict[Any, Any], path: str, parent_key: str, level: Level, depth: int
     ) -> None:
-        self.check_keys(item, _DESCRIPTOR_KEYS, path)
-        key = self.scalar(item.get("key"), f"{path}.key")
+        self.check_keys(item, _DESCRIPTOR_KEYS, path, "in a descriptor")
+        key = self.scalar(item.get("key"), f"{path}.key", _text(item, "key"))
         if not key:
             raise self.error(path, "descriptor has empty key (add 'key: NAME')")
-        raw_value = item.get("value")
-        value = None if raw_value is None else self.scalar(raw_value, f"{path}.value")
+        # An empty value is no value (a key-only descriptor), as the reference reads it.
+        value = self.scalar(item.get("value"), f"{path}.value", _text(item, "value")) or None
         label = key if value is None else f"{key}_{value}"
         rule_key = f"{parent_key}.{label}"
-        if (value is None and key in level.keys) or (
-            value is not None and ((key, value) in level.exact or _has_pattern(level, key, value))
-        ):
+        if label in level.labels:
+            # The reference names descriptors by `key_value` alone, so `key: a_b` and
+            # `key: a, value: b` are one to it: refused as it refuses them.
             raise self.error(
                 path, f"duplicate descriptor composite key '{rule_key}' (merge the two descriptors)"
+            )
+        if "*" in key:
+            self.warn(
+                f"{path}.key",
+                f"'*' in key '{key}' is the character itself here; envoyproxy/ratelimit matches "
+                "it as a wildcard over the joined 'key_value' (rename the key, or put the "
+                "pattern in 'value')",
             )
 
         flags = {
@@ -346,7 +448,15 @@ class _Parser:
             )
         }
         wildcard = value is not None and "*" in value
-        if flags["share_threshold"] and not wildcard:
+        if flags["share_threshold"] and not wildcard and "*" in key:
+            # The reference takes it (its check reads the joined `key_value`); nothing here
+            # matches values by that pattern, so there is nothing to share.
+            self.warn(
+                f"{path}.share_threshold",
+                f"share_threshold is ignored on '{label}': only a wildcard value shares a counter",
+            )
+            flags["share_threshold"] = False
+        elif flags["share_threshold"] and not wildcard:
             raise self.error(
                 f"{path}.share_threshold",
                 "share_threshold can only be used with wildcard values (containing '*'), "
@@ -389,26 +499,34 @@ class _Parser:
             group_counters=grouped,
             metadata=metadata,
         )
-        level.declared.append(node)
-        if value is None:
-            level.keys[key] = node
-        elif wildcard:
-            level.wildcards.append((key, _compile_pattern(value), node))
-        else:
-            level.exact[(key, value)] = node
+        level.add(node)
 
-    def scalar(self, raw: object, path: str) -> str:
-        """A key or value: strings as they are; numbers and booleans as YAML wrote them."""
+    def scalar(self, raw: object, path: str, text: str | None = None) -> str:
+        """A key, value or name: a string as it is; a number, boolean or date as `text`, the
+        way YAML wrote it (go-yaml reads `010` and `on` into a string as written). A number
+        with a fraction is refused, as the reference refuses it."""
         if raw is None:
             return ""
-        if isinstance(raw, bool):
-            return _yaml_bool(raw)
-        if isinstance(raw, str | int | float):
+        if isinstance(raw, str):
+            return raw
+        if isinstance(raw, float):
+            raise self.error(
+                path,
+                f"error checking config: {text or raw} is a number with a fraction, which "
+                f"envoyproxy/ratelimit refuses (quote it: '{text or raw}')",
+            )
+        if text is not None:
+            return text
+        if isinstance(raw, bool):  # rules pushed over xDS, as decoded from their message
+            return yaml_bool(raw)
+        if isinstance(raw, int):
             return str(raw)
         raise self.error(path, f"must be a string, got {type(raw).__name__} {raw!r}")
 
     def flag(self, mapping: dict[Any, Any], name: str, path: str) -> bool:
-        raw = mapping.get(name, False)
+        raw = mapping.get(name)
+        if raw is None:  # absent, or written `~`: false, as the reference reads it
+            return False
         if not isinstance(raw, bool):
             raise self.error(f"{path}.{name}", f"{name} must be true or false, got {raw!r}")
         return raw
@@ -447,6 +565,13 @@ class _Parser:
             )
         if "rate_limit" not in item:
             return None
+        if item["rate_limit"] is None:
+            self.warn(
+                f"{path}.rate_limit",
+                "rate_limit is empty, so this descriptor has no limit, as envoyproxy/ratelimit "
+                "reads it (give it unit and requests_per_unit, or remove it)",
+            )
+            return None
         window, unlimited, replaces = self.window(item["rate_limit"], f"{path}.rate_limit")
         return Limit(
             windows=(window,),
@@ -459,14 +584,15 @@ class _Parser:
         )
 
     def window(self, raw: object, path: str) -> tuple[Window, bool, tuple[str, ...]]:
-        """One window: (window, unlimited, names it replaces)."""
+        """One window: (window, unlimited, names it replaces). Its parts are checked in the
+        order of the keys a reader meets, each by one function below."""
         if not isinstance(raw, dict):
             raise self.error(path, "a rate limit must be a map with unit and requests_per_unit")
-        self.check_keys(raw, _RATE_LIMIT_KEYS, path)
+        self.check_keys(raw, _RATE_LIMIT_KEYS, path, "in rate_limit")
         unlimited = self.flag(raw, "unlimited", path)
-        name = self.scalar(raw.get("name"), f"{path}.name")
+        name = self.scalar(raw.get("name"), f"{path}.name", _text(raw, "name"))
         replaces = self.replaces(raw.get("replaces"), f"{path}.replaces", name)
-        unit_text = self.scalar(raw.get("unit"), f"{path}.unit")
+        unit_text = self.scalar(raw.get("unit"), f"{path}.unit", _text(raw, "unit"))
         if unlimited:
             if unit_text:
                 raise self.error(
@@ -474,88 +600,15 @@ class _Parser:
                     "should not specify rate limit unit when unlimited (remove 'unit' or 'unlimited')",
                 )
             return Window(0, Unit.SECOND, name=name), True, replaces
-        unit = _UNITS.get(unit_text.lower())
-        if unit is None:
-            raise self.error(
-                f"{path}.unit",
-                f"invalid rate limit unit '{unit_text}' (expected one of: {_UNIT_LIST})",
-            )
+        unit = self.unit(unit_text, path)
         requests = self.count(raw, "requests_per_unit", path, 0, default=0)
-        algorithm_text = self.scalar(raw.get("algorithm", "fixed_window"), f"{path}.algorithm")
-        algorithm = _ALGORITHMS.get(algorithm_text)
-        if algorithm is None:
-            hint = difflib.get_close_matches(algorithm_text, list(_ALGORITHMS), n=1, cutoff=0.5)
-            fix = (
-                f"did you mean '{hint[0]}'?"
-                if hint
-                else f"expected one of: {', '.join(_ALGORITHMS)}"
-            )
-            raise self.error(f"{path}.algorithm", f"unknown algorithm '{algorithm_text}' ({fix})")
+        algorithm = self.algorithm(raw, path)
         multiplier = self.count(raw, "unit_multiplier", path, 1, default=1)
         borrow = self.count(raw, "borrow", path, 0, default=0)
         calendar = self.flag(raw, "calendar", path)
-        burst: int | None = None
-        if "burst" in raw:
-            if algorithm is not Algorithm.TOKEN_BUCKET:
-                raise self.error(
-                    f"{path}.burst",
-                    "burst applies to token buckets (add 'algorithm: token_bucket')",
-                )
-            burst = self.count(raw, "burst", path, 1, default=1)
-        if algorithm is Algorithm.TOKEN_BUCKET and requests < 1:
-            raise self.error(
-                f"{path}.requests_per_unit",
-                "a token bucket needs requests_per_unit of at least 1 (its refill rate)",
-            )
-        if borrow:
-            if algorithm is Algorithm.SLIDING_WINDOW:
-                raise self.error(
-                    f"{path}.borrow",
-                    "borrow applies to fixed windows and token buckets, not sliding windows",
-                )
-            if algorithm is Algorithm.FIXED_WINDOW and borrow > requests:
-                raise self.error(
-                    f"{path}.borrow",
-                    f"borrow {borrow} exceeds requests_per_unit {requests}: the next window alone repays "
-                    "the debt (lower borrow, or use a token bucket)",
-                )
-        timezone, week_start = "UTC", 0
-        if calendar:
-            if algorithm is not Algorithm.FIXED_WINDOW:
-                raise self.error(
-                    f"{path}.calendar", "calendar windows are fixed windows (remove 'algorithm')"
-                )
-            if not is_calendar_unit(unit):
-                raise self.error(
-                    f"{path}.calendar",
-                    "calendar windows are days, weeks, months or years (remove 'calendar')",
-                )
-            if multiplier != 1:
-                raise self.error(
-                    f"{path}.unit_multiplier",
-                    "calendar windows are one unit long (remove 'unit_multiplier')",
-                )
-            timezone = self.scalar(raw.get("timezone", "UTC"), f"{path}.timezone")
-            try:
-                check_zone(timezone)
-            except ValueError as exc:
-                raise self.error(f"{path}.timezone", str(exc)) from exc
-            week_text = self.scalar(raw.get("week_start", "monday"), f"{path}.week_start")
-            if week_text not in _WEEK_STARTS:
-                raise self.error(
-                    f"{path}.week_start", f"week_start must be monday or sunday, got '{week_text}'"
-                )
-            if "week_start" in raw and unit is not Unit.WEEK:
-                raise self.error(
-                    f"{path}.week_start", "week_start applies to calendar weeks (unit: week)"
-                )
-            week_start = _WEEK_STARTS[week_text]
-        else:
-            for key in ("timezone", "week_start"):
-                if key in raw:
-                    raise self.error(
-                        f"{path}.{key}", f"{key} applies to calendar windows (add 'calendar: true')"
-                    )
+        burst = self.token_bucket(raw, path, algorithm, requests)
+        self.check_borrow(borrow, path, algorithm, requests)
+        timezone, week_start = self.calendar(raw, path, calendar, algorithm, unit, multiplier)
         window = Window(
             requests_per_unit=requests,
             unit=unit,
@@ -572,6 +625,112 @@ class _Parser:
             self.check_code(window, path)
         return window, False, replaces
 
+    def unit(self, text: str, path: str) -> Unit:
+        unit = _UNITS.get(text.lower())
+        if unit is None:
+            raise self.error(
+                f"{path}.unit", f"invalid rate limit unit '{text}' (expected one of: {_UNIT_LIST})"
+            )
+        return unit
+
+    def algorithm(self, raw: dict[Any, Any], path: str) -> Algorithm:
+        text = self.scalar(raw.get("algorithm", "fixed_window"), f"{path}.algorithm")
+        algorithm = _ALGORITHMS.get(text)
+        if algorithm is None:
+            hint = difflib.get_close_matches(text, list(_ALGORITHMS), n=1, cutoff=0.5)
+            fix = (
+                f"did you mean '{hint[0]}'?"
+                if hint
+                else f"expected one of: {', '.join(_ALGORITHMS)}"
+            )
+            raise self.error(f"{path}.algorithm", f"unknown algorithm '{text}' ({fix})")
+        return algorithm
+
+    def token_bucket(
+        self, raw: dict[Any, Any], path: str, algorithm: Algorithm, requests: int
+    ) -> int | None:
+        """The burst, which only a token bucket has (None: as many as its requests_per_unit);
+        a token bucket's requests_per_unit is its refill rate, so at least 1."""
+        burst: int | None = None
+        if "burst" in raw:
+            if algorithm is not Algorithm.TOKEN_BUCKET:
+                raise self.error(
+                    f"{path}.burst",
+                    "burst applies to token buckets (add 'algorithm: token_bucket')",
+                )
+            burst = self.count(raw, "burst", path, 1, default=1)
+        if algorithm is Algorithm.TOKEN_BUCKET and requests < 1:
+            raise self.error(
+                f"{path}.requests_per_unit",
+                "a token bucket needs requests_per_unit of at least 1 (its refill rate)",
+            )
+        return burst
+
+    def check_borrow(self, borrow: int, path: str, algorithm: Algorithm, requests: int) -> None:
+        """Borrowing is for fixed windows (at most one window's worth: the next window alone
+        repays it) and token buckets."""
+        if not borrow:
+            return
+        if algorithm is Algorithm.SLIDING_WINDOW:
+            raise self.error(
+                f"{path}.borrow",
+                "borrow applies to fixed windows and token buckets, not sliding windows",
+            )
+        if algorithm is Algorithm.FIXED_WINDOW and borrow > requests:
+            raise self.error(
+                f"{path}.borrow",
+                f"borrow {borrow} exceeds requests_per_unit {requests}: the next window alone repays "
+                "the debt (lower borrow, or use a token bucket)",
+            )
+
+    def calendar(
+        self,
+        raw: dict[Any, Any],
+        path: str,
+        calendar: bool,
+        algorithm: Algorithm,
+        unit: Unit,
+        multiplier: int,
+    ) -> tuple[str, int]:
+        """(timezone, week_start) of a calendar window: one fixed window of a day, week, month
+        or year in its time zone; a window that is not a calendar one takes neither."""
+        if not calendar:
+            for key in ("timezone", "week_start"):
+                if key in raw:
+                    raise self.error(
+                        f"{path}.{key}", f"{key} applies to calendar windows (add 'calendar: true')"
+                    )
+            return "UTC", 0
+        if algorithm is not Algorithm.FIXED_WINDOW:
+            raise self.error(
+                f"{path}.calendar", "calendar windows are fixed windows (remove 'algorithm')"
+            )
+        if not is_calendar_unit(unit):
+            raise self.error(
+                f"{path}.calendar",
+                "calendar windows are days, weeks, months or years (remove 'calendar')",
+            )
+        if multiplier != 1:
+            raise self.error(
+                f"{path}.unit_multiplier",
+                "calendar windows are one unit long (remove 'unit_multiplier')",
+            )
+        timezone = self.scalar(raw.get("timezone", "UTC"), f"{path}.timezone")
+        try:
+            check_zone(timezone)
+        except ValueError as exc:
+            raise self.error(f"{path}.timezone", str(exc)) from exc
+        week_text = self.scalar(raw.get("week_start", "monday"), f"{path}.week_start")
+        if week_text not in _WEEK_STARTS:
+            raise self.error(
+                f"{path}.week_start", f"week_start must be monday or sunday, got '{week_text}'"
+            )
+        if "week_start" in raw and unit is not Unit.WEEK:
+            raise self.error(
+                f"{path}.week_start", "week_start applies to calendar weeks (unit: week)"
+            )
+        return timezone, _WEEK_STARTS[week_text]
+
     def check_code(self, window: Window, path: str) -> None:
         """Refuse a window whose code in a grouped tree is another kind's (hashed zone names)."""
         assert self.codes is not None
@@ -587,7 +746,9 @@ class _Parser:
             )
 
     def count(self, raw: dict[Any, Any], key: str, path: str, minimum: int, default: int) -> int:
-        value = raw.get(key, default)
+        value = raw.get(key)
+        if value is None:  # absent, or written `~`
+            value = default
         if (
             isinstance(value, bool)
             or not isinstance(value, int)
@@ -611,8 +772,8 @@ class _Parser:
                 raise self.error(
                     here, f"config error, yaml file contains list of type other than map: {item}"
                 )
-            self.check_keys(item, _REPLACES_KEYS, here)
-            name = self.scalar(item.get("name"), f"{here}.name")
+            self.check_keys(item, _REPLACES_KEYS, here, "in a replaces entry")
+            name = self.scalar(item.get("name"), f"{here}.name", _text(item, "name"))
             if not name:
                 raise self.error(
                     here, "should not have an empty replaces entry (name another rule's limit)"
@@ -624,12 +785,3 @@ class _Parser:
                 )
             names.append(name)
         return tuple(names)
-
-
-def _has_pattern(level: Level, key: str, value: str) -> bool:
-    return any(k == key and node.value == value for k, _, node in level.wildcards)
-
-
-def _compile_pattern(value: str) -> re.Pattern[str]:
-    """A wildcard value as a regex: each `*` matches zero or more characters, anything else itself."""
-    return re.compile(".*".join(re.escape(part) for part in value.split("*")), re.DOTALL)

@@ -2,13 +2,15 @@
 
     SidecarError
     ├── ConfigError        a rules file is wrong: names the file, the path inside it and the fix
-    ├── InvalidRequest     a request Envoy (or a client) sent cannot be answered: INVALID_ARGUMENT
-    ├── UnknownDomain      a frequency-cap call names a domain without caps: HTTP 404, NOT_FOUND
+    ├── InvalidRequest     a request Envoy (or a client) sent cannot be answered
+    ├── UnknownDomain      a frequency-cap call names a domain without caps
     ├── StorageError       a backend call failed or timed out; transient, the failure mode decides
-    ├── Overloaded         the backend answers, but not this call in time: UNAVAILABLE
+    ├── Overloaded         the backend answers, but not this call in time
     └── InjectionError     a pod (or manifest) cannot get a working sidecar from its annotations
 
-Callers chain with ``raise ... from exc`` so the cause stays visible in logs.
+The gRPC and HTTP statuses a call is answered with for each are in one table,
+`sidecar.rls.statuses`. Callers chain with ``raise ... from exc`` so the cause stays visible in
+logs.
 """
 
 from __future__ import annotations

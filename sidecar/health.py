@@ -7,6 +7,9 @@ healthy: reporting otherwise would make Kubernetes pull every gateway pod out of
 during a Redis outage, and make an Envoy that health-checks its rate limit cluster fail the
 calls that the failure mode would have allowed. The backend's state is still logged on every
 change and kept in `backend_ok`.
+With `--health-requires-config` (the reference's HEALTHY_WITH_AT_LEAST_ONE_CONFIG_LOADED) it
+is also unhealthy until rules with at least one domain are loaded, and again whenever a reload
+or an xDS push leaves none.
 One `Health` feeds both the gRPC health service and HTTP `/healthcheck`; listeners hear every
 change, so the gRPC status follows the backend without a probe having to ask.
 """
@@ -29,9 +32,14 @@ log = structlog.get_logger("sidecar.health")
 
 
 class Health:
-    def __init__(self, backend: Backend, backend_required: bool = True) -> None:
+    def __init__(
+        self, backend: Backend, backend_required: bool = True, config_required: bool = False
+    ) -> None:
         self.backend = backend
         self.backend_required = backend_required
+        self.config_required = config_required
+        #: Whether the rules served have at least one domain (see `set_config_loaded`).
+        self.config_loaded = False
         self.draining = False
         self.backend_ok: bool | None = None  # None until the first ping
         self._listeners: list[Listener] = []
@@ -39,9 +47,26 @@ class Health:
 
     @property
     def healthy(self) -> bool:
-        if self.draining:
+        if self.draining or (self.config_required and not self.config_loaded):
             return False
         return self.backend_ok is True or not self.backend_required
+
+    @property
+    def reason(self) -> str:
+        """Why the sidecar is unhealthy, for `/healthcheck`'s 500."""
+        if self.draining:
+            return "shutting down"
+        if self.config_required and not self.config_loaded:
+            return "no rules loaded"
+        return "backend unavailable"
+
+    async def set_config_loaded(self, loaded: bool) -> None:
+        """Record whether the rules now served have at least one domain."""
+        if loaded != self.config_loaded:
+            self.config_loaded = loaded
+            if self.config_required:
+                log.info("config_health", loaded=loaded)
+        await self._notify()
 
     def listen(self, listener: Listener) -> None:
         """Call `listener(healthy)` on every change from now on."""

@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from sidecar.config import Domain, Level, Node
 from sidecar.model import Entry, Limit
+from sidecar.rules import Domain, Level, Node
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,16 +86,30 @@ def _metric_key(domain: str, path: Sequence[Node], entries: Sequence[Entry]) -> 
     """
     leaf = path[-1]
     if leaf.detailed_metric:
-        return domain + "".join(f".{e.key}_{sanitize(e.value)}" for e in entries)
+        if not any(node.share_threshold for node in path):
+            return domain + "".join(f".{e.key}_{sanitize(e.value)}" for e in entries)
+        # As the reference: a share_threshold level by its pattern, the others by their value.
+        return ".".join(
+            [domain]
+            + [
+                node.label if node.share_threshold else entry_label(entry)
+                for node, entry in zip(path, entries, strict=True)
+            ]
+        )
     if not any(node.value_to_metric for node in path):
         return leaf.rule_key
     parts = [domain]
     for node, entry in zip(path, entries, strict=True):
         if node.value_to_metric and not node.share_threshold:
-            parts.append(f"{entry.key}_{sanitize(entry.value)}")
+            parts.append(entry_label(entry))
         else:
             parts.append(node.label)
     return ".".join(parts)
+
+
+def entry_label(entry: Entry) -> str:
+    """An entry's part of a stats key: `key_value`, or the key alone for an empty value."""
+    return f"{entry.key}_{sanitize(entry.value)}" if entry.value else entry.key
 
 
 _STAT_UNSAFE = str.maketrans({".": "_", ":": "_", "|": "_"})

@@ -1,18 +1,38 @@
-"""Counters known to be over their limit, so a request can be refused without a backend call.
+"""Counters known to be over their limit, so a request can be refused without waiting for the
+backend.
 
 A plain fixed window that is over its limit stays over until the window ends: its counter only
-grows. Remembering it until then lets the sidecar answer OVER_LIMIT at once, which is what keeps
-Redis calm under a flood of rejected traffic (the reference's local cache). Only plain windows
+grows. Remembering it until then lets the sidecar answer OVER_LIMIT at once, with the answer
+the backend would give (`limit_remaining` 0, the time to the window's end). Only plain windows
 qualify: a token bucket refills, a sliding window slides and a borrowing window never counts
-rejections, so their "over" can end at any moment.
+rejections, so their "over" can end at any moment. A counter is known by its key, its field
+and the limit it was found over at (`Hit.counter`), so a rule whose limit changes, or a `limit`
+override of another size on the same entries, asks the backend again.
 
-The answers are the same as without the cache. The counter in the store is not incremented for
-the hits answered here, which only shows in a count already past its limit (the reference's
-local cache behaves the same). It is not used with `--rejected-hits skip`, where a refused
-request must still be judged as a whole.
+The hits refused here are still counted: the limiter adds them to the backend after answering
+(`pending`, taken by `take`), summed per counter, in one call per event-loop turn that goes
+ahead of any later call to the same backend. So the counters hold what they would hold without
+the cache, as the reference's do with its cache off (its default), and a counter read with
+another limit (an override, a reload that raised the limit, another sidecar with other rules)
+gets the answer it would get there. What a flood of refused requests costs the backend is one
+small write per counter per turn instead of a call each. The cache is not used with
+`--rejected-hits skip`, where a refused request must still be judged as a whole and adds
+nothing.
 """
 
 from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+from collections.abc import Callable, Sequence
+
+import structlog
+
+from sidecar.errors import Overloaded, StorageError
+from sidecar.model import Hit, Outcome
+
+log = structlog.get_logger("sidecar.over_limit_cache")
 
 #: A counter as the cache knows it: its key, its field (empty for a counter under its own key)
 #: and its window's limit (`Hit.counter`), so a rule that changes the limit starts afresh.
@@ -20,12 +40,20 @@ Counter = tuple[bytes, bytes, int]
 
 
 class OverLimitCache:
-    """Counters mapped to the Unix ms when their over-limit window ends."""
+    """Counters mapped to the Unix ms when their over-limit window ends, and the hits refused
+    on them not yet added to the backend."""
 
-    def __init__(self, max_entries: int) -> None:
+    def __init__(self, max_entries: int, count: Callable[[list[Hit]], None]) -> None:
         self.max_entries = max_entries
+        #: Adds refused hits to the backend (the limiter's; its reply goes to `added`).
+        self.count = count
+        #: Whether `flush` is due at the end of this turn of the event loop.
+        self._due = False
         #: counter -> when its window ends; empty when nothing is known to be over
         self.ends: dict[Counter, int] = {}
+        #: (key, field) -> a hit refused on it and the hits refused on it in all, still to be
+        #: added to the backend (at most one entry per counter refused since the last `take`).
+        self.pending: dict[tuple[bytes, bytes], tuple[Hit, int]] = {}
 
     def __len__(self) -> int:
         return len(self.ends)
@@ -40,6 +68,53 @@ class OverLimitCache:
             return None
         return end
 
+    def refuse(self, hits: Sequence[Hit], now_ms: int) -> tuple[Hit, int] | None:
+        """The first of one descriptor's `hits` on a plain window known to be over, with when
+        that window ends; None when there is none. When there is one, the descriptor is refused
+        here and the hits its plain windows would have added are queued in `pending` (a plain
+        fixed window adds a rejected hit too)."""
+        for hit in hits:
+            if not hit.window.plain:
+                continue
+            end = self.get(hit.counter, now_ms)
+            if end is None:
+                continue
+            pending = self.pending
+            if not self._due:
+                self._due = True
+                asyncio.get_running_loop().call_soon(self.flush)
+            for refused in hits:
+                if refused.hits and refused.window.plain:
+                    name = (refused.key, refused.field)
+                    queued = pending.get(name)
+                    pending[name] = (
+                        (refused, refused.hits)
+                        if queued is None
+                        else (queued[0], queued[1] + refused.hits)
+                    )
+            return hit, end
+        return None
+
+    def flush(self) -> None:
+        """Add the pending hits to the backend now: at the end of the turn that refused them,
+        or sooner, ahead of the limiter's next call to the backend (one turn's calls share a
+        connection, which keeps them in order), so that call counts them as the reference would.
+        The reply is not read: their answers were given."""
+        self._due = False
+        if self.pending:
+            # A failure loses them: the calls that follow meet it too, and log it.
+            with contextlib.suppress(StorageError, Overloaded):
+                self.count(self.take())
+
+    def take(self) -> list[Hit]:
+        """The pending hits, one per counter with the sum refused on it; none pending after."""
+        hits = [
+            hit if hit.hits == total else dataclasses.replace(hit, hits=total)
+            for hit, total in self.pending.values()
+        ]
+        self.pending.clear()
+        return hits
+
     def put(self, counter: Counter, end_ms: int, now_ms: int) -> None:
         ends = self.ends
         if len(ends) >= self.max_entries:
@@ -49,3 +124,15 @@ class OverLimitCache:
                 # Still full of live windows: start again rather than grow without bound.
                 ends.clear()
         ends[counter] = end_ms
+
+    def clear(self) -> None:
+        """Forget every counter known to be over (new rules: each is asked again); the pending
+        hits stay, to be added."""
+        self.ends.clear()
+
+
+def added(outcomes: list[Outcome] | Exception) -> None:
+    """The backend's reply to refused hits added (see `OverLimitCache.flush`). A failure loses
+    them, as when adding them fails at once; anything else is a bug, logged."""
+    if isinstance(outcomes, Exception) and not isinstance(outcomes, StorageError | Overloaded):
+        log.error("over_limit_cache_count_failed", error=repr(outcomes))

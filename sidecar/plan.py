@@ -12,10 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sidecar.algorithms.windows import field_hit, window_hit
-from sidecar.config import Rules
+from sidecar.counters import field_hit, window_hit
 from sidecar.errors import InvalidRequest
-from sidecar.matching import Match, match, sanitize
+from sidecar.matching import Match, entry_label, match
 from sidecar.model import (
     UNLIMITED_REMAINING,
     Algorithm,
@@ -27,6 +26,7 @@ from sidecar.model import (
     Role,
     single,
 )
+from sidecar.rules import Rules
 from sidecar.storage.keys import descriptor_prefix, field_head, group_key
 
 #: Bounds on what one request may carry; beyond them it is refused with INVALID_ARGUMENT.
@@ -186,7 +186,7 @@ def _override(domain: str, descriptor: Descriptor) -> Match:
     """A rule from Envoy's per-descriptor `limit`, named by every entry as the reference does."""
     override = descriptor.override
     assert override is not None
-    metric_key = domain + "".join(f".{e.key}_{sanitize(e.value)}" for e in descriptor.entries)
+    metric_key = domain + "".join(f".{entry_label(e)}" for e in descriptor.entries)
     limit = single(override.requests_per_unit, override.unit, rule_key=metric_key)
     parts = tuple((e.key, e.value) for e in descriptor.entries)
     return Match(limit, parts, metric_key)

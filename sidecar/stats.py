@@ -2,7 +2,8 @@
 
 Per rule (`ratelimit.service.rate_limit.<metric key>.<stat>`): total_hits, over_limit,
 near_limit, within_limit, shadow_mode. Per service: config loads, global shadow mode, backend
-errors, service errors, and unknown domains. Plain integers on the hot path; `sidecar.metrics`
+errors, service errors (`refused`: the one place a refused call is counted), and unknown
+domains. Plain integers on the hot path; `sidecar.metrics`
 turns them into Prometheus series at scrape time, so a decision pays no exporter cost.
 """
 
@@ -10,6 +11,8 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
+
+from sidecar.errors import InvalidRequest, Overloaded
 
 #: Share of a limit above which hits count as near the limit (the reference's NEAR_LIMIT_RATIO).
 NEAR_LIMIT_RATIO = 0.8
@@ -60,3 +63,16 @@ class Stats:
     #: (`--failure-mode local`); each is a backend error too.
     local_decisions: int = 0
     total_requests: int = 0
+
+    def refused(self, exc: Exception) -> None:
+        """Count a `ShouldRateLimit` call refused with `exc` (its status is
+        `sidecar.rls.statuses`'): an InvalidRequest was never decided, so it counts as a
+        request and a service error; Overloaded was counted as a request when the limiter took
+        it, and counts as overloaded; anything else is a bug, a service error."""
+        if isinstance(exc, InvalidRequest):
+            self.total_requests += 1
+            self.service_error += 1
+        elif isinstance(exc, Overloaded):
+            self.overloaded += 1
+        else:
+            self.service_error += 1

@@ -1,31 +1,43 @@
-"""A backend's callback form seen as its coroutine form, for tests of `apply_then`."""
+"""The decision path's callback forms awaited, for tests: through `sidecar.callbacks.awaited`,
+the one adapter the sidecar's own coroutine callers use."""
 
 from __future__ import annotations
 
-import asyncio
+import functools
 from collections.abc import Sequence
 from typing import Any
 
-from sidecar.model import Hit, Outcome
+from sidecar.callbacks import awaited
+from sidecar.limiter import Limiter
+from sidecar.model import Decision, Hit, Outcome, Request
+from sidecar.plan import Plan
+from sidecar.rls.service import RateLimitService
 
 
-class Callbacks:
-    """A backend's callback form, `apply_then` (the fast transport's path), seen as `apply`, so
-    that the same tests hold it to the same outcomes and failures."""
+async def apply(
+    backend: Any, hits: Sequence[Hit], all_or_nothing: bool, now_ms: int
+) -> list[Outcome]:
+    """What `backend.apply_then` answers (raised when it is an exception)."""
+    outcomes: list[Outcome] = await awaited(
+        functools.partial(backend.apply_then, hits, all_or_nothing, now_ms)
+    )
+    return outcomes
 
-    def __init__(self, backend: Any) -> None:
-        self.backend = backend
-        self.name = backend.name
 
-    async def apply(self, hits: Sequence[Hit], all_or_nothing: bool, now_ms: int) -> list[Outcome]:
-        future: asyncio.Future[list[Outcome] | Exception] = (
-            asyncio.get_running_loop().create_future()
-        )
-        self.backend.apply_then(hits, all_or_nothing, now_ms, future.set_result)
-        result = await future
-        if isinstance(result, Exception):
-            raise result
-        return result
+def _same(decision: Decision) -> Decision:
+    return decision
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.backend, name)
+
+async def decide(limiter: Limiter, plan: Plan) -> Decision:
+    """The decision `limiter.decide_then` answers for a prepared request."""
+    return await awaited(functools.partial(limiter.decide_then, plan, _same))
+
+
+async def should_rate_limit(limiter: Limiter, request: Request) -> Decision:
+    """`request` prepared and decided; raises InvalidRequest for one that breaks the protocol."""
+    return await decide(limiter, limiter.prepare(request))
+
+
+async def service_call(service: RateLimitService, body: bytes) -> bytes:
+    """The serialized response `service.should_rate_limit_then` answers for `body`."""
+    return await awaited(functools.partial(service.should_rate_limit_then, body))

@@ -18,6 +18,7 @@ from servers import RedisCluster, RedisServer, ServerError, start_cluster, start
 
 from sidecar import config
 from sidecar.limiter import Limiter, Settings
+from sidecar.rules import Rules
 from sidecar.storage import Backend, open_backend
 
 # ---------------------------------------------------------------------------------------------
@@ -146,7 +147,7 @@ async def make_limiter(backend_url: str, clock: Clock) -> AsyncIterator[Callable
         backend = open_backend(backend_url, timeout_ms=1000)
         backends.append(backend)
         return Limiter(
-            config.Rules({domain.name: domain}), backend, settings=Settings(**settings), clock=clock
+            Rules({domain.name: domain}), backend, settings=Settings(**settings), clock=clock
         )
 
     yield make
@@ -218,6 +219,7 @@ async def raw(served: Served) -> AsyncIterator[Peer]:
 BOTH_LOOPS = {
     "test_batching.py",
     "test_grpc.py",
+    "test_grpc_tls.py",
     "test_h2_calls.py",
     "test_h2_conformance.py",
     "test_h2_streams.py",

@@ -23,7 +23,7 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -174,6 +174,26 @@ class Process:
 
     def log_tail(self) -> str:
         return _tail(self.log)
+
+
+def start_together(
+    make: Callable[[int], tuple[Process, Process]], attempts: int = 3
+) -> tuple[Process, Process]:
+    """Start the two processes `make(attempt)` builds (a sidecar, then the Envoy in front of
+    it), on fresh free ports each attempt: a port picked free can be taken by another
+    connection of this busy machine before it is bound."""
+    for attempt in range(attempts):
+        first, second = make(attempt)
+        try:
+            first.start()
+            second.start()
+            return first, second
+        except ProcessError:
+            second.stop()
+            first.stop()
+            if attempt == attempts - 1:
+                raise
+    raise ProcessError("no attempt")
 
 
 class Envoy(Process):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ssl
 import struct
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -88,8 +89,13 @@ class Peer:
         self._fragments: list[bytes] = []
 
     @classmethod
-    async def connect(cls, port: int, *, track: bool = True) -> Peer:
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    async def connect(
+        cls, port: int, *, track: bool = True, tls: ssl.SSLContext | None = None
+    ) -> Peer:
+        """With `tls`, over TLS (the server's name taken to be localhost)."""
+        reader, writer = await asyncio.open_connection(
+            "127.0.0.1", port, ssl=tls, server_hostname=None if tls is None else "localhost"
+        )
         return cls(reader, writer, track)
 
     async def close(self) -> None:

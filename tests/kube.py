@@ -22,16 +22,22 @@ import yaml
 
 K8S = Path(__file__).resolve().parent.parent / "k8s"
 #: Oldest and newest Kubernetes minor versions the manifests and the injected pods must fit.
+#: The schemas come with the kubernetes-validate package (the test extra), one per version.
 VERSIONS = ("1.28", kubernetes_validate.latest_version())
+#: A pod with a native sidecar needs Kubernetes 1.29 (SidecarContainers, on by default there).
+NATIVE_VERSIONS = ("1.29", kubernetes_validate.latest_version())
 
 _KUSTOMIZATION_FIELDS = {"apiVersion", "kind", "resources", "patches"}
 _TARGET_FIELDS = {"group", "version", "kind", "name", "namespace"}
 
 
-def assert_valid(obj: Any, versions: tuple[str, ...] = VERSIONS) -> None:
-    """Fail with the field and the reason unless `obj` is valid for every Kubernetes version."""
+def assert_valid(obj: Any, versions: tuple[str, ...] | None = None) -> None:
+    """Fail with the field and the reason unless `obj` is valid for every Kubernetes version:
+    by default VERSIONS, or NATIVE_VERSIONS for a pod (template) with a native sidecar."""
     assert isinstance(obj, dict), f"not a Kubernetes object: {obj!r}"
     label = f"{obj.get('kind')} {obj.get('metadata', {}).get('name')}"
+    if versions is None:
+        versions = NATIVE_VERSIONS if has_native_sidecar(obj) else VERSIONS
     for version in versions:
         try:
             kubernetes_validate.validate(obj, version, strict=True)
@@ -41,6 +47,22 @@ def assert_valid(obj: Any, versions: tuple[str, ...] = VERSIONS) -> None:
             )
         except kubernetes_validate.SchemaNotFoundError as exc:
             pytest.fail(f"{label}: {exc.message}")
+
+
+def pod_spec_of(obj: dict[str, Any]) -> dict[str, Any] | None:
+    """The pod spec of a Pod or of a workload's template; None for other kinds."""
+    spec = obj.get("spec")
+    if obj.get("kind") == "Pod":
+        return spec if isinstance(spec, dict) else None
+    template = spec.get("template") if isinstance(spec, dict) else None
+    found = template.get("spec") if isinstance(template, dict) else None
+    return found if isinstance(found, dict) else None
+
+
+def has_native_sidecar(obj: dict[str, Any]) -> bool:
+    """Whether a Pod or workload has an init container with restartPolicy Always."""
+    spec = pod_spec_of(obj) or {}
+    return any(c.get("restartPolicy") == "Always" for c in spec.get("initContainers", []))
 
 
 def build(directory: Path) -> list[dict[str, Any]]:

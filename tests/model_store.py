@@ -8,17 +8,20 @@ from collections.abc import Sequence
 
 from sidecar.algorithms.decide import Address, State, decide
 from sidecar.model import Dedupe, Hit, Outcome
+from sidecar.storage.base import Applied
 
 
 class Model:
-    """What every backend must answer: `apply` and `record` over the pure decision."""
+    """What every backend must answer: `apply_then` and `record` over the pure decision."""
 
     def __init__(self) -> None:
         self.values: dict[Address, State] = {}
         self.ids: dict[bytes, set[str]] = {}
 
-    async def apply(self, hits: Sequence[Hit], all_or_nothing: bool, now_ms: int) -> list[Outcome]:
-        return self._decide(hits, all_or_nothing, now_ms, force=False)
+    def apply_then(
+        self, hits: Sequence[Hit], all_or_nothing: bool, now_ms: int, done: Applied
+    ) -> None:
+        done(self._decide(hits, all_or_nothing, now_ms, force=False))
 
     async def record(
         self, batches: Sequence[tuple[Sequence[Hit], Dedupe]], now_ms: int

@@ -1,4 +1,5 @@
-"""Real `redis-server` processes for the tests: a standalone server and a 3-master Redis Cluster.
+"""Real `redis-server` processes for the tests: a standalone server, a 3-master Redis Cluster (with
+replicas when asked), and a master with a replica watched by Sentinels (`redis-server --sentinel`).
 
 Every server listens on a free loopback port, keeps nothing on disk (``--save ""``,
 ``--appendonly no``, its own temporary directory) and is stopped by the PID it was started with.
@@ -14,9 +15,10 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import redis
 import redis.cluster
@@ -76,6 +78,8 @@ class RedisServer:
         self.extra_args = extra_args
         #: The port that speaks TLS (see `tls_args`), beside the plain one the fixtures use.
         self.tls_port = tls_port
+        #: A cluster node's flags (`add_replica` starts a replica with the same).
+        self.cluster_args: tuple[str, ...] = ()
         self._process: subprocess.Popen[bytes] | None = None
         workdir.mkdir(parents=True, exist_ok=True)
 
@@ -100,19 +104,11 @@ class RedisServer:
         """Start the server on its port and wait until it answers PING."""
         if self.running:
             return
-        command = [
-            "redis-server",
-            "--bind", HOST,
-            "--port", str(self.port),
-            "--dir", str(self.workdir),
-            "--save", "",
-            "--appendonly", "no",
-            "--daemonize", "no",
-            "--logfile", str(self.workdir / "redis.log"),
-            *self.extra_args,
-        ]  # fmt: skip
         self._process = subprocess.Popen(
-            command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+            self._command(),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
         )
         deadline = time.monotonic() + START_TIMEOUT
         while time.monotonic() < deadline:
@@ -124,6 +120,25 @@ class RedisServer:
             time.sleep(0.02)
         self.stop()
         raise ServerError(f"redis-server on port {self.port} did not answer PING in time")
+
+    def _command(self) -> list[str]:
+        return [
+            "redis-server",
+            "--bind", HOST,
+            "--port", str(self.port),
+            "--dir", str(self.workdir),
+            "--save", "",
+            "--appendonly", "no",
+            "--daemonize", "no",
+            "--logfile", str(self.workdir / "redis.log"),
+            *self.extra_args,
+        ]  # fmt: skip
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash: no goodbye to clients or replicas."""
+        if self._process is not None and self._process.poll() is None:
+            self._process.kill()
+        self.stop()
 
     def stop(self) -> None:
         """Stop the server (SIGTERM, then SIGKILL) and reap it; a no-op when it is not running."""
@@ -227,6 +242,8 @@ class RedisCluster:
 
     def __init__(self, nodes: list[RedisServer]) -> None:
         self.nodes = nodes
+        #: Replicas added by `add_replica` (not in `nodes`, which holds the masters).
+        self.replicas: list[RedisServer] = []
 
     @property
     def url(self) -> str:
@@ -234,7 +251,7 @@ class RedisCluster:
         return f"redis+cluster://{hosts}"
 
     def stop(self) -> None:
-        for node in self.nodes:
+        for node in [*self.nodes, *self.replicas]:
             node.stop()
 
     def flushall(self) -> None:
@@ -255,7 +272,10 @@ class RedisCluster:
 
 
 def start_cluster(
-    workdir: Path, size: int = 3, certificate: tuple[Path, Path] | None = None
+    workdir: Path,
+    size: int = 3,
+    certificate: tuple[Path, Path] | None = None,
+    node_timeout_ms: int = 5000,
 ) -> RedisCluster:
     """A started cluster of `size` masters, every node reporting ``cluster_state:ok``.
 
@@ -272,7 +292,7 @@ def start_cluster(
                 taken.update((port, port + CLUSTER_BUS_OFFSET))
                 args: tuple[str, ...] = (
                     "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
-                    "--cluster-node-timeout", "5000",
+                    "--cluster-node-timeout", str(node_timeout_ms),
                 )  # fmt: skip
                 tls_port = None
                 if certificate is not None:
@@ -283,6 +303,7 @@ def start_cluster(
                 node = RedisServer(
                     workdir / f"attempt-{attempt}" / f"node-{index}", port, args, tls_port
                 )
+                node.cluster_args = args
                 nodes.append(node)
                 node.start()
             _create_cluster(nodes)
@@ -323,3 +344,264 @@ def _cluster_state_ok(node: RedisServer) -> bool:
     except redis.RedisError:
         return False
     return bool(info.get("cluster_state") == "ok")
+
+
+# --- replication and Sentinel ----------------------------------------------------------------
+
+
+def start_replica(
+    workdir: Path, master: RedisServer, extra_args: tuple[str, ...] = ()
+) -> RedisServer:
+    """A started replica of `master`, on a free port, with its link to the master up."""
+    _sync_at_once(master)
+    replica = start_server(workdir, ("--replicaof", HOST, str(master.port), *extra_args))
+    _sync_at_once(replica)  # a master after a failover
+    wait_for(lambda: _info(replica, "replication").get("master_link_status") == "up",
+             "the replica's link to its master")  # fmt: skip
+    return replica
+
+
+def _sync_at_once(master: RedisServer) -> None:
+    """A master sends its data to a new replica at once (by default it waits 5 s for others to
+    join the transfer), and a stop does not wait for its replicas to catch up (10 s)."""
+    with master.client() as client:
+        client.config_set("repl-diskless-sync-delay", 0)
+        client.config_set("shutdown-timeout", 0)
+
+
+def role(server: RedisServer) -> str:
+    """What the server says it is (ROLE): master, slave, or down when it does not answer."""
+    try:
+        with server.client() as client:
+            reply = client.execute_command("ROLE")
+    except redis.RedisError:
+        return "down"
+    name = reply[0]
+    return name.decode() if isinstance(name, bytes) else str(name)
+
+
+def wait_for(condition: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
+    """Poll `condition` every 20 ms until it holds; ServerError naming `what` after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise ServerError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+def _info(server: RedisServer, section: str) -> dict[str, Any]:
+    try:
+        with server.client() as client:
+            return dict(client.info(section))
+    except redis.RedisError:
+        return {}
+
+
+class SentinelServer(RedisServer):
+    """`redis-server --sentinel` watching one master (its config file is its own: Sentinel
+    rewrites it)."""
+
+    def __init__(
+        self,
+        workdir: Path,
+        port: int,
+        master_name: str,
+        master: RedisServer,
+        quorum: int,
+        *,
+        master_port: int | None = None,
+        extra_config: str = "",
+    ) -> None:
+        super().__init__(workdir, port)
+        self.config = workdir / "sentinel.conf"
+        self.config.write_text(
+            f"port {port}\nbind {HOST}\ndir {workdir}\n{extra_config}"
+            f"sentinel monitor {master_name} {HOST} {master_port or master.port} {quorum}\n"
+            # Fast enough for a test to see a failover in a few seconds.
+            f"sentinel down-after-milliseconds {master_name} 500\n"
+            f"sentinel failover-timeout {master_name} 5000\n"
+        )
+
+    def _command(self) -> list[str]:
+        return [
+            "redis-server", str(self.config), "--sentinel",
+            "--daemonize", "no",
+            "--logfile", str(self.workdir / "redis.log"),
+        ]  # fmt: skip
+
+
+class SentinelGroup:
+    """A master, its replica and 1 or 3 Sentinels watching them under MASTER_NAME."""
+
+    MASTER_NAME = "sidecar-master"
+
+    def __init__(
+        self, master: RedisServer, replica: RedisServer, sentinels: list[SentinelServer]
+    ) -> None:
+        self.servers = [master, replica]
+        self.sentinels = sentinels
+
+    @property
+    def url(self) -> str:
+        hosts = ",".join(f"{HOST}:{sentinel.port}" for sentinel in self.sentinels)
+        return f"redis+sentinel://{hosts}/{self.MASTER_NAME}"
+
+    def master_address(self) -> tuple[str, int] | None:
+        """The master as the first Sentinel that answers names it."""
+        for sentinel in self.sentinels:
+            try:
+                with sentinel.client() as client:
+                    host, port = client.execute_command(
+                        "SENTINEL", "get-master-addr-by-name", self.MASTER_NAME
+                    )
+            except redis.RedisError:
+                continue
+            return (host.decode(), int(port))
+        return None
+
+    def master(self) -> RedisServer:
+        """The server the Sentinels name as the master."""
+        address = self.master_address()
+        return next(s for s in self.servers if address is not None and s.port == address[1])
+
+    def replica(self) -> RedisServer:
+        master = self.master()
+        return next(s for s in self.servers if s is not master)
+
+    def settled(self) -> bool:
+        """Every Sentinel names the same master, which says it is one, and knows the replica
+        and the other Sentinels."""
+        address = self.master_address()
+        if address is None:
+            return False
+        master = next((s for s in self.servers if s.port == address[1]), None)
+        if master is None or role(master) != "master":
+            return False
+        for sentinel in self.sentinels:
+            try:
+                with sentinel.client() as client:
+                    state = client.execute_command("SENTINEL", "MASTER", self.MASTER_NAME)
+                    replicas = client.execute_command("SENTINEL", "REPLICAS", self.MASTER_NAME)
+            except redis.RedisError:
+                return False
+            fields = _fields(state)
+            if (
+                int(fields["port"]) != address[1]
+                or int(fields["num-other-sentinels"]) < len(self.sentinels) - 1
+                or "down" in fields["flags"]
+            ):
+                return False
+            # A replica the Sentinel would promote: seen by it (INFO), linked to the master.
+            if not any(
+                _fields(r)["flags"] == "slave" and _fields(r)["master-link-status"] == "ok"
+                for r in replicas
+            ):
+                return False
+        return True
+
+    def stop(self) -> None:
+        for server in [*self.sentinels, *self.servers]:
+            server.stop()
+
+
+def _fields(reply: list[Any]) -> dict[str, str]:
+    """A Sentinel's flat name/value list as a dict of strings."""
+    text = [v.decode() if isinstance(v, bytes) else str(v) for v in reply]
+    return dict(zip(text[::2], text[1::2], strict=True))
+
+
+def start_sentinels(workdir: Path, sentinels: int = 1) -> SentinelGroup:
+    """A master with one replica, watched by `sentinels` Sentinels (quorum: a majority), all
+    on free loopback ports, once every Sentinel knows the replica and the others."""
+    master = start_server(workdir / "master")
+    servers: list[RedisServer] = [master]
+    try:
+        servers.append(start_replica(workdir / "replica", master))
+        watchers: list[SentinelServer] = []
+        for index in range(sentinels):
+            error: ServerError | None = None
+            for attempt in range(START_ATTEMPTS):
+                sentinel = SentinelServer(
+                    workdir / f"sentinel-{index}-{attempt}",
+                    free_port(),
+                    SentinelGroup.MASTER_NAME,
+                    master,
+                    sentinels // 2 + 1,
+                )
+                try:
+                    sentinel.start()
+                except ServerError as exc:
+                    error = exc
+                    continue
+                watchers.append(sentinel)
+                servers.append(sentinel)
+                break
+            else:
+                raise ServerError(f"could not start a Sentinel: {error}")
+        group = SentinelGroup(master, servers[1], watchers)
+        wait_for(group.settled, "the Sentinels to know the master, its replica and each other")
+    except BaseException:
+        for server in servers:
+            server.stop()
+        raise
+    return group
+
+
+def add_replica(cluster: RedisCluster, master: RedisServer, workdir: Path) -> RedisServer:
+    """A new node replicating `master`, joined to the cluster, once every node knows it and its
+    link to the master is up."""
+    taken = {n.port for n in [*cluster.nodes, *cluster.replicas]}
+    taken |= {port + CLUSTER_BUS_OFFSET for port in taken}
+    error: ServerError | None = None
+    for attempt in range(START_ATTEMPTS):
+        port = free_cluster_port(taken)
+        replica = RedisServer(workdir / f"replica-{attempt}", port, master.cluster_args)
+        replica.cluster_args = master.cluster_args
+        try:
+            replica.start()
+        except ServerError as exc:
+            error = exc
+            continue
+        break
+    else:
+        raise ServerError(f"could not start a cluster replica: {error}")
+    cluster.replicas.append(replica)
+    _sync_at_once(master)
+    _sync_at_once(replica)  # a master after a failover
+    with master.client() as client:
+        master_id = client.execute_command("CLUSTER", "MYID").decode()
+    with replica.client() as client:
+        client.execute_command("CLUSTER", "MEET", HOST, master.port)
+    # REPLICATE needs the master known to the new node first.
+    wait_for(lambda: _knows(replica, master_id), "the new node to meet the cluster")
+    with replica.client() as client:
+        client.execute_command("CLUSTER", "REPLICATE", master_id)
+    replica_id = _id_of(replica)
+    # Every master must know it as that master's replica, or they would not vote for it.
+    wait_for(
+        lambda: (
+            _info(replica, "replication").get("master_link_status") == "up"
+            and all(_knows(node, replica_id, f"slave {master_id}") for node in cluster.nodes)
+        ),
+        "the cluster replica's link to its master, known to every master",
+    )
+    return replica
+
+
+def _id_of(node: RedisServer) -> str:
+    with node.client() as client:
+        return str(client.execute_command("CLUSTER", "MYID").decode())
+
+
+def _knows(node: RedisServer, node_id: str, flags: str = "") -> bool:
+    """Whether `node`'s CLUSTER NODES has `node_id` past its handshake (and `flags` in its line)."""
+    try:
+        with node.client() as client:
+            nodes = client.execute_command("CLUSTER", "NODES")
+    except redis.RedisError:
+        return False
+    text = nodes.decode() if isinstance(nodes, bytes) else str(nodes)
+    return any(
+        line.startswith(node_id) and "handshake" not in line and flags in line
+        for line in text.splitlines()
+    )

@@ -120,8 +120,17 @@ class Client:
 
 
 @asynccontextmanager
-async def client(port: int) -> AsyncIterator[Client]:
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+async def client(
+    port: int, credentials: grpc.ChannelCredentials | None = None
+) -> AsyncIterator[Client]:
+    """A client of 127.0.0.1:`port`, over TLS with `credentials`, else in cleartext."""
+    target = f"127.0.0.1:{port}"
+    channel = (
+        grpc.aio.insecure_channel(target)
+        if credentials is None
+        else grpc.aio.secure_channel(target, credentials)
+    )
+    async with channel:
         yield Client(channel)
 
 

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from datetime import datetime
 from zoneinfo import ZoneInfo
 
+from callbacks import should_rate_limit
 from clock import Clock
 
 from sidecar.limiter import Limiter
@@ -57,7 +58,7 @@ def d(*pairs: str, hits: int | None = None) -> Descriptor:
 
 
 async def ask(limiter: Limiter, *descriptors: Descriptor, hits: int = 0) -> Decision:
-    return await limiter.should_rate_limit(Request("algo", descriptors, hits))
+    return await should_rate_limit(limiter, Request("algo", descriptors, hits))
 
 
 async def admitted(limiter: Limiter, descriptor: Descriptor, tries: int) -> int:

@@ -57,6 +57,25 @@ def test_check_reports_the_first_error_with_file_and_path(
     assert "ratelimit" in err
 
 
+def test_check_shows_warnings_and_strict_makes_them_errors(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A file the reference loads but that is likely a mistake: `check` prints the warning on
+    stderr and exits 0; `check --strict` exits 1."""
+    rules = write_rules(
+        tmp_path, "domain: d\ndescriptors:\n  - key: k\n    unit: minute\n", "a.yaml"
+    )
+    assert cli.main(["check", str(rules)]) == 0
+    captured = capsys.readouterr()
+    assert captured.err == (
+        f"warning: {rules}: descriptors[0]: key 'unit' is ignored in a descriptor, as "
+        "envoyproxy/ratelimit ignores it (it belongs in rate_limit: move it there, or remove it)\n"
+    )
+    assert captured.out == f"{rules}: domain 'd': 0 rate limits\n"
+    assert cli.main(["check", "--strict", str(rules)]) == 1
+    assert capsys.readouterr().err.endswith("check --strict: 1 warning(s)\n")
+
+
 def test_check_refuses_a_directory_without_rules(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

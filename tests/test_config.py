@@ -8,7 +8,9 @@ import pytest
 
 from sidecar import config
 from sidecar.errors import ConfigError
-from sidecar.model import Unit
+from sidecar.matching import match
+from sidecar.model import Entry, Unit
+from sidecar.rules import Rules
 
 FIXTURES = Path(__file__).parent / "config"
 
@@ -54,8 +56,20 @@ ERRORS = {
     "bad_yaml.yaml": (
         "error loading config file: yaml: line 3: expected the node content, but found '<stream end>'"
     ),
-    "duplicate_yaml_key.yaml": (
-        "error loading config file: yaml: line 5: found duplicate key 'rate_limit'"
+    "joined_key_collision.yaml": (
+        "descriptors[1]: duplicate descriptor composite key 'test-domain.a_b' "
+        "(merge the two descriptors)"
+    ),
+    "empty_value_beside_key.yaml": (
+        "descriptors[1]: duplicate descriptor composite key 'test-domain.k' "
+        "(merge the two descriptors)"
+    ),
+    "float_value.yaml": (
+        "descriptors[0].value: error checking config: 1.50 is a number with a fraction, which "
+        "envoyproxy/ratelimit refuses (quote it: '1.50')"
+    ),
+    "ignored_key_unknown_inside.yaml": (
+        "descriptors[0].rate_limit.descriptors[0]: config error, unknown key 'ratelimit'"
     ),
     "share_threshold_without_wildcard.yaml": (
         "descriptors[0].share_threshold: share_threshold can only be used with wildcard values "
@@ -150,6 +164,154 @@ ERRORS = {
 }
 
 
+#: Files the reference loads, likely by mistake: loaded as it loads them, with these warnings.
+WARNINGS = {
+    "duplicate_yaml_key.yaml": [
+        "yaml: line 5: key 'rate_limit' is repeated in one map: the last one counts, as "
+        "envoyproxy/ratelimit reads it (remove the others)"
+    ],
+    "limit_fields_beside_rate_limit.yaml": [
+        "descriptors[0]: key 'unit' is ignored in a descriptor, as envoyproxy/ratelimit ignores "
+        "it (it belongs in rate_limit: move it there, or remove it)",
+        "descriptors[0]: key 'requests_per_unit' is ignored in a descriptor, as "
+        "envoyproxy/ratelimit ignores it (it belongs in rate_limit: move it there, or remove it)",
+    ],
+    "empty_rate_limit.yaml": [
+        "descriptors[0].rate_limit: rate_limit is empty, so this descriptor has no limit, as "
+        "envoyproxy/ratelimit reads it (give it unit and requests_per_unit, or remove it)"
+    ],
+    "top_level_name.yaml": [
+        "key 'name' is ignored at the top level, as envoyproxy/ratelimit ignores it (it belongs "
+        "in rate_limit or a replaces entry: move it there, or remove it)"
+    ],
+    "shadow_mode_in_rate_limit.yaml": [
+        "descriptors[0].rate_limit: key 'shadow_mode' is ignored in rate_limit, as "
+        "envoyproxy/ratelimit ignores it (it belongs in a descriptor: move it there, or remove it)"
+    ],
+    "second_document.yaml": [
+        "yaml: a second document is ignored, as envoyproxy/ratelimit reads only the first "
+        "(one domain per file: move it to a file of its own)"
+    ],
+    "star_in_key.yaml": [
+        "descriptors[0].key: '*' in key 'user*' is the character itself here; "
+        "envoyproxy/ratelimit matches it as a wildcard over the joined 'key_value' (rename the "
+        "key, or put the pattern in 'value')"
+    ],
+}
+
+
+@pytest.mark.parametrize("name", sorted(WARNINGS))
+def test_likely_mistake_loads_as_the_reference_loads_it_with_a_warning(name: str) -> None:
+    """A file the reference loads but that is likely a mistake loads, with each warning naming
+    file, path and fix."""
+    path = FIXTURES / name
+    rules = config.load([path])
+    assert [str(w) for w in rules.warnings()] == [f"{path}: {w}" for w in WARNINGS[name]]
+
+
+def test_limit_fields_beside_rate_limit_give_no_limit() -> None:
+    """`unit` and `requests_per_unit` beside `rate_limit` do nothing, as in the reference: the
+    descriptor is whitelisted, not limited."""
+    domain = config.load([FIXTURES / "limit_fields_beside_rate_limit.yaml"]).domains["test-domain"]
+    assert domain.root.keys["key1"].limit is None
+    assert not config.load([FIXTURES / "empty_rate_limit.yaml"]).dump()
+
+
+def test_repeated_key_keeps_the_last_and_a_repeated_rate_limit_keeps_earlier_fields() -> None:
+    """A key repeated in one map keeps its last value; a repeated `rate_limit` keeps the fields
+    only an earlier one sets (go-yaml decodes both into one struct), and so does `metadata`;
+    a key overriding a `<<` merge is no repeat."""
+    domain = config.parse(
+        """
+domain: d
+descriptors:
+  - key: k
+    key: k2
+    rate_limit: {unit: minute, requests_per_unit: 5, name: five, bogus: 1}
+    rate_limit: {unit: hour}
+    metadata: {a: 1, b: 2}
+    metadata: {b: 3}
+  - key: x
+    rate_limit: &base {unit: second, requests_per_unit: 1}
+  - key: m
+    rate_limit: {<<: *base, unit: day}
+""",
+        "rules.yaml",
+    )
+    node = domain.root.keys["k2"]
+    assert "k" not in domain.root.keys
+    assert node.limit is not None
+    assert (node.limit.unit, node.limit.requests_per_unit, node.limit.name) == (
+        Unit.HOUR,
+        5,
+        "five",
+    )
+    assert node.metadata == {"a": 1, "b": 3}
+    merged = domain.root.keys["m"].limit
+    assert merged is not None and (merged.unit, merged.requests_per_unit) == (Unit.DAY, 1)
+    assert [w.message.split(":")[1] for w in domain.warnings] == [" line 5", " line 7", " line 9"]
+
+
+def test_scalars_are_read_as_written() -> None:
+    """A number, boolean or date where text belongs is the text as written (`010`, `on`), as
+    go-yaml reads it into a string; `~` flags and counts are false and 0; `y` is a true flag, as
+    go-yaml reads it; an empty value is a key-only descriptor, as the reference reads it."""
+    domain = config.parse(
+        """
+domain: 2024-01-01
+descriptors:
+  - key: 010
+    value: on
+    shadow_mode: ~
+    rate_limit: {unit: minute, requests_per_unit: ~, name: 0x1F}
+  - key: ev
+    value: ""
+    rate_limit: {unit: second, requests_per_unit: 1}
+  - key: n
+    value: y
+    quota_mode: y
+""",
+        "rules.yaml",
+    )
+    assert domain.name == "2024-01-01"
+    node = domain.root.exact[("010", "on")]
+    assert node.limit is not None
+    assert (node.limit.requests_per_unit, node.limit.name, node.limit.shadow_mode) == (
+        0,
+        "0x1F",
+        False,
+    )
+    assert domain.root.keys["ev"].value is None
+    assert domain.root.exact[("n", "y")].limit is None
+    assert match(domain, (Entry("ev", "a"),)) is not None
+    assert not domain.warnings
+
+
+def test_merge_domain_config_adds_descriptors_and_refuses_one_declared_twice() -> None:
+    """With merge (MERGE_DOMAIN_CONFIG), a domain declared again adds its descriptors; one in
+    both files is refused, naming the second file and the first."""
+    first = config.parse(
+        "domain: d\ndescriptors: [{key: a, rate_limit: {unit: second}}]\n", "1.yaml"
+    )
+    second = config.parse(
+        "domain: d\ndescriptors: [{key: b, value: '*', rate_limit: {unit: hour}}]\n", "2.yaml"
+    )
+    again = config.parse("domain: d\ndescriptors: [{key: b, value: 'x'}, {key: a}]\n", "3.yaml")
+    rules = config.gather([first, second], merge=True)
+    domain = rules.domains["d"]
+    assert domain.source == "1.yaml, 2.yaml"
+    assert [n.label for n in domain.root.nodes()] == ["a", "b_*"]
+    assert match(domain, (Entry("b", "anything"),)) is not None
+    with pytest.raises(ConfigError) as info:
+        config.gather([first, second, again], merge=True)
+    assert str(info.value) == (
+        "3.yaml: descriptors[1]: duplicate descriptor composite key 'd.a' "
+        "(already declared in 1.yaml, 2.yaml; merge the two descriptors)"
+    )
+    with pytest.raises(ConfigError, match="duplicate domain 'd'"):
+        config.gather([first, second])
+
+
 @pytest.mark.parametrize("name", sorted(ERRORS))
 def test_config_error_names_file_path_and_fix(name: str) -> None:
     """Each broken fixture fails to load with the whole expected message, prefixed by its file."""
@@ -165,7 +327,7 @@ def test_every_error_fixture_is_asserted() -> None:
         "duplicate_domain_a.yaml",
         "duplicate_domain_b.yaml",
     }
-    assert names == set(ERRORS)
+    assert names == set(ERRORS) | set(WARNINGS)
 
 
 def test_duplicate_domain_across_files_names_both_files() -> None:
@@ -232,7 +394,7 @@ descriptors:
 
 def test_dump_prints_one_reference_line_per_rule() -> None:
     """`/rlconfig` shows one line per rule in the reference's format."""
-    rules = config.Rules(
+    rules = Rules(
         {
             "d": config.parse(
                 """
@@ -267,7 +429,7 @@ def test_empty_file_is_an_empty_domain_error() -> None:
 
 def test_extensions_show_in_rlconfig() -> None:
     """`/rlconfig` and `check` show the new fields; reference-format rules print as before."""
-    rules = config.Rules(
+    rules = Rules(
         {
             "d": config.parse(
                 """

@@ -6,10 +6,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import pytest
+from callbacks import apply, should_rate_limit
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sidecar import config
+from sidecar import config, counters
 from sidecar.algorithms import fixed_window, windows
 from sidecar.errors import InvalidRequest, StorageError
 from sidecar.limiter import Limiter, Settings
@@ -25,8 +26,10 @@ from sidecar.model import (
     Unit,
     Window,
 )
+from sidecar.rules import Rules
 from sidecar.stats import RuleStats
 from sidecar.storage import open_backend
+from sidecar.storage.base import Applied
 from sidecar.storage.keys import descriptor_prefix, fixed_window_key, hash_tag
 from sidecar.storage.memory import MemoryBackend
 
@@ -66,7 +69,7 @@ def test_windows_align_to_the_epoch() -> None:
     """A window starts at floor(now / W) * W, and resets W - now % W seconds later."""
     assert windows.epoch_window(1234, 60) == (1200, 1260)
     assert windows.epoch_window(1_000_000, 3600) == (997_200, 1_000_800)
-    hit = windows.window_hit("p", Window(5, Unit.MINUTE), 1, 0, Role.BLOCKING, 1_234_900)
+    hit = counters.window_hit("p", Window(5, Unit.MINUTE), 1, 0, Role.BLOCKING, 1_234_900)
     assert (hit.key, hit.end_ms - 1_234_900, hit.ttl) == (b"p|60|1200", 25_100, 60)
     assert (hit.start_ms, hit.end_ms) == (1_200_000, 1_260_000)
 
@@ -101,12 +104,12 @@ async def test_a_key_repeated_in_one_request_sees_its_earlier_hits() -> None:
     """A counter repeated in one request: the second hit sees the first as added."""
     window = Window(3, Unit.MINUTE)
     hits = [Hit(b"k", 2, window, group=0), Hit(b"k", 2, window, group=1)]
-    outcomes = await MemoryBackend().apply(hits, all_or_nothing=False, now_ms=0)
+    outcomes = await apply(MemoryBackend(), hits, all_or_nothing=False, now_ms=0)
     assert [(o.over, o.remaining, o.applied) for o in outcomes] == [
         (False, 1, True),
         (True, 0, True),
     ]
-    outcomes = await MemoryBackend().apply(hits, all_or_nothing=True, now_ms=0)
+    outcomes = await apply(MemoryBackend(), hits, all_or_nothing=True, now_ms=0)
     assert [(o.over, o.applied) for o in outcomes] == [(False, False), (True, False)]
 
 
@@ -152,9 +155,9 @@ async def test_memory_backend_evicts_expired_windows() -> None:
     backend = MemoryBackend()
     window = Window(5, Unit.MINUTE)
     for i in range(1000):
-        await backend.apply([Hit(f"k{i}".encode(), 1, window, ttl=60)], False, 1_000_000)
+        await apply(backend, [Hit(f"k{i}".encode(), 1, window, ttl=60)], False, 1_000_000)
     assert len(backend) == 1000
-    await backend.apply([Hit(b"fresh", 1, window, ttl=60)], False, 1_061_000)
+    await apply(backend, [Hit(b"fresh", 1, window, ttl=60)], False, 1_061_000)
     assert len(backend) == 1
 
 
@@ -162,23 +165,23 @@ async def test_memory_token_bucket_state_expires_when_full() -> None:
     """A bucket's state lives until the bucket would be full again, then it is evicted."""
     backend = MemoryBackend()
     window = Window(10, Unit.SECOND, algorithm=Algorithm.TOKEN_BUCKET)
-    await backend.apply([Hit(b"b", 5, window)], False, 0)
+    await apply(backend, [Hit(b"b", 5, window)], False, 0)
     assert len(backend) == 1
-    await backend.apply([Hit(b"other", 0, window)], False, 499)
+    await apply(backend, [Hit(b"other", 0, window)], False, 499)
     assert len(backend) == 1
-    await backend.apply([Hit(b"other", 0, window)], False, 500)
+    await apply(backend, [Hit(b"other", 0, window)], False, 500)
     assert len(backend) == 0
 
 
 async def test_memory_check_creates_nothing() -> None:
     """A check (0 hits) on an absent counter leaves no counter behind."""
     backend = MemoryBackend()
-    outcomes = await backend.apply([Hit(b"k", 0, Window(5, Unit.MINUTE))], False, 0)
+    outcomes = await apply(backend, [Hit(b"k", 0, Window(5, Unit.MINUTE))], False, 0)
     assert outcomes == [Outcome(False, 5, 0, True, 5)]
     assert len(backend) == 0
 
 
-RULES = config.Rules(
+RULES = Rules(
     {
         "d": config.parse(
             """
@@ -204,9 +207,11 @@ class FailingBackend:
     def __init__(self) -> None:
         self.calls = 0
 
-    async def apply(self, hits: Sequence[Hit], all_or_nothing: bool, now_ms: int) -> list[Outcome]:
+    def apply_then(
+        self, hits: Sequence[Hit], all_or_nothing: bool, now_ms: int, done: Applied
+    ) -> None:
         self.calls += 1
-        raise StorageError("timed out after 50 ms")
+        done(StorageError("timed out after 50 ms"))
 
     async def ping(self) -> bool:
         return False
@@ -242,7 +247,7 @@ async def test_invalid_requests_are_refused_and_change_nothing(
     backend = FailingBackend()
     limiter = Limiter(RULES, backend)
     with pytest.raises(InvalidRequest) as info:
-        await limiter.should_rate_limit(request_)
+        await should_rate_limit(limiter, request_)
     assert str(info.value) == message
     assert backend.calls == 0
     assert limiter.stats.service_error == 1
@@ -251,7 +256,7 @@ async def test_invalid_requests_are_refused_and_change_nothing(
 async def test_failure_mode_allow() -> None:
     """With the store down, failure mode allow answers OK with no limit and counts the error."""
     limiter = Limiter(RULES, FailingBackend())
-    decision = await limiter.should_rate_limit(Request("d", (one(("k", "v")),)))
+    decision = await should_rate_limit(limiter, Request("d", (one(("k", "v")),)))
     assert decision.overall_code is Code.OK
     assert decision.statuses[0].limit is None
     assert limiter.stats.backend_error == 1
@@ -261,10 +266,10 @@ async def test_failure_mode_deny() -> None:
     """With the store down, failure mode deny answers OVER_LIMIT for limited descriptors, but a
     shadow rule still never denies."""
     limiter = Limiter(RULES, FailingBackend(), settings=Settings(failure_mode="deny"))
-    decision = await limiter.should_rate_limit(Request("d", (one(("k", "v")), one(("x", "y")))))
+    decision = await should_rate_limit(limiter, Request("d", (one(("k", "v")), one(("x", "y")))))
     assert decision.overall_code is Code.OVER_LIMIT
     assert [s.code for s in decision.statuses] == [Code.OVER_LIMIT, Code.OK]
-    shadow = await limiter.should_rate_limit(Request("d", (one(("s", "v")),)))
+    shadow = await should_rate_limit(limiter, Request("d", (one(("s", "v")),)))
     assert shadow.overall_code is Code.OK
 
 
@@ -272,7 +277,7 @@ async def test_unlimited_and_unmatched_never_call_the_store() -> None:
     """Requests with no limited descriptor are answered without a backend call."""
     backend = FailingBackend()
     limiter = Limiter(RULES, backend)
-    decision = await limiter.should_rate_limit(Request("d", (one(("none", "v")),)))
+    decision = await should_rate_limit(limiter, Request("d", (one(("none", "v")),)))
     assert decision.overall_code is Code.OK
     assert backend.calls == 0
 
@@ -281,7 +286,7 @@ async def test_the_memory_backend_keeps_at_most_max_counters_evicting_the_earlie
     """With `max_counters` values held, storing one more evicts the value whose window ends
     first (an hour's window outlives a minute's), counted in `evicted`; the rest keep
     counting."""
-    rules = config.Rules(
+    rules = Rules(
         {
             "d": config.parse(
                 """
@@ -300,7 +305,7 @@ descriptors:
     limiter = Limiter(rules, backend, clock=lambda: 1_700_000_000.0)
 
     async def hit(key: str, value: str) -> int:
-        decision = await limiter.should_rate_limit(Request("d", (one((key, value)),)))
+        decision = await should_rate_limit(limiter, Request("d", (one((key, value)),)))
         return decision.statuses[0].limit_remaining
 
     assert [await hit("hour", "a"), await hit("minute", "b"), await hit("hour", "c")] == [4] * 3

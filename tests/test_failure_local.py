@@ -1,7 +1,8 @@
 """`--failure-mode local`: while the backend fails, each sidecar limits on its own counters at
 its share of every limit (limit / N), and goes back to the shared counters when the backend
 answers again. Against a real redis-server, stopped and started on the same port, through both
-ways a decision is made (`decide` and the callbacks of `decide_then`)."""
+ways a caller gets a decision (awaited through `sidecar.callbacks.awaited`, and the callbacks
+of `decide_then`)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
+from callbacks import decide
 from clock import Clock
 from envoy.service.ratelimit.v3.rls_pb2 import RateLimitResponse  # type: ignore[import-untyped]
 from servers import RedisServer
@@ -20,6 +22,7 @@ from sidecar.cli import _worker_flags, build_parser
 from sidecar.limiter import Limiter, Settings, local_share
 from sidecar.model import Code, Descriptor, Entry, Request
 from sidecar.rls import convert
+from sidecar.rules import Rules
 from sidecar.storage import open_backend
 from sidecar.storage.peers import PEERS_INTERVAL, PEERS_KEY, CountsPeers
 
@@ -53,13 +56,13 @@ def test_a_share_is_the_limit_divided_rounded_down_but_never_zero_of_a_limit() -
         Settings(failure_mode="local", local_divisor=0)
 
 
-@pytest.fixture(params=["decide", "decide_then"])
+@pytest.fixture(params=["awaited", "decide_then"])
 async def ask(
     request: pytest.FixtureRequest, restartable_redis: RedisServer, clock: Clock
 ) -> AsyncIterator[tuple[Limiter, Callable[[str], asyncio.Future[Answer]]]]:
     """A limiter under `--failure-mode local --local-divisor 3` on the test's own Redis, and
     `ask(key)`: one call for the descriptor (key, "a"), answered through `request.param`."""
-    rules = config.Rules({"d": config.parse(RULES, "rules.yaml")})
+    rules = Rules({"d": config.parse(RULES, "rules.yaml")})
     backend = open_backend(f"redis://127.0.0.1:{restartable_redis.port}", timeout_ms=200)
     limiter = Limiter(
         rules,
@@ -70,8 +73,8 @@ async def ask(
 
     def ask(key: str) -> asyncio.Future[Answer]:
         plan = limiter.prepare(Request("d", (Descriptor((Entry(key, "a"),)),), 0))
-        if request.param == "decide":
-            return asyncio.ensure_future(_read(limiter.decide(plan)))
+        if request.param == "awaited":
+            return asyncio.ensure_future(_read(decide(limiter, plan)))
         answered: asyncio.Future[Answer] = asyncio.get_running_loop().create_future()
 
         def done(answer: bytes | Exception) -> None:

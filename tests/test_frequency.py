@@ -11,13 +11,14 @@ from datetime import datetime
 from zoneinfo import ZoneInfo
 
 import pytest
+from callbacks import apply, should_rate_limit
 from clock import Clock
 
 from sidecar import config
 from sidecar.algorithms.decide import Address, State
 from sidecar.algorithms.fixed_window import request_is_over
 from sidecar.errors import InvalidRequest, UnknownDomain
-from sidecar.frequency import (
+from sidecar.frequency.caps import (
     DEDUPE_MARGIN,
     Candidate,
     FrequencyCaps,
@@ -34,12 +35,13 @@ from sidecar.model import (
     Descriptor,
     Entry,
     Hit,
-    Outcome,
     Request,
     Role,
 )
 from sidecar.plan import descriptor_hits
+from sidecar.rules import Rules
 from sidecar.storage import Backend, open_backend
+from sidecar.storage.base import Applied
 
 RULES = """
 domain: ads
@@ -85,8 +87,10 @@ class CountingBackend:
         self.name = backend.name
         self.reads = 0
 
-    async def apply(self, hits: Sequence[Hit], all_or_nothing: bool, now_ms: int) -> list[Outcome]:
-        return await self.backend.apply(hits, all_or_nothing, now_ms)
+    def apply_then(
+        self, hits: Sequence[Hit], all_or_nothing: bool, now_ms: int, done: Applied
+    ) -> None:
+        self.backend.apply_then(hits, all_or_nothing, now_ms, done)
 
     async def read(self, addresses: Sequence[Address], now_ms: int) -> list[State | None]:
         self.reads += 1
@@ -126,7 +130,7 @@ async def make_sidecar(backend_url: str, clock: Clock) -> AsyncIterator[Callable
 
     def make(rules: str = RULES, dedupe_horizon: int = DAY) -> Sidecar:
         domain = config.parse(rules, "rules.yaml")
-        loaded = config.Rules({domain.name: domain})
+        loaded = Rules({domain.name: domain})
         backend = CountingBackend(open_backend(backend_url, timeout_ms=2_000))
         opened.append(backend)
         caps = FrequencyCaps(loaded, backend, clock=clock, dedupe_horizon=dedupe_horizon)
@@ -235,7 +239,7 @@ async def test_records_of_different_ids_on_one_cap_all_count_even_past_it(
     assert [r.counted for r in first] + [r[0].counted for r in rest] == [True] * 6
 
     check = Request("ads", (Descriptor((Entry("user", "u1"), Entry("ad", "a1")), hits_addend=0),))
-    decision = await sidecar.limiter.should_rate_limit(check)
+    decision = await should_rate_limit(sidecar.limiter, check)
     assert decision.overall_code is Code.OVER_LIMIT
     # Each window reports what it admits: nothing, and the month too is past its 4.
     assert decision.statuses[0].limit_remaining == 0
@@ -296,7 +300,7 @@ async def test_envoy_and_the_api_move_the_same_counters(
     recorded through the API are what Envoy's check sees."""
     sidecar = make_sidecar()
     envoy = Request("ads", (Descriptor((Entry("user", "u1"), Entry("ad", "a1"))),))
-    decision = await sidecar.limiter.should_rate_limit(envoy)
+    decision = await should_rate_limit(sidecar.limiter, envoy)
     assert decision.statuses[0].limit_remaining == 2
     assert (await sidecar.check("u1", Candidate("a1")))[0].remaining == 2
 
@@ -308,9 +312,9 @@ async def test_envoy_and_the_api_move_the_same_counters(
             Descriptor((Entry("user", "u1"), Entry("campaign", "c1")), hits_addend=0),
         ),
     )
-    statuses = (await sidecar.limiter.should_rate_limit(check)).statuses
+    statuses = (await should_rate_limit(sidecar.limiter, check)).statuses
     assert [s.limit_remaining for s in statuses] == [1, 4]
-    await sidecar.limiter.should_rate_limit(envoy)
+    await should_rate_limit(sidecar.limiter, envoy)
     assert (await sidecar.check("u1", Candidate("a1")))[0].allowed is False
 
 
@@ -400,16 +404,16 @@ async def test_the_over_limit_cache_tells_the_counters_of_one_user_apart(
     ads, although all of them live in one hash."""
     domain = config.parse(RULES.replace(", calendar: true, timezone: Asia/Shanghai", ""), "r.yaml")
     backend = open_backend(redis_url, timeout_ms=2_000)
-    limiter = Limiter(config.Rules({"ads": domain}), backend, clock=clock, over_limit_cache=100)
+    limiter = Limiter(Rules({"ads": domain}), backend, clock=clock, over_limit_cache=100)
     try:
 
         def ask(ad: str) -> Request:
             return Request("ads", (Descriptor((Entry("user", "u1"), Entry("ad", ad))),))
 
-        codes = [(await limiter.should_rate_limit(ask("a1"))).overall_code for _ in range(5)]
+        codes = [(await should_rate_limit(limiter, ask("a1"))).overall_code for _ in range(5)]
         assert codes == [Code.OK] * 3 + [Code.OVER_LIMIT] * 2
         assert limiter.over_limit_cache is not None and len(limiter.over_limit_cache) == 1
-        assert (await limiter.should_rate_limit(ask("a2"))).overall_code is Code.OK
+        assert (await should_rate_limit(limiter, ask("a2"))).overall_code is Code.OK
     finally:
         await backend.close()
 
@@ -458,7 +462,7 @@ async def script_verdicts(
             if found is None or found.limit.unlimited:
                 continue
             hits = descriptor_hits("ads", found, 0, len(groups), now_ms)
-            groups.append((found.limit.role, await sidecar.backend.apply(hits, False, now_ms)))
+            groups.append((found.limit.role, await apply(sidecar.backend, hits, False, now_ms)))
         if not groups:
             verdicts.append(Verdict(candidate.ad, True, UNLIMITED_REMAINING, 0))
             continue
@@ -493,7 +497,7 @@ async def test_checks_answer_as_the_script_would(
             await sidecar.record(Impression(f"i{step}", "u1", ad, campaign))
         else:
             entries = (Entry("user", "u1"), Entry("ad", ad))
-            await sidecar.limiter.should_rate_limit(Request("ads", (Descriptor(entries),)))
+            await should_rate_limit(sidecar.limiter, Request("ads", (Descriptor(entries),)))
         candidates = [Candidate(a, c) for a in ads for c in campaigns]
         now_ms = int(clock.now * 1000)
         expected = await script_verdicts(sidecar, "u1", candidates, now_ms)

@@ -19,9 +19,10 @@ from sidecars import Clock, client, request, running_app, write_rules
 from sidecar.algorithms.decide import Address, State
 from sidecar.app import TRANSPORTS, App
 from sidecar.errors import StorageError
-from sidecar.model import Dedupe, Hit, Outcome
+from sidecar.frequency.service import CHECK_ADS, RECORD_IMPRESSIONS
+from sidecar.model import Dedupe, Hit
 from sidecar.proto.ratelimit_sidecar.frequency.v1 import frequency_pb2 as pb
-from sidecar.rls.frequency import CHECK_ADS, RECORD_IMPRESSIONS
+from sidecar.storage.base import Applied
 from sidecar.storage.memory import MemoryBackend
 
 RULES = """\
@@ -224,8 +225,10 @@ async def test_http_body_over_1_mib_answers_413(http: aiohttp.ClientSession) -> 
 
 
 class _Unavailable(MemoryBackend):
-    async def apply(self, hits: Sequence[Hit], all_or_nothing: bool, now_ms: int) -> list[Outcome]:
-        raise StorageError("redis: no answer within 50 ms")
+    def apply_then(
+        self, hits: Sequence[Hit], all_or_nothing: bool, now_ms: int, done: Applied
+    ) -> None:
+        done(StorageError("redis: no answer within 50 ms"))
 
     async def read(self, addresses: Sequence[Address], now_ms: int) -> list[State | None]:
         raise StorageError("redis: no answer within 50 ms")

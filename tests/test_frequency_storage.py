@@ -14,15 +14,18 @@ from zoneinfo import available_timezones
 
 import pytest
 import redis
+from callbacks import apply
 from clock import Clock
 from model_store import Model
 from servers import RedisServer
 
 from sidecar import config
 from sidecar.algorithms import windows
-from sidecar.algorithms.windows import FIELD_GRACE, code, field_hit, kind, zone_code
-from sidecar.frequency import Candidate, FrequencyCaps, Impression
+from sidecar.algorithms.windows import FIELD_GRACE
+from sidecar.counters import code, field_hit, kind, zone_code
+from sidecar.frequency.caps import Candidate, FrequencyCaps, Impression
 from sidecar.model import Algorithm, Dedupe, Hit, Role, Unit, Window
+from sidecar.rules import Rules
 from sidecar.storage import Backend, open_backend
 from sidecar.storage.keys import base36, dedupe_key, field_head, group_key, keep_until_id
 from sidecar.storage.memory import MemoryBackend
@@ -85,7 +88,7 @@ def all_keys(nodes: Sequence[RedisServer]) -> set[bytes]:
 async def caps(store: tuple[str, list[RedisServer]], clock: Clock) -> AsyncIterator[FrequencyCaps]:
     domain = config.parse(RULES, "rules.yaml")
     backend = open_backend(store[0], timeout_ms=2_000)
-    yield FrequencyCaps(config.Rules({"ads": domain}), backend, clock=clock)
+    yield FrequencyCaps(Rules({"ads": domain}), backend, clock=clock)
     await backend.close()
 
 
@@ -176,7 +179,7 @@ async def test_without_group_counters_counters_keep_one_key_each(
     domain = config.parse(RULES.replace("    group_counters: true\n", ""), "rules.yaml")
     backend = open_backend(store[0], timeout_ms=2_000)
     try:
-        caps = FrequencyCaps(config.Rules({"ads": domain}), backend, clock=clock)
+        caps = FrequencyCaps(Rules({"ads": domain}), backend, clock=clock)
         now = int(clock.now)
         await caps.record("ads", [Impression("i1", "u1", "a1")])
     finally:
@@ -193,7 +196,7 @@ async def test_memory_forgets_grouped_counters_of_ended_windows(clock: Clock) ->
     """The memory backend drops a grouped counter when Redis would prune its field."""
     backend = MemoryBackend()
     domain = config.parse(RULES, "rules.yaml")
-    caps = FrequencyCaps(config.Rules({"ads": domain}), backend, clock=clock)
+    caps = FrequencyCaps(Rules({"ads": domain}), backend, clock=clock)
     clock.now = (clock.now // MONTH) * MONTH + 3 * DAY + 100
     await caps.record("ads", [Impression("i1", "u1", "a1")])
     assert len(backend) == 3  # day, month, the ids
@@ -360,16 +363,16 @@ async def test_grouped_counters_agree_with_the_pure_decision(
             assert got_ids == expected_ids, f"step {number}: {step}"
         else:
             hits = hits_of(step.parts, step.now_ms)
-            expected = await model.apply(hits, step.all_or_nothing, step.now_ms)
-            got = await parity_backend.apply(hits, step.all_or_nothing, step.now_ms)
+            expected = await apply(model, hits, step.all_or_nothing, step.now_ms)
+            got = await apply(parity_backend, hits, step.all_or_nothing, step.now_ms)
             assert got == expected, f"step {number}: {step}"
     # The state the records left is the model's too: every window checked once more.
     for user in ("u1", "u2"):
         for ad in ("a1", "a2", "a|3"):
             parts = ((user, ad, tuple(range(len(PARITY_WINDOWS))), 0, ""),)
             hits = hits_of(parts, step.now_ms)
-            assert await parity_backend.apply(hits, False, step.now_ms) == await model.apply(
-                hits, False, step.now_ms
+            assert await apply(parity_backend, hits, False, step.now_ms) == await apply(
+                model, hits, False, step.now_ms
             )
 
 

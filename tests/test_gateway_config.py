@@ -17,8 +17,8 @@ import yaml
 from envoys import validate
 
 from sidecar import cli, config
+from sidecar.envoy_config import feeds, sources
 from sidecar.errors import ConfigError
-from sidecar.gateway import plan, sources
 
 ROOT = Path(__file__).resolve().parent.parent
 ENVOY_DIR = ROOT / "envoy"
@@ -128,7 +128,7 @@ def test_gateway_yaml_is_exactly_what_its_generating_command_prints() -> None:
 def test_gateway_rules_load_and_every_rule_has_a_source() -> None:
     """envoy/rules loads, and the gateway's sources cover every key of every rule."""
     domain = config.load([RULES]).domains["gateway"]
-    feed = plan.plan(domain, sources.load(SOURCES), [plan.Route("ads", "/ads")])
+    feed = feeds.feed(domain, sources.load(SOURCES), [feeds.Route("ads", "/ads")])
     assert [d.keys for d in feed.routes[0].descriptors] == [
         ("app", "remote_address"),
         ("app", "user", "interface"),
@@ -287,6 +287,27 @@ def test_a_bootstrap_with_every_attribute_passes_envoy_validate(
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+def test_a_unix_socket_sidecar_is_a_static_pipe_cluster_envoy_accepts(
+    capsys: pytest.CaptureFixture[str], envoy_binary: str, tmp_path: Path
+) -> None:
+    """`--sidecar unix:PATH` (the injected sidecar's socket in a pod): the ratelimit cluster
+    reaches a pipe at PATH, needs no resolver, still speaks HTTP/2, and Envoy accepts it."""
+    socket = "/var/run/ratelimit-sidecar/rls.sock"
+    bootstrap = generate(capsys, tmp_path, "--bootstrap", "--route", "api=/api",
+        "--route", "ads=/ads", "--sidecar", f"unix:{socket}",
+    )  # fmt: skip
+    (cluster,) = [c for c in bootstrap["static_resources"]["clusters"] if c["name"] == "ratelimit"]
+    assert cluster["type"] == "STATIC"
+    (endpoint,) = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"]
+    assert endpoint["endpoint"]["address"] == {"pipe": {"path": socket}}
+    options = cluster["typed_extension_protocol_options"]
+    assert "http2_protocol_options" in str(options)
+    path = tmp_path / "bootstrap.yaml"
+    path.write_text(yaml.safe_dump(bootstrap))
+    result = validate(envoy_binary, path)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
 def test_a_rule_key_without_a_source_is_an_error_naming_it(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -308,7 +329,7 @@ def test_a_source_on_an_unknown_route_is_an_error(tmp_path: Path) -> None:
     """`routes` may only name routes given with --route."""
     domain = config.parse(RULES_TEXT, "rules.yaml")
     with pytest.raises(ConfigError) as caught:
-        plan.plan(domain, sources.parse(SOURCES_TEXT, "s.yaml"), [plan.Route("api", "/")])
+        feeds.feed(domain, sources.parse(SOURCES_TEXT, "s.yaml"), [feeds.Route("api", "/")])
     assert str(caught.value) == "s.yaml: ad.routes: unknown route 'ads' (the routes are: api)"
 
 
@@ -335,10 +356,18 @@ def test_several_domains_need_domain_flag(
 
 @pytest.mark.parametrize(
     "flag",
-    [["--route", "api"], ["--route", "api=api"], ["--sidecar", "nowhere"], ["--timeout-ms", "0"]],
+    [
+        ["--route", "api"],
+        ["--route", "api=api"],
+        ["--sidecar", "nowhere"],
+        ["--sidecar", "unix:rls.sock"],
+        ["--sidecar", "unix:"],
+        ["--timeout-ms", "0"],
+    ],
 )
 def test_malformed_flags_exit_2(tmp_path: Path, flag: list[str]) -> None:
-    """A route without NAME=/PREFIX, an address without a port or a zero timeout is a usage error."""
+    """A route without NAME=/PREFIX, an address without a port, a relative socket path or a
+    zero timeout is a usage error."""
     with pytest.raises(SystemExit) as caught:
         cli.main(["envoy-config", "--rules", "r", "--sources", "s", *flag])
     assert caught.value.code == 2

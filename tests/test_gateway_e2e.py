@@ -26,7 +26,7 @@ from envoys import Envoy, ProcessError, Response, Sidecar, Upstream, free_port, 
 from servers import RedisServer
 
 from sidecar import cli
-from sidecar.gateway import commands
+from sidecar.envoy_config import commands
 
 ROOT = Path(__file__).resolve().parent.parent
 GATEWAY = ROOT / "envoy" / "gateway.yaml"
@@ -99,6 +99,26 @@ def generating_command() -> list[str]:
     return argv[1:]
 
 
+def bootstrap(
+    rules: Path,
+    sidecar_port: int,
+    port: int,
+    admin_port: int,
+    upstream_port: int,
+    timeout: float = ENVOY_TIMEOUT,
+) -> str:
+    """envoy/gateway.yaml's own command run again with these rules, ports and timeout."""
+    argv = generating_command()
+    args = cli.parse_args(argv)
+    args.rules = [str(rules)]
+    args.sidecar = ("127.0.0.1", sidecar_port)
+    args.listen = ("127.0.0.1", port)
+    args.upstream = ("127.0.0.1", upstream_port)
+    args.admin = ("127.0.0.1", admin_port)
+    args.timeout_ms = int(timeout * 1000)
+    return commands.generate(args, argv)
+
+
 @pytest.fixture(scope="module")
 def gateway(
     envoy_binary: str, redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory
@@ -122,16 +142,10 @@ def gateway(
             free_port(), free_port(), workdir / "sidecar.log",
         )  # fmt: skip
         port, admin_port = free_port(), free_port()
-        argv = generating_command()
-        args = cli.parse_args(argv)
-        args.rules = [str(rules)]
-        args.sidecar = ("127.0.0.1", sidecar.grpc_port)
-        args.listen = ("127.0.0.1", port)
-        args.upstream = ("127.0.0.1", upstream.port)
-        args.admin = ("127.0.0.1", admin_port)
-        args.timeout_ms = int(ENVOY_TIMEOUT * 1000)
         config = workdir / "envoy.yaml"
-        config.write_text(commands.generate(args, argv))
+        config.write_text(
+            bootstrap(rules, sidecar.grpc_port, port, admin_port, upstream.port, ENVOY_TIMEOUT)
+        )
         envoy = Envoy(envoy_binary, config, admin_port, workdir / "envoy.log")
         try:
             sidecar.start()

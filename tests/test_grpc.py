@@ -18,7 +18,7 @@ from servers import RedisServer
 from sidecars import NOW, Clock, client, request, running_app, serve_process, write_rules
 
 from sidecar.app import TRANSPORTS
-from sidecar.model import Hit, Outcome
+from sidecar.model import Hit
 from sidecar.storage.base import Applied
 from sidecar.storage.memory import MemoryBackend
 from sidecar.storage.pipeline import PipelinedRedis
@@ -172,8 +172,8 @@ async def test_an_override_with_unit_unknown_is_invalid_argument(
 
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert caught.value.details() == (
-        "descriptors[0].limit.unit must be one of SECOND, MINUTE, HOUR, DAY, MONTH, YEAR, "
-        "got UNKNOWN (0)"
+        "descriptors[0].limit.unit must be one of SECOND (1), MINUTE (2), HOUR (3), DAY (4), "
+        "MONTH (5), YEAR (6), WEEK (7), got UNKNOWN (0)"
     )
     assert unknown_number.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert unknown_number.value.details().endswith("got 42")
@@ -203,18 +203,11 @@ async def test_an_absurd_hits_addend_is_invalid_argument(rules: Path, transport:
 
 
 class _BrokenOnce(MemoryBackend):
-    """A backend with a bug: its first apply raises something no layer expects (through a
-    coroutine or a callback, whichever the transport calls)."""
+    """A backend with a bug: its first apply raises something no layer expects."""
 
     def __init__(self, clock: Clock) -> None:
         super().__init__()
         self.broken = True
-
-    async def apply(self, hits: Sequence[Hit], all_or_nothing: bool, now_ms: int) -> list[Outcome]:
-        if self.broken:
-            self.broken = False
-            raise ZeroDivisionError("a bug")
-        return await super().apply(hits, all_or_nothing, now_ms)
 
     def apply_then(
         self, hits: Sequence[Hit], all_or_nothing: bool, now_ms: int, done: Applied
@@ -337,19 +330,13 @@ async def test_many_concurrent_calls_on_one_channel_are_all_answered(
 
 
 class _Gate(MemoryBackend):
-    """A backend that holds every apply until the test opens the gate (through a coroutine or a
-    callback, whichever the transport calls)."""
+    """A backend that holds every apply until the test opens the gate."""
 
     def __init__(self, clock: Clock) -> None:
         super().__init__()
         self.gate = asyncio.Event()
         self.waiting = 0
         self.held: set[asyncio.Task[bool]] = set()
-
-    async def apply(self, hits: Sequence[Hit], all_or_nothing: bool, now_ms: int) -> list[Outcome]:
-        self.waiting += 1
-        await self.gate.wait()
-        return await super().apply(hits, all_or_nothing, now_ms)
 
     def apply_then(
         self, hits: Sequence[Hit], all_or_nothing: bool, now_ms: int, done: Applied

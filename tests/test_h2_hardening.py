@@ -6,11 +6,15 @@ the named constants of `sidecar.rls.h2.connection` and `sidecar.rls.h2.server`."
 from __future__ import annotations
 
 import asyncio
+import ssl
 import struct
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 import hpack
+import pytest
+from certs import Authority
 from h2peer import (
     CONTINUATION,
     DATA,
@@ -42,6 +46,7 @@ from sidecar.rls.h2.connection import (
 )
 from sidecar.rls.h2.server import H2Server
 from sidecar.rls.h2.unary import CallbackMethod, Method
+from sidecar.rls.tls import ServerTls, TlsFiles
 
 ENHANCE_YOUR_CALM = 0xB
 RESOURCE_EXHAUSTED = b"8"
@@ -215,8 +220,9 @@ async def server_with(**options: object) -> AsyncIterator[tuple[H2Server, int, M
     methods = Methods()
     table: dict[str, Method | CallbackMethod] = {ECHO: methods.echo, WAIT: methods.wait}
     limits = options.pop("limits", Limits())
+    tls = options.pop("tls", None)
     server = H2Server(table, limits, **options)  # type: ignore[arg-type]
-    port = await server.listen("127.0.0.1:0")
+    port = await server.listen("127.0.0.1:0", tls=tls)  # type: ignore[arg-type]
     try:
         yield server, port, methods
     finally:
@@ -386,3 +392,63 @@ def _headers(stream_id: int, peer: Peer | None = None) -> bytes:
             encoder.encode([(name, value, True) for name, value in request_headers(ECHO)])
         )
     return raw_frame(HEADERS, END_HEADERS, stream_id, _BLOCK[0])
+
+
+# --- over TLS: the same bounds, and the handshake bounded too ------------------------------------
+
+
+@pytest.fixture
+def tls_files(tmp_path: Path) -> tuple[ssl.SSLContext, ssl.SSLContext]:
+    """The server's TLS context (sidecar.rls.tls) and a client's that trusts it."""
+    authority = Authority()
+    cert, key = authority.issue(tmp_path, "server")
+    client = ssl.create_default_context(cafile=authority.write(tmp_path / "ca.crt"))
+    client.set_alpn_protocols(["h2"])
+    return ServerTls(TlsFiles(cert, key)).listening, client
+
+
+async def test_a_tls_handshake_that_never_completes_is_closed_after_the_handshake_timeout(
+    tls_files: tuple[ssl.SSLContext, ssl.SSLContext],
+) -> None:
+    """A TCP connection that sends nothing, or half a ClientHello, to a TLS port is closed once
+    `handshake_timeout` has passed; it never counted as a connection, and a client that does
+    finish its handshake is answered meanwhile."""
+    server_tls, client_tls = tls_files
+    async with server_with(tls=server_tls, handshake_timeout=0.3) as (server, port, _):
+        silent = await asyncio.open_connection("127.0.0.1", port)
+        half = await asyncio.open_connection("127.0.0.1", port)
+        half[1].write(bytes.fromhex("160301020001") + bytes(40))  # a ClientHello, cut short
+        legitimate = await Peer.connect(port, track=False, tls=client_tls)
+        legitimate.start()
+        legitimate.send(call(legitimate, 1, ECHO, b"over tls"))
+        assert await answered(legitimate, 1) == {b"grpc-status": b"0"}
+        assert len(server.protocols) == 1
+        for reader, writer in (silent, half):
+            async with asyncio.timeout(5):
+                assert await reader.read() == b""  # closed by the server
+            writer.close()
+        await legitimate.close()
+
+
+async def test_over_tls_a_ping_flood_and_a_connection_stuck_mid_frame_are_ended(
+    tls_files: tuple[ssl.SSLContext, ssl.SSLContext],
+) -> None:
+    """TLS changes nothing of the HTTP/2 bounds: a PING flood gets ENHANCE_YOUR_CALM, and a
+    connection stuck in the middle of a frame is closed after `frame_timeout`."""
+    server_tls, client_tls = tls_files
+    async with server_with(tls=server_tls, sweep_interval=0.1, frame_timeout=0.3) as (
+        server,
+        port,
+        _,
+    ):
+        flood = await Peer.connect(port, track=False, tls=client_tls)
+        flood.start()
+        flood.send(raw_frame(PING, 0, 0, bytes(8)) * (CONTROL_BUDGET + 10))
+        await connection_error(flood, ENHANCE_YOUR_CALM)
+        stuck = await Peer.connect(port, track=False, tls=client_tls)
+        stuck.start()
+        stuck.send(raw_frame(PING, 0, 0, bytes(8))[:12])
+        await stuck.closed(5)
+        for peer in (flood, stuck):
+            await peer.close()
+        await until(lambda: not server.protocols)

@@ -339,11 +339,9 @@ async def test_the_server_listens_on_a_unix_socket(tmp_path: Path) -> None:
     assert not path.exists()
 
 
-async def test_a_connection_that_never_sends_its_preface_is_closed(
-    served: Served, monkeypatch: pytest.MonkeyPatch
-) -> None:
+async def test_a_connection_that_never_sends_its_preface_is_closed(served: Served) -> None:
     """A socket that never speaks HTTP/2 does not hold a connection open."""
-    monkeypatch.setattr("sidecar.rls.h2.server.HANDSHAKE_TIMEOUT", 0.1)
+    served.server.handshake_timeout = 0.1
     silent = await Peer.connect(served.port, track=False)
     await silent.closed()
     await silent.close()

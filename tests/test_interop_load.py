@@ -39,7 +39,7 @@ from sidecars import request
 
 from sidecar import cli
 from sidecar.app import SHUTDOWN_GRACE
-from sidecar.gateway import commands
+from sidecar.envoy_config import commands
 from sidecar.rls.server import METHOD
 
 ROOT = Path(__file__).resolve().parent.parent

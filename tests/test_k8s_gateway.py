@@ -18,7 +18,8 @@ from envoys import validate
 from kube import K8S, build, find
 
 from sidecar import config
-from sidecar.injector import patch
+from sidecar.injector import annotations as names
+from sidecar.injector.container import SOCKET_PATH
 
 ROOT = K8S.parent
 SCRIPT = K8S / "gateway_configmaps.py"
@@ -58,7 +59,7 @@ def test_the_rules_configmap_is_envoys_rules_file_and_loads() -> None:
     mounted sidecar reads, and it parses as the gateway domain."""
     objects = build(K8S / "base")
     gateway = find(objects, "Deployment", "gateway")
-    name = gateway["spec"]["template"]["metadata"]["annotations"][patch.RULES_CONFIGMAP]
+    name = gateway["spec"]["template"]["metadata"]["annotations"][names.RULES_CONFIGMAP]
     data = find(objects, "ConfigMap", name)["data"]
     text = (ROOT / "envoy" / "rules" / "gateway.yaml").read_text()
     assert data == {"gateway.yaml": text}
@@ -78,7 +79,8 @@ def test_the_configmap_envoy_config_passes_envoy_validate(
 
 def test_the_sample_is_envoys_gateway_sending_to_the_upstream_service() -> None:
     """The pods' Envoy config is envoy/gateway.yaml but for the upstream cluster, which reaches
-    the sample's upstream Service by name; listener, admin and sidecar addresses fit a pod."""
+    the sample's upstream Service by name, and the sidecar's address, its socket in the pod;
+    listener and admin addresses fit a pod."""
     objects = build(K8S / "base")
     sample = yaml.safe_load(envoy_of(objects))
     local = yaml.safe_load((ROOT / "envoy" / "gateway.yaml").read_text())
@@ -89,8 +91,18 @@ def test_the_sample_is_envoys_gateway_sending_to_the_upstream_service() -> None:
         clusters.remove(cluster)
         return cluster
 
+    def sidecar(bootstrap: dict[str, Any]) -> Any:
+        clusters = bootstrap["static_resources"]["clusters"]
+        (cluster,) = [c for c in clusters if c["name"] == "ratelimit"]
+        endpoint = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]
+        return endpoint.pop("address"), cluster.pop("type")
+
     cluster = upstream(sample)
     upstream(local)
+    # The pods' Envoy calls the injected sidecar on its socket; the local one on loopback TCP.
+    assert sidecar(sample) == ({"pipe": {"path": SOCKET_PATH}}, "STATIC")
+    local_address = {"socket_address": {"address": "127.0.0.1", "port_value": 8081}}
+    assert sidecar(local) == (local_address, "STATIC")
     assert sample == local
     assert cluster["type"] == "STRICT_DNS"
     (endpoint,) = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"]

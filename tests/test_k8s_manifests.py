@@ -19,11 +19,13 @@ from kube import K8S, assert_valid, build, by_id, find, kubectl_build
 
 from sidecar import config
 from sidecar.cli import parse_args
-from sidecar.injector import patch
+from sidecar.injector import annotations as names
+from sidecar.injector import patch, settings
 from sidecar.injector.commands import register
+from sidecar.injector.container import CONTAINER_NAME, RULES_PATH, SOCKET_DIR, SOCKET_PATH
 from sidecar.injector.manifests import inject_yaml
 from sidecar.injector.urls import validate_url
-from sidecar.injector.webhook import review
+from sidecar.injector.webhook import MUTATE, MUTATE_ENABLED, review
 
 ROOT = K8S.parent
 KUSTOMIZATIONS = sorted(
@@ -39,7 +41,9 @@ def objects_of(name: str, builder: str = "python") -> list[dict[str, Any]]:
 
 
 def containers(workload: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    return {c["name"]: c for c in workload["spec"]["template"]["spec"]["containers"]}
+    """Every container of a workload's pod template, init containers included, by name."""
+    spec = workload["spec"]["template"]["spec"]
+    return {c["name"]: c for c in spec.get("initContainers", []) + spec["containers"]}
 
 
 def test_the_layout_has_a_base_and_an_overlay() -> None:
@@ -85,19 +89,22 @@ def test_base_has_every_part() -> None:
 
 
 def test_the_webhook_configuration_reaches_the_webhook() -> None:
-    """The MutatingWebhookConfiguration calls the Service, which reaches the container's port."""
+    """Both entries of the MutatingWebhookConfiguration call the Service, at the paths the
+    webhook serves, and the Service reaches the container's port."""
     objects = build(K8S / "base")
-    (hook,) = find(objects, "MutatingWebhookConfiguration", "ratelimit-sidecar")["webhooks"]
+    hooks = find(objects, "MutatingWebhookConfiguration", "ratelimit-sidecar")["webhooks"]
     service = find(objects, "Service", "ratelimit-sidecar-webhook")
     deployment = find(objects, "Deployment", "ratelimit-sidecar-webhook")
-    target = hook["clientConfig"]["service"]
-    assert (target["namespace"], target["name"]) == (
-        service["metadata"]["namespace"],
-        service["metadata"]["name"],
-    )
-    assert target["path"] == "/mutate"
     (port,) = service["spec"]["ports"]
-    assert port["port"] == target["port"]
+    paths = {hook["clientConfig"]["service"]["path"] for hook in hooks}
+    assert paths == {MUTATE, MUTATE_ENABLED}
+    for hook in hooks:
+        target = hook["clientConfig"]["service"]
+        assert (target["namespace"], target["name"]) == (
+            service["metadata"]["namespace"],
+            service["metadata"]["name"],
+        )
+        assert port["port"] == target["port"]
     webhook = containers(deployment)["webhook"]
     assert port["targetPort"] in {p["name"] for p in webhook["ports"]}
     assert (
@@ -106,31 +113,70 @@ def test_the_webhook_configuration_reaches_the_webhook() -> None:
     )
 
 
-def test_the_webhook_fails_closed_only_where_namespaces_opted_in() -> None:
-    """failurePolicy Fail, v1 reviews, no side effects, pods on CREATE, labelled namespaces."""
+def selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    """Whether a label selector (matchLabels, matchExpressions) selects these labels."""
+    if not selector.get("matchLabels", {}).items() <= labels.items():
+        return False
+    for expression in selector.get("matchExpressions", []):
+        key, operator = expression["key"], expression["operator"]
+        values = expression.get("values", [])
+        if operator == "In" and labels.get(key) not in values:
+            return False
+        if operator == "NotIn" and key in labels and labels[key] in values:
+            return False
+        if operator == "Exists" and key not in labels:
+            return False
+        if operator == "DoesNotExist" and key in labels:
+            return False
+    return True
+
+
+def test_the_webhook_fails_closed_only_where_namespaces_or_pods_opted_in() -> None:
+    """failurePolicy Fail, v1 reviews, no side effects, pods on CREATE; labelled namespaces go
+    to /mutate/injection-enabled, the others to /mutate but only for pods annotated to inject;
+    kube-system, kube-public and the webhook's own namespace go nowhere."""
     objects = build(K8S / "base")
-    (hook,) = find(objects, "MutatingWebhookConfiguration", "ratelimit-sidecar")["webhooks"]
-    assert hook["failurePolicy"] == "Fail"
-    assert hook["admissionReviewVersions"] == ["v1"]
-    assert hook["sideEffects"] == "None"
-    assert hook["rules"] == [
-        {
-            "operations": ["CREATE"],
-            "apiGroups": [""],
-            "apiVersions": ["v1"],
-            "resources": ["pods"],
-            "scope": "Namespaced",
+    hooks = find(objects, "MutatingWebhookConfiguration", "ratelimit-sidecar")["webhooks"]
+    for hook in hooks:
+        assert hook["failurePolicy"] == "Fail"
+        assert hook["reinvocationPolicy"] == "IfNeeded"
+        assert hook["admissionReviewVersions"] == ["v1"]
+        assert hook["sideEffects"] == "None"
+        assert hook["rules"] == [
+            {
+                "operations": ["CREATE"],
+                "apiGroups": [""],
+                "apiVersions": ["v1"],
+                "resources": ["pods"],
+                "scope": "Namespaced",
+            }
+        ]
+    by_path = {hook["clientConfig"]["service"]["path"]: hook for hook in hooks}
+
+    def called(name: str, labels: dict[str, str]) -> set[str]:
+        labels = {**labels, "kubernetes.io/metadata.name": name}
+        return {
+            path for path, hook in by_path.items() if selects(hook["namespaceSelector"], labels)
         }
-    ]
-    selector = hook["namespaceSelector"]["matchLabels"]
+
+    enabled = {"ratelimit-sidecar/injection": "enabled"}
+    assert called("gateway", enabled) == {MUTATE_ENABLED}
+    assert called("shop", {}) == {MUTATE}
+    assert called("shop", {"ratelimit-sidecar/injection": "disabled"}) == {MUTATE}
+    for name in ("kube-system", "kube-public", "ratelimit-sidecar"):
+        assert called(name, enabled) == called(name, {}) == set()
     labels = {
         ns["metadata"]["name"]: ns["metadata"].get("labels", {})
         for ns in objects
         if ns["kind"] == "Namespace"
     }
-    # The webhook's own namespace must never need the webhook to start its pods.
-    assert not selector.items() <= labels["ratelimit-sidecar"].items()
-    assert selector.items() <= labels["gateway"].items()
+    assert called("gateway", labels["gateway"]) == {MUTATE_ENABLED}
+    assert called("ratelimit-sidecar", labels["ratelimit-sidecar"]) == set()
+    # Elsewhere, only pods that ask are sent: a webhook outage holds up no other pod.
+    (condition,) = by_path[MUTATE]["matchConditions"]
+    assert "'ratelimit-sidecar/inject'" in condition["expression"]
+    assert "'true'" in condition["expression"]
+    assert "matchConditions" not in by_path[MUTATE_ENABLED]
     assert find(objects, "Deployment", "ratelimit-sidecar-webhook")["spec"]["replicas"] >= 2
 
 
@@ -143,7 +189,11 @@ def test_the_webhook_container_args_are_the_webhook_command() -> None:
     args = parser.parse_args(webhook["args"])
     assert args.command == "webhook"
     assert args.address == ("0.0.0.0", 8443)
-    assert args.image == webhook["image"] == patch.DEFAULT_IMAGE
+    assert args.image == webhook["image"] == settings.DEFAULT_IMAGE
+    assert args.native_sidecars == "auto"
+    # The token reaches the API server's /version; the account has no Role (none is shipped).
+    assert deployment["spec"]["template"]["spec"]["automountServiceAccountToken"] is True
+    assert not [o for o in build(K8S / "base") if o["kind"] in ("Role", "ClusterRole")]
     mount = webhook["volumeMounts"][0]["mountPath"]
     assert Path(args.tls_cert).parent == Path(args.tls_key).parent == Path(mount)
 
@@ -154,12 +204,17 @@ def test_the_gateway_asks_for_a_working_sidecar(name: str) -> None:
     objects = build(K8S / name)
     gateway = find(objects, "Deployment", "gateway")
     annotations = gateway["spec"]["template"]["metadata"]["annotations"]
-    assert annotations[patch.INJECT] == "true"
-    validate_url(annotations[patch.BACKEND])
-    assert find(objects, "ConfigMap", annotations[patch.RULES_CONFIGMAP])
-    injected = patch.inject(gateway, patch.Settings())
-    assert set(containers(injected)) == {"envoy", patch.CONTAINER_NAME}
-    assert_valid(injected)
+    assert annotations[names.INJECT] == "true"
+    assert annotations[names.NATIVE_SIDECAR] == "true"
+    validate_url(annotations[names.BACKEND])
+    assert find(objects, "ConfigMap", annotations[names.RULES_CONFIGMAP])
+    for native in (True, False):  # the annotation wins over the webhook's choice
+        injected = patch.inject(gateway, settings.Settings(native_sidecars=native))
+        spec = injected["spec"]["template"]["spec"]
+        assert [c["name"] for c in spec["initContainers"]] == [CONTAINER_NAME]
+        assert spec["initContainers"][0]["restartPolicy"] == "Always"
+        assert [c["name"] for c in spec["containers"]] == ["envoy"]
+        assert_valid(injected)
 
 
 def test_the_injected_gateway_pod_is_valid_and_starts_the_sidecar_as_the_cli_expects() -> None:
@@ -183,15 +238,17 @@ def test_the_injected_gateway_pod_is_valid_and_starts_the_sidecar_as_the_cli_exp
             "object": pod,
         },
     }
-    reply = review(json.dumps(body).encode(), patch.Settings())
+    reply = review(json.dumps(body).encode(), settings.Settings(native_sidecars=False))
     ops = json.loads(base64.b64decode(reply.body["response"]["patch"]))
     injected = jsonpatch.apply_patch(pod, ops)
     assert_valid(injected)
-    sidecar = {c["name"]: c for c in injected["spec"]["containers"]}[patch.CONTAINER_NAME]
+    (sidecar,) = injected["spec"]["initContainers"]
+    assert sidecar["name"] == CONTAINER_NAME
     assert sidecar["command"] == ["ratelimit-sidecar"]
     args = parse_args(sidecar["args"], environ={})
     assert args.command == "serve"
-    assert args.config == [patch.RULES_PATH]
+    assert args.config == [RULES_PATH]
+    assert args.grpc_address == f"unix:{SOCKET_PATH}"
     assert args.backend == "redis://redis:6379"
     assert args.failure_mode == "allow"
 
@@ -210,7 +267,9 @@ def test_the_rules_configmap_holds_valid_rules_for_the_envoy_domain() -> None:
 
 
 def test_envoy_calls_the_sidecar_where_it_listens() -> None:
-    """Envoy's rate limit cluster is 127.0.0.1 at the injected gRPC port, over HTTP/2."""
+    """Envoy's rate limit cluster is a pipe to the injected sidecar's socket, over HTTP/2; the
+    injected pod mounts the socket's directory in Envoy's container; the sidecar's HTTP port is
+    none of Envoy's."""
     objects = build(K8S / "base")
     envoy = yaml.safe_load(find(objects, "ConfigMap", "envoy-gateway")["data"]["envoy.yaml"])
     service = ratelimit_filter(envoy)["rate_limit_service"]
@@ -218,11 +277,16 @@ def test_envoy_calls_the_sidecar_where_it_listens() -> None:
     name = service["grpc_service"]["envoy_grpc"]["cluster_name"]
     (cluster,) = [c for c in envoy["static_resources"]["clusters"] if c["name"] == name]
     (endpoint,) = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"]
-    address = endpoint["endpoint"]["address"]["socket_address"]
-    assert (address["address"], address["port_value"]) == ("127.0.0.1", patch.DEFAULT_GRPC_PORT)
+    assert endpoint["endpoint"]["address"] == {"pipe": {"path": SOCKET_PATH}}
     options = cluster["typed_extension_protocol_options"]
     assert "http2_protocol_options" in str(options)
     gateway = find(objects, "Deployment", "gateway")
+    injected = containers(patch.inject(gateway, settings.Settings()))
+    assert {"name": "ratelimit-sidecar-socket", "mountPath": SOCKET_DIR, "readOnly": True} in (
+        injected["envoy"]["volumeMounts"]
+    )
+    args = parse_args(injected[CONTAINER_NAME]["args"], environ={})
+    assert args.grpc_address == f"unix:{SOCKET_PATH}"
     envoy_ports = {p["containerPort"] for p in containers(gateway)["envoy"]["ports"]}
     listeners = {
         listener["address"]["socket_address"]["port_value"]
@@ -230,7 +294,8 @@ def test_envoy_calls_the_sidecar_where_it_listens() -> None:
         if listener["address"]["socket_address"]["address"] == "0.0.0.0"
     }
     assert listeners == envoy_ports
-    assert patch.DEFAULT_HTTP_PORT not in envoy_ports | listeners
+    http_port = int(args.http_address.rpartition(":")[2])
+    assert http_port not in envoy_ports | listeners
 
 
 def test_the_sidecar_outlives_envoy_when_the_pod_stops() -> None:
@@ -238,10 +303,10 @@ def test_the_sidecar_outlives_envoy_when_the_pod_stops() -> None:
     gateway = find(build(K8S / "base"), "Deployment", "gateway")
     envoy = containers(gateway)["envoy"]
     envoy_sleep = int(envoy["lifecycle"]["preStop"]["exec"]["command"][-1])
-    settings = patch.Settings()
-    assert envoy_sleep < settings.pre_stop_seconds
+    defaults = settings.Settings()
+    assert envoy_sleep < defaults.pre_stop_seconds
     assert gateway["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] >= (
-        settings.grace_seconds
+        defaults.grace_seconds
     )
 
 
@@ -249,13 +314,13 @@ def test_the_overlay_uses_an_external_redis_cluster_and_no_development_redis() -
     """overlays/redis-cluster points the sidecars at a Redis Cluster and drops the dev Redis."""
     objects = build(K8S / "overlays/redis-cluster")
     gateway = find(objects, "Deployment", "gateway")
-    backend = gateway["spec"]["template"]["metadata"]["annotations"][patch.BACKEND]
+    backend = gateway["spec"]["template"]["metadata"]["annotations"][names.BACKEND]
     assert backend.startswith("redis+cluster://")
     assert len(backend.removeprefix("redis+cluster://").split(",")) >= 3
     validate_url(backend)
     assert not [o for o in objects if o["metadata"]["name"] == "redis"]
-    (injected,) = yaml.safe_load_all(inject_yaml(yaml.safe_dump(gateway), patch.Settings()))
-    args = containers(injected)[patch.CONTAINER_NAME]["args"]
+    (injected,) = yaml.safe_load_all(inject_yaml(yaml.safe_dump(gateway), settings.Settings()))
+    args = containers(injected)[CONTAINER_NAME]["args"]
     assert args[args.index("--backend") + 1] == backend
 
 
@@ -265,8 +330,8 @@ def test_every_container_runs_as_non_root_with_a_read_only_root() -> None:
         for obj in build(K8S / name):
             if obj["kind"] not in patch.WORKLOAD_KINDS:
                 continue
-            pod = patch.inject(obj, patch.Settings())["spec"]["template"]["spec"]
-            for container in pod["containers"]:
+            pod = patch.inject(obj, settings.Settings())["spec"]["template"]["spec"]
+            for container in pod.get("initContainers", []) + pod["containers"]:
                 security = container["securityContext"]
                 label = f"{name}: {obj['metadata']['name']}/{container['name']}"
                 assert security["readOnlyRootFilesystem"] is True, label
@@ -292,7 +357,8 @@ def test_the_dockerfile_builds_the_image_the_manifests_use() -> None:
     assert re.match(r"python:\$\{PYTHON_VERSION\}-slim\n", final)
     assert re.search(r"^ARG PYTHON_VERSION=3\.1[1-9]$", dockerfile, re.MULTILINE)
     assert not re.search(r"\b(gcc|g\+\+|build-essential|apt-get install)\b", final)
-    assert re.search(rf"^USER {patch.SIDECAR_UID}(:{patch.SIDECAR_UID})?$", final, re.MULTILINE)
+    uid = settings.SIDECAR_UID
+    assert re.search(rf"^USER {uid}(:{uid})?$", final, re.MULTILINE)
     assert re.search(r'^ENTRYPOINT \["ratelimit-sidecar"\]', final, re.MULTILINE)
     assert (ROOT / ".dockerignore").read_text().count(".venv")
     images = {
@@ -301,7 +367,7 @@ def test_the_dockerfile_builds_the_image_the_manifests_use() -> None:
         if obj["metadata"]["name"] == "ratelimit-sidecar-webhook" and obj["kind"] == "Deployment"
         for c in obj["spec"]["template"]["spec"]["containers"]
     }
-    assert images == {patch.DEFAULT_IMAGE}
+    assert images == {settings.DEFAULT_IMAGE}
 
 
 def ratelimit_filter(envoy: dict[str, Any]) -> dict[str, Any]:

@@ -66,6 +66,13 @@ descriptors:
     detailed_metric: true
     rate_limit: {unit: hour, requests_per_unit: 12}
   - key: router
+  - key: shared
+    value: "foo*"
+    share_threshold: true
+    descriptors:
+      - key: leaf
+        detailed_metric: true
+        rate_limit: {unit: hour, requests_per_unit: 13}
 """,
     "rules.yaml",
 )
@@ -147,6 +154,10 @@ def test_counter_uses_request_values_except_with_share_threshold() -> None:
         ((("files", "foo1"),), "d.files_foo*"),
         ((("tracked", "t1"), ("sub", "x")), "d.tracked_t1.sub"),
         ((("detailed", "1.2.3.4"),), "d.detailed_1_2_3_4"),
+        # As the reference: an empty value under value_to_metric names the key alone, and
+        # detailed_metric names a share_threshold level by its pattern.
+        ((("tracked", ""), ("sub", "x")), "d.tracked.sub"),
+        ((("shared", "foo1"), ("leaf", "x")), "d.shared_foo*.leaf_x"),
     ],
 )
 def test_metric_keys_follow_the_reference(

@@ -23,11 +23,12 @@ from dataclasses import dataclass, replace
 from datetime import datetime
 
 import pytest
+from callbacks import apply
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from model_store import Model
 
-from sidecar.algorithms import windows
+from sidecar import counters
 from sidecar.model import Algorithm, Hit, Outcome, Role, Unit, Window
 from sidecar.storage import Backend, open_backend
 from sidecar.storage.keys import descriptor_prefix, field_head, group_key
@@ -119,7 +120,7 @@ _windows = st.one_of(
 )
 _descriptors = st.builds(
     Descriptor,
-    windows=st.lists(_windows, min_size=1, max_size=3, unique_by=windows.kind).map(tuple),
+    windows=st.lists(_windows, min_size=1, max_size=3, unique_by=counters.kind).map(tuple),
     role=st.sampled_from([Role.BLOCKING, Role.BLOCKING, Role.SHADOW, Role.QUOTA]),
 )
 _costs = st.sampled_from([0, 1, 1, 1, 2, 3, 9])
@@ -183,10 +184,10 @@ def requests(scenario: Scenario) -> list[tuple[list[Hit], bool, int]]:
             for window in scenario.descriptors[index].windows:
                 if scenario.grouped:
                     key, head = group_key(domain, parts[index]), field_head(parts[index])
-                    hit = windows.field_hit(key, head, window, cost, group, role, now_ms)
+                    hit = counters.field_hit(key, head, window, cost, group, role, now_ms)
                 else:
                     prefix = descriptor_prefix(domain, parts[index])
-                    hit = windows.window_hit(prefix, window, cost, group, role, now_ms)
+                    hit = counters.window_hit(prefix, window, cost, group, role, now_ms)
                 hits.append(hit)
         result.append((hits, step.all_or_nothing, now_ms))
     return result
@@ -196,9 +197,9 @@ async def assert_agree(scenario: Scenario, stores: dict[str, Model | Backend]) -
     """Every store answers every request of `scenario` with the model's Outcomes."""
     model = Model()
     for number, (hits, all_or_nothing, now_ms) in enumerate(requests(scenario)):
-        expected = await model.apply(hits, all_or_nothing, now_ms)
+        expected = await apply(model, hits, all_or_nothing, now_ms)
         for name, store in stores.items():
-            got = await store.apply(hits, all_or_nothing, now_ms)
+            got = await apply(store, hits, all_or_nothing, now_ms)
             assert got == expected, f"{name} differs from the model at request {number}: {hits}"
 
 
@@ -269,7 +270,7 @@ async def test_a_bucket_is_full_the_moment_its_state_expires(
     still stored (Redis expires it by its own clock, a little later)."""
     scenario = replace(BUCKET_AT_EXPIRY, grouped=grouped)
     model = Model()
-    outcomes = [await model.apply(*request) for request in requests(scenario)]
+    outcomes = [await apply(model, *request) for request in requests(scenario)]
     assert outcomes[-1] == [Outcome(False, 7, 0, True, 7)]
     await assert_agree(scenario, {"memory": MemoryBackend(), "redis": redis_backend})
 
@@ -295,8 +296,8 @@ async def test_memory_answers_one_plain_window_as_the_model(
         now_ms += after_ms
         if grouped:
             key, head = group_key("p", parts), field_head(parts)
-            hit = windows.field_hit(key, head, window, cost, 0, role, now_ms)
+            hit = counters.field_hit(key, head, window, cost, 0, role, now_ms)
         else:
-            hit = windows.window_hit(descriptor_prefix("p", parts), window, cost, 0, role, now_ms)
-        expected = await model.apply([hit], all_or_nothing, now_ms)
-        assert await memory.apply([hit], all_or_nothing, now_ms) == expected
+            hit = counters.window_hit(descriptor_prefix("p", parts), window, cost, 0, role, now_ms)
+        expected = await apply(model, [hit], all_or_nothing, now_ms)
+        assert await apply(memory, [hit], all_or_nothing, now_ms) == expected

@@ -4,6 +4,7 @@ body must give exactly the answers of doing it on every call."""
 from __future__ import annotations
 
 import hiredis
+from callbacks import service_call
 from envoy.service.ratelimit.v3.rls_pb2 import (  # type: ignore[import-untyped]
     RateLimitRequest,
     RateLimitResponse,
@@ -14,6 +15,7 @@ from sidecar.limiter import Limiter
 from sidecar.model import Algorithm, Code, Descriptor, Entry, Hit, Request, Role, Unit, Window
 from sidecar.plan import prepare
 from sidecar.rls.service import RateLimitService
+from sidecar.rules import Rules
 from sidecar.storage.memory import MemoryBackend
 from sidecar.storage.redis import ApplyPacker, _command, counts
 from tests.clock import Clock
@@ -32,14 +34,14 @@ descriptors:
 """
 
 
-def _rules(text: str = RULES) -> config.Rules:
-    rules = config.Rules()
+def _rules(text: str = RULES) -> Rules:
+    rules = Rules()
     domain = config.parse(text, "rules.yaml")
     rules.domains[domain.name] = domain
     return rules
 
 
-def _plan(key: str) -> tuple[config.Rules, Request]:
+def _plan(key: str) -> tuple[Rules, Request]:
     return _rules(), Request("d", (Descriptor((Entry(key, "v"),)),))
 
 
@@ -91,10 +93,10 @@ async def test_a_reload_makes_cached_plans_stale() -> None:
     entry = message.descriptors.add().entries.add()
     entry.key, entry.value = "user", "u"
     body = message.SerializeToString()
-    before = RateLimitResponse.FromString(await service.should_rate_limit(body))
+    before = RateLimitResponse.FromString(await service_call(service, body))
     assert before.statuses[0].current_limit.requests_per_unit == 2
     limiter.rules = _rules(RULES.replace("requests_per_unit: 2}", "requests_per_unit: 7}"))
-    after = RateLimitResponse.FromString(await service.should_rate_limit(body))
+    after = RateLimitResponse.FromString(await service_call(service, body))
     assert after.statuses[0].current_limit.requests_per_unit == 7
     assert after.overall_code == Code.OK
 
@@ -139,3 +141,15 @@ def test_packed_script_call_is_hiredis_packing_of_the_arguments() -> None:
                 for hit in request:  # a call on one hit, kept whole (but for decide's mode, time)
                     expected = hiredis.pack_command(tuple(_command([hit], mode, now_ms)))
                     assert packer.command([hit], mode, now_ms) == expected
+
+
+def test_an_overrides_stats_key_names_an_empty_value_by_its_key_alone() -> None:
+    """A `limit` override is named by every entry, `key_value`, or the key alone when the
+    value is empty, as the reference names it (`domain.k1_v1.k2`)."""
+    from sidecar.model import Override
+
+    rules = _rules()
+    descriptor = Descriptor((Entry("k1", "v1"), Entry("k2", "")), None, Override(5, Unit.MINUTE))
+    plan = prepare(rules, Request(next(iter(rules.domains)), (descriptor,)))
+    (counted,) = plan.counted
+    assert counted.match.metric_key == f"{next(iter(rules.domains))}.k1_v1.k2"

@@ -15,7 +15,7 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
-from callbacks import Callbacks
+from callbacks import apply
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from redis.crc import key_slot
@@ -82,7 +82,7 @@ def outcome(over: bool, remaining: int, applied: bool, left_before: int) -> Outc
 
 
 async def run(backend: Backend, requests: Sequence[Request]) -> list[list[Outcome]]:
-    return [await backend.apply(hits, all_or_nothing, NOW_MS) for hits, all_or_nothing in requests]
+    return [await apply(backend, hits, all_or_nothing, NOW_MS) for hits, all_or_nothing in requests]
 
 
 async def reference(requests: Sequence[Request]) -> list[list[Outcome]]:
@@ -98,25 +98,19 @@ async def reference(requests: Sequence[Request]) -> list[list[Outcome]]:
         pytest.param("memory"),
         pytest.param("redis", marks=pytest.mark.redis),
         pytest.param("cluster", marks=pytest.mark.cluster),
-        pytest.param("memory-callbacks"),
-        pytest.param("redis-callbacks", marks=pytest.mark.redis),
-        pytest.param("cluster-callbacks", marks=pytest.mark.cluster),
     ]
 )
 def backend_url(request: pytest.FixtureRequest) -> str:
-    kind, _, form = request.param.partition("-")
+    kind = request.param
     if kind == "memory":
-        url = "memory://"
-    else:
-        url = request.getfixturevalue("redis_url" if kind == "redis" else "cluster_url")
-    return f"{url}#{form}" if form else url
+        return "memory://"
+    return str(request.getfixturevalue("redis_url" if kind == "redis" else "cluster_url"))
 
 
 @pytest.fixture
 async def backend(backend_url: str) -> AsyncIterator[Backend]:
-    url, _, form = backend_url.partition("#")
-    opened = open_backend(url, timeout_ms=TIMEOUT_MS)
-    yield Callbacks(opened) if form else opened
+    opened = open_backend(backend_url, timeout_ms=TIMEOUT_MS)
+    yield opened
     await opened.close()
 
 
@@ -263,22 +257,22 @@ async def test_backends_count_like_memory(backend: Backend, requests: list[Reque
 
 async def test_duplicate_keys_and_roles_give_the_documented_outcomes(backend: Backend) -> None:
     """A key's later hits see its earlier ones; shadow never blocks; over-limit adds nothing."""
-    assert await backend.apply(request(hit(A, 2, 5), hit(A, 3, 5)), True, NOW_MS) == [
+    assert await apply(backend, request(hit(A, 2, 5), hit(A, 3, 5)), True, NOW_MS) == [
         outcome(False, 3, True, 5),
         outcome(False, 0, True, 3),
     ]
     # A is at 5: one more blocking hit is over, so nothing is added anywhere.
-    assert await backend.apply(request(hit(B, 1, 5), hit(A, 1, 5)), True, NOW_MS) == [
+    assert await apply(backend, request(hit(B, 1, 5), hit(A, 1, 5)), True, NOW_MS) == [
         outcome(False, 5, False, 5),
         outcome(True, 0, False, 0),
     ]
     # The same over-limit counter as shadow does not block.
-    assert await backend.apply(request(hit(B, 1, 5), hit(A, 1, 5, Role.SHADOW)), True, NOW_MS) == [
+    assert await apply(backend, request(hit(B, 1, 5), hit(A, 1, 5, Role.SHADOW)), True, NOW_MS) == [
         outcome(False, 4, True, 5),
         outcome(True, 0, True, 0),
     ]
     # A check with a wider limit reads the counters: A at 6, B at 1.
-    assert await backend.apply(request(hit(A, 0, 10), hit(B, 0, 10)), False, NOW_MS) == [
+    assert await apply(backend, request(hit(A, 0, 10), hit(B, 0, 10)), False, NOW_MS) == [
         outcome(False, 4, True, 4),
         outcome(False, 9, True, 9),
     ]
@@ -364,7 +358,7 @@ async def test_count_script_answers_and_writes_as_the_decide_script(
                     for twin in (b"|count", b"|decide")
                 )
                 assert counts(counted, MODE_ADD)
-                answer = await backend.apply(counted, False, NOW_MS)
+                answer = await apply(backend, counted, False, NOW_MS)
                 reply = client.execute_command(*_decide_command(decided, MODE_ADD, NOW_MS))
                 assert answer == _decided(decided, reply, NOW_MS)
                 for one, other in zip(counted, decided, strict=True):
@@ -386,7 +380,7 @@ async def test_concurrent_hits_admit_exactly_the_limit(
     all-or-nothing only the 50 are added; otherwise every hit is, as the reference counts them.
     """
     results = await asyncio.gather(
-        *(backend.apply([hit(A, 1, 50)], all_or_nothing, NOW_MS) for _ in range(200))
+        *(apply(backend, [hit(A, 1, 50)], all_or_nothing, NOW_MS) for _ in range(200))
     )
     assert sum(not outcomes[0].over for outcomes in results) == 50
     left = sorted((outcomes[0].left_before for outcomes in results), reverse=True)
@@ -394,7 +388,7 @@ async def test_concurrent_hits_admit_exactly_the_limit(
     applied = sum(outcomes[0].applied for outcomes in results)
     assert applied == (50 if all_or_nothing else 200)
     # A check under a wide limit reads the counter back.
-    [check] = await backend.apply([hit(A, 0, 1_000)], False, NOW_MS)
+    [check] = await apply(backend, [hit(A, 0, 1_000)], False, NOW_MS)
     assert check.left_before == 1_000 - applied
 
 
@@ -410,15 +404,15 @@ async def test_ttl_is_set_when_a_counter_is_created(
     store: RedisServer | RedisCluster, store_backend: Backend
 ) -> None:
     """A new counter expires after its ttl; later hits do not extend it; checks create nothing."""
-    await store_backend.apply([hit(A, 1, 10, ttl=30)], False, NOW_MS)
+    await apply(store_backend, [hit(A, 1, 10, ttl=30)], False, NOW_MS)
     with store.client() as client:
         first = client.pttl(A)
         assert 0 < first <= 30_000
-        await store_backend.apply([hit(A, 1, 10, ttl=1_000)], False, NOW_MS)
+        await apply(store_backend, [hit(A, 1, 10, ttl=1_000)], False, NOW_MS)
         assert 0 < client.pttl(A) <= first
 
-        await store_backend.apply([hit(B, 0, 10)], False, NOW_MS)
-        await store_backend.apply(request(hit(C, 0, 10), hit(b"rl{a}|other", 5, 3)), True, NOW_MS)
+        await apply(store_backend, [hit(B, 0, 10)], False, NOW_MS)
+        await apply(store_backend, request(hit(C, 0, 10), hit(b"rl{a}|other", 5, 3)), True, NOW_MS)
         assert client.exists(B, C, b"rl{a}|other") == 0
 
 
@@ -432,13 +426,13 @@ async def test_one_script_call_per_hash_slot(
             client.script_load(_COUNT_SCRIPT)
     same_tag = request(*(hit(b"rl{b}|%d" % i, 1, 10) for i in range(5)))
     reset_stats(store)
-    await store_backend.apply(same_tag, False, NOW_MS)
-    await store_backend.apply(same_tag, True, NOW_MS)
+    await apply(store_backend, same_tag, False, NOW_MS)
+    await apply(store_backend, same_tag, True, NOW_MS)
     assert evalsha_calls(store) == 2
 
     three_slots = request(hit(A, 1, 10), hit(B, 1, 10), hit(C, 1, 10), hit(b"rl{b}|x", 1, 10))
     reset_stats(store)
-    await store_backend.apply(three_slots, False, NOW_MS)
+    await apply(store_backend, three_slots, False, NOW_MS)
     assert evalsha_calls(store) == (3 if isinstance(store, RedisCluster) else 1)
 
 
@@ -455,12 +449,12 @@ async def test_script_cache_loss_is_recovered(
     """After SCRIPT FLUSH (as after a restart or a failover) apply works and reloads the script
     it runs, either script."""
     hits = request(hit(A, 1, 10), hit(B, 1, 10))
-    first = await store_backend.apply(hits, all_or_nothing, NOW_MS)
+    first = await apply(store_backend, hits, all_or_nothing, NOW_MS)
     assert first == [outcome(False, 9, True, 10)] * 2
     for node in store.nodes:
         with node.client() as client:
             client.script_flush()
-    second = await store_backend.apply(hits, all_or_nothing, NOW_MS)
+    second = await apply(store_backend, hits, all_or_nothing, NOW_MS)
     assert second == [outcome(False, 8, True, 9)] * 2
     cached = []
     for node in store.nodes:
@@ -477,14 +471,14 @@ async def test_script_cache_loss_is_recovered_through_callbacks(
     """`apply_then` after SCRIPT FLUSH: the EVALSHA's NOSCRIPT is answered by EVAL of the same
     script, by the same deadline, and the outcome is the one `apply` gives."""
     backend = RedisBackend.from_url(redis_url, timeout_ms=TIMEOUT_MS)
-    through = Callbacks(backend)
+    through = backend
     try:
         hits = request(hit(A, 1, 10), hit(B, 1, 10))
-        first = await through.apply(hits, all_or_nothing, NOW_MS)
+        first = await apply(through, hits, all_or_nothing, NOW_MS)
         assert first == [outcome(False, 9, True, 10)] * 2
         with redis_server.client() as client:
             client.script_flush()
-        second = await through.apply(hits, all_or_nothing, NOW_MS)
+        second = await apply(through, hits, all_or_nothing, NOW_MS)
         assert second == [outcome(False, 8, True, 9)] * 2
         with redis_server.client() as client:
             assert client.script_exists(sha) == [True]
@@ -499,9 +493,9 @@ async def test_cluster_rejection_across_slots_writes_nothing(
     """An all-or-nothing request over three slots that is over its limit adds to no slot."""
     backend = RedisClusterBackend.from_url(cluster_url, timeout_ms=TIMEOUT_MS)
     try:
-        await backend.apply([hit(C, 2, 2)], False, NOW_MS)
+        await apply(backend, [hit(C, 2, 2)], False, NOW_MS)
         hits = request(hit(A, 1, 5), hit(B, 1, 5), hit(C, 1, 2))
-        assert await backend.apply(hits, True, NOW_MS) == [
+        assert await apply(backend, hits, True, NOW_MS) == [
             outcome(False, 5, False, 5),
             outcome(False, 5, False, 5),
             outcome(True, 0, False, 0),
@@ -512,7 +506,7 @@ async def test_cluster_rejection_across_slots_writes_nothing(
             assert client.get(C) == b"2"
 
         hits = request(hit(A, 1, 5), hit(B, 1, 5), hit(C, 0, 3))
-        assert await backend.apply(hits, True, NOW_MS) == [
+        assert await apply(backend, hits, True, NOW_MS) == [
             outcome(False, 4, True, 5),
             outcome(False, 4, True, 5),
             outcome(False, 1, True, 1),
@@ -536,7 +530,7 @@ async def timed_apply(backend: Backend) -> tuple[float, BaseException | None]:
     """How long one apply took, and what it raised."""
     started = time.monotonic()
     try:
-        await backend.apply([hit(A, 1, 10)], False, NOW_MS)
+        await apply(backend, [hit(A, 1, 10)], False, NOW_MS)
     except Exception as exc:
         return time.monotonic() - started, exc
     return time.monotonic() - started, None
@@ -563,7 +557,7 @@ async def test_stopped_redis_fails_in_time_and_recovers(restartable_redis: Redis
     """With Redis down apply raises StorageError by the deadline; once it is back, apply works."""
     backend = RedisBackend.from_url(restartable_redis.url, timeout_ms=RECOVERY_DEADLINE_MS)
     try:
-        assert await backend.apply([hit(A, 1, 10)], False, NOW_MS) == [outcome(False, 9, True, 10)]
+        assert await apply(backend, [hit(A, 1, 10)], False, NOW_MS) == [outcome(False, 9, True, 10)]
         await asyncio.to_thread(restartable_redis.stop)
         await expect_storage_error(backend, RECOVERY_DEADLINE_MS)
         await expect_storage_error(backend, RECOVERY_DEADLINE_MS)
@@ -573,7 +567,7 @@ async def test_stopped_redis_fails_in_time_and_recovers(restartable_redis: Redis
         # After a refused connection the client holds off a moment before it tries again.
         assert await answers_within(backend, 1.0)
         # The restarted server has lost the counters and the script, not the backend.
-        assert await backend.apply([hit(A, 1, 10)], False, NOW_MS) == [outcome(False, 9, True, 10)]
+        assert await apply(backend, [hit(A, 1, 10)], False, NOW_MS) == [outcome(False, 9, True, 10)]
         assert await backend.ping() is True
     finally:
         await backend.close()
@@ -586,9 +580,9 @@ async def test_stopped_or_paused_redis_fails_through_callbacks_in_time(
     """`apply_then` hands its callback a StorageError by the deadline while Redis is stopped or
     frozen, and the outcome again once Redis is back."""
     backend = RedisBackend.from_url(restartable_redis.url, timeout_ms=RECOVERY_DEADLINE_MS)
-    through: Any = Callbacks(backend)
+    through: Any = backend
     try:
-        assert await through.apply([hit(A, 1, 10)], False, NOW_MS) == [outcome(False, 9, True, 10)]
+        assert await apply(through, [hit(A, 1, 10)], False, NOW_MS) == [outcome(False, 9, True, 10)]
         restartable_redis.pause()
         await expect_storage_error(through, RECOVERY_DEADLINE_MS)
         restartable_redis.resume()
@@ -596,7 +590,7 @@ async def test_stopped_or_paused_redis_fails_through_callbacks_in_time(
         await expect_storage_error(through, RECOVERY_DEADLINE_MS)
         await asyncio.to_thread(restartable_redis.start)
         assert await answers_within(backend, 1.0)
-        assert await through.apply([hit(A, 1, 10)], False, NOW_MS) == [outcome(False, 9, True, 10)]
+        assert await apply(through, [hit(A, 1, 10)], False, NOW_MS) == [outcome(False, 9, True, 10)]
     finally:
         restartable_redis.resume()
         await backend.close()
@@ -607,12 +601,12 @@ async def test_restarted_redis_is_used_without_error(restartable_redis: RedisSer
     """Pooled connections to a Redis that restarted are replaced, not failed on."""
     backend = RedisBackend.from_url(restartable_redis.url, timeout_ms=TIMEOUT_MS)
     try:
-        await asyncio.gather(*(backend.apply([hit(A, 1, 100)], False, NOW_MS) for _ in range(10)))
+        await asyncio.gather(*(apply(backend, [hit(A, 1, 100)], False, NOW_MS) for _ in range(10)))
         await asyncio.to_thread(restartable_redis.restart)
         # Give the event loop a moment to see the old connections close, as a live service would.
         await asyncio.sleep(0.05)
         results = await asyncio.gather(
-            *(backend.apply([hit(A, 1, 100)], False, NOW_MS) for _ in range(10))
+            *(apply(backend, [hit(A, 1, 100)], False, NOW_MS) for _ in range(10))
         )
         # The restarted server counts from zero again, every hit exactly once.
         left = sorted(outcomes[0].left_before for outcomes in results)
@@ -626,13 +620,13 @@ async def test_paused_redis_fails_in_time_and_recovers(restartable_redis: RedisS
     """A Redis that holds connections open but never answers is a StorageError by the deadline."""
     backend = RedisBackend.from_url(restartable_redis.url, timeout_ms=RECOVERY_DEADLINE_MS)
     try:
-        await backend.apply([hit(A, 1, 10)], False, NOW_MS)
+        await apply(backend, [hit(A, 1, 10)], False, NOW_MS)
         restartable_redis.pause()
         await expect_storage_error(backend, RECOVERY_DEADLINE_MS)
         assert await backend.ping() is False
 
         restartable_redis.resume()
-        [check] = await backend.apply([hit(A, 0, 10)], False, NOW_MS)
+        [check] = await apply(backend, [hit(A, 0, 10)], False, NOW_MS)
         # Commands sent while it was paused may have run once it resumed.
         assert check.left_before <= 9
         assert await backend.ping() is True
@@ -687,7 +681,7 @@ async def test_closed_port_fails_in_time(scheme: str) -> None:
     try:
         await expect_storage_error(backend)
         with pytest.raises(StorageError) as caught:
-            await backend.apply([hit(A, 1, 10)], True, NOW_MS)
+            await apply(backend, [hit(A, 1, 10)], True, NOW_MS)
         assert caught.value.__cause__ is not None
         assert await backend.ping() is False
     finally:

@@ -15,9 +15,19 @@ from pathlib import Path
 from urllib.parse import urlencode
 
 import pytest
+from callbacks import apply
 from certs import write_certificate
 from conftest import require_binary
-from servers import HOST, RedisCluster, RedisServer, ServerError, start_cluster, start_server
+from servers import (
+    HOST,
+    RedisCluster,
+    RedisServer,
+    SentinelServer,
+    ServerError,
+    free_port,
+    start_cluster,
+    start_server,
+)
 
 from sidecar.errors import StorageError
 from sidecar.model import Hit, Unit, Window
@@ -86,7 +96,7 @@ async def apply_and_close(backend: Backend, hits: list[Hit], calls: int = 1) -> 
     """Apply `hits` `calls` times; the remaining counts of the last call."""
     try:
         for _ in range(calls):
-            outcomes = await backend.apply(hits, False, NOW_MS)
+            outcomes = await apply(backend, hits, False, NOW_MS)
         return [outcome.remaining for outcome in outcomes]
     finally:
         await backend.close()
@@ -199,3 +209,55 @@ async def test_rediss_cluster_refuses_nodes_signed_by_another_ca(
         await apply_and_close(backend, [hit(key)])
     with tls_cluster.client() as client:
         assert client.get(key) is None
+
+
+async def test_rediss_sentinel_speaks_tls_to_the_sentinel_and_the_master(
+    tls_redis: RedisServer, certificate: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """rediss+sentinel:// asks a Sentinel on its TLS port where the master is (the Sentinel
+    watches the master over TLS), checks ROLE and counts on the master's TLS port, with the CA
+    and client certificate of the query for both; `sentinel_password` authenticates to the
+    Sentinel. With another CA, calls fail with StorageError and nothing is counted."""
+    cert_file, key_file = certificate
+    tls = (
+        f"tls-port {free_port()}\ntls-cert-file {cert_file}\ntls-key-file {key_file}\n"
+        f"tls-ca-cert-file {cert_file}\ntls-replication yes\n"
+    )
+    sentinel = SentinelServer(
+        tmp_path / "sentinel", free_port(), "tls-master", tls_redis, 1,
+        master_port=tls_redis.tls_port, extra_config=tls,
+    )  # fmt: skip
+    try:
+        sentinel.start()
+    except ServerError as exc:
+        pytest.fail(str(exc))
+    try:
+        with sentinel.client() as client:
+            client.execute_command("ACL", "SETUSER", "default", "on", ">s3ntinel")
+        tls_port = int(tls.split()[1])
+        query = {
+            "ssl_ca_certs": str(cert_file), "ssl_certfile": str(cert_file),
+            "ssl_keyfile": str(key_file), "sentinel_password": "s3ntinel",
+        }  # fmt: skip
+        good = open_backend(
+            f"rediss+sentinel://{HOST}:{tls_port}/tls-master?{urlencode(query)}",
+            timeout_ms=TIMEOUT_MS,
+        )
+        key = b"rl{sentinel}|tls|60|0"
+        with tls_redis.client() as plain:
+            plain.delete(key)
+        assert await apply_and_close(good, [hit(key)], calls=2) == [8]
+        assert stored(tls_redis, key) == 2
+
+        (tmp_path / "other").mkdir()
+        other_ca, _ = write_certificate(tmp_path / "other")
+        untrusted = open_backend(
+            f"rediss+sentinel://{HOST}:{tls_port}/tls-master?"
+            + urlencode({**query, "ssl_ca_certs": str(other_ca)}),
+            timeout_ms=TIMEOUT_MS,
+        )
+        with pytest.raises(StorageError):
+            await apply_and_close(untrusted, [hit(key)])
+        assert stored(tls_redis, key) == 2
+    finally:
+        sentinel.stop()

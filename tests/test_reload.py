@@ -130,3 +130,22 @@ async def test_sighup_reloads_the_rules(tmp_path: Path) -> None:
                 raise AssertionError("SIGHUP did not reload the rules")
         third = await rls.call(request("reload", [("user", "u3")]))
         assert third.overall_code == Code.OK
+
+
+async def test_a_warning_of_the_rules_is_logged_once(tmp_path: Path) -> None:
+    """A likely mistake in the rules (here `unit` beside `rate_limit`) is logged when they load,
+    and not again when a change of another rule reloads them."""
+    import structlog
+
+    path = tmp_path / "rules.yaml"
+    mistake = "  - key: ip\n    unit: minute\n"
+    path.write_text(rules(1) + mistake)
+    with structlog.testing.capture_logs() as logs:
+        async with running_app(path, config_poll_seconds=0.05) as app:
+            path.write_text(rules(5) + mistake)
+            await eventually(lambda: app.stats.config_load_success == 2)
+    warnings = [entry["warning"] for entry in logs if entry["event"] == "config_warning"]
+    assert warnings == [
+        f"{path}: descriptors[1]: key 'unit' is ignored in a descriptor, as envoyproxy/ratelimit "
+        "ignores it (it belongs in rate_limit: move it there, or remove it)"
+    ]

@@ -102,9 +102,20 @@ def test_request_keeps_entries_hits_addend_presence_and_overrides() -> None:
     assert third.override == Override(9, Unit.YEAR)
 
 
-@pytest.mark.parametrize("unit", [0, 7, 99])
+def test_an_override_unit_7_is_a_week_as_in_the_reference() -> None:
+    """The reference reads an override's unit number as a RateLimit.Unit, where 7 is WEEK
+    (Envoy's RateLimitUnit has no 7 yet): a week here too."""
+    message = RateLimitRequest(domain="d")
+    descriptor = message.descriptors.add()
+    descriptor.entries.add(key="k", value="v")
+    descriptor.limit.requests_per_unit = 3
+    descriptor.limit.unit = 7
+    assert convert.request(message).descriptors[0].override == Override(3, Unit.WEEK)
+
+
+@pytest.mark.parametrize("unit", [0, 8, 99])
 def test_an_override_unit_outside_rate_limit_unit_is_invalid(unit: int) -> None:
-    """RateLimitOverride's unit has SECOND..YEAR only: UNKNOWN and unknown numbers are refused."""
+    """UNKNOWN and numbers no unit has are refused (the reference panics on them)."""
     message = RateLimitRequest(domain="d")
     descriptor = message.descriptors.add()
     descriptor.entries.add(key="k", value="v")

@@ -29,6 +29,7 @@ from sidecar.limiter import Limiter, Settings
 from sidecar.model import Descriptor, Entry, Request
 from sidecar.plan import Plan
 from sidecar.rls import convert
+from sidecar.rules import Rules
 from sidecar.stats import Stats
 from sidecar.storage import Backend, open_backend
 
@@ -161,7 +162,7 @@ async def limiters(
             backend = open_backend(backend_url, timeout_ms=2_000)
             backends.append(backend)
             return Limiter(
-                config.Rules({domain: rules}),
+                Rules({domain: rules}),
                 backend,
                 settings=chosen,
                 clock=clock,
@@ -198,7 +199,7 @@ def test_a_plan_is_straight_when_each_counted_descriptor_has_one_blocking_window
     """Straight: one or more counted descriptors, one window each, all blocking (no rule and
     unlimited rules may sit beside them). A shadow rule, two windows or nothing counted is not."""
     rules = config.parse(RULES.format(domain="d"), "rules.yaml")
-    limiter = Limiter(config.Rules({"d": rules}), open_backend("memory://"))
+    limiter = Limiter(Rules({"d": rules}), open_backend("memory://"))
 
     def plan_of(*keys: str) -> Plan:
         return limiter.prepare(
@@ -231,7 +232,7 @@ async def test_a_store_that_fails_is_answered_by_the_failure_mode_on_both_paths(
         rules = config.parse(RULES.format(domain=domain), "rules.yaml")
         backend = open_backend(f"redis://127.0.0.1:{port}", timeout_ms=50)
         limiter = Limiter(
-            config.Rules({domain: rules}),
+            Rules({domain: rules}),
             backend,
             settings=Settings(failure_mode=failure_mode),  # type: ignore[arg-type]
             clock=clock,

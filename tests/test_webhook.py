@@ -22,18 +22,22 @@ from typing import Any
 import aiohttp
 import jsonpatch
 import pytest
+import structlog
+from aiohttp import web
 from certs import write_certificate
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kube import assert_valid
 
-from sidecar.injector.patch import Settings
+from sidecar.injector.commands import detect_native
+from sidecar.injector.settings import Settings
 from sidecar.injector.webhook import (
     MAX_BODY_BYTES,
     Certificates,
     Reply,
     WebhookServer,
     review,
+    tls_context,
 )
 
 SETTINGS = Settings(image="registry.example/ratelimit-sidecar:0.1.0")
@@ -101,16 +105,69 @@ def test_a_real_review_gets_a_patch_that_makes_a_valid_pod_with_the_sidecar() ->
     assert reply.body["response"]["allowed"] is True
     pod = patched(reply, document["request"]["object"])
     assert_valid(pod)
-    names = [c["name"] for c in pod["spec"]["containers"]]
-    assert names == ["envoy", "ratelimit-sidecar"]
-    sidecar = pod["spec"]["containers"][1]
+    assert [c["name"] for c in pod["spec"]["containers"]] == ["envoy"]
+    (sidecar,) = pod["spec"]["initContainers"]
+    assert sidecar["name"] == "ratelimit-sidecar"
+    assert sidecar["restartPolicy"] == "Always"
     assert sidecar["image"] == "registry.example/ratelimit-sidecar:0.1.0"
     assert [v["name"] for v in pod["spec"]["volumes"]] == [
         "envoy-config",
         "kube-api-access-8x2lq",
         "ratelimit-sidecar-rules",
+        "ratelimit-sidecar-socket",
     ]
     assert pod["spec"]["terminationGracePeriodSeconds"] == 30
+    assert "ratelimit-sidecar/status" in pod["metadata"]["annotations"]
+
+
+def test_a_gateway_on_8080_and_8081_annotated_only_to_inject_gets_a_sidecar_envoy_reaches() -> None:
+    """With nothing but ratelimit-sidecar/inject: the sidecar serves gRPC on the socket that
+    Envoy's container now mounts, and HTTP on the first port Envoy does not declare."""
+    for native in (True, False):
+        document = pod_review()
+        pod = document["request"]["object"]
+        pod["metadata"]["annotations"] = {"ratelimit-sidecar/inject": "true"}
+        (envoy,) = pod["spec"]["containers"]
+        envoy["ports"] = [
+            {"name": "http", "containerPort": 8080, "protocol": "TCP"},
+            {"name": "https", "containerPort": 8081, "protocol": "TCP"},
+        ]
+        reply = review(json.dumps(document).encode(), Settings(native_sidecars=native))
+        injected = patched(reply, pod)
+        assert_valid(injected)
+        where = "initContainers" if native else "containers"
+        (sidecar,) = [c for c in injected["spec"][where] if c["name"] == "ratelimit-sidecar"]
+        args = sidecar["args"]
+        assert args[args.index("--grpc-address") + 1] == "unix:/var/run/ratelimit-sidecar/rls.sock"
+        assert args[args.index("--http-address") + 1] == "0.0.0.0:8082"
+        mounts = injected["spec"]["containers"][0]["volumeMounts"]
+        assert {"name": "ratelimit-sidecar-socket", "mountPath": "/var/run/ratelimit-sidecar",
+                "readOnly": True} in mounts  # fmt: skip
+
+
+@pytest.mark.parametrize("namespace", ["kube-system", "kube-public"])
+def test_pods_of_kube_system_and_kube_public_are_allowed_unchanged(namespace: str) -> None:
+    """Even if the webhook configuration sends them, and they ask for the sidecar."""
+    document = pod_review()
+    document["request"]["namespace"] = namespace
+    reply = ask(document)
+    assert_no_patch(reply, "0df28fbd-5f5f-11e8-bc74-36e6bb280816")
+    assert reply.message == f"pods in {namespace} are never injected"
+
+
+def test_a_labelled_namespace_injects_pods_without_the_annotation_but_not_those_saying_false() -> (
+    None
+):
+    """review(namespace_enabled=True), as the /mutate/injection-enabled path calls it."""
+    document = pod_review()
+    annotations = document["request"]["object"]["metadata"]["annotations"]
+    del annotations["ratelimit-sidecar/inject"]
+    body = json.dumps(document).encode()
+    assert review(body, SETTINGS, namespace_enabled=True).outcome == "injected"
+    assert review(body, SETTINGS).outcome == "unchanged"
+    annotations["ratelimit-sidecar/inject"] = "false"
+    body = json.dumps(document).encode()
+    assert review(body, SETTINGS, namespace_enabled=True).outcome == "unchanged"
 
 
 def test_a_second_review_of_the_patched_pod_has_no_patch() -> None:
@@ -167,7 +224,7 @@ def test_a_deployment_template_is_patched_on_create_and_update() -> None:
         )
         result = patched(ask(document), deployment)
         assert_valid(result)
-        containers = result["spec"]["template"]["spec"]["containers"]
+        containers = result["spec"]["template"]["spec"]["initContainers"]
         assert containers[-1]["name"] == "ratelimit-sidecar"
 
 
@@ -371,6 +428,109 @@ async def test_the_webhook_answers_a_review_over_tls(webhook: Any) -> None:
     assert body["response"]["patchType"] == "JSONPatch"
 
 
+async def test_the_injection_enabled_path_injects_pods_without_the_annotation(
+    webhook: Any,
+) -> None:
+    """POST /mutate/injection-enabled (the labelled namespaces' entry): a pod with no inject
+    annotation gets the patch; on /mutate it does not."""
+    port, client_tls = webhook
+    document = pod_review()
+    del document["request"]["object"]["metadata"]["annotations"]["ratelimit-sidecar/inject"]
+    answers = {}
+    async with aiohttp.ClientSession() as session:
+        for path in ("/mutate", "/mutate/injection-enabled"):
+            url = f"https://127.0.0.1:{port}{path}"
+            async with session.post(url, json=document, ssl=client_tls) as response:
+                assert response.status == 200
+                answers[path] = (await response.json())["response"]
+    assert "patch" not in answers["/mutate"]
+    assert answers["/mutate/injection-enabled"]["patchType"] == "JSONPatch"
+
+
+@pytest.fixture
+async def api_server(tmp_path: Path) -> Any:
+    """An HTTPS server on loopback answering GET /version as an API server does, with the
+    version a test sets; yields (environ, service account directory, state)."""
+    cert_file, key_file = write_certificate(
+        tmp_path / "api" if (tmp_path / "api").mkdir() is None else tmp_path
+    )
+    account = tmp_path / "account"
+    account.mkdir()
+    (account / "ca.crt").write_bytes(cert_file.read_bytes())
+    (account / "token").write_text("the-token\n")
+    state: dict[str, Any] = {"version": {"major": "1", "minor": "29+"}, "seen": []}
+
+    async def version(request: web.Request) -> web.Response:
+        state["seen"].append(request.headers.get("Authorization"))
+        return web.json_response(state["version"])
+
+    app = web.Application()
+    app.router.add_get("/version", version)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(
+        runner, "127.0.0.1", 0, ssl_context=tls_context(str(cert_file), str(key_file))
+    )
+    await site.start()
+    port = runner.addresses[0][1]
+    environ = {"KUBERNETES_SERVICE_HOST": "127.0.0.1", "KUBERNETES_SERVICE_PORT": str(port)}
+    yield environ, account, state
+    await runner.cleanup()
+
+
+@pytest.mark.parametrize(
+    ("version", "native"),
+    [
+        ({"major": "1", "minor": "29+", "gitVersion": "v1.29.4-gke.1"}, True),
+        ({"major": "1", "minor": "33"}, True),
+        ({"major": "1", "minor": "28"}, False),
+        ({"gitVersion": "v1.30.2"}, True),
+    ],
+)
+async def test_auto_native_sidecars_follow_the_api_servers_version(
+    api_server: Any, version: dict[str, str], native: bool
+) -> None:
+    """`webhook --native-sidecars auto`: GET /version with the service account's token and
+    CA; native sidecars from 1.29 on (managed clusters' "29+" included)."""
+    environ, account, state = api_server
+    state["version"] = version
+    server = WebhookServer(Settings(native_sidecars=not native), None, "127.0.0.1", 0)  # type: ignore[arg-type]
+    await detect_native(server, environ, account)
+    assert server.settings.native_sidecars is native
+    assert server.version_known is True
+    assert state["seen"] == ["Bearer the-token"]
+
+
+async def test_an_api_server_that_cannot_be_read_means_ordinary_sidecars(
+    api_server: Any, tmp_path: Path
+) -> None:
+    """No API server in the environment, an untrusted certificate, or an answer without a
+    version: ordinary containers (they work on every version), and the reason is logged."""
+    environ, account, state = api_server
+    server = WebhookServer(Settings(native_sidecars=True), None, "127.0.0.1", 0)  # type: ignore[arg-type]
+    with structlog.testing.capture_logs() as logs:
+        await detect_native(server, {}, account)
+        assert server.settings.native_sidecars is False
+        server.settings = Settings(native_sidecars=True)
+        untrusted = tmp_path / "untrusted"
+        untrusted.mkdir()
+        other, _ = write_certificate(
+            tmp_path / "other" if (tmp_path / "other").mkdir() is None else tmp_path
+        )
+        (untrusted / "ca.crt").write_bytes(other.read_bytes())
+        await detect_native(server, environ, untrusted)
+        assert server.settings.native_sidecars is False
+        state["version"] = {"major": "one"}
+        server.settings = Settings(native_sidecars=True)
+        await detect_native(server, environ, account)
+        assert server.settings.native_sidecars is False
+    events = [e for e in logs if e["event"] == "kubernetes_version_unknown"]
+    assert len(events) == 3
+    assert "KUBERNETES_SERVICE_HOST" in events[0]["error"]
+    assert "major and minor" in events[2]["error"]
+    assert server.version_known is False
+
+
 async def test_plain_http_is_refused(webhook: Any) -> None:
     """The same port spoken to in plain HTTP gives no HTTP answer at all."""
     port, _ = webhook
@@ -442,7 +602,8 @@ def test_the_webhook_command_serves_https_and_exits_0_on_sigterm(
     cert_file, key_file = tls_files
     argv = [sys.executable, "-c", SHIM, "webhook", "--tls-cert", str(cert_file)]
     argv += ["--tls-key", str(key_file), "--address", "127.0.0.1:0"]
-    with subprocess.Popen(argv, stderr=subprocess.PIPE) as process:
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("KUBERNETES_")}
+    with subprocess.Popen(argv, stderr=subprocess.PIPE, env=environ) as process:
         try:
             port, log = started_port(process)
             context = ssl.create_default_context(cafile=str(cert_file))
@@ -465,6 +626,10 @@ def test_the_webhook_command_serves_https_and_exits_0_on_sigterm(
     events = [json.loads(line)["event"] for line in log.splitlines()]
     assert "webhook_stopping" in events
     assert "sidecar_injected" in events
+    # Not in a pod, so no API server to ask: --native-sidecars auto falls back to ordinary.
+    assert "kubernetes_version_unknown" in events
+    ops = json.loads(base64.b64decode(body["response"]["patch"]))
+    assert ops[0]["path"] == "/spec/containers/-"
 
 
 def test_the_webhook_command_refuses_missing_certificate_files(tmp_path: Path) -> None:

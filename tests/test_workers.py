@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import stat
 import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -102,6 +103,38 @@ async def test_one_sidecar_serves_on_a_unix_socket(tmp_path: Path, transport: st
 
     assert answer.overall_code == RateLimitResponse.OK
     assert status == 0, served.output()
+
+
+@pytest.mark.parametrize("transport", ["fast", "grpcio"])
+async def test_grpc_socket_mode_sets_the_sockets_permission_bits(
+    tmp_path: Path, transport: str
+) -> None:
+    """`--grpc-socket-mode 666` makes the socket connectable by any user (Envoy in the same pod
+    runs as another user than the sidecar); without it the umask decides (no write for others
+    under the usual 022)."""
+    rules = write_rules(tmp_path)
+    modes = {}
+    for flag in ([], ["--grpc-socket-mode", "666"]):
+        path = tmp_path / f"rls{len(flag)}.sock"
+        args = ["--config", str(rules), "--grpc-address", f"unix:{path}", "--transport", transport]
+        args += ["--http-address", "127.0.0.1:0", *flag]
+        async with serve_process(args, wait=False) as served:
+            await _started(served, 1)
+            modes[bool(flag)] = stat.S_IMODE(os.stat(path).st_mode)
+            answer = await _call(f"unix:{path}")
+            served.process.send_signal(signal.SIGTERM)
+            assert await asyncio.wait_for(served.process.wait(), 20) == 0, served.output()
+        assert answer.overall_code == RateLimitResponse.OK
+    umask = os.umask(0)
+    os.umask(umask)
+    assert modes == {False: 0o777 & ~umask, True: 0o666}
+
+
+@pytest.mark.parametrize("mode", ["8", "1777", "rw", ""])
+def test_a_socket_mode_that_is_not_octal_permission_bits_is_a_usage_error(mode: str) -> None:
+    with pytest.raises(SystemExit) as caught:
+        cli.parse_args(["serve", "--config", "a.yaml", "--grpc-socket-mode", mode])
+    assert caught.value.code == 2
 
 
 @pytest.mark.redis

@@ -15,23 +15,11 @@ month and year.
 from __future__ import annotations
 
 import difflib
-import hashlib
 from datetime import date, datetime, timedelta
 from functools import lru_cache
 from zoneinfo import ZoneInfo, available_timezones
 
-from sidecar.model import Algorithm, Hit, Role, Unit, Window
-from sidecar.storage.keys import (
-    BUCKET_FIELD_END,
-    base36,
-    bucket_key,
-    counter_field,
-    field_suffix,
-    keep_until_id,
-    named,
-    window_key,
-    window_suffix,
-)
+from sidecar.model import Unit, Window
 
 _CALENDAR_UNITS = frozenset({Unit.DAY, Unit.WEEK, Unit.MONTH, Unit.YEAR})
 
@@ -96,19 +84,8 @@ def check_zone(name: str) -> None:
         raise ValueError(f"unknown time zone '{name}'{hint}") from exc
 
 
-def tag(window: Window) -> str:
-    """The window kind's part of a counter key (see `storage.keys`)."""
-    if window.algorithm is Algorithm.TOKEN_BUCKET:
-        return f"{window.seconds}t{window.requests_per_unit}/{window.capacity}"
-    if window.calendar:
-        text = f"{window.unit.name[0].lower()}@{window.timezone}"
-        if window.unit is Unit.WEEK and window.week_start:
-            text += f"~{window.week_start}"
-    else:
-        text = str(window.seconds)
-    if window.algorithm is Algorithm.SLIDING_WINDOW:
-        return text + "s"
-    return text + "b" if window.borrow else text
+#: Seconds a grouped counter outlives its window, for sidecars whose clocks run a little behind.
+FIELD_GRACE = 10
 
 
 def bounds(window: Window, now: int) -> tuple[int, int]:
@@ -116,159 +93,3 @@ def bounds(window: Window, now: int) -> tuple[int, int]:
     if window.calendar:
         return calendar_window(now, window.unit, window.timezone, window.week_start)
     return epoch_window(now, window.seconds)
-
-
-def window_hit(prefix: str, window: Window, cost: int, group: int, role: Role, now_ms: int) -> Hit:
-    """The Hit that asks a backend for `cost` on `window` of the counter whose head is `prefix`."""
-    kind = tag(window)
-    if window.algorithm is Algorithm.TOKEN_BUCKET:
-        return Hit(bucket_key(prefix, kind), cost, window, group, role)
-    now = now_ms // 1000
-    if window.plain:
-        suffix, start, end = plain_suffix(window, now, grouped=False)
-        key = named(prefix, suffix)
-        # A counter is needed until its window ends: the reference keeps it one unit from its
-        # first hit, which also covers sidecars whose clocks run a little behind.
-        ttl = window.seconds if not window.calendar else end - now + 1
-        return Hit(key, cost, window, group, role, key, ttl, start * 1000, end * 1000)
-    start, end = bounds(window, now)
-    key = window_key(prefix, kind, start)
-    # Borrowing and sliding windows read the previous window, so a counter lives until the end
-    # of the window after its own.
-    previous_start = bounds(window, start - 1)[0]
-    next_end = bounds(window, end)[1]
-    return Hit(
-        key,
-        cost,
-        window,
-        group,
-        role,
-        window_key(prefix, kind, previous_start),
-        next_end - now + 1,
-        start * 1000,
-        end * 1000,
-    )
-
-
-#: Seconds a grouped counter outlives its window, for sidecars whose clocks run a little behind.
-FIELD_GRACE = 10
-
-_UNIT_CODES = {
-    Unit.SECOND: "s",
-    Unit.MINUTE: "m",
-    Unit.HOUR: "h",
-    Unit.DAY: "d",
-    Unit.WEEK: "w",
-    Unit.MONTH: "M",
-    Unit.YEAR: "y",
-}
-
-
-@lru_cache(maxsize=1_024)
-def code(window: Window) -> str:
-    """The window kind's part of a grouped counter's field: as short as can be told apart.
-
-    ``[multiplier]unit`` for epoch windows (``d``, ``5m``, ``M`` a 30-day month), ``+`` after it
-    when it borrows and ``~`` when it slides; ``c`` and the unit for calendar windows, then
-    three base-36 characters of the zone's hash unless it is UTC, then the first day of the
-    week unless Monday (``cd``, ``cdk7q``, ``cw6``); ``t``, the period, the rate, ``/`` and the
-    capacity for a token bucket (``tm10/20``). A field ends in a fixed-width keep-until after
-    the code, so codes need no separator. Hashed zones could collide, so loading the rules
-    refuses a tree in which two kinds of window get one code.
-    """
-    unit = _UNIT_CODES[window.unit]
-    if window.calendar:
-        text = "c" + unit
-        if window.timezone != "UTC":
-            text += zone_code(window.timezone)
-        if window.week_start:
-            text += str(window.week_start)
-    else:
-        text = unit if window.unit_multiplier == 1 else f"{window.unit_multiplier}{unit}"
-    if window.algorithm is Algorithm.TOKEN_BUCKET:
-        return f"t{text}{window.requests_per_unit}/{window.capacity}"
-    if window.algorithm is Algorithm.SLIDING_WINDOW:
-        return text + "~"
-    return text + "+" if window.borrow else text
-
-
-def zone_code(zone: str) -> str:
-    """Three base-36 characters standing for a time zone in window codes."""
-    digest = int.from_bytes(hashlib.sha256(zone.encode()).digest()[:8], "big")
-    return base36(digest % 36**3).rjust(3, "0")
-
-
-def kind(window: Window) -> tuple[object, ...]:
-    """What makes two windows count alike: the same kind must have one code, others not."""
-    return (
-        window.unit,
-        window.unit_multiplier,
-        window.algorithm,
-        window.borrow > 0,
-        window.calendar,
-        window.timezone if window.calendar else "",
-        window.week_start if window.calendar else 0,
-        (window.requests_per_unit, window.capacity)
-        if window.algorithm is Algorithm.TOKEN_BUCKET
-        else (),
-    )
-
-
-def field_hit(
-    key: bytes, head: str, window: Window, cost: int, group: int, role: Role, now_ms: int
-) -> Hit:
-    """The Hit for `window` of a grouped counter: field `head|<code><keep-until>` of hash `key`.
-
-    A window's keep-until is its end for a plain window, the end of the next window for
-    borrowing and sliding ones (the next window reads it); the previous window's field follows
-    from it. The hash must live until the keep-until plus `FIELD_GRACE`.
-    """
-    window_code = code(window)
-    if window.algorithm is Algorithm.TOKEN_BUCKET:
-        field = counter_field(head, window_code, BUCKET_FIELD_END)
-        return Hit(key, cost, window, group, role, key, 0, field=field, previous_field=field)
-    now = now_ms // 1000
-    if window.plain:
-        suffix, start, end = plain_suffix(window, now, grouped=True)
-        field = named(head, suffix)
-        return Hit(
-            key,
-            cost,
-            window,
-            group,
-            role,
-            key,
-            end - now + FIELD_GRACE,
-            start * 1000,
-            end * 1000,
-            field,
-            field,
-        )
-    start, end = bounds(window, now)
-    next_end = bounds(window, end)[1]
-    return Hit(
-        key,
-        cost,
-        window,
-        group,
-        role,
-        key,
-        next_end - now + FIELD_GRACE,
-        start * 1000,
-        end * 1000,
-        counter_field(head, window_code, keep_until_id(next_end, window.seconds < 60)),
-        counter_field(head, window_code, keep_until_id(end, window.seconds < 60)),
-    )
-
-
-def plain_suffix(window: Window, now: int, grouped: bool) -> tuple[str, int, int]:
-    """How a plain window's counter at `now` (Unix seconds) is named after its descriptor's part
-    (`|tag|start` in a key, `|<code><keep-until>` in a grouped field), and the window's start and
-    end (Unix seconds). Every descriptor with this window shares them, so a caller naming many
-    counters at once (a frequency-cap check) works them out once."""
-    start, end = bounds(window, now)
-    if grouped:
-        suffix = field_suffix(code(window), keep_until_id(end, window.seconds < 60))
-    else:
-        suffix = window_suffix(tag(window), start)
-    return suffix, start, end

@@ -9,9 +9,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
+import os
 import signal
 import ssl
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -19,18 +22,34 @@ import structlog
 
 from sidecar import logs
 from sidecar.errors import InjectionError
+from sidecar.injector.apiserver import SERVICE_ACCOUNT, parse_version, server_version
 from sidecar.injector.manifests import inject_yaml
-from sidecar.injector.patch import DEFAULT_IMAGE, Settings
+from sidecar.injector.settings import (
+    DEFAULT_IMAGE,
+    DEFAULT_RULES_CONFIGMAP,
+    NATIVE_SINCE,
+    SIDECAR_UID,
+    Settings,
+)
 from sidecar.injector.webhook import Certificates, WebhookServer
 
 PROG = "ratelimit-sidecar"
 DEFAULT_WEBHOOK_ADDRESS = "0.0.0.0:8443"
+#: How often `webhook --native-sidecars auto` reads the API server's version again (a cluster
+#: upgraded while the webhook runs gets native sidecars from then on).
+VERSION_SECONDS = 600.0
 
 _WEBHOOK_DESCRIPTION = """\
-Serve the mutating admission webhook: AdmissionReview v1 at POST /mutate, over HTTPS only,
-and GET /healthz for probes. Pods annotated ratelimit-sidecar/inject: "true" get the sidecar
-container; a bad ratelimit-sidecar/* annotation is refused with a message saying which and why.
+Serve the mutating admission webhook: AdmissionReview v1 over HTTPS only, and GET /healthz
+for probes. POST /mutate injects pods annotated ratelimit-sidecar/inject: "true"; POST
+/mutate/injection-enabled (for namespaces labelled ratelimit-sidecar/injection=enabled) every
+pod but those annotated "false". Pods on the host's network and in kube-system or kube-public
+are never injected. A bad ratelimit-sidecar/* annotation is refused with a message saying
+which and why.
 The certificate files are read again when they change (a renewed Secret).
+With --native-sidecars auto (the default) and no --kube-version, the webhook reads its API
+server's version at start and every 10 minutes, and injects native sidecars from 1.29 on;
+when it cannot read it, ordinary containers (they work on every version).
 SIGTERM or SIGINT: stop listening, finish the reviews in flight, exit 0."""
 
 _INJECT_DESCRIPTION = """\
@@ -38,7 +57,9 @@ Print a manifest with the sidecar injected into every Pod, Deployment, StatefulS
 DaemonSet whose pod template is annotated ratelimit-sidecar/inject: "true"; other documents
 pass through unchanged. For GitOps, and for clusters without the webhook. Injecting the
 output again changes nothing. Exit status 1, with the reason, for a file that cannot be read
-or a workload whose annotations cannot make a working sidecar."""
+or a workload whose annotations cannot make a working sidecar.
+With --native-sidecars auto (the default), native sidecars unless --kube-version names a
+Kubernetes older than 1.29."""
 
 log = structlog.get_logger("sidecar.injector")
 
@@ -86,6 +107,10 @@ def run_webhook(args: argparse.Namespace) -> int:
     settings = _settings(args, "webhook")
     if settings is None:
         return 2
+    detect = args.native_sidecars == "auto" and args.kube_version is None
+    if detect:
+        # Until the API server says otherwise: ordinary containers work on every version.
+        settings = dataclasses.replace(settings, native_sidecars=False)
     try:
         certificates = Certificates(args.tls_cert, args.tls_key)
     except (OSError, ssl.SSLError) as exc:
@@ -94,7 +119,7 @@ def run_webhook(args: argparse.Namespace) -> int:
     host, port = args.address
     server = WebhookServer(settings, certificates, host, port)
     try:
-        return asyncio.run(_serve(server))
+        return asyncio.run(_serve(server, detect))
     except OSError as exc:
         print(f"{PROG} webhook: {exc}", file=sys.stderr)
         return 1
@@ -119,21 +144,56 @@ def run_inject(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _serve(server: WebhookServer) -> int:
+async def _serve(server: WebhookServer, detect: bool) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    watch = None
     try:
+        if detect:
+            await detect_native(server)
+            watch = asyncio.create_task(_detect_forever(server))
         await server.start()
         await stop.wait()
         log.info("webhook_stopping")
     finally:
+        if watch is not None:
+            watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watch
         await server.stop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(ValueError, RuntimeError):
                 loop.remove_signal_handler(sig)
     return 0
+
+
+async def detect_native(
+    server: WebhookServer,
+    environ: Mapping[str, str] | None = None,
+    account: Path = SERVICE_ACCOUNT,
+) -> None:
+    """Inject native sidecars from now on if the API server is 1.29 or later; on an older one,
+    or one whose version cannot be read (logged), ordinary containers."""
+    try:
+        version = await server_version(os.environ if environ is None else environ, account)
+    except (OSError, ValueError) as exc:
+        log.warning("kubernetes_version_unknown", error=str(exc), native_sidecars=False)
+        native = False
+    else:
+        native = version >= NATIVE_SINCE
+        if native != server.settings.native_sidecars or not server.version_known:
+            shown = ".".join(map(str, version))
+            log.info("kubernetes_version", version=shown, native_sidecars=native)
+        server.version_known = True
+    server.settings = dataclasses.replace(server.settings, native_sidecars=native)
+
+
+async def _detect_forever(server: WebhookServer) -> None:
+    while True:
+        await asyncio.sleep(VERSION_SECONDS)
+        await detect_native(server)
 
 
 def _add_settings(parser: argparse.ArgumentParser) -> None:
@@ -155,13 +215,57 @@ def _add_settings(parser: argparse.ArgumentParser) -> None:
         "(default: none, so the sidecar's own memory://)",
     )
     parser.add_argument(
+        "--default-rules-configmap",
+        default=DEFAULT_RULES_CONFIGMAP,
+        metavar="NAME",
+        help="the rules ConfigMap, in the pod's namespace, for pods without a "
+        f"ratelimit-sidecar/rules-configmap annotation (default: {DEFAULT_RULES_CONFIGMAP})",
+    )
+    parser.add_argument(
         "--pre-stop-seconds",
         type=int,
         default=10,
         metavar="N",
-        help="how long the sidecar keeps serving after its pod starts terminating, "
-        "so Envoy stops first (default: 10)",
+        help="how long an ordinary sidecar keeps serving after its pod starts terminating, "
+        "so Envoy stops first (default: 10; a native sidecar stops after Envoy anyway)",
     )
+    parser.add_argument(
+        "--native-sidecars",
+        default="auto",
+        choices=("auto", "true", "false"),
+        help="inject the sidecar as a native sidecar (an init container with restartPolicy "
+        "Always; Kubernetes 1.29 and later) or as an ordinary container; a pod's "
+        "ratelimit-sidecar/native-sidecar annotation overrides it (default: auto)",
+    )
+    parser.add_argument(
+        "--kube-version",
+        type=_kube_version,
+        metavar="X.Y",
+        help="the cluster's Kubernetes version, for --native-sidecars auto",
+    )
+    for name, default in (
+        ("cpu-request", "100m"),
+        ("cpu-limit", "1"),
+        ("memory-request", "128Mi"),
+        ("memory-limit", "256Mi"),
+    ):
+        parser.add_argument(
+            f"--{name}",
+            default=default,
+            metavar="QUANTITY",
+            help=f"the sidecar's {name.replace('-', ' ')}, unless a pod's "
+            f"ratelimit-sidecar/{name} annotation says otherwise (default: {default})",
+        )
+    for name in ("run-as-user", "run-as-group"):
+        parser.add_argument(
+            f"--{name}",
+            type=int,
+            default=SIDECAR_UID,
+            metavar="ID",
+            help=f"the sidecar's {name.removeprefix('run-as-')} id (non-root), unless a pod's "
+            f"ratelimit-sidecar/{name} annotation says otherwise (default: {SIDECAR_UID}, the "
+            "image's)",
+        )
 
 
 def _settings(args: argparse.Namespace, command: str) -> Settings | None:
@@ -170,11 +274,34 @@ def _settings(args: argparse.Namespace, command: str) -> Settings | None:
             image=args.image,
             image_pull_policy=args.image_pull_policy,
             default_backend=args.default_backend,
+            rules_configmap=args.default_rules_configmap,
             pre_stop_seconds=args.pre_stop_seconds,
+            native_sidecars=_native(args.native_sidecars, args.kube_version),
+            cpu_request=args.cpu_request,
+            cpu_limit=args.cpu_limit,
+            memory_request=args.memory_request,
+            memory_limit=args.memory_limit,
+            run_as_user=args.run_as_user,
+            run_as_group=args.run_as_group,
         )
     except ValueError as exc:
         print(f"{PROG} {command}: {exc}", file=sys.stderr)
         return None
+
+
+def _native(choice: str, version: tuple[int, int] | None) -> bool:
+    """--native-sidecars: true or false as said; auto from the version, native if unknown
+    (the webhook then asks its API server, see `detect_native`)."""
+    if choice == "auto":
+        return version is None or version >= NATIVE_SINCE
+    return choice == "true"
+
+
+def _kube_version(text: str) -> tuple[int, int]:
+    try:
+        return parse_version(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _address(text: str) -> tuple[str, int]:

@@ -12,7 +12,8 @@ from typing import Any
 import yaml
 
 from sidecar.errors import InjectionError
-from sidecar.injector.patch import Settings, inject
+from sidecar.injector.patch import inject
+from sidecar.injector.settings import Settings
 
 
 def inject_yaml(text: str, settings: Settings, source: str = "<stdin>") -> str:

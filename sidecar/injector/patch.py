@@ -1,130 +1,157 @@
 """The sidecar a pod asks for, as RFC 6902 JSON Patch operations or as the injected manifest.
 
-A pod (or the pod template of a Deployment, StatefulSet or DaemonSet) annotated
-``ratelimit-sidecar/inject: "true"`` gets a ``ratelimit-sidecar`` container, configured from
-its other ``ratelimit-sidecar/*`` annotations, and a read-only volume of its rules ConfigMap.
-A pod that already has the container gets nothing, so injecting twice changes nothing.
-Everything here is pure: annotations in, a container spec and patch operations out; an
-annotation that cannot make a working sidecar raises InjectionError naming it and the fix.
+A pod (or the pod template of a Deployment, StatefulSet or DaemonSet) that asks for it gets:
+- the ``ratelimit-sidecar`` container, as the last init container with ``restartPolicy:
+  Always`` (a native sidecar) or as the last container (see `container`);
+- its volumes: the rules ConfigMap, read-only, and an emptyDir holding the gRPC Unix socket,
+  which every container of the pod mounts, so Envoy reaches the sidecar as a ``pipe`` with no
+  port to collide with;
+- an HTTP port (probes, /metrics) among the ports no container declares: 8080 if free, else
+  the next free one; the Prometheus scrape annotations name it, unless the pod has its own;
+- the ``ratelimit-sidecar/status`` annotation: what was injected, and by which version.
+A pod that already has the sidecar, as a container or as an init container, gets nothing, so
+injecting twice changes nothing whichever form the first injection chose. Pods on the host's
+network and pods in kube-system and kube-public are never injected.
+Pure: objects in, operations out; a pod that cannot get a working sidecar raises
+InjectionError naming the annotation and the fix.
 """
 
 from __future__ import annotations
 
 import copy
-import difflib
-import re
-from collections.abc import Mapping
-from dataclasses import dataclass
+import json
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
+from sidecar import __version__
 from sidecar.errors import InjectionError
-from sidecar.injector.urls import validate_url
-
-PREFIX = "ratelimit-sidecar/"
-INJECT = PREFIX + "inject"
-BACKEND = PREFIX + "backend"
-RULES_CONFIGMAP = PREFIX + "rules-configmap"
-FAILURE_MODE = PREFIX + "failure-mode"
-GRPC_PORT = PREFIX + "grpc-port"
-HTTP_PORT = PREFIX + "http-port"
-ANNOTATIONS = (INJECT, BACKEND, RULES_CONFIGMAP, FAILURE_MODE, GRPC_PORT, HTTP_PORT)
-
-CONTAINER_NAME = "ratelimit-sidecar"
-VOLUME_NAME = "ratelimit-sidecar-rules"
-PORT_NAME = "rls-http"
-RULES_PATH = "/etc/ratelimit-sidecar/rules"
-DEFAULT_IMAGE = "ratelimit-sidecar:0.1.0"
-DEFAULT_GRPC_PORT = 8081
-DEFAULT_HTTP_PORT = 8080
-#: The image's user (see the Dockerfile); set on the container too, so `runAsNonRoot` holds
-#: whatever user the pod asks for.
-SIDECAR_UID = 65532
-#: After its preStop sleep the sidecar gets SIGTERM; this is what it may need to finish the
-#: calls in flight (each bounded by the backend deadline) and exit.
-DRAIN_SECONDS = 5
+from sidecar.injector import annotations as names
+from sidecar.injector.annotations import Request, annotations_of, read, show, wants_sidecar
+from sidecar.injector.container import (
+    CONTAINER_NAME,
+    PORT_NAME,
+    RULES_VOLUME,
+    SOCKET_DIR,
+    SOCKET_VOLUME,
+    container,
+    grpc_address,
+)
+from sidecar.injector.settings import Settings
 
 WORKLOAD_KINDS = ("Deployment", "StatefulSet", "DaemonSet")
 KINDS = ("Pod", *WORKLOAD_KINDS)
-
-# Python serves gRPC from one event loop: a second core buys little, so one core is the limit
-# that never throttles it in practice, while memory is capped well above its working set.
-RESOURCES: Mapping[str, Mapping[str, str]] = {
-    "requests": {"cpu": "100m", "memory": "128Mi"},
-    "limits": {"cpu": "1", "memory": "256Mi"},
-}
-
-_DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
-_SHOWN = 64  # characters of a bad value quoted back in a message
-
-
-@dataclass(frozen=True, slots=True)
-class Settings:
-    """What the webhook (or `inject`) decides for every pod: no annotation overrides these.
-
-    `default_backend` is used when a pod has no ``ratelimit-sidecar/backend`` annotation;
-    None leaves the sidecar's own default (``memory://``, counters private to each pod).
-    `pre_stop_seconds` keeps the sidecar serving after the pod starts terminating, so Envoy,
-    which stops sending when it exits, is gone before the sidecar stops answering.
-    """
-
-    image: str = DEFAULT_IMAGE
-    image_pull_policy: str = "IfNotPresent"
-    default_backend: str | None = None
-    pre_stop_seconds: int = 10
-
-    def __post_init__(self) -> None:
-        if not self.image:
-            raise ValueError("the sidecar image must not be empty")
-        if self.image_pull_policy not in ("Always", "IfNotPresent", "Never"):
-            raise ValueError(
-                f"image pull policy must be Always, IfNotPresent or Never, "
-                f"not {self.image_pull_policy!r}"
-            )
-        if self.default_backend is not None:
-            try:
-                validate_url(self.default_backend)
-            except ValueError as exc:
-                raise ValueError(f"default backend: {exc}") from None
-        if not 0 <= self.pre_stop_seconds <= 300:
-            raise ValueError(f"pre-stop seconds must be 0 to 300, not {self.pre_stop_seconds}")
-
-    @property
-    def grace_seconds(self) -> int:
-        """The least terminationGracePeriodSeconds that lets the sidecar drain."""
-        return self.pre_stop_seconds + DRAIN_SECONDS
+#: Never injected: the cluster's own pods, and the namespace anyone may read.
+SKIPPED_NAMESPACES = ("kube-system", "kube-public")
+#: The HTTP port the sidecar takes when no container of the pod declares it.
+DEFAULT_HTTP_PORT = 8080
+#: Added when the pod has no prometheus.io/* annotation of its own.
+PROMETHEUS = "prometheus.io/"
 
 
 @dataclass(frozen=True, slots=True)
 class Sidecar:
-    """What one pod gets: the container, its rules volume and, if too short, a longer grace."""
+    """What one pod gets (see the module docstring); `grace_seconds` only when too short."""
 
     container: dict[str, Any]
-    volume: dict[str, Any]
+    native: bool
+    volumes: list[dict[str, Any]]
+    #: Added to each of the pod's containers (by index): the socket directory.
+    mounts: dict[int, dict[str, Any]]
+    annotations: dict[str, str]
     grace_seconds: int | None
+    http_port: int
 
 
-def patch(obj: Any, settings: Settings, kind: str | None = None) -> list[dict[str, Any]]:
-    """The JSON Patch operations that inject the sidecar into a Pod or a workload's template.
+@dataclass(frozen=True, slots=True)
+class Skipped:
+    """No sidecar, and why ("" when the pod simply did not ask for one)."""
 
-    `kind` overrides the object's own (the webhook knows it from the request). Returns no
-    operations for an object that does not ask for the sidecar or already has it.
-    """
-    pointer, meta, spec = _pod(obj, kind or _field(obj, "kind"))
-    sidecar = plan(meta, spec, settings)
-    if sidecar is None:
-        return []
-    ops: list[dict[str, Any]] = [
-        {"op": "add", "path": f"{pointer}/spec/containers/-", "value": sidecar.container}
-    ]
-    if isinstance(spec.get("volumes"), list):
-        ops.append({"op": "add", "path": f"{pointer}/spec/volumes/-", "value": sidecar.volume})
-    else:
-        ops.append({"op": "add", "path": f"{pointer}/spec/volumes", "value": [sidecar.volume]})
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class _Pod:
+    pointer: str  # JSON Pointer to the pod (template): "" or "/spec/template"
+    meta: Mapping[str, Any]
+    spec: Mapping[str, Any]
+    has_meta: bool
+    containers: list[dict[str, Any]]
+    init_containers: list[dict[str, Any]] = field(default_factory=list)
+
+
+def plan(
+    obj: Any,
+    settings: Settings,
+    *,
+    kind: str | None = None,
+    namespace: str | None = None,
+    namespace_enabled: bool = False,
+) -> Sidecar | Skipped:
+    """What a Pod or workload gets. `kind` and `namespace` override the object's own (the
+    webhook knows them from the request); `namespace_enabled`: the namespace is labelled for
+    injection, so a pod without ``ratelimit-sidecar/inject`` gets the sidecar too."""
+    kind = kind or _field(obj, "kind")
+    pod = _pod(obj, kind)
+    namespace = namespace or _field(_field(obj, "metadata"), "namespace")
+    if namespace in SKIPPED_NAMESPACES:
+        return Skipped(f"pods in {namespace} are never injected")
+    annotations = annotations_of(pod.meta)
+    if not wants_sidecar(annotations, namespace_enabled):
+        return Skipped()
+    if any(c.get("name") == CONTAINER_NAME for c in [*pod.containers, *pod.init_containers]):
+        return Skipped("the pod already has the sidecar")
+    if pod.spec.get("hostNetwork") is True:
+        return Skipped("pods on the host's network are not injected (no port would be the pod's)")
+    request = read(annotations, settings)
+    return _sidecar(pod, annotations, request, settings)
+
+
+def operations(obj: Any, sidecar: Sidecar, kind: str | None = None) -> list[dict[str, Any]]:
+    """The JSON Patch operations that add `sidecar` to the object it was planned for."""
+    pod = _pod(obj, kind or _field(obj, "kind"))
+    base = f"{pod.pointer}/spec"
+    ops: list[dict[str, Any]] = []
+
+    def append(path: str, owner: Mapping[str, Any], key: str, values: list[Any]) -> None:
+        """Append to the list `owner[key]`, made first if it is missing (or null)."""
+        if values and not isinstance(owner.get(key), list):
+            ops.append({"op": "add", "path": f"{path}/{key}", "value": []})
+        ops.extend({"op": "add", "path": f"{path}/{key}/-", "value": v} for v in values)
+
+    key = "initContainers" if sidecar.native else "containers"
+    append(base, pod.spec, key, [sidecar.container])
+    for index, mount in sidecar.mounts.items():
+        append(f"{base}/containers/{index}", pod.containers[index], "volumeMounts", [mount])
+    append(base, pod.spec, "volumes", sidecar.volumes)
     if sidecar.grace_seconds is not None:
         # "add" on an existing member replaces it (RFC 6902, 4.1).
-        path = f"{pointer}/spec/terminationGracePeriodSeconds"
+        path = f"{base}/terminationGracePeriodSeconds"
         ops.append({"op": "add", "path": path, "value": sidecar.grace_seconds})
+    meta = f"{pod.pointer}/metadata"
+    if not pod.has_meta:
+        ops.append({"op": "add", "path": meta, "value": {}})
+    if pod.meta.get("annotations") is None:
+        ops.append({"op": "add", "path": f"{meta}/annotations", "value": sidecar.annotations})
+    else:
+        for name, value in sidecar.annotations.items():
+            ops.append({"op": "add", "path": f"{meta}/annotations/{_escape(name)}", "value": value})
     return ops
+
+
+def patch(
+    obj: Any,
+    settings: Settings,
+    kind: str | None = None,
+    *,
+    namespace: str | None = None,
+    namespace_enabled: bool = False,
+) -> list[dict[str, Any]]:
+    """The operations that inject the sidecar, or none when the object gets no sidecar."""
+    decided = plan(
+        obj, settings, kind=kind, namespace=namespace, namespace_enabled=namespace_enabled
+    )
+    return operations(obj, decided, kind) if isinstance(decided, Sidecar) else []
 
 
 def inject(obj: Any, settings: Settings) -> Any:
@@ -142,66 +169,6 @@ def inject(obj: Any, settings: Settings) -> Any:
         return obj
     ops = patch(obj, settings)
     return apply(obj, ops) if ops else obj
-
-
-def plan(meta: Mapping[str, Any], spec: Mapping[str, Any], settings: Settings) -> Sidecar | None:
-    """The sidecar for a pod with this metadata and spec, or None when it gets none."""
-    annotations = _annotations(meta)
-    if not wants_sidecar(annotations):
-        return None
-    containers = spec.get("containers")
-    if not isinstance(containers, list) or not all(isinstance(c, dict) for c in containers):
-        raise InjectionError("the pod's spec.containers must be a list of containers")
-    if any(c.get("name") == CONTAINER_NAME for c in containers):
-        return None
-    _check_names(annotations)
-
-    backend = annotations.get(BACKEND, settings.default_backend)
-    if backend is not None:
-        try:
-            validate_url(backend)
-        except ValueError as exc:
-            raise InjectionError(f"{BACKEND}: {exc}") from None
-    configmap = _configmap(annotations.get(RULES_CONFIGMAP))
-    failure_mode = annotations.get(FAILURE_MODE)
-    if failure_mode is not None and failure_mode not in ("allow", "deny", "local"):
-        shown = _show(failure_mode)
-        raise InjectionError(f"{FAILURE_MODE}: must be 'allow', 'deny' or 'local', not {shown}")
-    grpc_port = _port(annotations, GRPC_PORT, DEFAULT_GRPC_PORT)
-    http_port = _port(annotations, HTTP_PORT, DEFAULT_HTTP_PORT)
-    if grpc_port == http_port:
-        raise InjectionError(
-            f"{GRPC_PORT} and {HTTP_PORT}: both are {grpc_port}; the sidecar needs two ports"
-        )
-    _check_free(containers, spec.get("volumes"), grpc_port, http_port)
-
-    args = ["serve", "--config", RULES_PATH]
-    if backend is not None:
-        args += ["--backend", backend]
-    if failure_mode is not None:
-        args += ["--failure-mode", failure_mode]
-    # gRPC on loopback: only the Envoy beside it should call this sidecar. HTTP on every
-    # address: the kubelet probes it on the pod's IP, and Prometheus scrapes /metrics there.
-    args += ["--grpc-address", f"127.0.0.1:{grpc_port}", "--http-address", f"0.0.0.0:{http_port}"]
-    args += ["--log-format", "json"]
-
-    grace = spec.get("terminationGracePeriodSeconds")
-    too_short = isinstance(grace, int) and grace < settings.grace_seconds
-    return Sidecar(
-        container=_container(settings, args, http_port),
-        volume={"name": VOLUME_NAME, "configMap": {"name": configmap}},
-        grace_seconds=settings.grace_seconds if too_short else None,
-    )
-
-
-def wants_sidecar(annotations: Mapping[str, str]) -> bool:
-    """Whether ``ratelimit-sidecar/inject`` asks for the sidecar ("true"; absent or "false": no)."""
-    value = annotations.get(INJECT)
-    if value is None or value.lower() == "false":
-        return False
-    if value.lower() == "true":
-        return True
-    raise InjectionError(f'{INJECT}: must be "true" or "false", not {_show(value)}')
 
 
 def apply(obj: Any, ops: list[dict[str, Any]]) -> Any:
@@ -222,49 +189,89 @@ def apply(obj: Any, ops: list[dict[str, Any]]) -> Any:
     return result
 
 
-def _container(settings: Settings, args: list[str], http_port: int) -> dict[str, Any]:
-    def probe() -> dict[str, Any]:
-        return {"httpGet": {"path": "/healthcheck", "port": http_port}, "timeoutSeconds": 3}
+def used_ports(pod: Mapping[str, Any]) -> dict[int, str]:
+    """Every port a container of the pod declares or is probed on, and the container's name.
 
-    return {
-        "name": CONTAINER_NAME,
-        "image": settings.image,
-        "imagePullPolicy": settings.image_pull_policy,
-        "command": ["ratelimit-sidecar"],
-        "args": args,
-        "ports": [{"name": PORT_NAME, "containerPort": http_port, "protocol": "TCP"}],
-        # Ready takes the pod out of its Service while the sidecar drains or its backend is down.
-        "readinessProbe": {**probe(), "periodSeconds": 5, "failureThreshold": 2},
-        # /healthcheck also fails while the backend is down, which a restart cannot fix: give a
-        # minute before the kubelet concludes the process itself is stuck.
-        "livenessProbe": {
-            **probe(),
-            "initialDelaySeconds": 10,
-            "periodSeconds": 10,
-            "failureThreshold": 6,
-        },
-        # Every container of the pod is told to stop at once. Sleeping first keeps the sidecar
-        # answering while Envoy finishes its requests and exits; then SIGTERM makes the sidecar
-        # report unhealthy, finish the calls in flight and exit 0.
-        "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(settings.pre_stop_seconds)]}}},
-        "resources": copy.deepcopy(dict(RESOURCES)),
-        "securityContext": {
-            "runAsNonRoot": True,
-            "runAsUser": SIDECAR_UID,
-            "runAsGroup": SIDECAR_UID,
-            "readOnlyRootFilesystem": True,
-            "allowPrivilegeEscalation": False,
-            "privileged": False,
-            "capabilities": {"drop": ["ALL"]},
-            "seccompProfile": {"type": "RuntimeDefault"},
-        },
-        "volumeMounts": [{"name": VOLUME_NAME, "mountPath": RULES_PATH, "readOnly": True}],
-        "terminationMessagePolicy": "FallbackToLogsOnError",
+    A port a container listens on without declaring it cannot be seen: declare Envoy's
+    listeners (containerPort), as Kubernetes asks anyway.
+    """
+    found: dict[int, str] = {}
+    for key in ("initContainers", "containers"):
+        containers = pod.get(key)
+        for c in containers if isinstance(containers, list) else []:
+            if not isinstance(c, dict):
+                continue
+            owner = str(c.get("name"))
+            ports = c.get("ports")
+            for port in ports if isinstance(ports, list) else []:
+                for name in ("containerPort", "hostPort"):
+                    number = _field(port, name)
+                    if isinstance(number, int):
+                        found.setdefault(number, owner)
+            for number in _probe_ports(c):
+                found.setdefault(number, owner)
+    return found
+
+
+def _sidecar(
+    pod: _Pod, annotations: Mapping[str, str], request: Request, settings: Settings
+) -> Sidecar:
+    used = used_ports(pod.spec)
+    _check_names_free(pod, socket=request.grpc_port is None)
+    if request.grpc_port is not None:
+        _check_free(used, request.grpc_port, names.GRPC_PORT)
+    if request.http_port is not None:
+        _check_free(used, request.http_port, names.HTTP_PORT)
+        http_port = request.http_port
+    else:
+        http_port = _free_port(used, {request.grpc_port})
+    volumes = [{"name": RULES_VOLUME, "configMap": {"name": request.configmap}}]
+    mounts: dict[int, dict[str, Any]] = {}
+    if request.grpc_port is None:
+        # A socket file takes no room: the limit only stops the directory being misused.
+        volumes.append({"name": SOCKET_VOLUME, "emptyDir": {"sizeLimit": "1Mi"}})
+        mount = {"name": SOCKET_VOLUME, "mountPath": SOCKET_DIR, "readOnly": True}
+        mounts = {index: mount for index in range(len(pod.containers))}
+    spec = container(request, settings, http_port, request.native)
+    grace = pod.spec.get("terminationGracePeriodSeconds")
+    too_short = isinstance(grace, int) and grace < settings.grace_seconds
+    added = {names.STATUS: _status(request, spec, volumes, http_port)}
+    if not any(name.startswith(PROMETHEUS) for name in annotations):
+        added.update(
+            {
+                "prometheus.io/scrape": "true",
+                "prometheus.io/port": str(http_port),
+                "prometheus.io/path": "/metrics",
+            }
+        )
+    return Sidecar(
+        container=spec,
+        native=request.native,
+        volumes=volumes,
+        mounts=mounts,
+        annotations=added,
+        grace_seconds=settings.grace_seconds if too_short else None,
+        http_port=http_port,
+    )
+
+
+def _status(
+    request: Request, spec: Mapping[str, Any], volumes: list[dict[str, Any]], http_port: int
+) -> str:
+    """The status annotation: one JSON object, as Istio's sidecar.istio.io/status is."""
+    status = {
+        "version": __version__,
+        "sidecar": "native" if request.native else "container",
+        "container": spec["name"],
+        "image": spec["image"],
+        "volumes": [v["name"] for v in volumes],
+        "grpc": grpc_address(request),
+        "httpPort": http_port,
     }
+    return json.dumps(status, separators=(",", ":"))
 
 
-def _pod(obj: Any, kind: Any) -> tuple[str, Mapping[str, Any], Mapping[str, Any]]:
-    """The JSON Pointer to the pod (template), its metadata and its spec."""
+def _pod(obj: Any, kind: Any) -> _Pod:
     if kind == "Pod":
         pointer, pod = "", obj
     elif kind in WORKLOAD_KINDS:
@@ -273,7 +280,7 @@ def _pod(obj: Any, kind: Any) -> tuple[str, Mapping[str, Any], Mapping[str, Any]
         if not isinstance(pod, dict):
             raise InjectionError(f"a {kind} needs spec.template, the pod template to inject into")
     else:
-        shown = _show(kind) if isinstance(kind, str) else repr(type(kind).__name__)
+        shown = show(kind) if isinstance(kind, str) else repr(type(kind).__name__)
         raise InjectionError(
             f"cannot inject into kind {shown}: only Pod, Deployment, StatefulSet and DaemonSet"
         )
@@ -283,91 +290,85 @@ def _pod(obj: Any, kind: Any) -> tuple[str, Mapping[str, Any], Mapping[str, Any]
     if not isinstance(spec, dict):
         where = "spec" if kind == "Pod" else "spec.template.spec"
         raise InjectionError(f"a {kind} needs {where}, the pod spec to inject into")
-    return pointer, meta or {}, spec
-
-
-def _annotations(meta: Mapping[str, Any]) -> Mapping[str, str]:
-    annotations = meta.get("annotations")
-    if annotations is None:
-        return {}
-    if not isinstance(annotations, dict) or not all(
-        isinstance(key, str) and isinstance(value, str) for key, value in annotations.items()
-    ):
-        raise InjectionError("metadata.annotations must map names to string values")
-    return annotations
-
-
-def _check_names(annotations: Mapping[str, str]) -> None:
-    """A misspelt annotation would be silently ignored, and the sidecar run with a default."""
-    for name in annotations:
-        if name.startswith(PREFIX) and name not in ANNOTATIONS:
-            close = difflib.get_close_matches(name[:_SHOWN], ANNOTATIONS, n=1)
-            hint = f" (did you mean '{close[0]}'?)" if close else ""
-            known = ", ".join(ANNOTATIONS)
-            raise InjectionError(f"unknown annotation {_show(name)}{hint}; known: {known}")
-
-
-def _configmap(name: str | None) -> str:
-    if name is None:
-        raise InjectionError(
-            f"{RULES_CONFIGMAP}: missing; name the ConfigMap, in the pod's namespace, whose "
-            "*.yaml keys hold the rate limit rules"
-        )
-    if len(name) > 253 or not _DNS_SUBDOMAIN.fullmatch(name):
-        raise InjectionError(
-            f"{RULES_CONFIGMAP}: {_show(name)} is not a ConfigMap name (lower-case letters, "
-            "digits, '-' and '.', at most 253 characters)"
-        )
-    return name
-
-
-def _port(annotations: Mapping[str, str], name: str, default: int) -> int:
-    value = annotations.get(name)
-    if value is None:
-        return default
-    if not (len(value) <= 5 and value.isascii() and value.isdigit() and 1 <= int(value) <= 65535):
-        raise InjectionError(f"{name}: must be a port number from 1 to 65535, not {_show(value)}")
-    return int(value)
-
-
-def _check_free(containers: list[dict[str, Any]], volumes: Any, grpc: int, http: int) -> None:
-    """Containers of a pod share its network and its volume names: the sidecar's must be free."""
-    for container in containers:
-        ports = container.get("ports")
-        for port in ports if isinstance(ports, list) else []:
-            if not isinstance(port, dict):
-                continue
-            number, name = port.get("containerPort"), port.get("name")
-            owner = _show(str(container.get("name")))
-            if number in (grpc, http):
-                which = GRPC_PORT if number == grpc else HTTP_PORT
-                raise InjectionError(
-                    f"container {owner} already uses port {number}, which the sidecar needs; "
-                    f"set {which} to a free port"
-                )
-            if name == PORT_NAME:
-                raise InjectionError(
-                    f"container {owner} already has a port named '{PORT_NAME}', "
-                    "which the sidecar needs"
-                )
-    if volumes is not None and not isinstance(volumes, list):
+    lists = {}
+    for key in ("containers", "initContainers"):
+        items = spec.get(key, [] if key == "initContainers" else None)
+        if not isinstance(items, list) or not all(isinstance(c, dict) for c in items):
+            raise InjectionError(f"the pod's spec.{key} must be a list of containers")
+        lists[key] = items
+    if spec.get("volumes") is not None and not isinstance(spec.get("volumes"), list):
         raise InjectionError("the pod's spec.volumes must be a list")
-    if any(isinstance(v, dict) and v.get("name") == VOLUME_NAME for v in volumes or []):
+    return _Pod(
+        pointer, meta or {}, spec, meta is not None, lists["containers"], lists["initContainers"]
+    )
+
+
+def _check_names_free(pod: _Pod, socket: bool) -> None:
+    """Containers of a pod share its volume names and port names: the sidecar's must be free,
+    and so must the socket's directory in the containers that will mount it."""
+    volumes = pod.spec.get("volumes") or []
+    for name in (RULES_VOLUME, SOCKET_VOLUME) if socket else (RULES_VOLUME,):
+        if any(isinstance(v, dict) and v.get("name") == name for v in volumes):
+            raise InjectionError(
+                f"the pod already has a volume named '{name}', which the sidecar needs"
+            )
+    for c in [*pod.init_containers, *pod.containers]:
+        ports = c.get("ports")
+        if any(_field(p, "name") == PORT_NAME for p in (ports if isinstance(ports, list) else [])):
+            raise InjectionError(
+                f"container {show(str(c.get('name')))} already has a port named '{PORT_NAME}', "
+                "which the sidecar needs"
+            )
+    for c in pod.containers:
+        mounts = c.get("volumeMounts")
+        if mounts is not None and not isinstance(mounts, list):
+            raise InjectionError("a container's volumeMounts must be a list")
+        if socket and any(
+            _field(m, "mountPath") in (SOCKET_DIR, SOCKET_DIR + "/") for m in mounts or []
+        ):
+            raise InjectionError(
+                f"container {show(str(c.get('name')))} already mounts {SOCKET_DIR}, where the "
+                f"sidecar's socket goes; set {names.GRPC_PORT} to serve gRPC on a port instead"
+            )
+
+
+def _check_free(used: Mapping[int, str], port: int, annotation: str) -> None:
+    owner = used.get(port)
+    if owner is not None:
+        suggestion = _free_port(used, set())
         raise InjectionError(
-            f"the pod already has a volume named '{VOLUME_NAME}', which the sidecar needs"
+            f"container {show(owner)} already uses port {port}, which {annotation} asks for; "
+            f"set it to a free port such as {suggestion}"
+            + ("" if annotation == names.GRPC_PORT else ", or remove it to have one chosen")
         )
+
+
+def _free_port(used: Mapping[int, str], taken: set[int | None]) -> int:
+    for port in range(DEFAULT_HTTP_PORT, 65536):
+        if port not in used and port not in taken:
+            return port
+    raise InjectionError(f"no free port from {DEFAULT_HTTP_PORT} up; set {names.HTTP_PORT}")
+
+
+def _probe_ports(c: Mapping[str, Any]) -> Iterator[int]:
+    handlers = [c.get(p) for p in ("startupProbe", "readinessProbe", "livenessProbe")]
+    lifecycle = c.get("lifecycle")
+    if isinstance(lifecycle, dict):
+        handlers += [lifecycle.get("postStart"), lifecycle.get("preStop")]
+    for handler in handlers:
+        for action in ("httpGet", "tcpSocket", "grpc"):
+            port = _field(_field(handler, action), "port")
+            if isinstance(port, int):
+                yield port
 
 
 def _field(obj: Any, name: str) -> Any:
     return obj.get(name) if isinstance(obj, dict) else None
 
 
+def _escape(token: str) -> str:
+    return token.replace("~", "~0").replace("/", "~1")
+
+
 def _unescape(token: str) -> str:
     return token.replace("~1", "/").replace("~0", "~")
-
-
-def _show(value: str) -> str:
-    """A value quoted for a message, cut short: annotations can be up to 256 KiB."""
-    if len(value) <= _SHOWN:
-        return repr(value)
-    return f"{value[:_SHOWN]!r}... ({len(value)} characters)"

@@ -2,9 +2,10 @@
 
 `review` is pure and total: whatever bytes arrive, it answers with an AdmissionReview (or,
 when the body is not a v1 AdmissionReview with a uid, an HTTP 400 carrying one that explains
-why), never an exception. `WebhookServer` serves it at ``POST /mutate`` over HTTPS only (the
-API server refuses to call a webhook over plain HTTP anyway), with ``GET /healthz`` for probes,
-and reloads its certificate when the files change, as cert-manager or a Secret update does.
+why), never an exception. `WebhookServer` serves it at ``POST /mutate`` and
+``/mutate/injection-enabled`` over HTTPS only (the API server refuses to call a webhook over
+plain HTTP anyway), with ``GET /healthz`` for probes, and reloads its certificate when the
+files change, as cert-manager or a Secret update does.
 """
 
 from __future__ import annotations
@@ -23,9 +24,18 @@ from aiohttp import web
 
 from sidecar.errors import InjectionError
 from sidecar.http_bodies import LINGERING_SECONDS, SlowBody, read_body
-from sidecar.injector.patch import KINDS, WORKLOAD_KINDS, Settings, patch
+from sidecar.injector.patch import KINDS, WORKLOAD_KINDS, Sidecar, operations, plan
+from sidecar.injector.settings import Settings
 
 API_VERSION = "admission.k8s.io/v1"
+#: Reviews of pods in namespaces not labelled for injection: only pods annotated
+#: ``ratelimit-sidecar/inject: "true"`` get the sidecar.
+MUTATE = "/mutate"
+#: Reviews of pods in namespaces labelled ``ratelimit-sidecar/injection: enabled``: every pod
+#: gets the sidecar but those annotated ``ratelimit-sidecar/inject: "false"``. The API server
+#: tells the two apart by calling different paths (see k8s/base/webhook); the review itself
+#: does not carry the namespace's labels.
+MUTATE_ENABLED = "/mutate/injection-enabled"
 #: An object is at most about 1.5 MiB (etcd's limit) and a review may carry two (object and
 #: oldObject); anything larger is not from an API server.
 MAX_BODY_BYTES = 4 << 20
@@ -51,8 +61,12 @@ class Reply:
     subject: str = ""  # namespace/name of the object reviewed, when known
 
 
-def review(body: bytes, settings: Settings) -> Reply:
-    """Answer one AdmissionReview v1 request body."""
+def review(body: bytes, settings: Settings, *, namespace_enabled: bool = False) -> Reply:
+    """Answer one AdmissionReview v1 request body.
+
+    `namespace_enabled`: the review came through the webhook entry for namespaces labelled for
+    injection, so pods without a ``ratelimit-sidecar/inject`` annotation get the sidecar too.
+    """
     try:
         document = json.loads(body)
     except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
@@ -80,20 +94,28 @@ def review(body: bytes, settings: Settings) -> Reply:
         shown = _short(repr(resource_kind))
         return _allowed(uid, subject, f"kind {shown} is not injected (only {', '.join(KINDS)})")
     # A pod's containers are fixed once it exists; workload templates may change on UPDATE.
-    operations = ("CREATE", "UPDATE") if resource_kind in WORKLOAD_KINDS else ("CREATE",)
-    if operation not in operations:
+    injected_on = ("CREATE", "UPDATE") if resource_kind in WORKLOAD_KINDS else ("CREATE",)
+    if operation not in injected_on:
         shown = _short(repr(operation))
         return _allowed(uid, subject, f"{shown} of a {resource_kind} is not injected")
     obj = request.get("object")
     if not isinstance(obj, dict):
         message = f"request.object is missing: no {resource_kind} to inject into"
         return _denied(uid, subject, message)
+    namespace = request.get("namespace")
     try:
-        ops = patch(obj, settings, kind=resource_kind)
+        decided = plan(
+            obj,
+            settings,
+            kind=resource_kind,
+            namespace=namespace if isinstance(namespace, str) else None,
+            namespace_enabled=namespace_enabled,
+        )
+        if not isinstance(decided, Sidecar):
+            return _allowed(uid, subject, decided.reason)
+        ops = operations(obj, decided, resource_kind)
     except InjectionError as exc:
         return _denied(uid, subject, str(exc))
-    if not ops:
-        return _allowed(uid, subject, "")
     encoded = base64.b64encode(json.dumps(ops, separators=(",", ":")).encode()).decode()
     response = {"uid": uid, "allowed": True, "patchType": "JSONPatch", "patch": encoded}
     return Reply(200, _envelope(response), "injected", "", subject)
@@ -159,7 +181,10 @@ class WebhookServer:
         port: int,
         reload_seconds: float = RELOAD_SECONDS,
     ) -> None:
+        #: Replaced whole (never mutated) when the API server's version changes what to inject.
         self.settings = settings
+        #: Whether the API server's version was read (`commands.detect_native`).
+        self.version_known = False
         self.certificates = certificates
         self.host = host
         self.port = port
@@ -169,7 +194,8 @@ class WebhookServer:
 
     def application(self) -> web.Application:
         app = web.Application(client_max_size=MAX_BODY_BYTES)
-        app.router.add_post("/mutate", self._mutate)
+        app.router.add_post(MUTATE, self._mutate)
+        app.router.add_post(MUTATE_ENABLED, self._mutate)
         app.router.add_get("/healthz", self._healthz)
         return app
 
@@ -218,9 +244,12 @@ class WebhookServer:
         except web.HTTPRequestEntityTooLarge:
             reply = _bad_request(f"request body larger than {MAX_BODY_BYTES} bytes", status=413)
         else:
-            reply = review(body, self.settings)
+            enabled = request.path == MUTATE_ENABLED
+            reply = review(body, self.settings, namespace_enabled=enabled)
         if reply.outcome == "injected":
             log.info("sidecar_injected", object=reply.subject)
+        elif reply.outcome == "unchanged" and reply.message:
+            log.info("sidecar_not_injected", object=reply.subject, reason=reply.message)
         elif reply.outcome == "denied":
             log.warning("injection_denied", object=reply.subject, reason=reply.message)
         elif reply.outcome == "bad_request":

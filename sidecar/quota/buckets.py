@@ -17,10 +17,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from sidecar.config import Level, Rules
 from sidecar.matching import lookup, match
 from sidecar.model import Entry, Limit
 from sidecar.quota.allocator import Budget
+from sidecar.rules import Level, Rules
 from sidecar.storage.keys import escape
 
 #: Entries a bucket id may have (Envoy's are usually one to three).

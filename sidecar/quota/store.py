@@ -27,6 +27,7 @@ from typing import Any, Protocol
 
 from sidecar.errors import Overloaded, StorageError
 from sidecar.quota.allocator import Holder
+from sidecar.storage.per_second import PerSecond
 
 #: The holders hash's field that counts assignments written (no Envoy id starts with '%').
 VERSION = b"%version"
@@ -88,6 +89,8 @@ class Executes(Protocol):
 def open_store(backend: object, timeout_ms: int) -> QuotaStore:
     """The store beside a counters backend: on its Redis (or Redis Cluster) client, or in this
     process for the memory backend."""
+    if isinstance(backend, PerSecond):
+        backend = backend.main  # the quota's own keys live with the counters of longer windows
     client = getattr(backend, "client", None)
     if client is None:
         return MemoryStore()

@@ -22,11 +22,15 @@ from envoy.type.v3.ratelimit_unit_pb2 import RateLimitUnit  # type: ignore[impor
 from sidecar.errors import InvalidRequest
 from sidecar.model import Code, Decision, Descriptor, Entry, Override, Request, Unit, Window
 
-#: `RateLimitOverride.unit` (envoy.type.v3.RateLimitUnit) numbers the model's units; WEEK has none.
+#: `RateLimitOverride.unit` (envoy.type.v3.RateLimitUnit, SECOND to YEAR numbered 1 to 6 as the
+#: model numbers them) as a unit. The reference reads the number as a
+#: `RateLimitResponse.RateLimit.Unit`, so 7 is a week there, though Envoy's enum has no 7 yet:
+#: so it is here. UNKNOWN (0) and any other number are refused (the reference panics on them).
 _OVERRIDE_UNITS: dict[int, Unit] = {
-    number: Unit[name] for name, number in RateLimitUnit.items() if name != "UNKNOWN"
+    **{number: Unit[name] for name, number in RateLimitUnit.items() if name != "UNKNOWN"},
+    Unit.WEEK.value: Unit.WEEK,
 }
-_OVERRIDE_UNIT_NAMES = ", ".join(unit.name for unit in _OVERRIDE_UNITS.values())
+_OVERRIDE_UNIT_NAMES = ", ".join(f"{unit.name} ({unit.value})" for unit in _OVERRIDE_UNITS.values())
 
 
 def request(message: RateLimitRequest) -> Request:

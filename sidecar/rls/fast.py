@@ -1,31 +1,32 @@
 """The fast transport: `ShouldRateLimit`, `grpc.health.v1.Health/Check` and the project's own
 FrequencyCaps on the sidecar's own HTTP/2 server (`sidecar.rls.h2`) instead of grpc.aio.
 
-It answers exactly as the grpc.aio transport (`sidecar.rls.server`) does: InvalidRequest is
-INVALID_ARGUMENT with its message, a bug is INTERNAL (the first exception of each type logged
-with its traceback), FrequencyCaps' UnknownDomain is NOT_FOUND and StorageError UNAVAILABLE, Overloaded is
-UNAVAILABLE,
-and health reports "" and "ratelimit", NOT_SERVING for good once stopping starts. Only unary
-calls exist here: Health/Watch, reflection and TLS are grpcio's.
+It answers exactly as the grpc.aio transport (`sidecar.rls.server`) does: an error's status is
+`sidecar.rls.statuses`' (INVALID_ARGUMENT, NOT_FOUND, UNAVAILABLE, or INTERNAL for a bug, the
+first exception of each type logged with its traceback), and health reports "" and
+"ratelimit", NOT_SERVING for good once stopping starts. Only unary
+calls exist here: Health/Watch and reflection are grpcio's. TLS is the event loop's, with the
+context and the client SAN check of `sidecar.rls.tls`; tracing wraps ShouldRateLimit's method
+only when it is on (`sidecar.tracing`).
 """
 
 from __future__ import annotations
 
 import socket
-import time
 from collections.abc import Awaitable, Callable
 
-import structlog
 from google.protobuf.message import DecodeError  # type: ignore[import-untyped]
 from grpc_health.v1 import health_pb2  # type: ignore[import-untyped]
 
-from sidecar.errors import InvalidRequest, Overloaded, StorageError, UnknownDomain
+from sidecar.frequency import service as frequency
 from sidecar.metrics import Latency
-from sidecar.rls import frequency
 from sidecar.rls.h2.server import H2Server
 from sidecar.rls.h2.unary import CallbackMethod, CallError, Method, Status
 from sidecar.rls.server import HEALTH_SERVICE_NAME, METHOD
 from sidecar.rls.service import RateLimitService
+from sidecar.rls.statuses import Answers, is_bug
+from sidecar.rls.tls import ServerTls
+from sidecar.tracing import TRACE_FIELDS, Tracing
 
 HEALTH_CHECK = "/grpc.health.v1.Health/Check"
 
@@ -35,8 +36,6 @@ _SERVING: bytes = health_pb2.HealthCheckResponse(
 _NOT_SERVING: bytes = health_pb2.HealthCheckResponse(
     status=health_pb2.HealthCheckResponse.NOT_SERVING
 ).SerializeToString()
-
-log = structlog.get_logger("sidecar.rls.fast")
 
 
 class FastServer:
@@ -51,25 +50,29 @@ class FastServer:
         reuse_port: bool = False,
         sock: socket.socket | None = None,
         frequency_service: frequency.FrequencyService | None = None,
+        tls: ServerTls | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
         self.service = service
+        self.tls = tls
         self.address = address
         self.latency = latency or Latency()
         self.reuse_port = reuse_port
         self.sock = sock
         self._health: dict[str, bytes] = {"": _NOT_SERVING, HEALTH_SERVICE_NAME: _NOT_SERVING}
         self._stopping = False
-        self._logged_errors: set[type[BaseException]] = set()
+        self._answers = Answers()
+        # The hot path: the service's own method, answering through a callback, timed and its
+        # errors turned into statuses by the server.
+        should_rate_limit = CallbackMethod(
+            service.should_rate_limit_then,
+            errors=self._should_rate_limit_error,
+            observe=self.latency.observe,
+        )
+        if tracing is not None:  # without it, nothing of tracing is on a call's way
+            should_rate_limit = self._traced(should_rate_limit, tracing)
         methods: dict[str, Method | CallbackMethod] = {
-            # Through a callback when the backend answers so (every backend here): the hot path,
-            # the service's own method, timed and its errors turned into statuses by the server.
-            METHOD: CallbackMethod(
-                service.should_rate_limit_then,
-                errors=self._should_rate_limit_error,
-                observe=self.latency.observe,
-            )
-            if service.limiter.answers_then
-            else self._should_rate_limit,
+            METHOD: should_rate_limit,
             HEALTH_CHECK: self._check,
         }
         if frequency_service is not None:
@@ -79,11 +82,27 @@ class FastServer:
             methods[frequency.RECORD_IMPRESSIONS] = self._frequency_call(
                 frequency.RECORD_IMPRESSIONS, frequency_service.record_impressions
             )
-        self._server = H2Server(methods)
+        admit = tls.admits_transport if tls is not None and tls.files.client_san else None
+        kept = TRACE_FIELDS if tracing is not None else frozenset()
+        self._server = H2Server(methods, admit=admit, kept_fields=kept)
+
+    def _traced(self, method: CallbackMethod, tracing: Tracing) -> CallbackMethod:
+        """ShouldRateLimit as a span, child of the trace context the call's fields carry."""
+
+        def fields() -> tuple[tuple[bytes, bytes], ...]:
+            return self._server.request_fields
+
+        handle = tracing.callback(method.handle, fields, method.errors)
+        return CallbackMethod(handle, errors=method.errors, observe=method.observe)
 
     async def start(self) -> int:
         """Listen on `address`; NOT_SERVING until `set_serving(True)`."""
-        return await self._server.listen(self.address, reuse_port=self.reuse_port, sock=self.sock)
+        return await self._server.listen(
+            self.address,
+            reuse_port=self.reuse_port,
+            sock=self.sock,
+            tls=None if self.tls is None else self.tls.listening,
+        )
 
     async def set_serving(self, serving: bool) -> None:
         if self._stopping:
@@ -98,47 +117,21 @@ class FastServer:
         self._stopping = True
         await self._server.stop(grace)
 
-    async def _should_rate_limit(self, request: bytes) -> bytes:
-        started = time.perf_counter()
-        try:
-            return await self.service.should_rate_limit(request)
-        except Exception as exc:
-            raise self._should_rate_limit_error(exc) from exc
-        finally:
-            self.latency.observe(time.perf_counter() - started)
-
     def _should_rate_limit_error(self, exc: Exception) -> CallError:
-        """The status for what ShouldRateLimit raised: INVALID_ARGUMENT, UNAVAILABLE when
-        overloaded, else a bug (INTERNAL)."""
-        if isinstance(exc, InvalidRequest):
-            return CallError(Status.INVALID_ARGUMENT, str(exc))
-        if isinstance(exc, Overloaded):  # counted by the limiter
-            return CallError(Status.UNAVAILABLE, str(exc))
-        self.service.stats.service_error += 1
-        return self._internal(METHOD, exc)
+        """The CallError for what ShouldRateLimit raised; a bug is counted (the limiter and the
+        service count the refusals they make)."""
+        if is_bug(exc):
+            self.service.stats.refused(exc)
+        return CallError(*self._answers.grpc(METHOD, exc))
 
     def _frequency_call(self, path: str, call: Callable[[bytes], Awaitable[bytes]]) -> Method:
         async def handle(request: bytes) -> bytes:
             try:
                 return await call(request)
-            except InvalidRequest as exc:
-                raise CallError(Status.INVALID_ARGUMENT, str(exc)) from exc
-            except UnknownDomain as exc:
-                raise CallError(Status.NOT_FOUND, str(exc)) from exc
-            except (StorageError, Overloaded) as exc:
-                raise CallError(Status.UNAVAILABLE, str(exc)) from exc
             except Exception as exc:
-                raise self._internal(path, exc) from exc
+                raise CallError(*self._answers.grpc(path, exc)) from exc
 
         return handle
-
-    def _internal(self, path: str, exc: Exception) -> CallError:
-        """INTERNAL for a bug; the first exception of each type is logged with its traceback."""
-        kind = type(exc)
-        if kind not in self._logged_errors:
-            self._logged_errors.add(kind)
-            log.error("unexpected_error", method=path, error=repr(exc), exc_info=exc)
-        return CallError(Status.INTERNAL, f"internal error: {kind.__name__}: {exc}")
 
     async def _check(self, request: bytes) -> bytes:
         try:

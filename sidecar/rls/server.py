@@ -2,12 +2,10 @@
 
 `ShouldRateLimit` is registered with raw bytes in and out (no (de)serializers): the service
 parses and writes the protobuf itself, so grpc never builds a message we would only convert.
-InvalidRequest becomes INVALID_ARGUMENT with its message. Anything else is a bug: the call gets
-INTERNAL, the first exception of each type is logged with its traceback, and the server goes on.
-
 When given a FrequencyService, the same server also answers the project's own
-`ratelimit_sidecar.frequency.v1.FrequencyCaps` (raw bytes too): UnknownDomain is NOT_FOUND and
-StorageError UNAVAILABLE there, since an ad server, unlike Envoy, has no failure mode to apply.
+`ratelimit_sidecar.frequency.v1.FrequencyCaps` (raw bytes too). An error's status is
+`sidecar.rls.statuses`' (a bug is INTERNAL, the first exception of each type logged with its
+traceback, and the server goes on).
 """
 
 from __future__ import annotations
@@ -17,14 +15,16 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc  # type: ignore[import-untyped]
-import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # type: ignore[import-untyped]
 from grpc_health.v1.health import aio as health_aio  # type: ignore[import-untyped]
 
-from sidecar.errors import InvalidRequest, Overloaded, StorageError, UnknownDomain
+from sidecar.callbacks import awaited
+from sidecar.frequency import service as frequency
 from sidecar.metrics import Latency
-from sidecar.rls import frequency
 from sidecar.rls.service import RateLimitService
+from sidecar.rls.statuses import Answers, is_bug
+from sidecar.rls.tls import ServerTls
+from sidecar.tracing import Tracing
 
 SERVICE_NAME = "envoy.service.ratelimit.v3.RateLimitService"
 METHOD = f"/{SERVICE_NAME}/ShouldRateLimit"
@@ -32,7 +32,8 @@ METHOD = f"/{SERVICE_NAME}/ShouldRateLimit"
 HEALTH_SERVICE_NAME = "ratelimit"
 
 
-log = structlog.get_logger("sidecar.rls.server")
+#: grpc's status for each of ours, by number.
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
 class GrpcServer:
@@ -46,8 +47,12 @@ class GrpcServer:
         *,
         reuse_port: bool = False,
         frequency_service: frequency.FrequencyService | None = None,
+        tls: ServerTls | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
         self.service = service
+        self.tls = tls
+        self.tracing = tracing
         self.frequency = frequency_service
         self.address = address
         # Without reuse_port a second server cannot bind the same port and silently share its
@@ -56,11 +61,19 @@ class GrpcServer:
         self.latency = latency or Latency()
         self.health = health_aio.HealthServicer()
         self._server: Any = None
-        self._logged_errors: set[type[BaseException]] = set()
+        self._answers = Answers()
 
     async def start(self) -> int:
         """Listen on `address` (port 0 picks a free port); NOT_SERVING until `set_serving(True)`."""
-        server = grpc.aio.server(options=[("grpc.so_reuseport", int(self.reuse_port))])
+        tls = self.tls
+        server = grpc.aio.server(
+            options=[("grpc.so_reuseport", int(self.reuse_port))],
+            interceptors=[
+                *(() if tls is None else tls.grpc_interceptors()),
+                *(() if self.tracing is None else self.tracing.grpc_interceptors()),
+            ]
+            or None,
+        )
         handler = grpc.unary_unary_rpc_method_handler(self._should_rate_limit)
         server.add_generic_rpc_handlers(
             (grpc.method_handlers_generic_handler(SERVICE_NAME, {"ShouldRateLimit": handler}),)
@@ -70,7 +83,11 @@ class GrpcServer:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         await self.set_serving(False)
         try:
-            port: int = server.add_insecure_port(self.address)
+            port: int = (
+                server.add_insecure_port(self.address)
+                if tls is None
+                else server.add_secure_port(self.address, tls.grpc_credentials())
+            )
         except RuntimeError as exc:
             raise OSError(f"cannot listen for gRPC on {self.address}: {exc}") from exc
         if port == 0:
@@ -98,25 +115,21 @@ class GrpcServer:
     async def _should_rate_limit(self, request: bytes, context: Any) -> bytes:
         started = time.perf_counter()
         try:
-            return await self.service.should_rate_limit(request)
-        except InvalidRequest as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            raise  # unreachable: abort raises
-        except Overloaded as exc:  # counted by the limiter
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-            raise
+            return await awaited(lambda done: self.service.should_rate_limit_then(request, done))
         except Exception as exc:
-            self.service.stats.service_error += 1
-            kind = type(exc)
-            if kind not in self._logged_errors:
-                self._logged_errors.add(kind)
-                log.exception("unexpected_error", method=METHOD, error=repr(exc))
-            await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {kind.__name__}: {exc}")
+            if is_bug(exc):  # the limiter and the service count the refusals they make
+                self.service.stats.refused(exc)
+            await self._abort(context, METHOD, exc)
             raise  # unreachable: abort raises
         finally:
             self.latency.observe(time.perf_counter() - started)
 
-    # --- FrequencyCaps (sidecar.rls.frequency) ----------------------------------------------
+    async def _abort(self, context: Any, method: str, exc: Exception) -> None:
+        """End the call with the status and message for what `method` raised."""
+        status, message = self._answers.grpc(method, exc)
+        await context.abort(_CODES[status], message)
+
+    # --- FrequencyCaps (sidecar.frequency.service) ----------------------------------------------
 
     def _frequency_handlers(self, service: frequency.FrequencyService) -> Any:
         methods = {
@@ -137,23 +150,8 @@ class GrpcServer:
         async def handle(request: bytes, context: Any) -> bytes:
             try:
                 return await call(request)
-            except InvalidRequest as exc:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-                raise  # unreachable: abort raises
-            except UnknownDomain as exc:
-                await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
-                raise
-            except (StorageError, Overloaded) as exc:
-                await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-                raise
             except Exception as exc:
-                kind = type(exc)
-                if kind not in self._logged_errors:
-                    self._logged_errors.add(kind)
-                    log.exception("unexpected_error", method=method, error=repr(exc))
-                await context.abort(
-                    grpc.StatusCode.INTERNAL, f"internal error: {kind.__name__}: {exc}"
-                )
-                raise
+                await self._abort(context, method, exc)
+                raise  # unreachable: abort raises
 
         return handle

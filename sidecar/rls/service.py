@@ -1,12 +1,13 @@
 """The decision path as a transport sees it: request bytes (or proto3 JSON) in, response out.
 
 Nothing here knows about gRPC or HTTP, so a faster transport can replace grpc.aio without
-touching the limiter. A request that cannot be answered raises InvalidRequest, which a gRPC
-transport reports as INVALID_ARGUMENT and the HTTP `/json` endpoint as 400.
+touching the limiter. A request that cannot be answered raises InvalidRequest (its statuses are
+`sidecar.rls.statuses`': INVALID_ARGUMENT on gRPC, 400 on the HTTP `/json` endpoint).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable
 
@@ -16,9 +17,10 @@ from envoy.service.ratelimit.v3.rls_pb2 import (  # type: ignore[import-untyped]
 from google.protobuf import json_format  # type: ignore[import-untyped]
 from google.protobuf.message import DecodeError  # type: ignore[import-untyped]
 
+from sidecar.callbacks import awaited
 from sidecar.errors import InvalidRequest
 from sidecar.limiter import Limiter
-from sidecar.model import Code, Request
+from sidecar.model import Code, Decision, Request
 from sidecar.plan import Plan
 from sidecar.rls import convert
 from sidecar.stats import Stats
@@ -42,18 +44,13 @@ class RateLimitService:
     def stats(self) -> Stats:
         return self.limiter.stats
 
-    async def should_rate_limit(self, body: bytes) -> bytes:
-        """Decide one serialized `RateLimitRequest`; returns the serialized `RateLimitResponse`."""
-        decision = await self.limiter.decide(self._plan(body))
-        return convert.response_bytes(decision)
-
     def should_rate_limit_then(
         self, body: bytes, done: Callable[[bytes | Exception], None]
     ) -> None:
-        """`should_rate_limit` through a callback, when `limiter.answers_then`: `done` gets the
-        serialized response, or what `should_rate_limit` raises once the store has answered (a
-        bug). What goes wrong before that (InvalidRequest for a request that breaks the
-        protocol) is raised here."""
+        """Decide one serialized `RateLimitRequest`, through a callback (the one form, see
+        `sidecar.callbacks`): `done` gets the serialized `RateLimitResponse`, or the exception
+        the call ended with once the store has answered (Overloaded, or a bug). What goes wrong
+        before that (InvalidRequest for a request that breaks the protocol) is raised here."""
         self.limiter.decide_then(self._plan(body), convert.response_bytes, done)
 
     def _plan(self, body: bytes) -> Plan:
@@ -91,23 +88,25 @@ class RateLimitService:
             ) from exc
         except json_format.ParseError as exc:
             raise self._refuse(f"malformed RateLimitRequest JSON: {exc}") from exc
-        decision = await self.limiter.should_rate_limit(self._convert(message))
+        plan = self.limiter.prepare(self._convert(message))
+        decision = await awaited(functools.partial(self.limiter.decide_then, plan, _same))
         fields = json_format.MessageToDict(convert.response(decision))
         return decision.overall_code, json.dumps(fields, separators=(",", ":"))
 
     def _convert(self, message: RateLimitRequest) -> Request:
         try:
             return convert.request(message)
-        except InvalidRequest:
-            self._count_refusal()
+        except InvalidRequest as exc:
+            self.limiter.stats.refused(exc)
             raise
 
     def _refuse(self, message: str) -> InvalidRequest:
         """An InvalidRequest for a request the limiter never saw, counted as the limiter would."""
-        self._count_refusal()
-        return InvalidRequest(message)
+        refusal = InvalidRequest(message)
+        self.limiter.stats.refused(refusal)
+        return refusal
 
-    def _count_refusal(self) -> None:
-        stats = self.limiter.stats
-        stats.total_requests += 1
-        stats.service_error += 1
+
+def _same(decision: Decision) -> Decision:
+    """The decision as it is: what the `/json` endpoint encodes itself."""
+    return decision

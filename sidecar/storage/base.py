@@ -1,8 +1,9 @@
 """The one interface every counter store implements, and the URL that picks one.
 
 Backend URLs: ``memory://`` (the default; ``memory://?max_counters=N`` caps its counters), ``redis://[user:password@]host:port[/db]``,
-``rediss://...`` (TLS) and ``redis+cluster://host:port[,host:port...]`` (``rediss+cluster://``
-for TLS).
+``rediss://...`` (TLS), ``redis+cluster://host:port[,host:port...]`` (``rediss+cluster://``
+for TLS) and ``redis+sentinel://[user:password@]host:port[,host:port...]/master-name[/db]``
+(``rediss+sentinel://`` for TLS; ``?sentinel_username=&sentinel_password=`` for the Sentinels).
 """
 
 from __future__ import annotations
@@ -14,25 +15,37 @@ from urllib.parse import parse_qsl, urlsplit
 from sidecar.algorithms.decide import Address, State
 from sidecar.model import Dedupe, Hit, Outcome
 
+#: What `apply_then` hands its callback: the outcomes, or the exception the call ended with
+#: (StorageError when the store failed, Overloaded when it refused the call; anything else is a
+#: bug).
+Applied = Callable[[list[Outcome] | Exception], None]
+
 
 class Backend(Protocol):
     """Decides and applies the hits of one request, atomically for each hash slot.
 
-    `apply` returns one Outcome per hit, in order, as `sidecar.algorithms.decide` defines them:
-    each window counts as its algorithm says, and with ``all_or_nothing`` a request that is
-    OVER_LIMIT applies nothing. `now_ms` is the sidecar's clock, so every backend (and every
-    sidecar sharing a Redis) places hits in the same windows. It raises StorageError on failure
-    or when the deadline passes on a silent store, and Overloaded when the store is answering
-    but not this call in time: refused with nothing applied when it already has as many calls
-    in flight as it answers in time, or past its deadline behind calls the store is still
-    answering (it may count it later). Never anything else.
+    `apply_then` hands `done` one Outcome per hit, in order, as `sidecar.algorithms.decide`
+    defines them: each window counts as its algorithm says, and with ``all_or_nothing`` a
+    request that is OVER_LIMIT applies nothing. `now_ms` is the sidecar's clock, so every
+    backend (and every sidecar sharing a Redis) places hits in the same windows. The call ends
+    with StorageError on failure or when the deadline passes on a silent store, and with
+    Overloaded when the store is answering but not this call in time: refused with nothing
+    applied when it already has as many calls in flight as it answers in time, or past its
+    deadline behind calls the store is still answering (it may count it later). Never anything
+    else.
+
+    It answers through a callback, the one form (see `sidecar.callbacks`; `awaited` is the
+    coroutine form): `done` is called exactly once, at once when the answer is known at once
+    (memory), else from the event loop when the store answers (Redis: from the connection's
+    `data_received`). No coroutine, task or future is made for it in the usual call (a cluster
+    runs a coroutine for the rest: several slots, redirections).
     """
 
     name: str
 
-    async def apply(
-        self, hits: Sequence[Hit], all_or_nothing: bool, now_ms: int
-    ) -> list[Outcome]: ...
+    def apply_then(
+        self, hits: Sequence[Hit], all_or_nothing: bool, now_ms: int, done: Applied
+    ) -> None: ...
 
     async def record(
         self, batches: Sequence[tuple[Sequence[Hit], Dedupe]], now_ms: int
@@ -57,29 +70,6 @@ class Backend(Protocol):
     async def close(self) -> None: ...
 
 
-#: What `apply_then` hands its callback: the outcomes, or the exception the call ended with
-#: (StorageError when the store failed, Overloaded when it refused the call; anything else is a
-#: bug).
-Applied = Callable[[list[Outcome] | Exception], None]
-
-
-class AppliesThen(Protocol):
-    """A backend that can also answer `apply` through a callback: the hot path's form.
-
-    `apply_then` does what `apply` does and calls `done` exactly once with what `apply` would
-    return or raise: at once when the answer is known at once (memory), else from the event
-    loop when the store answers (Redis: from the connection's `data_received`). No coroutine,
-    task or future is made for it in the usual call, which is most of what a call costs in
-    Python once the store's own work is small (a cluster falls back to `apply`'s coroutine for
-    the rest: several slots, redirections). Every backend here has it; a backend without it
-    is called through `apply`.
-    """
-
-    def apply_then(
-        self, hits: Sequence[Hit], all_or_nothing: bool, now_ms: int, done: Applied
-    ) -> None: ...
-
-
 def open_backend(url: str, timeout_ms: int = 50) -> Backend:
     """The backend a URL names; raises ValueError with the reason for a URL it cannot use."""
     scheme = urlsplit(url).scheme
@@ -95,9 +85,14 @@ def open_backend(url: str, timeout_ms: int = 50) -> Backend:
         from sidecar.storage.cluster import RedisClusterBackend
 
         return RedisClusterBackend.from_url(url, timeout_ms=timeout_ms)
+    if scheme in ("redis+sentinel", "rediss+sentinel"):
+        from sidecar.storage import sentinel
+
+        return sentinel.from_url(url, timeout_ms=timeout_ms)
     raise ValueError(
-        f"unsupported backend URL {url!r}: use memory://, redis://host:port, rediss://host:port "
-        "or redis+cluster://host:port[,host:port...] (rediss+cluster:// for TLS)"
+        f"unsupported backend URL {url!r}: use memory://, redis://host:port, rediss://host:port, "
+        "redis+cluster://host:port[,host:port...] (rediss+cluster:// for TLS) "
+        "or redis+sentinel://host:port[,host:port...]/master-name (rediss+sentinel:// for TLS)"
     )
 
 

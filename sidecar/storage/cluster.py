@@ -5,8 +5,11 @@ master, so every master gets one write per tick (per connection) however many ca
 makes. A command goes to the master of its first key's slot. MOVED (the slot has a new master)
 updates that slot's entry, retries there and reloads the whole map in the background; ASK (the
 slot is being migrated and this key has left) sends ASKING and the command to the named node in
-one write, and changes nothing in the map. A lost connection reloads the map too, at most once
-per `REFRESH_INTERVAL`, so a dead master costs one CLUSTER SLOTS per interval, not one per call.
+one write, and changes nothing in the map. A lost connection, a call that met its deadline in
+silence, or a reply saying the cluster or the node cannot serve (CLUSTERDOWN, READONLY,
+MASTERDOWN) reloads the map too, at most once per `REFRESH_INTERVAL`, so a dead master costs
+four CLUSTER SLOTS a second, not one per call, and its replica, once promoted, is found within
+a quarter of a second (at most once per interval after the previous reload).
 A call's deadline (`deadline=`, the event loop's time) is kept by the masters' clients as in
 `pipeline.py`, across redirections; a caller may also put `asyncio.timeout` around calls.
 
@@ -68,15 +71,23 @@ from sidecar.storage.redis import (
 #: moving is a cluster in trouble, and the deadline would not allow many more round trips anyway.
 MAX_REDIRECTS = 5
 
-#: The slot map is reloaded at most once per this many seconds, however many calls fail.
-REFRESH_INTERVAL = 1.0
+#: The slot map is reloaded at most once per this many seconds, however many calls fail: while a
+#: dead master's slots are called, the map is asked for this often, so the replica that takes
+#: them over is found this soon after the cluster promotes it (a map that still names the dead
+#: master is simply asked again next time). 4 a second per sidecar worker costs the cluster
+#: little (CLUSTER SLOTS takes microseconds on a small cluster), as go-redis's reload pace does.
+REFRESH_INTERVAL = 0.25
 
 #: The pause before a call answered TRYAGAIN (its keys are split by a migration) is sent again.
 TRYAGAIN_DELAY = 0.005
 
 #: Error replies that say a script call did not run where it was sent: it is sent again (by
-#: `apply`), where the cluster says, and counts once.
+#: `_apply`), where the cluster says, and counts once.
 _NOT_RUN = frozenset({"MOVED", "ASK", "TRYAGAIN", "CLUSTERDOWN", "NOSCRIPT"})
+
+#: Error replies after which the slot map may be out of date: the cluster lost slots, or the node
+#: is a replica now (a failover).
+_STALE_MAP = frozenset({"CLUSTERDOWN", "READONLY", "MASTERDOWN"})
 
 _ASKING = hiredis.pack_command(("ASKING",))
 _SCRIPT_COMMANDS = frozenset({"EVAL", "EVALSHA", "EVAL_RO", "EVALSHA_RO", "FCALL", "FCALL_RO"})
@@ -143,7 +154,7 @@ class PipelinedCluster:
             return await node.execute_packed(packed, deadline)
         except RedisReplyError as exc:
             return await self._redirected(slot, packed, node, exc, deadline)
-        except ConnectionLost:
+        except (ConnectionLost, DeadlineExceeded):
             self.refresh_soon()
             raise
 
@@ -173,7 +184,7 @@ class PipelinedCluster:
                     raise DeadlineExceeded(f"slot {slot}: TRYAGAIN until the deadline")
                 await asyncio.sleep(TRYAGAIN_DELAY)
             else:
-                if kind == "CLUSTERDOWN":
+                if kind in _STALE_MAP:
                     self.refresh_soon()
                 raise error
             try:
@@ -186,7 +197,7 @@ class PipelinedCluster:
                 return reply
             except RedisReplyError as exc:
                 error = exc
-            except ConnectionLost:
+            except (ConnectionLost, DeadlineExceeded):
                 self.refresh_soon()
                 raise
         raise ClusterError(f"slot {slot}: still redirected after {MAX_REDIRECTS} tries ({error})")
@@ -308,6 +319,13 @@ class PipelinedCluster:
             await node.close()
 
 
+def _stale_map(error: Exception) -> bool:
+    """Whether a call's failure says the slot map may be out of date (see `_STALE_MAP`)."""
+    if isinstance(error, RedisReplyError):
+        return str(error).partition(" ")[0] in _STALE_MAP
+    return isinstance(error, ConnectionLost | DeadlineExceeded)
+
+
 def _first_key(args: Sequence[Any]) -> bytes:
     """The key that routes a command: the first argument, or a script's first KEYS entry."""
     name = args[0].decode() if isinstance(args[0], bytes) else str(args[0])
@@ -337,7 +355,7 @@ class RedisClusterBackend:
         self._timeout_ms = timeout_ms
         self._timeout = timeout_ms / 1000
         self._packer = ApplyPacker()
-        # `apply_then` calls running `apply`'s coroutine (kept: the loop holds tasks weakly).
+        # `apply_then` calls running `_apply`'s coroutine (kept: the loop holds tasks weakly).
         self._tasks: set[asyncio.Task[None]] = set()
 
     @classmethod
@@ -379,12 +397,6 @@ class RedisClusterBackend:
         )
         return cls(client, timeout_ms)
 
-    async def apply(self, hits: Sequence[Hit], all_or_nothing: bool, now_ms: int) -> list[Outcome]:
-        # The clients keep the deadline (one timer per connection, not one per call: this is
-        # the hot path), for every round trip of the request together.
-        deadline = asyncio.get_running_loop().time() + self._timeout
-        return await self._apply(hits, all_or_nothing, now_ms, deadline)
-
     async def _apply(
         self, hits: Sequence[Hit], all_or_nothing: bool, now_ms: int, deadline: float
     ) -> list[Outcome]:
@@ -408,10 +420,10 @@ class RedisClusterBackend:
     def apply_then(
         self, hits: Sequence[Hit], all_or_nothing: bool, now_ms: int, done: Applied
     ) -> None:
-        """`apply` through a callback (see `AppliesThen`).
+        """See `Backend.apply_then`.
 
         The usual request, whose hits share one slot whose master the slot map knows, is one
-        `call_packed` on that master's pipeline, with no coroutine. Anything else is `apply`'s
+        `call_packed` on that master's pipeline, with no coroutine. Anything else is `_apply`'s
         coroutine in a task, by the same deadline: hits over several slots, no slot map yet,
         and a reply saying the script did not run on that master (MOVED, ASK, TRYAGAIN,
         CLUSTERDOWN, NOSCRIPT), after which the coroutine sends the call again and follows
@@ -429,7 +441,7 @@ class RedisClusterBackend:
             if isinstance(reply, RedisReplyError) and str(reply).split(" ", 1)[0] in _NOT_RUN:
                 self._apply_in_task(hits, all_or_nothing, now_ms, deadline, done)
                 return
-            if isinstance(reply, ConnectionLost):
+            if isinstance(reply, Exception) and _stale_map(reply):
                 self._client.refresh_soon()  # as `PipelinedCluster.execute_packed` does
             applied(self.name, self._timeout_ms, hits, mode, now_ms, reply, done)
 

@@ -1,6 +1,6 @@
 """Counters in this process's memory: the embedded default, for one sidecar with no Redis.
 
-Decisions are atomic because `apply` and `record` never await between reading and writing.
+Decisions are atomic because `apply_then` and `record` never await between reading and writing.
 Every stored value expires (a window counter after its ttl, a token bucket once it would be full
 again, a grouped counter when its field would be pruned from its Redis hash, the ids of a horizon
 bucket when their time is up), and expired values are evicted, so memory stays bounded by the
@@ -62,29 +62,22 @@ class MemoryBackend:
         # An empty store is still a store: never let `backend or default` replace it.
         return True
 
-    async def apply(
-        self, hits: Sequence[Hit], all_or_nothing: bool, now_ms: int, read_only: bool = False
-    ) -> list[Outcome]:
-        return self._apply(hits, all_or_nothing, now_ms, read_only)
-
     def apply_then(
         self, hits: Sequence[Hit], all_or_nothing: bool, now_ms: int, done: Applied
     ) -> None:
-        """`apply`, answered at once through `done` (see `AppliesThen`)."""
+        """Answered at once through `done` (see `Backend.apply_then`)."""
         try:
-            outcomes = self._apply(hits, all_or_nothing, now_ms, False)
-        except Exception as exc:  # a bug: answered as one, as an exception out of `apply` is
+            outcomes = self._apply(hits, all_or_nothing, now_ms)
+        except Exception as exc:  # a bug: answered as one, as the Backend contract says
             done(exc)
             return
         done(outcomes)
 
-    def _apply(
-        self, hits: Sequence[Hit], all_or_nothing: bool, now_ms: int, read_only: bool
-    ) -> list[Outcome]:
+    def _apply(self, hits: Sequence[Hit], all_or_nothing: bool, now_ms: int) -> list[Outcome]:
         self._evict(now_ms)
-        if len(hits) == 1 and not read_only and hits[0].window.plain:
+        if len(hits) == 1 and hits[0].window.plain:
             return [self._apply_plain(hits[0], all_or_nothing, now_ms)]
-        return self._decide(hits, all_or_nothing, now_ms, read_only, force=False)
+        return self._decide(hits, all_or_nothing, now_ms, False, force=False)
 
     def _apply_plain(self, hit: Hit, all_or_nothing: bool, now_ms: int) -> Outcome:
         """`decide` for a request of one plain window, the reference's common case, without its

@@ -25,6 +25,13 @@ next call when none is open, at most once per `RECONNECT_BACKOFF` after a failed
 in between fail at once, so the failure mode answers without waiting). AUTH and SELECT run first
 on every new connection; TLS is the event loop's.
 
+A server that says it no longer takes writes (an error reply in `reconnect_on`: READONLY, the
+old master demoted to a replica by a failover; MASTERDOWN) makes the client drop its
+connections, at most once per `RECONNECT_BACKOFF`: the next call dials again, which reaches the
+new master where a failover repointed the address (a Kubernetes Service, DNS, a proxy), or asks
+the `locator` where the master is now (`sentinel.py`). The call that met the reply fails as any
+error reply does (envoyproxy/ratelimit kept such connections until it restarted: its PR #1191).
+
 A server has a bound on the calls waiting for its replies (`in_flight_bound`: what it answers
 within the deadline), so a flood of requests cannot queue more calls in Redis than it answers
 in time; a call past it is refused at once with Overloaded, which is not a failure of Redis.
@@ -43,7 +50,7 @@ import select
 import ssl
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import hiredis
 import structlog
@@ -64,6 +71,12 @@ CONNECTIONS = 2
 WORST_CALL_SECONDS = 50e-6
 #: The fewest calls a server may have in flight, however short the deadline.
 MIN_IN_FLIGHT = 64
+
+#: Error replies after which the client drops its connections and dials again (see the module's
+#: docstring): the server is a replica now (READONLY), or a replica that lost its master
+#: (MASTERDOWN). LOADING is not here: a standalone server loading its data answers again on the
+#: same connection once it has loaded; a `locator`'s client adds it (its master may have moved).
+NOT_MASTER = ("READONLY", "MASTERDOWN")
 
 _NEVER = float("inf")
 
@@ -98,7 +111,20 @@ def _running_loop_time() -> float:
 
 
 class RedisReplyError(Exception):
-    """An error reply from Redis (`-ERR ...`, `-NOSCRIPT ...`, `-MOVED ...`)."""
+    """An error reply from Redis (`-ERR ...`, `-NOSCRIPT ...`, `-MOVED ...`): hiredis's reader
+    makes these for error replies, so no call converts one."""
+
+
+class Locator(Protocol):
+    """Where a client's server is now, asked before each connection is opened (`sentinel.py`)."""
+
+    async def locate(self) -> tuple[str, int]:
+        """The master's host and port; raises ConnectionLost when none can be found."""
+        ...
+
+    async def close(self) -> None:
+        """Stop whatever the locator runs (a later `locate` starts it again)."""
+        ...
 
 
 # Not native classes in the compiled build (sidecar.build): mypyc compiles a subclass of
@@ -136,15 +162,13 @@ class Reply:
         # Let go of the callback (and all it holds): a done entry may wait in the deadline heap
         # until its deadline comes up.
         callback, self._callback = self._callback, _settled
-        if isinstance(reply, hiredis.ReplyError):
-            reply = RedisReplyError(str(reply))
         try:
             callback(reply)
         except Exception as exc:  # a bug in the callback: the connection's other calls go on
             log.exception("redis_callback_failed", error=repr(exc))
 
     def set_exception(self, exc: BaseException) -> None:
-        self.set_result(exc)  # never a hiredis.ReplyError: handed over as it is
+        self.set_result(exc)
 
 
 def _settled(outcome: Any) -> None:
@@ -156,10 +180,12 @@ Waiter = asyncio.Future[Any] | Reply
 
 
 class _Protocol(asyncio.Protocol):
-    def __init__(self) -> None:
+    def __init__(self, error_reply: Callable[[RedisReplyError], None]) -> None:
         self.transport: asyncio.Transport | None = None
         self.waiters: collections.deque[Waiter] = collections.deque()
-        self.reader = hiredis.Reader()
+        self.reader = hiredis.Reader(replyError=RedisReplyError)
+        # Told of every error reply (the client judges whether the server is still a master).
+        self.error_reply = error_reply
         self.last_reply = time.monotonic()
         self.lost: Exception | None = None
         # Commands of the current tick, written together when it ends.
@@ -192,6 +218,8 @@ class _Protocol(asyncio.Protocol):
                 # A Reply settles once on its own: it needs no `done()` asked first.
                 if type(future) is Reply or not future.done():
                     future.set_result(reply)
+                if type(reply) is RedisReplyError:
+                    self.error_reply(reply)
         except (hiredis.ProtocolError, IndexError) as exc:
             # A reply nobody asked for, or bytes that are not RESP: the stream is out of step.
             self.close(ConnectionLost(f"redis protocol error: {exc!r}"))
@@ -245,6 +273,8 @@ class PipelinedRedis:
         ssl_context: Callable[[], ssl.SSLContext] | None = None,
         connect_timeout: float = 1.0,
         max_in_flight: int | None = None,
+        locator: Locator | None = None,
+        reconnect_on: Sequence[str] = NOT_MASTER,
     ) -> None:
         if connections < 1:
             raise ValueError(f"connections must be at least 1, not {connections}")
@@ -260,6 +290,11 @@ class PipelinedRedis:
         self._password = password
         self._ssl = ssl_context
         self._connect_timeout = connect_timeout
+        #: Asked for the server's address before each connection (host and port follow it).
+        self._locator = locator
+        self._reconnect_on = frozenset(reconnect_on)
+        self._dropped_at = -RECONNECT_BACKOFF
+        self._drops = 0  # how many times `reconnect` dropped the connections
         self._connections: list[_Protocol | None] = [None] * connections
         self._opening: list[asyncio.Task[_Protocol] | None] = [None] * connections
         self._next = 0
@@ -298,8 +333,8 @@ class PipelinedRedis:
         except asyncio.CancelledError:
             self._check_stalled(protocol)
             raise
-        if isinstance(reply, hiredis.ReplyError):
-            raise RedisReplyError(str(reply))
+        if isinstance(reply, RedisReplyError):
+            raise reply
         return reply
 
     def call_packed(self, packed: bytes, deadline: float, callback: Callable[[Any], None]) -> None:
@@ -364,14 +399,11 @@ class PipelinedRedis:
             if deadline is not None:
                 self._keep_deadline(protocol, deadline, futures[-1])
         try:
-            replies = await asyncio.gather(*futures)
+            replies: list[Any] = await asyncio.gather(*futures)
         except asyncio.CancelledError:
             self._check_stalled(protocol)
             raise
-        return [
-            RedisReplyError(str(reply)) if isinstance(reply, hiredis.ReplyError) else reply
-            for reply in replies
-        ]
+        return replies
 
     async def _protocol(self, deadline: float | None) -> _Protocol:
         """The connection this tick's calls go to, opened if none is (by `deadline`)."""
@@ -532,6 +564,30 @@ class PipelinedRedis:
         ):
             protocol.close(ConnectionLost("no reply from redis; connection dropped"))
 
+    def _error_reply(self, error: RedisReplyError) -> None:
+        """An error reply came: when it says the server no longer takes writes, drop the
+        connections (once the replies of this read are handed out) and dial again."""
+        code = str(error).partition(" ")[0]
+        if code in self._reconnect_on and time.monotonic() - self._dropped_at >= RECONNECT_BACKOFF:
+            self._dropped_at = time.monotonic()
+            asyncio.get_running_loop().call_soon(
+                self.reconnect, f"redis at {self.host}:{self.port} answered {code}"
+            )
+
+    def reconnect(self, reason: str) -> None:
+        """Drop every open connection (the calls waiting on them fail with ConnectionLost), so
+        that the next call dials again, at once, at the address the locator names now if there
+        is one. For a server that stopped being the master; a connection being opened is left
+        to finish, then closed too (see `_open`)."""
+        self._dropped_at = time.monotonic()
+        self._drops += 1
+        self._failed_at = -RECONNECT_BACKOFF  # a new master is worth trying at once
+        open_ = [p for p in self._connections if p is not None and p.lost is None]
+        if open_:
+            log.info("redis_reconnect", reason=reason)
+        for protocol in open_:
+            protocol.close(ConnectionLost(reason))
+
     def _backing_off(self) -> bool:
         return time.monotonic() - self._failed_at < RECONNECT_BACKOFF
 
@@ -575,9 +631,13 @@ class PipelinedRedis:
     async def _open(self) -> _Protocol:
         loop = asyncio.get_running_loop()
         self.time = loop.time
+        drops = self._drops
+        if self._locator is not None:
+            # Bounded by the locator's own timeouts (it may ask several servers).
+            self.host, self.port = await self._locator.locate()
         async with asyncio.timeout(self._connect_timeout):
             _, protocol = await loop.create_connection(
-                _Protocol,
+                functools.partial(_Protocol, self._error_reply),
                 self.host,
                 self.port,
                 # Built at each connection: certificate files are read when they are needed (and
@@ -587,6 +647,9 @@ class PipelinedRedis:
             )
             try:
                 await self._greet(protocol)
+                if self._drops != drops:
+                    # `reconnect` ran meanwhile: this may be the server it moved away from.
+                    raise ConnectionLost(f"redis at {self.host}:{self.port} was left meanwhile")
             except BaseException:
                 # Not handed to anyone: close it here, or the socket waits for the collector.
                 protocol.close(ConnectionLost("connection setup failed"))
@@ -610,7 +673,7 @@ class PipelinedRedis:
             assert protocol.transport is not None
             protocol.transport.write(hiredis.pack_command(command))
             reply = await future
-            if isinstance(reply, hiredis.ReplyError):
+            if isinstance(reply, RedisReplyError):
                 raise RedisReplyError(f"{command[0]}: {reply}")
 
     async def close(self) -> None:
@@ -628,5 +691,7 @@ class PipelinedRedis:
             if protocol is not None and protocol.transport is not None:
                 protocol.fail(ConnectionLost("client closed"))
                 protocol.transport.close()
+        if self._locator is not None:
+            await self._locator.close()
         # Let the transports' close run, so no socket is left for the garbage collector.
         await asyncio.sleep(0)

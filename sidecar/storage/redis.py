@@ -435,9 +435,11 @@ class RedisBackend:
     packed once per window (`ApplyPacker`) and its deadline kept by the client.
     """
 
-    name = "redis"
+    name: str
 
-    def __init__(self, client: PipelinedRedis, timeout_ms: int) -> None:
+    def __init__(self, client: PipelinedRedis, timeout_ms: int, name: str = "redis") -> None:
+        #: "redis", or "redis-sentinel" for a master found through Sentinel (`sentinel.py`).
+        self.name = name
         self._client = client
         self._timeout_ms = timeout_ms
         self._timeout = timeout_ms / 1000
@@ -470,26 +472,10 @@ class RedisBackend:
         )
         return cls(client, timeout_ms)
 
-    async def apply(self, hits: Sequence[Hit], all_or_nothing: bool, now_ms: int) -> list[Outcome]:
-        # One implementation of the script call: `apply_then`, awaited.
-        answer: asyncio.Future[list[Outcome] | Exception] = (
-            asyncio.get_running_loop().create_future()
-        )
-
-        def done(got: list[Outcome] | Exception) -> None:
-            if not answer.done():  # the caller may have given up (its own timeout)
-                answer.set_result(got)
-
-        self.apply_then(hits, all_or_nothing, now_ms, done)
-        got = await answer
-        if isinstance(got, Exception):
-            raise got
-        return got
-
     def apply_then(
         self, hits: Sequence[Hit], all_or_nothing: bool, now_ms: int, done: Applied
     ) -> None:
-        """`apply` through a callback (see `AppliesThen`): one script call, its reply handed to
+        """One script call (see `Backend.apply_then`), its reply handed to
         `done` from the client's `data_received`, with no coroutine or future. The client keeps
         the deadline (one timer per connection, not one per call); a retry after NOSCRIPT keeps
         the same one."""
@@ -616,8 +602,9 @@ def _timeout_seconds(url: str, timeout_ms: int) -> float:
     return timeout_ms / 1000
 
 
-def _address(url: str, address: str) -> tuple[str, int]:
-    """``host[:port]`` (IPv6 in brackets) to a host and a port, 6379 when none is given."""
+def _address(url: str, address: str, default_port: int = DEFAULT_PORT) -> tuple[str, int]:
+    """``host[:port]`` (IPv6 in brackets) to a host and a port, `default_port` (6379) when none
+    is given."""
     parts = urlsplit(f"//{address}")
     host = parts.hostname
     if not host:
@@ -629,7 +616,7 @@ def _address(url: str, address: str) -> tuple[str, int]:
         raise ValueError(bad_port) from None
     if port == 0:
         raise ValueError(bad_port)
-    return host, port if port is not None else DEFAULT_PORT
+    return host, port if port is not None else default_port
 
 
 def _database(url: str, path: str) -> int:
@@ -662,10 +649,17 @@ def _tls_options(url: str, query: str, tls: bool) -> dict[str, Any]:
 
 
 def _redact(url: str) -> str:
-    """The URL with its password hidden, for error messages that end up in logs."""
+    """The URL with its passwords hidden (the userinfo's, and a ``sentinel_password`` query
+    parameter's), for error messages that end up in logs."""
     parts = urlsplit(url)
     userinfo, at, hosts = parts.netloc.rpartition("@")
-    if not at or ":" not in userinfo:
+    hide_password = bool(at) and ":" in userinfo
+    if not hide_password and "sentinel_password=" not in parts.query:
         return url
-    user = userinfo.partition(":")[0]
-    return parts._replace(netloc=f"{user}:***@{hosts}").geturl()
+    if hide_password:
+        parts = parts._replace(netloc=f"{userinfo.partition(':')[0]}:***@{hosts}")
+    query = "&".join(
+        "sentinel_password=***" if field.startswith("sentinel_password=") else field
+        for field in parts.query.split("&")
+    )
+    return parts._replace(query=query).geturl()

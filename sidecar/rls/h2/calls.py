@@ -37,8 +37,9 @@ _leave: Callable[[asyncio.AbstractEventLoop, Call], None] = _leave_task  # type:
 class Calls:
     """The calls running on one event loop, and a way to wait until none is left.
 
-    Besides the coroutines it drives (`start`), it counts the calls that answer through a
-    callback (`opened`, `answered`): those cannot be cancelled, and end by their own deadline.
+    It counts every call until it answers (`opened`, `answered`: every call answers through a
+    callback), and drives the coroutines of those that run one (`start`): only those can be
+    cancelled; the others end by their own deadline.
     """
 
     def __init__(self) -> None:

@@ -89,8 +89,13 @@ class Connection(Streams):
     """One connection, from the client preface to GOAWAY."""
 
     def __init__(
-        self, on_call: OnCall, limits: Limits = DEFAULT_LIMITS, budget: BufferBudget | None = None
+        self,
+        on_call: OnCall,
+        limits: Limits = DEFAULT_LIMITS,
+        budget: BufferBudget | None = None,
+        kept: frozenset[bytes] = frozenset(),
     ) -> None:
+        """`kept`: request fields whose values each stream's `head.kept` holds (tracing)."""
         super().__init__()
         self.on_call = on_call
         self.limits = limits
@@ -99,7 +104,7 @@ class Connection(Streams):
         else:
             self.budget = BufferBudget(limits.max_buffered_bytes_all)
         self.peer_goaway = False
-        self._decoder = RequestDecoder(limits.max_header_list_size)
+        self._decoder = RequestDecoder(limits.max_header_list_size, kept)
         self._buffer = b""
         self._preface = True
         self.settings_received = False  # the peer's preface is complete

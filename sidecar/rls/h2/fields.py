@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import hpack
@@ -58,15 +58,20 @@ class Head:
     rejection: Rejection | None = None
     malformed: str | None = None
     malformed_trailers: str | None = None
+    #: The request's fields among those the decoder was asked to keep (`RequestDecoder`), as
+    #: they came: the trace context Envoy sends, when tracing is on.
+    kept: tuple[tuple[bytes, bytes], ...] = ()
 
 
 class RequestDecoder:
-    """The connection's HPACK decoder, with the cache of decoded blocks."""
+    """The connection's HPACK decoder, with the cache of decoded blocks; `kept` names the
+    fields (lower case) each Head keeps the values of (none: the usual case)."""
 
-    def __init__(self, max_header_list_size: int) -> None:
+    def __init__(self, max_header_list_size: int, kept: frozenset[bytes] = frozenset()) -> None:
         self._decoder = hpack.Decoder(max_header_list_size=max_header_list_size)
         self._max_header_list_size = max_header_list_size
         self._cache: dict[bytes, Head] = {}
+        self._kept = kept
 
     def decode(self, block: bytes) -> Head:
         """The meaning of one complete block; raises H2ConnectionError when it cannot be decoded."""
@@ -90,6 +95,9 @@ class RequestDecoder:
                 ErrorCode.COMPRESSION_ERROR, f"bad header block: {exc}"
             ) from exc
         head = interpret(fields)
+        if self._kept:
+            kept = self._kept
+            head = replace(head, kept=tuple((n, v) for n, v in fields if n in kept))
         # A new entry is a new tuple at the front; an eviction or resize changes count or size.
         unchanged = (
             len(entries) == count

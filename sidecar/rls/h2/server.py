@@ -2,13 +2,19 @@
 call started at once without a Task (`sidecar.rls.h2.calls`), write back-pressure, and graceful
 shutdown.
 
-Methods are looked up by `:path`; an unknown path is answered UNIMPLEMENTED. A method's
-CallError becomes its status; any other exception is a bug, answered INTERNAL and logged.
+Methods are looked up by `:path`; an unknown path is answered UNIMPLEMENTED. Every call is
+answered through a callback (`CallbackMethod`, the hot path's form); a coroutine method is
+turned into one when the server is made (`H2Server.driven`: its coroutine is stepped by
+`Calls`, with no Task). A method's CallError becomes its status; any other exception is a bug,
+answered INTERNAL and logged.
 
 Shutdown follows RFC 9113 §6.8: GOAWAY with the largest stream id and a PING, then, once the
 PING comes back (or after SHUTDOWN_PING_TIMEOUT), GOAWAY with the last stream taken. Calls
 taken are answered; the connection closes when none is left, or when the grace period ends.
-A Unix socket's file is removed on the way out only if it is still this server's: a
+Over TLS (`listen(tls=...)`, the event loop's own SSL support) the handshake is bounded by the
+same HANDSHAKE_TIMEOUT as the HTTP/2 preface that follows it, and a connection counts toward
+MAX_CONNECTIONS from the end of its handshake, when `admit` (if given) decides whether its
+peer may stay. A Unix socket's file is removed on the way out only if it is still this server's: a
 replacement started on the same path has put its own there.
 
 Bounds across connections: at most MAX_CONNECTIONS open (one more is closed at once); request
@@ -30,7 +36,8 @@ import asyncio
 import contextlib
 import os
 import socket
-from collections.abc import Mapping
+import ssl
+from collections.abc import Awaitable, Callable, Mapping
 from time import perf_counter
 from typing import Any, cast
 
@@ -40,11 +47,12 @@ from sidecar import batching
 from sidecar.rls.h2.calls import Calls
 from sidecar.rls.h2.connection import DEFAULT_LIMITS, Connection, Limits
 from sidecar.rls.h2.streams import BufferBudget
-from sidecar.rls.h2.unary import CallbackMethod, CallError, Method, Status
+from sidecar.rls.h2.unary import Answer, CallbackMethod, CallError, Method, Status
 
 #: Seconds to wait for the PING ACK between the two GOAWAY frames of a shutdown.
 SHUTDOWN_PING_TIMEOUT = 1.0
-#: Seconds a new connection has to send its preface and SETTINGS before it is closed.
+#: Seconds a new connection has to finish its TLS handshake, if any, and again to send its
+#: preface and SETTINGS, before it is closed.
 HANDSHAKE_TIMEOUT = 10.0
 #: Pending connections the kernel queues per listening socket.
 BACKLOG = 1_024
@@ -91,8 +99,19 @@ class H2Server:
         sweep_interval: float = SWEEP_INTERVAL,
         frame_timeout: float = FRAME_TIMEOUT,
         idle_timeout: float = IDLE_TIMEOUT,
+        handshake_timeout: float = HANDSHAKE_TIMEOUT,
+        admit: Callable[[asyncio.BaseTransport], bool] | None = None,
+        kept_fields: frozenset[bytes] = frozenset(),
     ) -> None:
-        self.methods = dict(methods)
+        """`admit`, when given, sees every connection as it is made (over TLS: its handshake
+        done) and closes it by answering False. With `kept_fields` (request field names, lower
+        case), `request_fields` holds those of the call being started, as a method starts."""
+        self.calls = Calls()
+        #: Every method in the callback form.
+        self.methods = {
+            path: method if isinstance(method, CallbackMethod) else self.driven(method)
+            for path, method in methods.items()
+        }
         self.limits = limits
         self.max_connections = max_connections
         self.max_calls_in_flight = max_calls_in_flight
@@ -100,9 +119,12 @@ class H2Server:
         self.sweep_interval = sweep_interval
         self.frame_timeout = frame_timeout
         self.idle_timeout = idle_timeout
+        self.handshake_timeout = handshake_timeout
+        self.admit = admit
+        self.kept_fields = kept_fields
+        self.request_fields: tuple[tuple[bytes, bytes], ...] = ()
         self.stopping = False
         self.protocols: set[_Protocol] = set()
-        self.calls = Calls()
         #: Request bytes buffered by all connections (Limits.max_buffered_bytes_all).
         self.budget = BufferBudget(limits.max_buffered_bytes_all)
         #: Connections that stopped reading because of the calls in flight, in the order they
@@ -115,18 +137,27 @@ class H2Server:
         self._unix_paths: list[tuple[str, SocketFile]] = []
 
     async def listen(
-        self, address: str, *, reuse_port: bool = False, sock: socket.socket | None = None
+        self,
+        address: str,
+        *,
+        reuse_port: bool = False,
+        sock: socket.socket | None = None,
+        tls: ssl.SSLContext | None = None,
     ) -> int:
-        """Listen on `HOST:PORT` or `unix:PATH` (or on `sock`); returns the TCP port, else 0."""
+        """Listen on `HOST:PORT` or `unix:PATH` (or on `sock`), over TLS with `tls`; returns the
+        TCP port, else 0."""
         loop = asyncio.get_running_loop()
         path = unix_path(address)
+        options: dict[str, Any] = {"backlog": BACKLOG}
+        if tls is not None:
+            options.update(ssl=tls, ssl_handshake_timeout=self.handshake_timeout)
         try:
             if sock is not None and sock.family == socket.AF_UNIX:
-                listener = await loop.create_unix_server(self._protocol, sock=sock, backlog=BACKLOG)
+                listener = await loop.create_unix_server(self._protocol, sock=sock, **options)
             elif sock is not None:
-                listener = await loop.create_server(self._protocol, sock=sock, backlog=BACKLOG)
+                listener = await loop.create_server(self._protocol, sock=sock, **options)
             elif path is not None:
-                listener = await loop.create_unix_server(self._protocol, path, backlog=BACKLOG)
+                listener = await loop.create_unix_server(self._protocol, path, **options)
                 self._unix_paths.append((path, socket_file(path)))
             else:
                 host, _, port = address.rpartition(":")
@@ -135,7 +166,7 @@ class H2Server:
                     host.strip("[]") or None,
                     int(port),
                     reuse_port=reuse_port,
-                    backlog=BACKLOG,
+                    **options,
                 )
         except OSError as exc:
             raise OSError(f"cannot listen for gRPC on {address}: {exc.strerror or exc}") from exc
@@ -169,10 +200,20 @@ class H2Server:
 
     def in_flight(self) -> int:
         """Calls started and not answered yet, over all connections."""
-        return self.calls.answering + len(self.calls.running)
+        return self.calls.answering
 
     def too_many_calls(self) -> bool:
-        return self.calls.answering + len(self.calls.running) >= self.max_calls_in_flight
+        return self.calls.answering >= self.max_calls_in_flight
+
+    def driven(self, method: Method) -> CallbackMethod:
+        """A coroutine method in the callback form: each call's coroutine is started at once
+        and stepped by `calls` (no Task), and answers when it returns or raises."""
+        calls = self.calls
+
+        def handle(message: bytes, answer: Answer) -> None:
+            calls.start(_answer_when_done(method(message), answer))
+
+        return CallbackMethod(handle)
 
     async def stop(self, grace: float) -> None:
         """Take no new connection, drain the open ones, and give calls `grace` seconds."""
@@ -196,6 +237,21 @@ class H2Server:
         for path, bound in self._unix_paths:
             unlink_socket(path, bound)
         self._unix_paths.clear()
+
+
+async def _answer_when_done(call: Awaitable[bytes], answer: Answer) -> None:
+    """Hand `answer` what a coroutine method's call ends with: its response or its exception.
+    Cancelled (by a stop whose grace has run out, the connection already gone), it answers
+    CANCELLED, so that the call is counted as answered."""
+    try:
+        response = await call
+    except asyncio.CancelledError:
+        answer(CallError(Status.CANCELLED, "the server stopped"))
+        raise
+    except Exception as exc:
+        answer(exc)
+        return
+    answer(response)
 
 
 def _calls_out(protocol: _Protocol) -> int:
@@ -240,7 +296,9 @@ class _Protocol(asyncio.Protocol):
         self.server = server
         self.methods = server.methods
         self.loop = asyncio.get_running_loop()
-        self.conn = Connection(self._on_call, server.limits, server.budget)
+        # Without kept fields (no tracing), calls go straight to _on_call: nothing per call.
+        on_call = self._on_call_with_fields if server.kept_fields else self._on_call
+        self.conn = Connection(on_call, server.limits, server.budget, server.kept_fields)
         self.transport: asyncio.Transport | None = None
         self.finished: asyncio.Future[None] = self.loop.create_future()
         self._flush_scheduled = False
@@ -266,9 +324,14 @@ class _Protocol(asyncio.Protocol):
             self.transport.abort()
             return
         server._refusing = False
+        if server.admit is not None and not server.admit(transport):
+            self.transport.abort()
+            return
         server.protocols.add(self)
         self.conn.initiate()
-        self._handshake_timer = self.loop.call_later(HANDSHAKE_TIMEOUT, self._handshake_expired)
+        self._handshake_timer = self.loop.call_later(
+            server.handshake_timeout, self._handshake_expired
+        )
         if self.server.stopping:
             self.conn.start_shutdown()
             self.conn.finish_shutdown()
@@ -413,15 +476,17 @@ class _Protocol(asyncio.Protocol):
         if self.transport is not None:
             self.transport.abort()
 
+    def _on_call_with_fields(self, stream_id: int, path: str, message: bytes) -> None:
+        stream = self.conn.streams.get(stream_id)
+        self.server.request_fields = () if stream is None else stream.head.kept
+        self._on_call(stream_id, path, message)
+
     def _on_call(self, stream_id: int, path: str, message: bytes) -> None:
         method = self.methods.get(path)
         if method is None:
             self.conn.respond_error(stream_id, Status.UNIMPLEMENTED, f"unknown method {path}")
             return
-        if not isinstance(method, CallbackMethod):
-            self.server.calls.start(self._call(stream_id, path, method, message))
-            return
-        # A CallbackMethod: the hot path, here rather than in a method of its own.
+        # The hot path, here rather than in a method of its own.
         server = self.server
         calls = server.calls
         calls.opened()
@@ -447,16 +512,6 @@ class _Protocol(asyncio.Protocol):
             method.handle(message, answer)
         except Exception as exc:
             answer(exc)
-
-    async def _call(self, stream_id: int, path: str, method: Method, message: bytes) -> None:
-        try:
-            response = await method(message)
-        except Exception as exc:
-            self._answer(stream_id, path, exc)
-        else:
-            self._answer(stream_id, path, response)
-        if self.server.held:
-            self.loop.call_soon(self.server.calls_answered)  # once this call has finished
 
     def _answer(self, stream_id: int, path: str, result: bytes | Exception) -> None:
         """Answer a call with its response, or the status its exception stands for."""

@@ -15,8 +15,9 @@ PREFIX_SIZE = 5
 #: The largest request message accepted (grpc's default receive limit).
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 
-#: A method: the request message in, the response message out. It reports any other status
-#: by raising CallError.
+#: A method written as a coroutine: the request message in, the response message out. It
+#: reports any other status by raising CallError. The server serves it in the callback form
+#: (`H2Server.driven`), the one form it answers calls in.
 Method = Callable[[bytes], Awaitable[bytes]]
 
 #: How a `CallbackMethod` answers: with the response message, or with an exception (CallError
@@ -25,8 +26,8 @@ Answer = Callable[[bytes | Exception], None]
 
 
 class CallbackMethod:
-    """A method that answers through a callback instead of being awaited, for the hot path: a
-    call then costs no coroutine, task or future of the server's.
+    """A method that answers through a callback instead of being awaited: the form the server
+    answers every call in, so that a call on the hot path costs no coroutine, task or future.
 
     `handle(message, answer)` calls `answer` exactly once, at once or later from the event loop
     (a second answer is ignored). An exception `handle` raises before it answers is the answer.

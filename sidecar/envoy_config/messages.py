@@ -1,8 +1,8 @@
-"""A `Plan` as Envoy's own typed messages (envoy-data-plane), and those messages as YAML.
+"""A `Feed` as Envoy's own typed messages (envoy-data-plane), and those messages as YAML.
 
 The pieces that feed a rules file are the rate limit HTTP filter, the `ratelimit` cluster that
 reaches the sidecar over HTTP/2, and per route a `RateLimitPerRoute` whose `rate_limits` send
-the plan's descriptors. `bootstrap` puts a whole gateway around them: a listener, the routes,
+the feed's descriptors. `bootstrap` puts a whole gateway around them: a listener, the routes,
 the upstream cluster and the admin interface.
 
 Route limits live in the filter's per-route config (`typed_per_filter_config`) rather than in
@@ -22,8 +22,8 @@ from typing import Any
 import betterproto2
 import yaml
 
-from sidecar.gateway.plan import Descriptor, Plan, RoutePlan
-from sidecar.gateway.sources import Attribute, Source
+from sidecar.envoy_config.feeds import Descriptor, Feed, RouteFeed
+from sidecar.envoy_config.sources import Attribute, Source
 
 # envoy-data-plane 2.2 declares its oneof checks as pydantic deprecated in 2.12 (a classmethod
 # `model_validator(mode="after")`); harmless here, and not ours to change, so the warning it
@@ -67,6 +67,16 @@ class Address:
 
 
 @dataclass(frozen=True)
+class Pipe:
+    """A Unix socket, as Envoy names one: the injected sidecar listens on one in its pod."""
+
+    path: str
+
+    def __str__(self) -> str:
+        return f"unix:{self.path}"
+
+
+@dataclass(frozen=True)
 class Settings:
     """How Envoy reaches the sidecar and, for a bootstrap, where the gateway listens and sends.
 
@@ -74,7 +84,7 @@ class Settings:
     `failure_mode_deny` decides (false: the request goes on unlimited).
     """
 
-    sidecar: Address
+    sidecar: Address | Pipe
     timeout: datetime.timedelta
     failure_mode_deny: bool = False
     listen: Address = Address("0.0.0.0", 10000)
@@ -103,7 +113,7 @@ def rate_limit_filter(domain: str, settings: Settings) -> hcm_v3.HttpFilter:
     return hcm_v3.HttpFilter(name=FILTER_NAME, typed_config=AnyMessage.pack(config))
 
 
-def sidecar_cluster(address: Address) -> cluster_v3.Cluster:
+def sidecar_cluster(address: Address | Pipe) -> cluster_v3.Cluster:
     """The `ratelimit` cluster: gRPC, so HTTP/2 only, to the sidecar."""
     http2 = upstream_http_v3.HttpProtocolOptions(
         explicit_http_config=upstream_http_v3.HttpProtocolOptionsExplicitHttpConfig(
@@ -117,7 +127,7 @@ def sidecar_cluster(address: Address) -> cluster_v3.Cluster:
     return cluster
 
 
-def per_route_config(route: RoutePlan) -> ratelimit_filter_v3.RateLimitPerRoute:
+def per_route_config(route: RouteFeed) -> ratelimit_filter_v3.RateLimitPerRoute:
     """The route's `rate_limits`: one entry per descriptor, two for a check-then-count one."""
     rate_limits: list[route_v3.RateLimit] = []
     for descriptor in route.descriptors:
@@ -181,15 +191,15 @@ def _generic_key(value: str, key: str) -> route_v3.RateLimitAction:
     return route_v3.RateLimitAction(generic_key=generic)
 
 
-def route(plan: RoutePlan, *, with_rate_limit: bool = True) -> route_v3.Route:
+def route(feed: RouteFeed, *, with_rate_limit: bool = True) -> route_v3.Route:
     """A route to the upstream cluster, with its rate limits when it has any."""
     message = route_v3.Route(
-        name=plan.route.name,
-        match=route_v3.RouteMatch(prefix=plan.route.prefix),
+        name=feed.route.name,
+        match=route_v3.RouteMatch(prefix=feed.route.prefix),
         route=route_v3.RouteAction(cluster=UPSTREAM_CLUSTER),
     )
-    if with_rate_limit and plan.descriptors:
-        message.typed_per_filter_config = {FILTER_NAME: AnyMessage.pack(per_route_config(plan))}
+    if with_rate_limit and feed.descriptors:
+        message.typed_per_filter_config = {FILTER_NAME: AnyMessage.pack(per_route_config(feed))}
     return message
 
 
@@ -197,14 +207,14 @@ def route(plan: RoutePlan, *, with_rate_limit: bool = True) -> route_v3.Route:
 
 
 def bootstrap(
-    plan: Plan, settings: Settings, *, with_rate_limit: bool = True
+    feed: Feed, settings: Settings, *, with_rate_limit: bool = True
 ) -> bootstrap_v3.Bootstrap:
     """A gateway: listener → routes → upstream, each request checked with the sidecar first.
 
     Without `with_rate_limit`, the same gateway with no rate limit filter, no per-route limits
     and no sidecar cluster: the baseline a benchmark compares with.
     """
-    filters = [rate_limit_filter(plan.domain, settings)] if with_rate_limit else []
+    filters = [rate_limit_filter(feed.domain, settings)] if with_rate_limit else []
     filters.append(
         hcm_v3.HttpFilter(
             name="envoy.filters.http.router", typed_config=AnyMessage.pack(router_v3.Router())
@@ -221,7 +231,7 @@ def bootstrap(
                 route_v3.VirtualHost(
                     name="gateway",
                     domains=["*"],
-                    routes=[route(r, with_rate_limit=with_rate_limit) for r in plan.routes],
+                    routes=[route(r, with_rate_limit=with_rate_limit) for r in feed.routes],
                 )
             ],
         ),
@@ -252,12 +262,12 @@ def bootstrap(
     )
 
 
-def pieces(plan: Plan, settings: Settings) -> dict[str, Any]:
+def pieces(feed: Feed, settings: Settings) -> dict[str, Any]:
     """The filter, the cluster and each route with its rate limits, as plain data for YAML."""
     return {
-        "http_filters": [_data(rate_limit_filter(plan.domain, settings))],
+        "http_filters": [_data(rate_limit_filter(feed.domain, settings))],
         "clusters": [_data(sidecar_cluster(settings.sidecar))],
-        "routes": [_data(route(r)) for r in plan.routes],
+        "routes": [_data(route(r)) for r in feed.routes],
     }
 
 
@@ -290,12 +300,12 @@ def _show_failure_mode(data: Any) -> Any:
     return data
 
 
-def _cluster(name: str, address: Address) -> cluster_v3.Cluster:
-    # An IP needs no resolver; a name is resolved and re-resolved as DNS changes.
+def _cluster(name: str, address: Address | Pipe) -> cluster_v3.Cluster:
+    # An IP or a pipe needs no resolver; a name is resolved and re-resolved as DNS changes.
     kind = (
-        cluster_v3.ClusterDiscoveryType.STATIC
-        if _is_ip(address.host)
-        else cluster_v3.ClusterDiscoveryType.STRICT_DNS
+        cluster_v3.ClusterDiscoveryType.STRICT_DNS
+        if isinstance(address, Address) and not _is_ip(address.host)
+        else cluster_v3.ClusterDiscoveryType.STATIC
     )
     return cluster_v3.Cluster(
         name=name,
@@ -316,7 +326,9 @@ def _cluster(name: str, address: Address) -> cluster_v3.Cluster:
     )
 
 
-def _address(address: Address) -> core_v3.Address:
+def _address(address: Address | Pipe) -> core_v3.Address:
+    if isinstance(address, Pipe):
+        return core_v3.Address(pipe=core_v3.Pipe(path=address.path))
     return core_v3.Address(
         socket_address=core_v3.SocketAddress(address=address.host, port_value=address.port)
     )

@@ -18,7 +18,7 @@ from typing import NamedTuple
 from sidecar.algorithms import fixed_window
 from sidecar.algorithms.decide import Address, State, address, decide
 from sidecar.algorithms.fixed_window import request_is_over
-from sidecar.algorithms.windows import field_hit, plain_suffix, window_hit
+from sidecar.counters import field_hit, plain_suffix, window_hit
 from sidecar.limiter import most_restrictive
 from sidecar.model import UNLIMITED_REMAINING, Hit, Limit, Outcome, Role, Window
 from sidecar.storage.keys import descriptor_prefix
@@ -65,7 +65,7 @@ class Cap:
         self.chosen = _NO_CAP
 
 
-class CheckPlan:
+class Check:
     """The counters of one user's check: `add` each descriptor's template, read `addresses`,
     `judge` the values, then ask each ad's `verdict`."""
 
@@ -136,12 +136,12 @@ class CheckPlan:
                     continue
                 alike[known] = cap
             states = []
-            for planned in cap.windows:
-                if isinstance(planned, int):
-                    outcome = outcomes[planned]
+            for slot in cap.windows:
+                if isinstance(slot, int):
+                    outcome = outcomes[slot]
                     states.append(Judged(outcome.over, outcome.remaining, outcome.reset_ms))
                     continue
-                index, allowed, reset_ms = planned
+                index, allowed, reset_ms = slot
                 count = values[index]
                 over, left, _ = judge(0, count if isinstance(count, int) else 0, 0, allowed, 0)
                 states.append(Judged(over, left, reset_ms))

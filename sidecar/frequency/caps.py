@@ -34,12 +34,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from sidecar.config import Domain, Level, Node, Rules
 from sidecar.errors import InvalidRequest, UnknownDomain
-from sidecar.frequency_plan import Cap, CheckPlan, Template, verdict
+from sidecar.frequency.checks import Cap, Check, Template, verdict
 from sidecar.matching import counter_value, lookup, match
 from sidecar.model import UNLIMITED_REMAINING, Dedupe, Entry, Hit
 from sidecar.plan import MAX_VALUE_LENGTH, descriptor_hits
+from sidecar.rules import Domain, Level, Node, Rules
 from sidecar.storage import Backend
 from sidecar.storage.keys import dedupe_key, field_head
 
@@ -137,24 +137,24 @@ class FrequencyCaps:
         node = lookup(rules.root, user_entry)
         if node is None:
             return [Verdict(c.ad, True, UNLIMITED_REMAINING, 0) for c in ads]
-        plan = CheckPlan(domain, (USER_KEY, counter_value(node, user_entry)), now_ms)
+        check = Check(domain, (USER_KEY, counter_value(node, user_entry)), now_ms)
         caps: dict[tuple[str, str], Cap | None] = {}
         template = self._template
 
         def cap(key: str, value: str | None) -> Cap | None:
-            """One descriptor's windows, planned once however many ads share it."""
+            """One descriptor's windows, named once however many ads share it."""
             if value is None:
                 return None
             known = (key, value)
             if known not in caps:
                 found = template(node, key, value)
-                caps[known] = None if found is None else plan.add(found)
+                caps[known] = None if found is None else check.add(found)
             return caps[known]
 
-        plans = [(cap(AD_KEY, c.ad), cap(CAMPAIGN_KEY, c.campaign)) for c in ads]
-        if plan.addresses:
-            plan.judge(await self.backend.read(plan.addresses, now_ms))
-        return [Verdict(c.ad, *verdict(*pair)) for c, pair in zip(ads, plans, strict=True)]
+        pairs = [(cap(AD_KEY, c.ad), cap(CAMPAIGN_KEY, c.campaign)) for c in ads]
+        if check.addresses:
+            check.judge(await self.backend.read(check.addresses, now_ms))
+        return [Verdict(c.ad, *verdict(*pair)) for c, pair in zip(ads, pairs, strict=True)]
 
     def _template(self, node: Node, key: str, value: str) -> Template | None:
         """The caps of `[(user, *), (key, value)]` under the user's rule `node`: the rule

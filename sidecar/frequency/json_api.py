@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from sidecar.errors import InvalidRequest
-from sidecar.frequency import Candidate, Impression, Recorded, Verdict
+from sidecar.frequency.caps import Candidate, Impression, Recorded, Verdict
 
 _CHECK_KEYS = ("domain", "user", "ads")
 _AD_KEYS = ("ad", "campaign")

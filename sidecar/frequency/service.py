@@ -15,7 +15,7 @@ from typing import TypeVar
 from google.protobuf.message import DecodeError  # type: ignore[import-untyped]
 
 from sidecar.errors import InvalidRequest
-from sidecar.frequency import Candidate, FrequencyCaps, Impression
+from sidecar.frequency.caps import Candidate, FrequencyCaps, Impression
 from sidecar.proto.ratelimit_sidecar.frequency.v1 import frequency_pb2 as pb
 
 SERVICE_NAME = "ratelimit_sidecar.frequency.v1.FrequencyCaps"

@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from sidecar.config import Domain, Level
+from sidecar.envoy_config.sources import Count, Source, Sources
 from sidecar.errors import ConfigError
-from sidecar.gateway.sources import Count, Source, Sources
+from sidecar.rules import Domain, Level
 
 
 @dataclass(frozen=True)
@@ -44,17 +44,17 @@ class Descriptor:
 
 
 @dataclass(frozen=True)
-class RoutePlan:
+class RouteFeed:
     route: Route
     descriptors: tuple[Descriptor, ...]
 
 
 @dataclass(frozen=True)
-class Plan:
+class Feed:
     """Everything Envoy needs to feed one domain: its name and each route's descriptors."""
 
     domain: str
-    routes: tuple[RoutePlan, ...]
+    routes: tuple[RouteFeed, ...]
 
 
 def key_paths(domain: Domain) -> list[tuple[tuple[str, ...], str]]:
@@ -76,7 +76,7 @@ def _walk(level: Level, above: tuple[str, ...]) -> Iterator[tuple[tuple[str, ...
         yield from _walk(node.children, keys)
 
 
-def plan(domain: Domain, sources: Sources, routes: Sequence[Route]) -> Plan:
+def feed(domain: Domain, sources: Sources, routes: Sequence[Route]) -> Feed:
     """The descriptors each route sends; a ConfigError names a key without a source or an
     unknown route, with the fix."""
     names = [route.name for route in routes]
@@ -100,10 +100,10 @@ def plan(domain: Domain, sources: Sources, routes: Sequence[Route]) -> Plan:
                 f"(add a line such as '{key}: {{header: x-{key.replace('_', '-')}}}')",
             )
         descriptors.append(Descriptor(tuple(sources.keys[key] for key in keys), rule))
-    return Plan(
+    return Feed(
         domain=domain.name,
         routes=tuple(
-            RoutePlan(
+            RouteFeed(
                 route,
                 tuple(d for d in descriptors if all(s.on_route(route.name) for s in d.sources)),
             )

@@ -16,6 +16,7 @@ from typing import Any
 
 from sidecar import config
 from sidecar.errors import ConfigError
+from sidecar.rules import Domain
 
 PROG = "ratelimit-sidecar"
 DEFAULT_ROUTE = "default=/"
@@ -79,9 +80,11 @@ def register(subparsers: Any) -> None:
     parser.add_argument(
         "--sidecar",
         default="127.0.0.1:8081",
-        type=_address,
-        metavar="HOST:PORT",
-        help="the sidecar's gRPC address (default: 127.0.0.1:8081)",
+        type=_sidecar,
+        metavar="HOST:PORT|unix:PATH",
+        help="the sidecar's gRPC address: TCP, or a Unix socket Envoy reaches as a pipe, such as "
+        "unix:/var/run/ratelimit-sidecar/rls.sock where the injected sidecar listens in a "
+        "Kubernetes pod (default: 127.0.0.1:8081)",
     )
     parser.add_argument(
         "--timeout-ms",
@@ -141,17 +144,21 @@ def generate(
     `with_rate_limit=False` drops the filter, the route limits and the sidecar's cluster from a
     bootstrap: the same gateway without rate limiting, for comparison.
     """
-    from sidecar.gateway import messages, plan, sources
+    from sidecar.envoy_config import feeds, messages, sources
 
     domain = _domain(args.rules, args.domain)
-    routes = [plan.Route(name, prefix) for name, prefix in args.route or [_route(DEFAULT_ROUTE)]]
+    routes = [feeds.Route(name, prefix) for name, prefix in args.route or [_route(DEFAULT_ROUTE)]]
     names = [r.name for r in routes]
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
         raise ConfigError("--route", "", f"route '{duplicates[0]}' is given twice")
-    feed = plan.plan(domain, sources.load(args.sources), routes)
+    feed = feeds.feed(domain, sources.load(args.sources), routes)
     settings = messages.Settings(
-        sidecar=messages.Address(*args.sidecar),
+        sidecar=(
+            messages.Pipe(args.sidecar)
+            if isinstance(args.sidecar, str)
+            else messages.Address(*args.sidecar)
+        ),
         timeout=datetime.timedelta(milliseconds=args.timeout_ms),
         failure_mode_deny=args.failure_mode_deny,
         listen=messages.Address(*args.listen),
@@ -172,7 +179,7 @@ def generate(
     return messages.to_yaml(messages.pieces(feed, settings), header)
 
 
-def _domain(paths: Sequence[str], name: str | None) -> config.Domain:
+def _domain(paths: Sequence[str], name: str | None) -> Domain:
     rules = config.load(paths)
     where = ", ".join(paths)
     if not rules.domains:
@@ -203,6 +210,16 @@ def _address(text: str) -> tuple[str, int]:
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}")
     return host, int(port)
+
+
+def _sidecar(text: str) -> tuple[str, int] | str:
+    """``HOST:PORT``, or ``unix:PATH`` with an absolute PATH (returned as the path alone)."""
+    if not text.startswith("unix:"):
+        return _address(text)
+    path = text.removeprefix("unix:")
+    if not path.startswith("/"):
+        raise argparse.ArgumentTypeError(f"expected unix:/ABSOLUTE/PATH, got {text!r}")
+    return path
 
 
 def _milliseconds(text: str) -> int:

@@ -1,0 +1,394 @@
+"""The reference's environment variables: a Deployment written for envoyproxy/ratelimit runs the
+sidecar unchanged, each variable read with the reference's meaning, RLS_* variables and flags
+still winning, and nothing set ever silently ignored."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import aiohttp
+import pytest
+from reference_process import reference_process
+from sidecars import client, request
+
+from sidecar import cli, settings
+from sidecar.injector.urls import validate_url
+from sidecar.model import Code
+from sidecar.storage import open_backend
+
+ROOT = Path(__file__).resolve().parent.parent
+
+#: Every variable envoyproxy/ratelimit's src/settings/settings.go reads (`envconfig` tags, in
+#: their order there), at the snapshot REFERENCE.md describes.
+REFERENCE_VARIABLES = """
+HOST PORT DEBUG_HOST DEBUG_PORT GRPC_UDS GRPC_HOST GRPC_PORT GRPC_MAX_CONNECTION_AGE
+GRPC_MAX_CONNECTION_AGE_GRACE GRPC_SERVER_USE_TLS GRPC_SERVER_TLS_CERT GRPC_SERVER_TLS_KEY
+GRPC_CLIENT_TLS_CACERT GRPC_CLIENT_TLS_SAN LOG_LEVEL LOG_FORMAT CONFIG_TYPE
+FORCE_START_WITHOUT_INITIAL_CONFIG CONFIG_GRPC_XDS_NODE_ID CONFIG_GRPC_XDS_NODE_METADATA
+CONFIG_GRPC_XDS_SERVER_URL CONFIG_GRPC_XDS_SERVER_CONNECT_RETRY_INTERVAL
+CONFIG_GRPC_XDS_CLIENT_ADDITIONAL_HEADERS CONFIG_GRPC_XDS_SERVER_USE_TLS
+CONFIG_GRPC_XDS_CLIENT_TLS_CERT CONFIG_GRPC_XDS_CLIENT_TLS_KEY CONFIG_GRPC_XDS_SERVER_TLS_CACERT
+CONFIG_GRPC_XDS_SERVER_TLS_SAN XDS_CLIENT_BACKOFF_INITIAL_INTERVAL XDS_CLIENT_BACKOFF_MAX_INTERVAL
+XDS_CLIENT_BACKOFF_RANDOM_FACTOR XDS_CLIENT_BACKOFF_JITTER XDS_CLIENT_MAX_MSG_SIZE_IN_BYTES
+USE_DOG_STATSD USE_DOG_STATSD_MOGRIFIERS USE_STATSD STATSD_HOST STATSD_PORT EXTRA_TAGS
+STATS_FLUSH_INTERVAL DISABLE_STATS USE_PROMETHEUS PROMETHEUS_ADDR PROMETHEUS_PATH
+PROMETHEUS_MAPPER_YAML PROMETHEUS_RESPONSE_TIME_AS_MILLISECONDS RUNTIME_ROOT RUNTIME_SUBDIRECTORY
+RUNTIME_APPDIRECTORY RUNTIME_IGNOREDOTFILES RUNTIME_WATCH_ROOT EXPIRATION_JITTER_MAX_SECONDS
+LOCAL_CACHE_SIZE_IN_BYTES NEAR_LIMIT_RATIO CACHE_KEY_PREFIX BACKEND_TYPE
+STOP_CACHE_KEY_INCREMENT_WHEN_OVERLIMIT LIMIT_RESPONSE_HEADERS_ENABLED LIMIT_LIMIT_HEADER
+LIMIT_REMAINING_HEADER LIMIT_RESET_HEADER HEALTHY_WITH_AT_LEAST_ONE_CONFIG_LOADED
+REDIS_SOCKET_TYPE REDIS_TYPE REDIS_URL REDIS_POOL_SIZE REDIS_AUTH REDIS_TLS REDIS_TLS_CLIENT_CERT
+REDIS_TLS_CLIENT_KEY REDIS_TLS_CACERT REDIS_TLS_SKIP_HOSTNAME_VERIFICATION REDIS_PIPELINE_WINDOW
+REDIS_PIPELINE_LIMIT REDIS_CLUSTER_PIPELINE_PARALLELISM REDIS_PERSECOND REDIS_PERSECOND_SOCKET_TYPE
+REDIS_PERSECOND_TYPE REDIS_PERSECOND_URL REDIS_PERSECOND_POOL_SIZE REDIS_PERSECOND_AUTH
+REDIS_PERSECOND_TLS REDIS_SENTINEL_AUTH REDIS_PERSECOND_SENTINEL_AUTH
+REDIS_PERSECOND_PIPELINE_WINDOW REDIS_PERSECOND_PIPELINE_LIMIT
+REDIS_PERSECOND_CLUSTER_PIPELINE_PARALLELISM REDIS_HEALTH_CHECK_ACTIVE_CONNECTION REDIS_TIMEOUT
+REDIS_PERSECOND_TIMEOUT REDIS_POOL_ON_EMPTY_BEHAVIOR REDIS_PERSECOND_POOL_ON_EMPTY_BEHAVIOR
+REDIS_STARTUP_INITIAL_INTERVAL REDIS_STARTUP_MAX_INTERVAL REDIS_STARTUP_MAX_ELAPSED_TIME
+MEMCACHE_HOST_PORT MEMCACHE_MAX_IDLE_CONNS MEMCACHE_SRV MEMCACHE_SRV_REFRESH MEMCACHE_TLS
+MEMCACHE_TLS_CLIENT_CERT MEMCACHE_TLS_CLIENT_KEY MEMCACHE_TLS_CACERT
+MEMCACHE_TLS_SKIP_HOSTNAME_VERIFICATION SHADOW_MODE QUOTA_MODE RESPONSE_DYNAMIC_METADATA
+MERGE_DOMAIN_CONFIG TRACING_ENABLED TRACING_SERVICE_NAME TRACING_SERVICE_NAMESPACE
+TRACING_SERVICE_INSTANCE_ID TRACING_EXPORTER_PROTOCOL TRACING_SAMPLING_RATE
+""".split()  # noqa: SIM905 (a block of names reads like the source it is checked against)
+
+RULES = """\
+domain: helm
+descriptors:
+  - key: remote_address
+    rate_limit:
+      unit: minute
+      requests_per_unit: 2
+"""
+
+
+def helm_chart_env(rules_root: Path, redis_url: str) -> dict[str, str]:
+    """What a typical Helm chart (and Istio's ratelimit sample) sets for the reference, with the
+    rules mounted at /data/ratelimit/config, here under `rules_root`."""
+    return {
+        "LOG_LEVEL": "debug",
+        "REDIS_SOCKET_TYPE": "tcp",
+        "REDIS_URL": redis_url.removeprefix("redis://"),
+        "USE_STATSD": "false",
+        "RUNTIME_ROOT": str(rules_root),
+        "RUNTIME_SUBDIRECTORY": "ratelimit",
+        "RUNTIME_WATCH_ROOT": "false",
+        "RUNTIME_IGNOREDOTFILES": "true",
+        "LOCAL_CACHE_SIZE_IN_BYTES": "1048576",
+        "NEAR_LIMIT_RATIO": "0.8",
+        "DEBUG_HOST": "127.0.0.1",
+        "DEBUG_PORT": "0",
+        # Loopback and free ports for the test (a chart keeps 0.0.0.0:8080/8081).
+        "HOST": "127.0.0.1",
+        "PORT": "0",
+        "GRPC_HOST": "127.0.0.1",
+        "GRPC_PORT": "0",
+    }
+
+
+async def test_a_helm_chart_deployment_runs_unchanged(tmp_path: Path, redis_url: str) -> None:
+    """`ratelimit` with no arguments and only a chart's variables loads the rules from
+    RUNTIME_ROOT/RUNTIME_SUBDIRECTORY/config, counts on the Redis at REDIS_URL, is healthy, and
+    serves /rlconfig on the debug port; it logs which variables it read."""
+    config = tmp_path / "ratelimit" / "config"
+    config.mkdir(parents=True)
+    (config / "config.yaml").write_text(RULES)
+    async with reference_process(helm_chart_env(tmp_path, redis_url)) as sidecar:
+        started = sidecar.started
+        assert (started["rules"], started["backend"]) == ("files", "redis")
+        async with client(started["grpc_port"]) as rls:
+            ip = [("remote_address", "10.0.0.1")]
+            codes = [
+                (await rls.should_rate_limit(request("helm", ip))).overall_code for _ in range(3)
+            ]
+        assert codes == [Code.OK, Code.OK, Code.OVER_LIMIT]
+        async with aiohttp.ClientSession() as http:
+            async with http.get(f"http://127.0.0.1:{started['http_port']}/healthcheck") as got:
+                assert (got.status, await got.text()) == (200, "OK")
+            async with http.get(f"http://127.0.0.1:{started['debug_port']}/rlconfig") as got:
+                assert await got.text() == (
+                    "helm.remote_address: unit=MINUTE requests_per_unit=2, shadow_mode: false, "
+                    "quota_mode: false\n"
+                )
+    [read] = sidecar.events("reference_settings")
+    assert "REDIS_URL" in read["read"] and "RUNTIME_ROOT" in read["read"]
+    assert {e["variable"] for e in sidecar.events("reference_setting_differs")} == {
+        "DEBUG_HOST", "DEBUG_PORT", "LOCAL_CACHE_SIZE_IN_BYTES",
+    }  # fmt: skip
+    assert not sidecar.events("reference_setting_not_supported")
+
+
+async def test_ratelimit_without_redis_url_says_what_to_set(tmp_path: Path) -> None:
+    """The reference's default Redis is twemproxy's Unix socket, which the sidecar cannot use:
+    `ratelimit` stops with exit status 2 and names the variables to set."""
+    async with reference_process({"RUNTIME_ROOT": str(tmp_path)}, wait=False) as sidecar:
+        assert await sidecar.process.wait() == 2
+    assert "REDIS_URL is not set" in sidecar.output()
+    assert "REDIS_SOCKET_TYPE=tcp" in sidecar.output()
+
+
+def serve(env: dict[str, str], *argv: str) -> dict[str, object]:
+    args = cli.parse_args(["serve", *argv], env)
+    return vars(args)
+
+
+def test_listeners_runtime_and_redis_map_onto_flags() -> None:
+    """Addresses join HOST and PORT (a Unix socket wins for gRPC; IPv6 gets brackets), the
+    rules directory joins the RUNTIME_* parts, and REDIS_* make one backend URL."""
+    args = serve(
+        {
+            "HOST": "::1",
+            "PORT": "9080",
+            "GRPC_UDS": "/run/rls.sock",
+            "GRPC_PORT": "9081",
+            "RUNTIME_ROOT": "/data",
+            "RUNTIME_SUBDIRECTORY": "ratelimit",
+            "REDIS_TYPE": "cluster",
+            "REDIS_URL": "r1:7000,r2:7000",
+            "REDIS_AUTH": "user:p@ss",
+            "REDIS_TLS": "true",
+            "REDIS_TLS_CACERT": "/certs/ca.crt",
+            "REDIS_TIMEOUT": "250ms",
+            "USE_PROMETHEUS": "true",
+            "PROMETHEUS_ADDR": ":19001",
+            "PROMETHEUS_PATH": "/stats/prometheus",
+            "LOG_LEVEL": "WARN",
+            "LOG_FORMAT": "json",
+            "SHADOW_MODE": "True",
+            "STOP_CACHE_KEY_INCREMENT_WHEN_OVERLIMIT": "1",
+            "LOCAL_CACHE_SIZE_IN_BYTES": "0",
+            "HEALTHY_WITH_AT_LEAST_ONE_CONFIG_LOADED": "t",
+            "MERGE_DOMAIN_CONFIG": "true",
+        }
+    )
+    assert (args["http_address"], args["grpc_address"]) == ("[::1]:9080", "unix:/run/rls.sock")
+    assert args["config"] == ["/data/ratelimit/config"]
+    assert args["backend"] == (
+        "rediss+cluster://user:p%40ss@r1:7000,r2:7000"
+        "?ssl_ca_certs=%2Fcerts%2Fca.crt&ssl_cert_reqs=required"
+    )
+    assert args["redis_timeout_ms"] == 250
+    assert (args["metrics_address"], args["metrics_path"]) == ("0.0.0.0:19001", "/stats/prometheus")
+    assert (args["log_level"], args["log_format"]) == ("warning", "json")
+    assert (args["shadow_mode"], args["rejected_hits"], args["over_limit_cache"]) == (
+        True,
+        "skip",
+        0,
+    )
+    assert args["health_requires_config"] is True
+    assert args["merge_domain_config"] is True
+    assert args["xds_server"] is None
+
+
+def test_xds_variables_map_onto_the_xds_flags() -> None:
+    """CONFIG_TYPE=GRPC_XDS_SOTW takes the rules from CONFIG_GRPC_XDS_SERVER_URL (RUNTIME_* then
+    name no rules directory), with the node, headers, TLS files and back-off as given."""
+    args = serve(
+        {
+            "CONFIG_TYPE": "GRPC_XDS_SOTW",
+            "RUNTIME_ROOT": "/data",
+            "CONFIG_GRPC_XDS_NODE_ID": "envoy-ratelimit",
+            "CONFIG_GRPC_XDS_NODE_METADATA": "cluster=edge,broken,zone=a=b",
+            "CONFIG_GRPC_XDS_CLIENT_ADDITIONAL_HEADERS": "X-Tenant:blue,authorization:Bearer x",
+            "CONFIG_GRPC_XDS_SERVER_USE_TLS": "true",
+            "CONFIG_GRPC_XDS_CLIENT_TLS_CERT": "/certs/tls.crt",
+            "CONFIG_GRPC_XDS_CLIENT_TLS_KEY": "/certs/tls.key",
+            "CONFIG_GRPC_XDS_SERVER_TLS_CACERT": "/certs/ca.crt",
+            "CONFIG_GRPC_XDS_SERVER_TLS_SAN": "envoy-gateway",
+            "CONFIG_GRPC_XDS_SERVER_CONNECT_RETRY_INTERVAL": "1m30s",
+            "XDS_CLIENT_BACKOFF_INITIAL_INTERVAL": "2s",
+            "XDS_CLIENT_BACKOFF_JITTER": "false",
+            "XDS_CLIENT_MAX_MSG_SIZE_IN_BYTES": "8388608",
+            "FORCE_START_WITHOUT_INITIAL_CONFIG": "true",
+        }
+    )
+    options = cli.xds_flags.options(cli.parse_args(["serve"], {"RLS_XDS_SERVER": "x:1"}))
+    assert options is not None and options.server == "x:1" and options.backoff_jitter
+    assert args["config"] is None
+    assert args["xds_server"] == "localhost:18000"
+    assert args["xds_node_id"] == "envoy-ratelimit"
+    assert args["xds_node_metadata"] == ["cluster=edge", "zone=a=b"]
+    assert args["xds_header"] == ["X-Tenant:blue", "authorization:Bearer x"]
+    assert (args["xds_tls"], args["xds_server_name"]) == (True, "envoy-gateway")
+    assert (args["xds_cert"], args["xds_key"], args["xds_ca"]) == (
+        "/certs/tls.crt", "/certs/tls.key", "/certs/ca.crt",
+    )  # fmt: skip
+    assert (args["xds_retry_seconds"], args["xds_backoff_seconds"]) == (90.0, 2.0)
+    assert (args["xds_backoff_no_jitter"], args["xds_max_message_bytes"]) == (True, 8_388_608)
+    assert args["force_start_without_initial_config"] is True
+    built = cli.xds_flags.options(
+        cli.parse_args(
+            ["serve"],
+            {
+                "CONFIG_TYPE": "GRPC_XDS_SOTW",
+                "CONFIG_GRPC_XDS_CLIENT_ADDITIONAL_HEADERS": "X-Tenant:blue",
+                "CONFIG_GRPC_XDS_NODE_METADATA": "a=1",
+            },
+        )
+    )
+    assert built is not None
+    assert (tuple(built.headers), dict(built.node_metadata)) == (
+        (("x-tenant", "blue"),),
+        {"a": "1"},
+    )
+
+
+def test_rls_variables_and_flags_win_over_the_references() -> None:
+    """A flag, then its RLS_ variable, then the reference's variable: the reference's are read
+    last, and a flag set otherwise leaves its reference variables unread (even bad ones)."""
+    env = {
+        "PORT": "9999",
+        "RLS_HTTP_ADDRESS": "127.0.0.1:7070",
+        "REDIS_URL": "redis:6379",
+        "BACKEND_TYPE": "memcache",
+        "RUNTIME_ROOT": "/data",
+    }
+    args = serve(env, "--backend", "memory://", "--config", "rules/")
+    assert (args["http_address"], args["backend"], args["config"]) == (
+        "127.0.0.1:7070", "memory://", ["rules/"],
+    )  # fmt: skip
+
+
+def test_sentinel_settings_map_onto_a_sentinel_url() -> None:
+    """REDIS_TYPE=sentinel: REDIS_URL is the master's name then the Sentinels, REDIS_AUTH the
+    master's password, REDIS_SENTINEL_AUTH the Sentinels' (`user:password` or a password);
+    REDIS_TLS speaks TLS to both. The per-second store reads its own variables the same way."""
+    args = serve(
+        {
+            "REDIS_TYPE": "sentinel",
+            "REDIS_URL": "mymaster,s1:26379,s2:26379",
+            "REDIS_AUTH": "m@ster",
+            "REDIS_SENTINEL_AUTH": "watcher:s&cret",
+            "REDIS_TLS": "true",
+            "REDIS_PERSECOND": "true",
+            "REDIS_PERSECOND_TYPE": "SENTINEL",
+            "REDIS_PERSECOND_URL": "persecond,s3:26379",
+            "REDIS_PERSECOND_SENTINEL_AUTH": "only-a-password",
+        },
+        "--config",
+        "x",
+    )
+    assert args["backend"] == (
+        "rediss+sentinel://:m%40ster@s1:26379,s2:26379/mymaster"
+        "?sentinel_username=watcher&sentinel_password=s%26cret&ssl_cert_reqs=required"
+    )
+    assert args["backend_per_second"] == (
+        "redis+sentinel://s3:26379/persecond?sentinel_password=only-a-password"
+    )
+    for url in (args["backend"], args["backend_per_second"]):
+        assert isinstance(url, str)
+        validate_url(url)
+        open_backend(url)  # parses, connects nothing
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"BACKEND_TYPE": "memcache"}, "BACKEND_TYPE=memcache: Memcache is not supported"),
+        ({"REDIS_URL": "r:6379", "REDIS_TYPE": "sentinel"}, "expected MASTER_NAME,SENTINEL_HOST"),
+        ({"REDIS_URL": "/var/run/redis.sock"}, "Redis over a Unix socket is not supported"),
+        ({"REDIS_URL": "r:6379", "REDIS_TLS": "maybe"}, "REDIS_TLS='maybe': expected true or false"),
+        ({"REDIS_URL": "r:6379", "REDIS_TIMEOUT": "10"}, "REDIS_TIMEOUT='10': expected a duration"),
+        ({"PORT": "http"}, "PORT='http': expected a whole number"),
+        ({"CONFIG_TYPE": "GRPC_XDS_DELTA"}, "CONFIG_TYPE='GRPC_XDS_DELTA': expected one of FILE"),
+        ({"LOG_LEVEL": "loud"}, "LOG_LEVEL='loud'"),
+        ({"RLS_CONFIG": "a", "CONFIG_TYPE": "GRPC_XDS_SOTW"}, "--config and --xds-server exclude"),
+        ({"STATSD_PROTOCOL": "quic"}, "STATSD_PROTOCOL='quic': expected tcp or udp"),
+        ({"STATSD_PORT": "99999", "USE_STATSD": "true"}, "STATSD_PORT=99999: not a port number"),
+        ({"STATS_FLUSH_INTERVAL": "0s"}, "STATS_FLUSH_INTERVAL='0s': must be more than 0"),
+        ({"EXTRA_TAGS": "a:b,c"}, "EXTRA_TAGS='a:b,c': expected key:value pairs"),
+        ({"GRPC_SERVER_USE_TLS": "yes"}, "GRPC_SERVER_USE_TLS='yes': expected true or false"),
+        ({"TRACING_EXPORTER_PROTOCOL": "zipkin"}, "TRACING_EXPORTER_PROTOCOL='zipkin': expected"),
+        ({"TRACING_SAMPLING_RATE": "half"}, "TRACING_SAMPLING_RATE='half': expected a number"),
+    ],
+    ids=["memcache", "sentinel", "unix", "bad-bool", "bad-duration", "bad-port", "config-type",
+         "log-level", "both-sources", "statsd-protocol", "statsd-port", "flush-interval",
+         "extra-tags", "use-tls", "tracing-protocol", "sampling-rate"],
+)  # fmt: skip
+def test_a_reference_variable_that_cannot_be_used_stops_the_start(
+    env: dict[str, str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Exit status 2 with the variable, its value and the reason, before anything listens."""
+    with pytest.raises(SystemExit) as exited:
+        cli.parse_args(["serve", "--config", "x"] if "RLS_CONFIG" not in env else ["serve"], env)
+    assert exited.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_statsd_tls_and_tracing_variables_read_as_the_reference_reads_them() -> None:
+    """Under `ratelimit` statsd goes to localhost:8125 over TCP unless USE_STATSD=false (the
+    reference's default is true), under `serve` only when asked; DISABLE_STATS turns it off.
+    GRPC_SERVER_TLS_CA_CERT (Envoy Gateway's) is not the reference's: TLS without client
+    certificates. A sampling rate outside 0..1 is its nearest bound, as the reference's
+    sampler takes it."""
+    memory = {"RLS_BACKEND": "memory://"}
+    statsd = cli.parse_args(["serve"], memory, reference_defaults=True).statsd
+    assert statsd is not None
+    assert (statsd.host, statsd.port, statsd.protocol, statsd.format) == (
+        "localhost", 8125, "tcp", "statsd",
+    )  # fmt: skip
+    for env in ({"USE_STATSD": "false"}, {"DISABLE_STATS": "true"}):
+        assert cli.parse_args(["serve"], {**memory, **env}, reference_defaults=True).statsd is None
+        assert cli.parse_args(["serve", "--config", "x"], env).statsd is None
+    assert cli.parse_args(["serve", "--config", "x"], {}).statsd is None
+
+    tls = {
+        "GRPC_SERVER_USE_TLS": "true",
+        "GRPC_SERVER_TLS_CERT": "/certs/tls.crt",
+        "GRPC_SERVER_TLS_KEY": "/certs/tls.key",
+        "GRPC_SERVER_TLS_CA_CERT": "/certs/ca.crt",
+    }
+    files = cli.tls_files(cli.parse_args(["serve", "--config", "x"], tls))
+    assert files is not None
+    assert (str(files.cert), str(files.key), files.client_ca) == (
+        "/certs/tls.crt", "/certs/tls.key", None,
+    )  # fmt: skip
+    assert "GRPC_SERVER_TLS_CA_CERT" not in {v.name for v in settings.ignored(tls)}
+
+    for raw, rate in (("2", 1.0), ("-0.5", 0.0), ("0.3", 0.3)):
+        args = cli.parse_args(["serve", "--config", "x"], {"TRACING_SAMPLING_RATE": raw})
+        assert args.tracing_sampling_rate == rate
+
+
+def test_set_variables_the_sidecar_does_not_honour_are_listed_for_the_log() -> None:
+    """A variable asking for something the sidecar does not do, or does otherwise, is reported;
+    one at a value that asks for nothing (USE_STATSD=false, a header name while the headers are
+    off), and variables not the reference's, are not."""
+    env = {
+        "QUOTA_MODE": "true",
+        "LIMIT_RESPONSE_HEADERS_ENABLED": "false",
+        "LIMIT_LIMIT_HEADER": "X-Limit",
+        "GRPC_SERVER_USE_TLS": "true",
+        "USE_STATSD": "false",
+        "NEAR_LIMIT_RATIO": "0.9",
+        "REDIS_POOL_SIZE": "50",
+        "EXPIRATION_JITTER_MAX_SECONDS": "60",
+        "HOME": "/root",
+        "REDIS_URL": "redis:6379",
+    }
+    reported = {v.name: v.support for v in settings.ignored(env)}
+    assert reported == {
+        "QUOTA_MODE": settings.Support.UNSUPPORTED,
+        "NEAR_LIMIT_RATIO": settings.Support.UNSUPPORTED,
+        "EXPIRATION_JITTER_MAX_SECONDS": settings.Support.DIFFERENT,
+        "REDIS_POOL_SIZE": settings.Support.DIFFERENT,
+    }
+    assert "USE_STATSD" not in reported and "LIMIT_LIMIT_HEADER" not in reported
+    assert "GRPC_SERVER_USE_TLS" not in reported  # supported: TLS on the gRPC port
+    assert "HOME" not in reported and "REDIS_URL" not in reported
+
+
+def test_every_reference_variable_is_in_the_table_and_in_readme() -> None:
+    """The table covers exactly the variables the reference reads, and README shows it as
+    `settings.markdown()` renders it (regenerate README's table from it after a change)."""
+    assert sorted(v.name for v in settings.VARIABLES) == sorted(REFERENCE_VARIABLES)
+    read = {name for flag in settings.FLAGS for name in flag.reads}
+    supported = {v.name for v in settings.VARIABLES if v.support is settings.Support.SUPPORTED}
+    # A supported variable is read by some flag, except the ones that only qualify another.
+    assert supported - read <= {"USE_PROMETHEUS"}
+    readme = (ROOT / "README.md").read_text()
+    table = re.search(r"<!-- settings table -->\n(.*?)<!-- end of settings table -->", readme, re.S)
+    assert table is not None, "README.md lost its settings table markers"
+    assert table.group(1) == settings.markdown()
