@@ -46,7 +46,8 @@ from sidecar.rules import Rules
 from sidecar.side_ports import SidePort
 from sidecar.stats import Stats
 from sidecar.statsd import StatsdError, StatsdReporter, StatsdSettings
-from sidecar.storage import Backend, open_backend, peers
+from sidecar.storage import Backend, peers
+from sidecar.storage.backends import open_backend
 from sidecar.storage.memory import MemoryBackend
 from sidecar.storage.per_second import PerSecond
 from sidecar.tracing import Tracing, TracingError, TracingSettings

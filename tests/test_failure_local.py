@@ -23,7 +23,7 @@ from sidecar.limiter import Limiter, Settings, local_share
 from sidecar.model import Code, Descriptor, Entry, Request
 from sidecar.rls import convert
 from sidecar.rules import Rules
-from sidecar.storage import open_backend
+from sidecar.storage.backends import open_backend
 from sidecar.storage.peers import PEERS_INTERVAL, PEERS_KEY, CountsPeers
 
 RULES = """

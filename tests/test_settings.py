@@ -15,7 +15,7 @@ from sidecars import client, request
 from sidecar import cli, settings
 from sidecar.injector.urls import validate_url
 from sidecar.model import Code
-from sidecar.storage import open_backend
+from sidecar.storage.backends import open_backend
 
 ROOT = Path(__file__).resolve().parent.parent
 
