@@ -584,7 +584,7 @@ async def test_a_renewed_certificate_is_served_without_a_restart(tmp_path: Path)
 
 # --- the command -----------------------------------------------------------------------------
 
-# The CLI's dispatch, as sidecar/cli.py does it once `register` is wired in.
+# The CLI's dispatch, as sidecar/cli/__init__.py does it once `register` is wired in.
 SHIM = """
 import argparse, sys
 from sidecar.injector.commands import register
