@@ -19,7 +19,8 @@ from servers import RedisCluster, RedisServer, ServerError, start_cluster, start
 from sidecar import config
 from sidecar.limiter import Limiter, Settings
 from sidecar.rules import Rules
-from sidecar.storage import Backend, open_backend
+from sidecar.storage import Backend
+from sidecar.storage.backends import open_backend
 
 # ---------------------------------------------------------------------------------------------
 # Real Redis servers (tests/servers.py): a standalone server and a 3-master cluster per session,

@@ -224,7 +224,7 @@ def test_loop_uvloop_without_uvloop_is_a_usage_error(tmp_path: Path) -> None:
     program = (
         "import sys; sys.modules['uvloop'] = None\n"  # `import uvloop` raises ImportError
         "from sidecar import cli\n"
-        "assert cli.event_loop_factory('auto') is None\n"
+        "assert cli.serve.event_loop_factory('auto') is None\n"
         f"sys.exit(cli.main(['serve', '--config', {str(rules)!r}, '--loop', 'uvloop'], {{}}))\n"
     )
     done = subprocess.run(

@@ -28,7 +28,7 @@ from sidecar.model import (
 )
 from sidecar.rules import Rules
 from sidecar.stats import RuleStats
-from sidecar.storage import open_backend
+from sidecar.storage.backends import open_backend
 from sidecar.storage.base import Applied
 from sidecar.storage.keys import descriptor_prefix, fixed_window_key, hash_tag
 from sidecar.storage.memory import MemoryBackend

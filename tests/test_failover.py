@@ -47,7 +47,8 @@ from sidecar.errors import StorageError
 from sidecar.limiter import Limiter, Settings
 from sidecar.model import Code, Descriptor, Entry, Hit, Outcome, Request, Unit, Window
 from sidecar.rules import Rules
-from sidecar.storage import Backend, open_backend
+from sidecar.storage import Backend
+from sidecar.storage.backends import open_backend
 
 NOW_MS = (int(time.time()) // 60 * 60 + 5) * 1000
 DEADLINE_MS = 250

@@ -40,7 +40,8 @@ from sidecar.model import (
 )
 from sidecar.plan import descriptor_hits
 from sidecar.rules import Rules
-from sidecar.storage import Backend, open_backend
+from sidecar.storage import Backend
+from sidecar.storage.backends import open_backend
 from sidecar.storage.base import Applied
 
 RULES = """

@@ -26,7 +26,8 @@ from sidecar.counters import code, field_hit, kind, zone_code
 from sidecar.frequency.caps import Candidate, FrequencyCaps, Impression
 from sidecar.model import Algorithm, Dedupe, Hit, Role, Unit, Window
 from sidecar.rules import Rules
-from sidecar.storage import Backend, open_backend
+from sidecar.storage import Backend
+from sidecar.storage.backends import open_backend
 from sidecar.storage.keys import base36, dedupe_key, field_head, group_key, keep_until_id
 from sidecar.storage.memory import MemoryBackend
 

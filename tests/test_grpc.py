@@ -21,8 +21,8 @@ from sidecar.app import TRANSPORTS
 from sidecar.model import Hit
 from sidecar.storage.base import Applied
 from sidecar.storage.memory import MemoryBackend
-from sidecar.storage.pipeline import PipelinedRedis
 from sidecar.storage.redis import RedisBackend
+from sidecar.storage.redis_client import PipelinedRedis
 
 OK = RateLimitResponse.OK
 OVER_LIMIT = RateLimitResponse.OVER_LIMIT

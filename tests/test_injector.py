@@ -30,7 +30,7 @@ from sidecar.injector.manifests import inject_yaml
 from sidecar.injector.patch import Sidecar, Skipped, inject, patch, plan
 from sidecar.injector.settings import Settings
 from sidecar.injector.urls import validate_url
-from sidecar.storage import open_backend
+from sidecar.storage.backends import open_backend
 
 SETTINGS = Settings()
 ORDINARY = Settings(native_sidecars=False)
@@ -612,8 +612,8 @@ def test_a_native_sidecar_needs_the_1_29_schema_and_an_ordinary_one_fits_1_28() 
     [
         (
             {"ratelimit-sidecar/backend": "redis://cache:notaport"},
-            "ratelimit-sidecar/backend: 'redis://cache:notaport': bad address 'cache:notaport' "
-            "(want host:port, port from 1 to 65535)",
+            "ratelimit-sidecar/backend: 'redis://cache:notaport': bad port in 'cache:notaport' "
+            "(want a number from 1 to 65535)",
         ),
         (
             {"ratelimit-sidecar/backend": "http://redis:6379"},

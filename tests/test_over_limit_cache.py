@@ -18,7 +18,8 @@ from sidecar import config
 from sidecar.limiter import Limiter, Settings
 from sidecar.model import Code, Decision, Descriptor, Entry, Override, Request, Unit
 from sidecar.rules import Rules
-from sidecar.storage import Backend, open_backend
+from sidecar.storage import Backend
+from sidecar.storage.backends import open_backend
 
 pytestmark = pytest.mark.redis
 

@@ -30,7 +30,8 @@ from model_store import Model
 
 from sidecar import counters
 from sidecar.model import Algorithm, Hit, Outcome, Role, Unit, Window
-from sidecar.storage import Backend, open_backend
+from sidecar.storage import Backend
+from sidecar.storage.backends import open_backend
 from sidecar.storage.keys import descriptor_prefix, field_head, group_key
 from sidecar.storage.memory import MemoryBackend
 

@@ -15,7 +15,8 @@ from servers import RedisServer, ServerError, start_server
 
 from sidecar import batching
 from sidecar.errors import Overloaded
-from sidecar.storage.pipeline import (
+from sidecar.storage.redis import RedisBackend
+from sidecar.storage.redis_client import (
     MIN_IN_FLIGHT,
     ConnectionLost,
     DeadlineExceeded,
@@ -23,7 +24,6 @@ from sidecar.storage.pipeline import (
     RedisReplyError,
     in_flight_bound,
 )
-from sidecar.storage.redis import RedisBackend
 
 pytestmark = pytest.mark.redis
 

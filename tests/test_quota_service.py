@@ -24,7 +24,7 @@ from sidecar.quota.allocator import Budget, Holder
 from sidecar.quota.buckets import resolve, state_key
 from sidecar.quota.service import SERVICE_NAME
 from sidecar.quota.store import MemoryStore, QuotaStore, RedisStore, open_store
-from sidecar.storage import open_backend
+from sidecar.storage.backends import open_backend
 from tests.sidecars import Clock, running_app, write_rules
 
 METHOD = f"/{SERVICE_NAME}/StreamRateLimitQuotas"

@@ -31,7 +31,8 @@ from servers import (
 
 from sidecar.errors import StorageError
 from sidecar.model import Hit, Unit, Window
-from sidecar.storage import Backend, open_backend
+from sidecar.storage import Backend
+from sidecar.storage.backends import open_backend
 
 pytestmark = pytest.mark.redis
 

@@ -31,7 +31,8 @@ from sidecar.plan import Plan
 from sidecar.rls import convert
 from sidecar.rules import Rules
 from sidecar.stats import Stats
-from sidecar.storage import Backend, open_backend
+from sidecar.storage import Backend
+from sidecar.storage.backends import open_backend
 
 #: One window per rule, every algorithm and a few other shapes a request can mix: no rule, an
 #: unlimited rule, a shadow rule and two windows on one descriptor (those make a plan general).

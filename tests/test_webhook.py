@@ -196,8 +196,8 @@ def test_an_unparsable_backend_is_denied_with_the_annotation_and_the_reason() ->
     annotations = document["request"]["object"]["metadata"]["annotations"]
     annotations["ratelimit-sidecar/backend"] = "redis://redis:70000"
     assert denied_message(ask(document), "0df28fbd-5f5f-11e8-bc74-36e6bb280816") == (
-        "ratelimit-sidecar/backend: 'redis://redis:70000': bad address 'redis:70000' "
-        "(want host:port, port from 1 to 65535)"
+        "ratelimit-sidecar/backend: 'redis://redis:70000': bad port in 'redis:70000' "
+        "(want a number from 1 to 65535)"
     )
 
 
@@ -584,7 +584,7 @@ async def test_a_renewed_certificate_is_served_without_a_restart(tmp_path: Path)
 
 # --- the command -----------------------------------------------------------------------------
 
-# The CLI's dispatch, as sidecar/cli.py does it once `register` is wired in.
+# The CLI's dispatch, as sidecar/cli/__init__.py does it once `register` is wired in.
 SHIM = """
 import argparse, sys
 from sidecar.injector.commands import register

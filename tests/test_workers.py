@@ -68,7 +68,7 @@ def test_workers_get_every_flag_but_the_addresses_and_their_count() -> None:
         {"RLS_FAILURE_MODE": "deny"},
     )  # fmt: skip
 
-    flags = cli._worker_flags(args)
+    flags = cli.serve.worker_flags(args)
 
     assert flags[:6] == ["--config", "a.yaml", "--config", "b.yaml", "--backend", "redis://r:6379"]
     assert "--shadow-mode" in flags
