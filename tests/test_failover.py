@@ -22,11 +22,11 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import callbacks
 import pytest
 from conftest import require_binary
 from redis.crc import key_slot
-from servers import (
+from support import callbacks
+from support.servers import (
     HOST,
     RedisCluster,
     RedisServer,

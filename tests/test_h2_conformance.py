@@ -1,8 +1,8 @@
 """HTTP/2 conformance of the fast transport's server (RFC 9113, RFC 7541), frame by frame.
 
-An independent client (tests/h2peer.py: h2's state machine, or raw frames for what h2 will not
-send) talks to an `H2Server` on a loopback port, and each test asserts the frames the RFC asks
-for: answers, RST_STREAM codes for stream errors, GOAWAY codes for connection errors.
+An independent client (tests/support/h2peer.py: h2's state machine, or raw frames for what h2
+will not send) talks to an `H2Server` on a loopback port, and each test asserts the frames the
+RFC asks for: answers, RST_STREAM codes for stream errors, GOAWAY codes for connection errors.
 """
 
 from __future__ import annotations
@@ -11,7 +11,14 @@ import asyncio
 import struct
 
 import pytest
-from h2peer import (
+from hyperframe.frame import (
+    DataFrame,
+    HeadersFrame,
+    PingFrame,
+    SettingsFrame,
+    WindowUpdateFrame,
+)
+from support.h2peer import (
     ACK,
     COMPRESSION_ERROR,
     CONTINUATION,
@@ -47,14 +54,7 @@ from h2peer import (
     request_headers,
     stream_error,
 )
-from h2served import BUG, ECHO, FAIL, MAX_STREAMS, THEN, Served
-from hyperframe.frame import (
-    DataFrame,
-    HeadersFrame,
-    PingFrame,
-    SettingsFrame,
-    WindowUpdateFrame,
-)
+from support.h2served import BUG, ECHO, FAIL, MAX_STREAMS, THEN, Served
 
 # --- connection setup and a call ---------------------------------------------------------------
 

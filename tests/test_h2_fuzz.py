@@ -12,7 +12,10 @@ from __future__ import annotations
 import struct
 
 import hpack
-from h2peer import (
+from hyperframe.frame import Frame, GoAwayFrame
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from support.h2peer import (
     ACK,
     CONTINUATION,
     DATA,
@@ -29,9 +32,6 @@ from h2peer import (
     raw_frame,
     request_headers,
 )
-from hyperframe.frame import Frame, GoAwayFrame
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 from sidecar.rls.h2.connection import Connection, Limits
 from sidecar.rls.h2.unary import PREFIX_SIZE, CallError, Status, read_message

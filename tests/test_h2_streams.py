@@ -1,8 +1,8 @@
 """HTTP/2 conformance of the fast transport's server, stream by stream: resets from either side,
 stream limits, request header rules, gRPC framing, and the graceful shutdown.
 
-The client is tests/h2peer.py (h2's state machine, or raw frames); see test_h2_conformance.py
-for the connection-level rules.
+The client is tests/support/h2peer.py (h2's state machine, or raw frames); see
+test_h2_conformance.py for the connection-level rules.
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ from pathlib import Path
 
 import grpc
 import pytest
-from h2peer import (
+from hyperframe.frame import GoAwayFrame, PingFrame, RstStreamFrame
+from support.h2peer import (
     ACK,
     DATA,
     END_HEADERS,
@@ -37,8 +38,7 @@ from h2peer import (
     request_headers,
     stream_error,
 )
-from h2served import ECHO, MAX_STREAMS, WAIT, Served, serve_h2
-from hyperframe.frame import GoAwayFrame, PingFrame, RstStreamFrame
+from support.h2served import ECHO, MAX_STREAMS, WAIT, Served, serve_h2
 
 CANCEL = 8
 

@@ -18,7 +18,7 @@ import pytest
 import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kube import NATIVE_VERSIONS, VERSIONS, assert_valid
+from support.kube import NATIVE_VERSIONS, VERSIONS, assert_valid
 
 from sidecar import __version__
 from sidecar.cli import parse_args

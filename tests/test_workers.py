@@ -16,7 +16,7 @@ from typing import Any
 import grpc
 import pytest
 from envoy.service.ratelimit.v3.rls_pb2 import RateLimitRequest, RateLimitResponse
-from sidecars import ServeProcess, request, serve_process, write_rules
+from support.sidecars import ServeProcess, request, serve_process, write_rules
 
 from sidecar import cli
 from sidecar.rls.server import METHOD
