@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from sidecars import RULES, serve_process, write_rules
+from support.sidecars import RULES, serve_process, write_rules
 
 from sidecar import cli, config
 from sidecar.errors import ConfigError

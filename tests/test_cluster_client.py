@@ -14,10 +14,10 @@ from typing import Any
 
 import hiredis
 import pytest
-from callbacks import apply
 from conftest import require_binary
 from redis.crc import key_slot
-from servers import HOST, RedisCluster, RedisServer, ServerError, start_cluster
+from support.callbacks import apply
+from support.servers import HOST, RedisCluster, RedisServer, ServerError, start_cluster
 
 from sidecar.errors import StorageError
 from sidecar.model import Hit, Outcome, Unit, Window

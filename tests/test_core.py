@@ -6,9 +6,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import pytest
-from callbacks import apply, should_rate_limit
 from hypothesis import given
 from hypothesis import strategies as st
+from support.callbacks import apply, should_rate_limit
 
 from sidecar import config, counters
 from sidecar.algorithms import fixed_window, windows

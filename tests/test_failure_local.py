@@ -11,11 +11,11 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
-from callbacks import decide
-from clock import Clock
 from envoy.service.ratelimit.v3.rls_pb2 import RateLimitResponse  # type: ignore[import-untyped]
-from servers import RedisServer
-from sidecars import running_app, write_rules
+from support.callbacks import decide
+from support.clock import Clock
+from support.servers import RedisServer
+from support.sidecars import running_app, write_rules
 
 from sidecar import config
 from sidecar.cli import build_parser

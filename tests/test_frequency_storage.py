@@ -14,10 +14,10 @@ from zoneinfo import available_timezones
 
 import pytest
 import redis
-from callbacks import apply
-from clock import Clock
-from model_store import Model
-from servers import RedisServer
+from support.callbacks import apply
+from support.clock import Clock
+from support.model_store import Model
+from support.servers import RedisServer
 
 from sidecar import config
 from sidecar.algorithms import windows

@@ -14,8 +14,8 @@ import grpc
 import pytest
 from envoy.service.ratelimit.v3.rls_pb2 import RateLimitResponse
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from servers import RedisServer
-from sidecars import NOW, Clock, client, request, running_app, serve_process, write_rules
+from support.servers import RedisServer
+from support.sidecars import NOW, Clock, client, request, running_app, serve_process, write_rules
 
 from sidecar.app import TRANSPORTS
 from sidecar.model import Hit

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import grpc
 import pytest
-from certs import Authority
 from cryptography import x509
 from envoy.service.ratelimit.v3.rls_pb2 import RateLimitResponse
-from sidecars import Client, request, running_app, serve_process, write_rules
+from support.certs import Authority
+from support.sidecars import Client, request, running_app, serve_process, write_rules
 
 from sidecar import cli
 from sidecar.app import TRANSPORTS, App, InvalidOption

@@ -23,10 +23,10 @@ from dataclasses import dataclass, replace
 from datetime import datetime
 
 import pytest
-from callbacks import apply
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from model_store import Model
+from support.callbacks import apply
+from support.model_store import Model
 
 from sidecar import counters
 from sidecar.model import Algorithm, Hit, Outcome, Role, Unit, Window

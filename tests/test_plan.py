@@ -4,11 +4,12 @@ body must give exactly the answers of doing it on every call."""
 from __future__ import annotations
 
 import hiredis
-from callbacks import service_call
 from envoy.service.ratelimit.v3.rls_pb2 import (  # type: ignore[import-untyped]
     RateLimitRequest,
     RateLimitResponse,
 )
+from support.callbacks import service_call
+from support.clock import Clock
 
 from sidecar import config
 from sidecar.limiter import Limiter
@@ -18,7 +19,6 @@ from sidecar.rls.service import RateLimitService
 from sidecar.rules import Rules
 from sidecar.storage.memory import MemoryBackend
 from sidecar.storage.scripts import ApplyPacker, apply_command, counts
-from tests.clock import Clock
 
 RULES = """
 domain: d

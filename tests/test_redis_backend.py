@@ -15,11 +15,11 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
-from callbacks import apply
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from redis.crc import key_slot
-from servers import HOST, RedisCluster, RedisServer, free_port
+from support.callbacks import apply
+from support.servers import HOST, RedisCluster, RedisServer, free_port
 
 from sidecar.errors import StorageError
 from sidecar.model import Algorithm, Hit, Outcome, Role, Unit, Window

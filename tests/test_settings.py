@@ -9,8 +9,8 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from reference_process import reference_process
-from sidecars import client, request
+from support.reference_process import reference_process
+from support.sidecars import client, request
 
 from sidecar import cli, settings
 from sidecar.injector.urls import validate_url

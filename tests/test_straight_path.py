@@ -17,12 +17,12 @@ import socket
 from collections.abc import AsyncIterator, Callable
 
 import pytest
-from clock import Clock
 from envoy.service.ratelimit.v3.rls_pb2 import (  # type: ignore[import-untyped]
     RateLimitResponse,
 )
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support.clock import Clock
 
 from sidecar import config
 from sidecar.limiter import Limiter, Settings

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import grpc
 import pytest
-from otlp import grpc_receiver, http_receiver
-from sidecars import client, request, running_app, serve_process, write_rules
+from support.otlp import grpc_receiver, http_receiver
+from support.sidecars import client, request, running_app, serve_process, write_rules
 
 from sidecar import cli
 from sidecar.app import TRANSPORTS

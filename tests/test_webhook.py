@@ -24,10 +24,10 @@ import jsonpatch
 import pytest
 import structlog
 from aiohttp import web
-from certs import write_certificate
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kube import assert_valid
+from support.certs import write_certificate
+from support.kube import assert_valid
 
 from sidecar.injector.commands import detect_native
 from sidecar.injector.settings import Settings

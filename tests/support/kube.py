@@ -72,7 +72,7 @@ def build(directory: Path) -> list[dict[str, Any]]:
     if unknown:
         raise ValueError(
             f"{directory}: kustomization fields {sorted(unknown)} are not understood by "
-            "tests/kube.py: extend `build`, or keep to resources and patches"
+            "tests/support/kube.py: extend `build`, or keep to resources and patches"
         )
     objects: list[dict[str, Any]] = []
     for entry in kustomization.get("resources", []):

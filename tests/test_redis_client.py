@@ -11,7 +11,7 @@ from typing import Any
 import hiredis
 import pytest
 from conftest import require_binary
-from servers import RedisServer, ServerError, start_server
+from support.servers import RedisServer, ServerError, start_server
 
 from sidecar import batching
 from sidecar.errors import Overloaded

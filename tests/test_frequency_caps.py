@@ -11,8 +11,8 @@ from datetime import datetime
 from zoneinfo import ZoneInfo
 
 import pytest
-from callbacks import apply, should_rate_limit
-from clock import Clock
+from support.callbacks import apply, should_rate_limit
+from support.clock import Clock
 
 from sidecar import config
 from sidecar.algorithms.decide import Address, State
