@@ -20,7 +20,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-K8S = Path(__file__).resolve().parent.parent / "k8s"
+K8S = Path(__file__).resolve().parents[2] / "k8s"
 #: Oldest and newest Kubernetes minor versions the manifests and the injected pods must fit.
 #: The schemas come with the kubernetes-validate package (the test extra), one per version.
 VERSIONS = ("1.28", kubernetes_validate.latest_version())
