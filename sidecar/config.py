@@ -16,6 +16,7 @@ mistake (a key it ignores where it stands, a key repeated in one map) is a Confi
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -45,6 +46,7 @@ _DESCRIPTOR_KEYS = (
     "value_to_metric",
     "share_threshold",
     "group_counters",
+    "approximate",
     "metadata",
 )
 _RATE_LIMIT_KEYS = (
@@ -73,7 +75,11 @@ _REFERENCE_KEYS = frozenset(
     (
         *_ROOT_KEYS,
         *_LIMIT_FIELDS,
-        *(key for key in _DESCRIPTOR_KEYS if key not in ("rate_limits", "group_counters")),
+        *(
+            key
+            for key in _DESCRIPTOR_KEYS
+            if key not in ("rate_limits", "group_counters", "approximate")
+        ),
     )
 )
 #: Where each of those keys does something, for the warning's fix.
@@ -445,6 +451,7 @@ class _Parser:
                 "value_to_metric",
                 "share_threshold",
                 "group_counters",
+                "approximate",
             )
         }
         wildcard = value is not None and "*" in value
@@ -483,6 +490,8 @@ class _Parser:
         if grouped:
             self.codes = {}
         limit = self.limit(item, path, rule_key, flags["shadow_mode"], flags["quota_mode"])
+        if flags["approximate"]:
+            limit = self.approximate(limit, item, path, rule_key)
         children = self.level(item.get("descriptors"), f"{path}.descriptors", rule_key, depth + 1)
         if grouped:
             self.codes = None
@@ -582,6 +591,40 @@ class _Parser:
             quota_mode=quota,
             rule_key=rule_key,
         )
+
+    def approximate(
+        self, limit: Limit | None, item: dict[Any, Any], path: str, rule_key: str
+    ) -> Limit:
+        """`limit` with every window approximate (see `sidecar.algorithms.approximate`): plain
+        fixed windows only, since a local view can only add up counts."""
+        here = f"{path}.approximate"
+        if limit is None or limit.unlimited:
+            raise self.error(
+                here,
+                f"approximate applies to a rate limit, but '{rule_key}' has "
+                f"{'an unlimited one' if limit is not None else 'none'} (remove 'approximate')",
+            )
+        windows = []
+        many = "rate_limits" in item
+        for index, window in enumerate(limit.windows):
+            where = f"rate_limits[{index}]" if many else "rate_limit"
+            if window.algorithm is not Algorithm.FIXED_WINDOW:
+                raise self.error(
+                    here,
+                    f"approximate needs fixed windows, but {where} has algorithm "
+                    f"{window.algorithm.value}: only a fixed window's count is a sum that a "
+                    "local view can add to (remove 'approximate', or use algorithm: "
+                    "fixed_window)",
+                )
+            if window.borrow:
+                raise self.error(
+                    here,
+                    f"approximate needs windows that do not borrow, but {where} has borrow: "
+                    f"{window.borrow}, whose capacity depends on the previous window's count "
+                    "(remove 'approximate' or 'borrow')",
+                )
+            windows.append(dataclasses.replace(window, approximate=True))
+        return dataclasses.replace(limit, windows=tuple(windows))
 
     def window(self, raw: object, path: str) -> tuple[Window, bool, tuple[str, ...]]:
         """One window: (window, unlimited, names it replaces). Its parts are checked in the

@@ -114,7 +114,10 @@ class Window:
 
     `burst` is a token bucket's capacity (default `requests_per_unit`); `borrow` lets a fixed
     window or a token bucket run a debt; `calendar` windows follow the wall clock of `timezone`,
-    weeks starting on `week_start` (0 Monday … 6 Sunday).
+    weeks starting on `week_start` (0 Monday … 6 Sunday). `approximate` (a plain fixed window's,
+    from its rule's `approximate: true`) lets a sidecar syncing its counters periodically decide
+    it on its local view (`sidecar.algorithms.approximate`); without `--sync-interval-ms` it is
+    decided as any other.
     """
 
     requests_per_unit: int
@@ -127,6 +130,7 @@ class Window:
     timezone: str = "UTC"
     week_start: int = 0
     name: str = ""
+    approximate: bool = False
     #: The reference's algorithm: a fixed window that does not borrow (it counts rejected hits).
     #: Worked out once (see `_derived`), as `Limit.role` is.
     plain: bool = field(init=False, repr=False, compare=False)
@@ -150,6 +154,8 @@ class Limit:
     shape its outcome.
 
     `rule_key` is the rule's place in the tree (`domain.key_value.subkey`), shown by `/rlconfig`.
+    The rule's `approximate` flag is kept on its windows (a Hit carries its window, not its
+    limit): `approximate` says whether they have it.
     """
 
     windows: tuple[Window, ...]
@@ -173,6 +179,10 @@ class Limit:
     @property
     def unit(self) -> Unit:
         return self.windows[0].unit
+
+    @property
+    def approximate(self) -> bool:
+        return any(w.approximate for w in self.windows)
 
     @property
     def names(self) -> tuple[str, ...]:

@@ -137,6 +137,8 @@ def describe(limit: Limit) -> str:
         line += f", name: {limit.name}"
     if limit.replaces:
         line += f", replaces: {','.join(limit.replaces)}"
+    if limit.approximate:
+        line += ", approximate: true"
     return line
 
 

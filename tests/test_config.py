@@ -9,7 +9,8 @@ import pytest
 from sidecar import config
 from sidecar.errors import ConfigError
 from sidecar.matching import match
-from sidecar.model import Entry, Unit
+from sidecar.counters import tag
+from sidecar.model import Entry, Unit, Window
 from sidecar.rules import Rules
 
 FIXTURES = Path(__file__).parent / "config"
@@ -160,6 +161,33 @@ ERRORS = {
         "descriptors[0].descriptors[0].rate_limits[1].timezone: time zones 'Africa/Addis_Ababa' "
         "and 'America/Iqaluit' get the same counter code 'cdwz7' under group_counters (use one "
         "zone for both, or drop group_counters from this tree)"
+    ),
+    # Local aggregation (`approximate`): plain fixed windows of a limit only.
+    "approximate_token_bucket.yaml": (
+        "descriptors[0].approximate: approximate needs fixed windows, but rate_limit has "
+        "algorithm token_bucket: only a fixed window's count is a sum that a local view can add "
+        "to (remove 'approximate', or use algorithm: fixed_window)"
+    ),
+    "approximate_sliding_window.yaml": (
+        "descriptors[0].approximate: approximate needs fixed windows, but rate_limits[1] has "
+        "algorithm sliding_window: only a fixed window's count is a sum that a local view can "
+        "add to (remove 'approximate', or use algorithm: fixed_window)"
+    ),
+    "approximate_borrow.yaml": (
+        "descriptors[0].approximate: approximate needs windows that do not borrow, but "
+        "rate_limit has borrow: 300, whose capacity depends on the previous window's count "
+        "(remove 'approximate' or 'borrow')"
+    ),
+    "approximate_without_limit.yaml": (
+        "descriptors[0].approximate: approximate applies to a rate limit, but 'api.client' has "
+        "none (remove 'approximate')"
+    ),
+    "approximate_unlimited.yaml": (
+        "descriptors[0].approximate: approximate applies to a rate limit, but "
+        "'api.client_internal' has an unlimited one (remove 'approximate')"
+    ),
+    "approximate_not_a_flag.yaml": (
+        "descriptors[0].approximate: approximate must be true or false, got 'yes'"
     ),
 }
 
@@ -467,3 +495,29 @@ descriptors:
         "shadow_mode: false, quota_mode: false",
         "d.app: unit=HOUR requests_per_unit=1000 borrow=300, shadow_mode: false, quota_mode: false",
     ]
+
+
+def test_approximate_marks_every_window_of_its_limit() -> None:
+    """`approximate: true` on a descriptor makes each window of its limit approximate (the Hit
+    carries the window), is shown by `/rlconfig`, and leaves the counters' keys as they were,
+    so approximate and exact sidecars share one counter."""
+    domain = config.parse(
+        """
+domain: d
+descriptors:
+  - key: client
+    approximate: true
+    rate_limits:
+      - {unit: second, requests_per_unit: 100}
+      - {unit: day, requests_per_unit: 9000, calendar: true}
+  - key: ip
+    rate_limit: {unit: second, requests_per_unit: 100}
+""",
+        "rules.yaml",
+    )
+    client, ip = domain.root.nodes()
+    assert client.limit is not None and ip.limit is not None
+    assert client.limit.approximate and all(w.approximate for w in client.limit.windows)
+    assert not ip.limit.approximate
+    assert Rules({"d": domain}).dump()[0].endswith(", approximate: true")
+    assert tag(client.limit.windows[0]) == tag(Window(100, Unit.SECOND))
