@@ -51,6 +51,7 @@ from sidecar.side_ports import SidePort
 from sidecar.stats import Stats
 from sidecar.statsd import StatsdError, StatsdReporter, StatsdSettings
 from sidecar.storage import Backend, peers
+from sidecar.storage.aggregation import Aggregated, AggregationCollector
 from sidecar.storage.backends import open_backend
 from sidecar.storage.memory import MemoryBackend
 from sidecar.storage.per_second import PerSecond
@@ -101,6 +102,9 @@ class Options:
     #: (`--local-divisor auto`): learned from the backend (`sidecar.storage.peers`).
     local_divisor: int | None = None
     rejected_hits: RejectedHits = "count"
+    #: Decide `approximate` rules locally and sync their counts every this many ms
+    #: (`sidecar.storage.aggregation`); None: off, every hit is decided by the store.
+    sync_interval_ms: int | None = None
     shadow_mode: bool = False
     #: Entries of the over-limit cache (0: off).
     over_limit_cache: int = 100_000
@@ -255,6 +259,13 @@ class App:
             except ValueError as exc:
                 await self.stop()  # the xDS client may be running already
                 raise InvalidOption(str(exc)) from exc
+        store = self._backend  # the quota service's keys live beside the counters, unwrapped
+        if options.sync_interval_ms is not None:
+            try:
+                self._backend = self._aggregated(store, options.sync_interval_ms)
+            except ValueError as exc:
+                await self.stop()
+                raise InvalidOption(str(exc)) from exc
         backend = self._backend
         if isinstance(backend, MemoryBackend):
             self.registry.register(metrics.MemoryCollector(backend))
@@ -300,7 +311,7 @@ class App:
             # Envoy's rate_limit_quota filter, on its own port, from the same rules and backend.
             self._quota = QuotaService(
                 rules,
-                open_store(backend, STORE_TIMEOUT_MS),
+                open_store(store, STORE_TIMEOUT_MS),
                 clock=self._clock,
                 ttl_ms=options.rlqs_assignment_ttl_ms,
                 shadow_mode=options.shadow_mode,
@@ -378,6 +389,7 @@ class App:
             healthy=health.healthy,
             failure_mode=options.failure_mode,
             rejected_hits=options.rejected_hits,
+            sync_interval_ms=options.sync_interval_ms,
             shadow_mode=options.shadow_mode,
             pid=os.getpid(),
         )
@@ -407,6 +419,25 @@ class App:
                 "request all or nothing (use one of them)"
             )
         return PerSecond(main, open_backend(url, timeout_ms=self.options.redis_timeout_ms))
+
+    def _aggregated(self, store: Backend, interval_ms: int) -> Aggregated:
+        """`store` with `approximate` rules decided locally and synced every `interval_ms`."""
+        if isinstance(store, MemoryBackend):
+            raise ValueError(
+                "--sync-interval-ms needs a shared store (redis://, redis+cluster:// or "
+                "redis+sentinel://): memory:// counters are already local"
+            )
+        if self.options.rejected_hits == "skip":
+            raise ValueError(
+                "--sync-interval-ms with --rejected-hits skip: a request cannot be all or "
+                "nothing across a local view and a store (use one of them)"
+            )
+        aggregated = Aggregated(
+            store, interval_ms, self.options.redis_timeout_ms, clock=self._clock
+        )
+        aggregated.start()
+        self.registry.register(AggregationCollector(aggregated))
+        return aggregated
 
     def _rls_server(
         self, service: RateLimitService, frequency_service: FrequencyService

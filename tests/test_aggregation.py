@@ -8,13 +8,18 @@ import asyncio
 import math
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import pytest
 import redis
+from prometheus_client import generate_latest
+from support.sidecars import client, request, write_rules
 
-from sidecar import config
+from sidecar import cli, config
+from sidecar.app import App, InvalidOption, Options
 from sidecar.callbacks import awaited
 from sidecar.counters import window_hit
 from sidecar.errors import StorageError
@@ -32,8 +37,8 @@ from sidecar.model import (
     Window,
 )
 from sidecar.rules import Rules
-from sidecar.storage import open_backend
 from sidecar.storage.aggregation import Aggregated
+from sidecar.storage.backends import open_backend
 from sidecar.storage.base import Applied
 
 INTERVAL_MS = 20
@@ -288,3 +293,91 @@ async def test_several_sidecars_under_load_admit_the_limit_within_the_stated_ove
         bound = (SIDECARS - 1) * busiest * 2 * (INTERVAL_MS + TIMEOUT_MS) / 1000 + SIDECARS
         assert LIMIT <= admitted[window] <= LIMIT + bound, (window, admitted, demand)
     assert calls < requests / 5, (calls, requests)
+
+
+APP_RULES = """\
+domain: app
+descriptors:
+  - key: client
+    approximate: true
+    rate_limit: {unit: minute, requests_per_unit: 3}
+  - key: ip
+    rate_limit: {unit: minute, requests_per_unit: 3}
+"""
+
+
+@asynccontextmanager
+async def aggregating_app(tmp_path: Path, backend: str, **options: Any) -> AsyncIterator[App]:
+    app = App(
+        Options(
+            config=[write_rules(tmp_path, APP_RULES)],
+            backend=backend,
+            grpc_address="127.0.0.1:0",
+            http_address="127.0.0.1:0",
+            **options,
+        ),
+    )
+    await app.start()
+    try:
+        yield app
+    finally:
+        await app.stop(grace=1.0)
+
+
+def keys_and_counts(url: str) -> dict[str, int]:
+    with redis.Redis.from_url(url, decode_responses=True) as connection:
+        found = {key: int(connection.get(key) or 0) for key in connection.keys("*")}
+    return {name: sum(n for key, n in found.items() if name in key) for name in ("client", "ip")}
+
+
+async def test_serve_with_a_sync_interval_decides_approximate_rules_locally_and_syncs_on_stop(
+    tmp_path: Path, redis_url: str
+) -> None:
+    """`serve --sync-interval-ms`: an approximate rule is answered from the local view (its
+    first hit taught it the count; Redis sees the rest at the next sync, or when the sidecar
+    stops), an exact rule by Redis on every call; /metrics counts the local hits."""
+    async with (
+        aggregating_app(tmp_path, redis_url, sync_interval_ms=60_000) as app,
+        client(app.grpc_port) as rls,
+    ):
+        mixed = request("app", [("client", "a")], [("ip", "b")])
+        answers = [await rls.should_rate_limit(mixed) for _ in range(5)]
+        counts = keys_and_counts(redis_url)
+        text = generate_latest(app.registry).decode()
+    assert [[s.code for s in a.statuses] for a in answers] == [
+        [Code.OK, Code.OK],
+        [Code.OK, Code.OK],
+        [Code.OK, Code.OK],
+        [Code.OVER_LIMIT, Code.OVER_LIMIT],
+        [Code.OVER_LIMIT, Code.OVER_LIMIT],
+    ]
+    assert [a.statuses[0].limit_remaining for a in answers] == [2, 1, 0, 0, 0]
+    assert counts == {"client": 1, "ip": 5}
+    assert "ratelimit_sidecar_aggregation_local_hits_total 4.0" in text
+    assert keys_and_counts(redis_url) == {"client": 5, "ip": 5}  # synced when it stopped
+
+
+async def test_a_sync_interval_needs_a_shared_store_and_counts_rejected_hits(
+    tmp_path: Path, redis_url: str
+) -> None:
+    """memory:// is already local, and all or nothing cannot span a local view and a store."""
+    with pytest.raises(InvalidOption, match="needs a shared store"):
+        async with aggregating_app(tmp_path, "memory://", sync_interval_ms=50):
+            pass
+    with pytest.raises(InvalidOption, match="--rejected-hits skip"):
+        async with aggregating_app(tmp_path, redis_url, sync_interval_ms=50, rejected_hits="skip"):
+            pass
+
+
+def test_sync_interval_flag_and_variable() -> None:
+    """`--sync-interval-ms N` (or RLS_SYNC_INTERVAL_MS), a whole number of at least 1; unset
+    by default (every hit decided by the store)."""
+    assert cli.parse_args(["serve", "--config", "x"], {}).sync_interval_ms is None
+    assert (
+        cli.parse_args(["serve", "--config", "x", "--sync-interval-ms", "50"], {}).sync_interval_ms
+        == 50
+    )
+    args = cli.parse_args(["serve", "--config", "x"], {"RLS_SYNC_INTERVAL_MS": "100"})
+    assert args.sync_interval_ms == 100
+    with pytest.raises(SystemExit):
+        cli.parse_args(["serve", "--config", "x", "--sync-interval-ms", "0"], {})

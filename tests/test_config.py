@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 
 from sidecar import config
+from sidecar.counters import tag
 from sidecar.errors import ConfigError
 from sidecar.matching import match
-from sidecar.counters import tag
 from sidecar.model import Entry, Unit, Window
 from sidecar.rules import Rules
 

@@ -201,6 +201,16 @@ def register(commands: Any) -> Flags:
         choices=("count", "skip"),
     )
     serve.add(
+        "--sync-interval-ms",
+        "decide the rules marked 'approximate: true' on this sidecar's local view of their "
+        "counters and send the hits to the store every N ms, in one call that also learns the "
+        "global counts: far fewer store calls, at the cost of admitting up to (sidecars - 1) x "
+        "rate x 2 x (N + --redis-timeout-ms) past a limit (README, Local aggregation); needs a "
+        "shared store, not with --rejected-hits skip. Unset: every hit is decided by the store",
+        type=_count(1),
+        metavar="N",
+    )
+    serve.add(
         "--shadow-mode",
         "global shadow mode: count as usual but answer OK where the answer would be OVER_LIMIT",
         action="store_true",
@@ -516,6 +526,7 @@ def run(args: argparse.Namespace) -> int:
         failure_mode=args.failure_mode,
         local_divisor=None if args.local_divisor == "auto" else args.local_divisor,
         rejected_hits=args.rejected_hits,
+        sync_interval_ms=args.sync_interval_ms,
         shadow_mode=args.shadow_mode,
         over_limit_cache=args.over_limit_cache,
         transport=args.transport,
