@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 SUDO := $(shell [ "$$(id -u)" = 0 ] || command -v sudo)
 PYTEST_ARGS ?=
 
-.PHONY: venv run gateway envoy-config k8s-config test test-source test-compiled test-deps compiled bench bench-deps bench-instructions chaos quota-sim lint clean
+.PHONY: venv run gateway envoy-config k8s-config test test-source test-compiled test-deps compiled bench bench-deps bench-instructions chaos quota-sim bench-aggregation lint clean
 
 $(STAMP): pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -91,6 +91,11 @@ chaos: venv test-deps compiled
 ## (bench/quota_sim.py; pure Python, no servers; about two minutes).
 quota-sim: venv
 	$(BIN)/python -m bench.quota_sim
+
+## Local aggregation (--sync-interval-ms): Redis calls per 1,000 calls, CPU per call and the
+## overshoot of three sidecars on one Redis, exact and at 10, 50 and 100 ms (about half a minute).
+bench-aggregation: venv test-deps
+	$(BIN)/python -m bench.aggregation
 
 bench-instructions: venv test-deps compiled
 	@command -v valgrind >/dev/null || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq valgrind >/dev/null; }
