@@ -207,7 +207,7 @@ def register(commands: Any) -> Flags:
         "global counts: far fewer store calls, at the cost of admitting up to (sidecars - 1) x "
         "rate x 2 x (N + --redis-timeout-ms) past a limit (README, Local aggregation); needs a "
         "shared store, not with --rejected-hits skip. Unset: every hit is decided by the store",
-        type=_count(1),
+        type=count(1),
         metavar="N",
     )
     serve.add(
