@@ -21,10 +21,13 @@ COPY sidecar ./sidecar
 # compiled, by mypyc, which type-checks it against the dependencies and their stubs. So the
 # package goes in twice: first as it is, with its dependencies, setuptools, mypy and the stubs
 # of the dev extra; then compiled, built in that environment (--no-build-isolation). Then the
-# build tools leave with pip. The tracing extra makes `serve --tracing` work in the image.
+# build tools leave with pip. The tracing extra makes `serve --tracing` work in the image, with
+# opentelemetry-proto installed again last: xds-protos carries an older copy of its modules.
 RUN /opt/ratelimit-sidecar/bin/pip install --upgrade "setuptools>=77" mypy types-PyYAML ".[tracing]" \
  && RATELIMIT_SIDECAR_COMPILE=1 /opt/ratelimit-sidecar/bin/pip install \
         --no-build-isolation --no-deps --force-reinstall . \
+ && /opt/ratelimit-sidecar/bin/pip install --no-deps --force-reinstall \
+        "opentelemetry-proto==$(/opt/ratelimit-sidecar/bin/python -c 'from importlib.metadata import version; print(version("opentelemetry-proto"))')" \
  && /opt/ratelimit-sidecar/bin/python -P -c "from sidecar import build; import sidecar.rls.fast, sidecar.storage.redis; assert build.name() == 'compiled', build.compiled()" \
  && /opt/ratelimit-sidecar/bin/pip uninstall --yes mypy ast-serialize librt pathspec types-PyYAML pip setuptools \
  && find /opt/ratelimit-sidecar -name '__pycache__' -prune -exec rm -rf {} +

@@ -13,6 +13,10 @@ $(STAMP): pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -e '.[test,dev]'
+	@# xds-protos carries an older copy of opentelemetry-proto's modules at the same paths, and
+	@# the wheel pip installs last wins; the OTLP exporters need opentelemetry-proto's own.
+	$(BIN)/pip install --quiet --no-deps --force-reinstall \
+		"opentelemetry-proto==$$($(BIN)/python -c 'from importlib.metadata import version; print(version("opentelemetry-proto"))')"
 	touch $(STAMP)
 
 venv: $(STAMP)

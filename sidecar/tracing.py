@@ -233,6 +233,34 @@ class Tracing:
 
 
 def _exporter(settings: TracingSettings) -> Any:
+    try:
+        return _otlp_exporter(settings)
+    except ImportError as exc:
+        if "opentelemetry.proto" not in str(exc):
+            raise TracingError(
+                f"tracing needs the OTLP exporters ({exc.name} is missing): "
+                "pip install 'ratelimit-sidecar[tracing]'"
+            ) from exc
+        # xds-protos carries an older copy of opentelemetry-proto's modules at the same paths;
+        # installed after opentelemetry-proto, it replaces messages the exporters import.
+        raise TracingError(
+            f"the OTLP exporter cannot import its messages ({exc}): xds-protos' older copy of "
+            "opentelemetry-proto's modules was installed over opentelemetry-proto's own; put "
+            "them back with pip install --no-deps --force-reinstall "
+            f"opentelemetry-proto=={_version('opentelemetry-proto')}"
+        ) from exc
+
+
+def _version(distribution: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(distribution)
+    except PackageNotFoundError:
+        return "<version>"
+
+
+def _otlp_exporter(settings: TracingSettings) -> Any:
     endpoint = settings.endpoint
     if settings.protocol == "grpc":
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter

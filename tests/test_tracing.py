@@ -213,3 +213,44 @@ async def test_a_backend_call_outside_a_traced_call_makes_no_span(rules: Path) -
         assert len(received.named(SERVER_SPAN)) == 1
         (backend,) = received.named(BACKEND_SPAN)
         assert backend.parent_span_id == received.named(SERVER_SPAN)[0].span_id
+
+
+def test_opentelemetry_protos_modules_are_its_own_not_xds_protos_older_copy() -> None:
+    """xds-protos ships an older copy of opentelemetry-proto's modules at the same paths (whichever
+    wheel is installed last wins); every file both claim holds opentelemetry-proto's bytes, as the
+    OTLP exporters need (`make venv` and the image reinstall it last)."""
+    import base64
+    import hashlib
+    from importlib.metadata import distribution
+
+    otel = distribution("opentelemetry-proto")
+    xds_paths = {str(f) for f in distribution("xds-protos").files or ()}
+    shared = [f for f in otel.files or () if str(f) in xds_paths and f.hash is not None]
+    assert shared, "xds-protos no longer overlaps opentelemetry-proto: drop the reinstall step"
+    replaced = []
+    for f in shared:
+        digest = hashlib.sha256(Path(str(f.locate())).read_bytes()).digest()
+        if base64.urlsafe_b64encode(digest).rstrip(b"=").decode() != f.hash.value:  # type: ignore[union-attr]
+            replaced.append(str(f))
+    assert not replaced, f"xds-protos' copies replaced opentelemetry-proto's: {replaced}"
+
+
+def test_an_exporter_missing_its_messages_names_the_overlap_and_the_fix(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Should xds-protos' copy win anyway (a hand-made environment), tracing refuses to start with
+    what happened and the pip command that puts opentelemetry-proto's modules back."""
+    from sidecar import tracing
+
+    def broken(settings: TracingSettings) -> None:
+        raise ImportError(
+            "cannot import name 'InstrumentationScope' from "
+            "'opentelemetry.proto.common.v1.common_pb2'"
+        )
+
+    monkeypatch.setattr(tracing, "_otlp_exporter", broken)
+    with pytest.raises(tracing.TracingError) as raised:
+        tracing._exporter(TracingSettings())
+    message = str(raised.value)
+    assert "InstrumentationScope" in message and "xds-protos" in message
+    assert "pip install --no-deps --force-reinstall opentelemetry-proto==1." in message
