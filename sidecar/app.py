@@ -99,6 +99,8 @@ class Options:
     shadow_mode: bool = False
     #: Entries of the over-limit cache (0: off).
     over_limit_cache: int = 100_000
+    #: Name the limit behind an OVER_LIMIT answer (a `RateLimit-Policy` header, dynamic metadata).
+    response_limit_name: bool = False
     transport: Transport = "fast"
     #: Share the gRPC and HTTP ports with other processes (SO_REUSEPORT): `serve --workers N`.
     reuse_port: bool = False
@@ -267,7 +269,7 @@ class App:
             over_limit_cache=options.over_limit_cache,
         )
         self._limiter = limiter
-        service = RateLimitService(limiter)
+        service = RateLimitService(limiter, response_limit_name=options.response_limit_name)
         health = self._health = Health(
             backend,
             backend_required=options.failure_mode == "deny",

@@ -409,6 +409,16 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, _Flags]]:
         default=False,
     )
     serve.add(
+        "--response-limit-name",
+        "name the limit behind an OVER_LIMIT answer (the rule's name, else its descriptor "
+        "path): a RateLimit-Policy header Envoy adds to the 429 ('\"name\";q=QUOTA;w=SECONDS', "
+        "IETF RateLimit header fields draft) and dynamic metadata limit_name, limit_quota, "
+        "limit_window for Envoy's access log "
+        "(%%DYNAMIC_METADATA(envoy.filters.http.ratelimit:limit_name)%%)",
+        action="store_true",
+        default=False,
+    )
+    serve.add(
         "--over-limit-cache",
         "counters known to be over their limit, remembered until their window ends and "
         "answered without a Redis call (plain fixed windows; not with --rejected-hits skip); "
@@ -819,6 +829,7 @@ def _serve(args: argparse.Namespace) -> int:
         rejected_hits=args.rejected_hits,
         shadow_mode=args.shadow_mode,
         over_limit_cache=args.over_limit_cache,
+        response_limit_name=args.response_limit_name,
         transport=args.transport,
         reuse_port=args.reuse_port,
         grpc_socket_fd=args.grpc_socket_fd,
