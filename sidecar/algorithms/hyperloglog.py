@@ -85,6 +85,21 @@ def count(registers: Registers) -> int:
     return round(_ALPHA_INF * m * m / z)
 
 
+def merge(into: Registers, other: Registers) -> Registers:
+    """The registers of the union of two HyperLogLogs (PFMERGE): each register's larger value."""
+    dense = bytearray(REGISTERS)
+    for registers in (into, other):
+        if isinstance(registers, bytearray):
+            for index, value in enumerate(registers):
+                if value > dense[index]:
+                    dense[index] = value
+        else:
+            for word in registers:
+                if word & 63 > dense[word >> 6]:
+                    dense[word >> 6] = word & 63
+    return dense
+
+
 def size(registers: Registers) -> int:
     """Bytes the registers take (their buffer, not the Python object around it)."""
     if isinstance(registers, bytearray):

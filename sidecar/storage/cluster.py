@@ -33,7 +33,7 @@ from sidecar.algorithms import fixed_window
 from sidecar.algorithms.decide import Address, State
 from sidecar.errors import StorageError
 from sidecar.model import Dedupe, Hit, Outcome, Role
-from sidecar.storage import peers
+from sidecar.storage import peers, usage_reads
 from sidecar.storage.base import Applied
 from sidecar.storage.pipeline import (
     CONNECTIONS,
@@ -636,6 +636,28 @@ class RedisClusterBackend:
         (`sidecar.storage.peers`); raises StorageError."""
         failure = functools.partial(_failure, self.name, self._timeout_ms)
         return await peers.count_within(self._client.execute, name, self._timeout, failure)
+
+    async def usage_hashes(self, pattern: str) -> list[tuple[bytes, dict[bytes, int]]]:
+        """Every usage count hash matching `pattern`, scanned on every master (`sidecar.usage`);
+        raises StorageError."""
+        try:
+            async with asyncio.timeout(usage_reads.READ_TIMEOUT):
+                masters = await self._client.masters()
+                found = await _gather_all(
+                    usage_reads.hashes(node.execute, pattern) for node in masters
+                )
+        except Exception as exc:  # every failure, see _failure
+            raise _failure(self.name, int(usage_reads.READ_TIMEOUT * 1000), exc) from exc
+        return [item for node in found for item in node]
+
+    async def usage_unique(self, groups: Sequence[Sequence[bytes]]) -> list[int]:
+        """PFCOUNT of each group of HyperLogLog keys, slot by slot (`sidecar.usage`); raises
+        StorageError."""
+        try:
+            async with asyncio.timeout(usage_reads.READ_TIMEOUT):
+                return await usage_reads.unique(self._client.execute, groups)
+        except Exception as exc:  # every failure, see _failure
+            raise _failure(self.name, int(usage_reads.READ_TIMEOUT * 1000), exc) from exc
 
     async def leave(self, name: bytes) -> None:
         """Take this sidecar's name out of the count at once (a clean stop)."""

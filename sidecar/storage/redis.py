@@ -40,7 +40,7 @@ from sidecar.algorithms.token_bucket import Bucket
 from sidecar.algorithms.windows import FIELD_GRACE
 from sidecar.errors import Overloaded, StorageError
 from sidecar.model import Dedupe, Hit, Outcome, Role, new
-from sidecar.storage import peers
+from sidecar.storage import peers, usage_reads
 from sidecar.storage.base import Applied
 from sidecar.storage.pipeline import PipelinedRedis, RedisReplyError
 
@@ -136,6 +136,9 @@ def _hit_args(hit: Hit, quota_as_shadow: bool = False) -> tuple[Any, ...]:
             window.capacity,
             window.borrow,
         )
+    elif role >= Role.USAGE:
+        # A usage hit (`sidecar.usage`): p1 is when its hash or HyperLogLog expires, Unix ms.
+        params = (hit.end_ms, 0, 0, 0)
     elif algorithm == decide.SLIDING:
         params = (window.requests_per_unit, 0, hit.start_ms, window.seconds * 1000)
     else:
@@ -543,6 +546,22 @@ class RedisBackend:
         (`sidecar.storage.peers`); raises StorageError."""
         failure = functools.partial(_failure, self.name, self._timeout_ms)
         return await peers.count_within(self._client.execute, name, self._timeout, failure)
+
+    async def usage_hashes(self, pattern: str) -> list[tuple[bytes, dict[bytes, int]]]:
+        """Every usage count hash matching `pattern` (`sidecar.usage`); raises StorageError."""
+        try:
+            async with asyncio.timeout(usage_reads.READ_TIMEOUT):
+                return await usage_reads.hashes(self._client.execute, pattern)
+        except Exception as exc:  # every failure, see _failure
+            raise _failure(self.name, int(usage_reads.READ_TIMEOUT * 1000), exc) from exc
+
+    async def usage_unique(self, groups: Sequence[Sequence[bytes]]) -> list[int]:
+        """PFCOUNT of each group of HyperLogLog keys (`sidecar.usage`); raises StorageError."""
+        try:
+            async with asyncio.timeout(usage_reads.READ_TIMEOUT):
+                return await usage_reads.unique(self._client.execute, groups)
+        except Exception as exc:  # every failure, see _failure
+            raise _failure(self.name, int(usage_reads.READ_TIMEOUT * 1000), exc) from exc
 
     @property
     def client(self) -> PipelinedRedis:
