@@ -16,9 +16,9 @@ from sidecar import config, usage
 from sidecar.algorithms import hyperloglog
 from sidecar.errors import ConfigError
 from sidecar.limiter import Limiter
-from sidecar.model import Code, Descriptor, Entry, Request
+from sidecar.model import Code, Descriptor, Entry, Hit, Request, Unit, Window
 from sidecar.rules import Rules
-from sidecar.storage import open_backend
+from sidecar.storage import open_backend, redis
 
 RULES = """\
 domain: open
@@ -305,3 +305,15 @@ async def test_usage_adds_no_command_to_a_request_beyond_its_script_call(
     others = {name for name in seen if name not in SCRIPTED and name != "evalsha"}
     await backend.close()
     assert others <= {"info", "config|resetstat", "cluster|slots", "cluster|shards"}, seen
+
+
+def test_a_request_with_usage_runs_the_decide_script_never_the_count_script() -> None:
+    """count.lua only adds and cannot tell admitted from refused: a request whose hits carry
+    usage is decided by decide.lua, which judges the request before it counts it."""
+    parsed = config.parse(RULES, "rules.yaml")
+    assert parsed.usage is not None
+    tally = usage.tally("open", parsed.usage, call("shop", "pay", "u"), None)
+    assert tally is not None
+    counter = Hit(b"rl{open|app|shop}|86400|0", 1, Window(5, Unit.DAY), ttl=86_400)
+    assert redis.counts([counter], redis.MODE_ADD)
+    assert not redis.counts([counter, *tally.at(1_795_537_800_000)], redis.MODE_ADD)

@@ -119,8 +119,9 @@ def decide(
         if j is _UNJUDGED:
             # Usage (`sidecar.usage`): counted as the request's answer says, never by a check
             # or a recording (the limiter sends none with them).
+            # Its "reset" is when it expires, as for any window (Redis's reply is read so).
             counted = not read_only and not force
-            outcomes.append(Outcome(False, 0, 0, counted, 0))
+            outcomes.append(Outcome(False, 0, hit.end_ms - now_ms, counted, 0))
             if counted:
                 writes.append(_usage_write(hit, request_over, now_ms))
             continue
