@@ -50,6 +50,7 @@ from sidecar.storage import Backend, open_backend, peers
 from sidecar.storage.memory import MemoryBackend
 from sidecar.storage.per_second import PerSecond
 from sidecar.tracing import Tracing, TracingError, TracingSettings
+from sidecar.usage import Reader
 from sidecar.xds.client import XdsClient, XdsOptions, check_files
 
 #: Seconds calls in flight get to finish once shutdown starts.
@@ -292,6 +293,8 @@ class App:
             SHUTDOWN_GRACE,
             reuse_port=options.reuse_port,
             frequency=caps,
+            usage_reader=backend if isinstance(backend, Reader) else None,
+            clock=self._clock,
         )
         if options.rlqs_address is not None:
             # Envoy's rate_limit_quota filter, on its own port, from the same rules and backend.

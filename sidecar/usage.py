@@ -37,7 +37,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import date, datetime, timedelta
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 from zoneinfo import ZoneInfo
 
 from sidecar.algorithms.windows import check_zone, midnight
@@ -446,6 +446,7 @@ def top(keys: Mapping[tuple[str, ...], KeyUsage], n: int) -> list[KeyUsage]:
     return sorted(keys.values(), key=lambda k: (-k.total, k.values))[:n]
 
 
+@runtime_checkable
 class Reader(Protocol):
     """What a backend offers `report` (each backend reads its own store)."""
 
