@@ -104,10 +104,14 @@ class Page:
         return result["result"].get("value")
 
     async def wait_for(self, expression: str, timeout: float = 20.0) -> Any:
-        """Poll `expression` until it is truthy; its value."""
+        """Poll `expression` until it is truthy; its value. An evaluation that fails (the page
+        still navigating: its context destroyed) counts as not yet."""
         deadline = time.monotonic() + timeout
         while True:
-            value = await self.evaluate(expression)
+            try:
+                value = await self.evaluate(expression)
+            except RuntimeError:
+                value = None
             if value:
                 return value
             if time.monotonic() > deadline:

@@ -128,7 +128,7 @@ async def test_the_page_shows_usage_as_v1_usage_counts_it(sidecar: Sidecar, tmp_
         async with aiohttp.ClientSession() as session:
             page, socket = await open_page(session, devtools, f"http://{HOST}:{port}/ui")
             try:
-                await page.wait_for("document.body.dataset.ready === '1'")
+                await page.wait_for("document.body?.dataset.ready === '1'")
                 shown = await page.evaluate(SHOWN)
                 refusing = await page.evaluate(
                     "[...document.querySelectorAll('table.refusing tr')].slice(1)"
