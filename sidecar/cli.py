@@ -25,6 +25,7 @@ from sidecar.injector.commands import register as register_injector
 from sidecar.rls.tls import TlsFiles
 from sidecar.statsd import StatsdError, StatsdSettings
 from sidecar.tracing import TracingSettings
+from sidecar.usage_command import register as register_usage
 from sidecar.xds import flags as xds_flags
 
 # grpc's C core writes its own lines to stderr; keep them to errors so the log stays one format.
@@ -667,6 +668,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, _Flags]]:
     )
     register_injector(commands)
     register_envoy_config(commands)
+    register_usage(commands)
     return parser, {"serve": serve, "query": query}
 
 

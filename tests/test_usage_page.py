@@ -16,6 +16,8 @@ from browser import chromium, count_color, open_page, png_pixels
 from conftest import require_binary
 from envoys import HOST, Sidecar, free_port
 
+from sidecar import cli
+
 RULES = """\
 domain: open
 usage:
@@ -175,3 +177,26 @@ async def test_the_page_shows_usage_as_v1_usage_counts_it(sidecar: Sidecar, tmp_
     # Today's bars: 340 calls at the chart's full height in each of the two charts.
     assert count_color(rows, ADMITTED_RGB) > 4_000
     assert count_color(rows, REFUSED_RGB) > 300
+
+
+def test_the_usage_command_prints_v1_usage_as_a_table(
+    sidecar: Sidecar, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`ratelimit-sidecar usage` prints today's keys of a dimension with their admitted,
+    refused and unique counts, most calls first; a dimension the domain does not declare is
+    exit status 2 with the sidecar's reason."""
+    address = f"{HOST}:{sidecar.http_port}"
+    assert cli.main(["usage", "--http-address", address, "--domain", "open", "--by", "app"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].endswith("(UTC): 3 keys, 320 admitted, 20 refused")
+    assert [line.split() for line in lines[1:]] == [
+        ["app", "admitted", "refused", "unique", "user"],
+        ["shop", "190", "0", "45"],
+        ["maps", "90", "0", "20"],
+        ["tiny", "40", "20", "7"],
+    ]
+    assert cli.main(["usage", "--http-address", address, "--domain", "open", "--by", "user"]) == 2
+    assert capsys.readouterr().err == (
+        "ratelimit-sidecar usage: by must be one of the domain's usage dimensions: "
+        "app, app,interface\n"
+    )
