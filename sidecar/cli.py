@@ -420,6 +420,14 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, _Flags]]:
         default=False,
     )
     serve.add(
+        "--usage-metrics-top",
+        "keys per usage dimension in /metrics: today's with the most calls, read every 30 s "
+        "(ratelimit_sidecar_usage_calls, ratelimit_sidecar_usage_unique); 0 turns them off",
+        default=10,
+        type=_count(0),
+        metavar="N",
+    )
+    serve.add(
         "--over-limit-cache",
         "counters known to be over their limit, remembered until their window ends and "
         "answered without a Redis call (plain fixed windows; not with --rejected-hits skip); "
@@ -832,6 +840,7 @@ def _serve(args: argparse.Namespace) -> int:
         shadow_mode=args.shadow_mode,
         over_limit_cache=args.over_limit_cache,
         response_limit_name=args.response_limit_name,
+        usage_metrics_top=args.usage_metrics_top,
         transport=args.transport,
         reuse_port=args.reuse_port,
         grpc_socket_fd=args.grpc_socket_fd,

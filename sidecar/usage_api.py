@@ -6,11 +6,13 @@ parameters checked (each mistake a reason for a 400), then `usage.report` on the
 `day` defaults to today in the domain's usage time zone; `from` and `to` name a range of days,
 both kept (at most `retention_days` of them); `top` (default 10, at most 1,000) keeps the keys
 with the most calls. Also here: `dimensions` (what every domain counts, for the page) and
-`Refusals` (which limits refused calls lately, from the stats the sidecar keeps).
+`Refusals` (which limits refused calls lately, from the stats the sidecar keeps), and `TopKeys`
+(today's top keys of each dimension, for Prometheus).
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -18,11 +20,16 @@ from dataclasses import dataclass
 from datetime import date, timedelta
 from typing import Any
 
+import structlog
+
 from sidecar import usage
+from sidecar.errors import StorageError
 from sidecar.rules import Rules, describe
 from sidecar.stats import Stats
 
 DEFAULT_TOP = 10
+
+log = structlog.get_logger("sidecar.usage")
 
 
 class QueryError(ValueError):
@@ -157,3 +164,58 @@ class Refusals:
         ]
         rows.sort(key=lambda row: (-row["refused"], row["rule"]))
         return {"seconds": round(now - since, 1), "limits": rows}
+
+
+class TopKeys:
+    """Today's top keys of every usage dimension, for Prometheus (`metrics.UsageCollector`):
+    read from the backend every `interval` seconds by `watch`, never at scrape time, and only
+    `n` keys per dimension, so the series stay bounded (dimensions × n × 2, plus n per unique
+    key) however many apps or users there are."""
+
+    def __init__(
+        self,
+        rules: Callable[[], Rules],
+        reader: usage.Reader,
+        n: int,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.rules = rules
+        self.reader = reader
+        self.n = n
+        self._clock = clock
+        #: (domain, dimension name, key text, admitted, refused, {unique key: count}), per row.
+        self.rows: list[tuple[str, str, str, int, int, dict[str, int]]] = []
+
+    async def refresh(self) -> None:
+        """Read today's top keys of every dimension (a failing backend keeps the last rows)."""
+        now_ms = int(self._clock() * 1000)
+        rows = []
+        for domain in self.rules().domains.values():
+            counted = domain.usage
+            if counted is None:
+                continue
+            for by in counted.counted:
+                report = await usage.report(
+                    self.reader, domain.name, counted, by, [counted.today(now_ms)], self.n
+                )
+                for row in report["days"][0]["top"]:
+                    key = ",".join(f"{k}={v}" for k, v in row["key"].items())
+                    rows.append(
+                        (
+                            domain.name,
+                            ",".join(by),
+                            key,
+                            row["admitted"],
+                            row["refused"],
+                            row.get("unique", {}),
+                        )
+                    )
+        self.rows = rows
+
+    async def watch(self, interval: float) -> None:
+        while True:
+            try:
+                await self.refresh()
+            except StorageError as exc:
+                log.warning("usage_metrics_unavailable", error=str(exc))
+            await asyncio.sleep(interval)

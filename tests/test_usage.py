@@ -10,15 +10,17 @@ from collections.abc import Callable
 import pytest
 from callbacks import should_rate_limit
 from clock import Clock
+from prometheus_client import CollectorRegistry
 from servers import RedisCluster, RedisServer
 
-from sidecar import config, usage
+from sidecar import config, metrics, usage, usage_api
 from sidecar.algorithms import hyperloglog
 from sidecar.errors import ConfigError
 from sidecar.limiter import Limiter
 from sidecar.model import Code, Descriptor, Entry, Hit, Request, Unit, Window
 from sidecar.rules import Rules
 from sidecar.storage import open_backend, redis
+from sidecar.storage.memory import MemoryBackend
 
 RULES = """\
 domain: open
@@ -317,3 +319,33 @@ def test_a_request_with_usage_runs_the_decide_script_never_the_count_script() ->
     counter = Hit(b"rl{open|app|shop}|86400|0", 1, Window(5, Unit.DAY), ttl=86_400)
     assert redis.counts([counter], redis.MODE_ADD)
     assert not redis.counts([counter, *tally.at(1_795_537_800_000)], redis.MODE_ADD)
+
+
+async def test_prometheus_gets_only_the_top_keys_of_each_dimension(clock: Clock) -> None:
+    """`/metrics` carries today's top N keys per dimension (calls admitted and refused, unique
+    users), read in the background; the other keys, and single users, never become series."""
+    domain = config.parse(RULES, "rules.yaml")
+    backend = MemoryBackend()
+    rules = Rules({domain.name: domain})
+    limiter = Limiter(rules, backend, clock=clock)
+    for app, interface, user in scripted_day():
+        await should_rate_limit(limiter, call(app, interface, user))
+    top = usage_api.TopKeys(lambda: rules, backend, 2, clock)
+    await top.refresh()
+    registry = CollectorRegistry()
+    registry.register(metrics.UsageCollector(top))
+    samples = {
+        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in metrics.render(registry).decode().splitlines()
+        if line.startswith("ratelimit_sidecar_usage")
+    }
+    calls = [name for name in samples if name.startswith("ratelimit_sidecar_usage_calls{")]
+    assert len(calls) == 2 * 2 * 2  # two dimensions, two keys each, admitted and refused
+    shop = 'domain="open",by="app",key="app=shop"'
+    # The shop's 3,000 calls, 1,000 within its daily limit.
+    assert samples[f'ratelimit_sidecar_usage_calls{{{shop},outcome="admitted"}}'] == 1_000
+    assert samples[f'ratelimit_sidecar_usage_calls{{{shop},outcome="refused"}}'] == 2_000
+    assert samples[f'ratelimit_sidecar_usage_unique{{{shop},unique="user"}}'] == pytest.approx(
+        1_500, rel=0.02
+    )
+    assert not any("maps" in name or "user-" in name for name in samples)
