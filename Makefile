@@ -46,8 +46,8 @@ test: test-source test-compiled
 test-source: venv test-deps
 	$(BIN)/pytest $(PYTEST_ARGS)
 
-## The whole suite on the compiled build: tests/builds.py puts it ahead of the sources, in the
-## tests' process and in every process they start.
+## The whole suite on the compiled build: tests/support/builds.py puts it ahead of the sources, in
+## the tests' process and in every process they start.
 test-compiled: compiled test-deps
 	SIDECAR_BUILD=$(COMPILED) $(BIN)/pytest $(PYTEST_ARGS)
 
@@ -108,8 +108,10 @@ proto: venv
 		proto/ratelimit_sidecar/frequency/v1/frequency.proto \
 		proto/ratelimit/config/ratelimit/v3/rls_conf.proto
 
+## ruff (its checks, and its formatter's: the code is as `ruff format` writes it) and mypy.
 lint: venv
-	$(BIN)/ruff check sidecar tests bench
+	$(BIN)/ruff check sidecar tests bench k8s setup.py
+	$(BIN)/ruff format --check sidecar tests bench k8s setup.py
 	$(BIN)/mypy
 
 clean:

@@ -29,7 +29,7 @@ The two failover probes run the sidecar with `--failure-mode deny`, so that the 
 mode answers show as failed; their last column says when the new master was available (as the
 Sentinels or every master's slot map say, from the kill) and how long after that the legitimate
 client's last failed call ended (negative: the sidecar was on the new master before the test saw
-it). Their servers come from the tests' own helpers (tests/servers.py), not a second copy.
+it). Their servers come from the tests' own helpers (tests/support/servers.py), not a second copy.
 
 Every process it starts is stopped by its PID.
 """
@@ -57,9 +57,9 @@ import hpack
 from bench.processes import BenchError, Process, free_port, start
 from sidecar import build as sidecar_build
 
-#: The failover probes' topologies are the tests' (tests/servers.py), not written twice.
+#: The failover probes' topologies are the tests' (tests/support/servers.py), not written twice.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-import servers
+from support import servers
 
 FAILOVERS = ("sentinel-failover", "cluster-failover")
 

@@ -63,7 +63,7 @@ async def replay(url: str, rounds: int) -> None:
     from sidecar.rls.fast import FastServer
     from sidecar.rls.h2.server import _Protocol
     from sidecar.rls.service import RateLimitService
-    from sidecar.storage import open_backend
+    from sidecar.storage.backends import open_backend
 
     class Transport(asyncio.Transport):
         """Keeps what the server writes, and tells when no call is left in flight."""

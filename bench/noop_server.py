@@ -16,7 +16,7 @@ import signal
 import grpc
 from envoy.service.ratelimit.v3 import rls_pb2
 
-from sidecar.cli import LOOP_CHOICES, event_loop_factory
+from sidecar.cli.serve import LOOP_CHOICES, event_loop_factory
 
 SERVICE = "envoy.service.ratelimit.v3.RateLimitService"
 METHOD = "ShouldRateLimit"

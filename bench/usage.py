@@ -38,7 +38,7 @@ from sidecar.callbacks import awaited
 from sidecar.limiter import Limiter
 from sidecar.model import Decision, Descriptor, Entry, Request
 from sidecar.rules import Rules
-from sidecar.storage import open_backend
+from sidecar.storage.backends import open_backend
 from sidecar.storage.memory import MemoryBackend
 
 RULES = """\

@@ -4,6 +4,10 @@
 URL it cannot use), starts both servers and reports SERVING once the backend answered a ping.
 `App.stop` is what SIGTERM and SIGINT trigger: unhealthy everywhere first, then no new calls,
 calls in flight get a grace period, then the backend is closed.
+
+One module past the usual size because it is the composition root: it is where every part is
+built from `Options` and wired to the others, in start order and stopped in reverse; each part
+lives in its own module, and a new part adds its few lines here.
 """
 
 from __future__ import annotations
@@ -46,7 +50,8 @@ from sidecar.rules import Rules
 from sidecar.side_ports import SidePort
 from sidecar.stats import Stats
 from sidecar.statsd import StatsdError, StatsdReporter, StatsdSettings
-from sidecar.storage import Backend, open_backend, peers
+from sidecar.storage import Backend, peers
+from sidecar.storage.backends import open_backend
 from sidecar.storage.memory import MemoryBackend
 from sidecar.storage.per_second import PerSecond
 from sidecar.tracing import Tracing, TracingError, TracingSettings

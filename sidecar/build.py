@@ -3,7 +3,7 @@ them are compiled in this process.
 
 The compiled build (`RATELIMIT_SIDECAR_COMPILE=1`, see setup.py and README) compiles the modules
 every ShouldRateLimit call runs through with mypyc, from the same source: the fast transport's
-HTTP/2 state machine, the service, the limiter and the Redis backend with its pipelined client.
+HTTP/2 state machine, the service, the limiter and the Redis backend with its script contract and its pipelined client.
 The rest (configuration, the admin endpoints, the injector, grpcio) stays interpreted: it is off
 the hot path, and it talks to libraries whose stubs mypyc's runtime checks would hold it to.
 
@@ -34,7 +34,9 @@ HOT_PATH = (
     "sidecar.stats",
     "sidecar.over_limit_cache",
     "sidecar.metrics",
-    "sidecar.storage.pipeline",
+    "sidecar.storage.redis_client",
+    "sidecar.storage.failures",
+    "sidecar.storage.scripts",
     "sidecar.storage.redis",
 )
 

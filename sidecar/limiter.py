@@ -10,6 +10,10 @@ and quota modes) → stats. The clock is injected; nothing here knows about prot
 (`Plan.straight`: each counted descriptor one window, all blocking), the usual request, skips
 `_begin`'s lookups while no counter is known to be over; every decision is read back by the
 same `_finish`.
+
+One module past the usual size because it is one decision written once, in the order a call
+runs it (`_begin`, the store, `_finish`, the failure modes); the compiled build compiles it
+whole, so the hot path's calls between these steps stay native.
 """
 
 from __future__ import annotations

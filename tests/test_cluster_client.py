@@ -14,22 +14,22 @@ from typing import Any
 
 import hiredis
 import pytest
-from callbacks import apply
 from conftest import require_binary
 from redis.crc import key_slot
-from servers import HOST, RedisCluster, RedisServer, ServerError, start_cluster
+from support.callbacks import apply
+from support.servers import HOST, RedisCluster, RedisServer, ServerError, start_cluster
 
 from sidecar.errors import StorageError
 from sidecar.model import Hit, Outcome, Unit, Window
-from sidecar.storage import open_backend
-from sidecar.storage.cluster import (
+from sidecar.storage.backends import open_backend
+from sidecar.storage.cluster_client import (
     MAX_REDIRECTS,
     REFRESH_INTERVAL,
     ClusterError,
     PipelinedCluster,
 )
-from sidecar.storage.pipeline import DeadlineExceeded
-from sidecar.storage.redis import _COUNT_SHA
+from sidecar.storage.redis_client import DeadlineExceeded
+from sidecar.storage.scripts import COUNT_SHA
 
 pytestmark = pytest.mark.cluster
 
@@ -358,7 +358,7 @@ async def test_noscript_on_one_master_sends_the_script_to_that_master_only(
             assert stat(node, "cmdstat_eval") == (1 if node is flushed else 0)
             assert stat(node, "cmdstat_evalsha") == 1
         with flushed.client() as sync:
-            assert sync.script_exists(_COUNT_SHA) == [True]
+            assert sync.script_exists(COUNT_SHA) == [True]
     finally:
         await backend.close()
 
@@ -548,7 +548,7 @@ async def test_noscript_through_callbacks_runs_the_script_once(own: RedisCluster
         assert stat(flushed, "cmdstat_eval") == 1
         with flushed.client() as sync:
             assert int(sync.get(hit(key, 1, 10).key)) == 2
-            assert sync.script_exists(_COUNT_SHA) == [True]
+            assert sync.script_exists(COUNT_SHA) == [True]
     finally:
         await backend.close()
 

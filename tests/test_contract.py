@@ -7,8 +7,8 @@ import asyncio
 from collections.abc import Callable
 
 import pytest
-from callbacks import should_rate_limit
-from clock import Clock
+from support.callbacks import should_rate_limit
+from support.clock import Clock
 
 from sidecar.limiter import Limiter
 from sidecar.model import (

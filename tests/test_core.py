@@ -6,9 +6,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import pytest
-from callbacks import apply, should_rate_limit
 from hypothesis import given
 from hypothesis import strategies as st
+from support.callbacks import apply, should_rate_limit
 
 from sidecar import config, counters
 from sidecar.algorithms import fixed_window, windows
@@ -28,7 +28,7 @@ from sidecar.model import (
 )
 from sidecar.rules import Rules
 from sidecar.stats import RuleStats
-from sidecar.storage import open_backend
+from sidecar.storage.backends import open_backend
 from sidecar.storage.base import Applied
 from sidecar.storage.keys import descriptor_prefix, fixed_window_key, hash_tag
 from sidecar.storage.memory import MemoryBackend

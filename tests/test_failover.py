@@ -22,11 +22,11 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import callbacks
 import pytest
 from conftest import require_binary
 from redis.crc import key_slot
-from servers import (
+from support import callbacks
+from support.servers import (
     HOST,
     RedisCluster,
     RedisServer,
@@ -47,7 +47,8 @@ from sidecar.errors import StorageError
 from sidecar.limiter import Limiter, Settings
 from sidecar.model import Code, Descriptor, Entry, Hit, Outcome, Request, Unit, Window
 from sidecar.rules import Rules
-from sidecar.storage import Backend, open_backend
+from sidecar.storage import Backend
+from sidecar.storage.backends import open_backend
 
 NOW_MS = (int(time.time()) // 60 * 60 + 5) * 1000
 DEADLINE_MS = 250
@@ -546,6 +547,7 @@ async def test_a_loading_server_fails_calls_in_time_and_the_connection_serves_af
     ],
 )
 async def test_sentinel_urls_open_without_connecting(url: str) -> None:
+    """Every Sentinel URL form opens a `redis-sentinel` backend without connecting to anything."""
     backend = open_backend(url)
     assert backend.name == "redis-sentinel"
     await backend.close()
@@ -566,11 +568,13 @@ async def test_sentinel_urls_open_without_connecting(url: str) -> None:
     ],
 )
 def test_bad_sentinel_urls_are_refused_with_a_reason(url: str, reason: str) -> None:
+    """A Sentinel URL the backend cannot use is a ValueError that says what is wrong with it."""
     with pytest.raises(ValueError, match=reason):
         open_backend(url)
 
 
 def test_sentinel_passwords_stay_out_of_url_errors() -> None:
+    """A refused Sentinel URL is quoted without either password (the master's, the Sentinels')."""
     with pytest.raises(ValueError) as caught:
         open_backend("redis+sentinel://:master-pw@s1/m/x?sentinel_password=sentinel-pw")
     assert "master-pw" not in str(caught.value) and "sentinel-pw" not in str(caught.value)

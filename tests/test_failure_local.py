@@ -11,19 +11,20 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
-from callbacks import decide
-from clock import Clock
 from envoy.service.ratelimit.v3.rls_pb2 import RateLimitResponse  # type: ignore[import-untyped]
-from servers import RedisServer
-from sidecars import running_app, write_rules
+from support.callbacks import decide
+from support.clock import Clock
+from support.servers import RedisServer
+from support.sidecars import running_app, write_rules
 
 from sidecar import config
-from sidecar.cli import _worker_flags, build_parser
+from sidecar.cli import build_parser
+from sidecar.cli.serve import worker_flags
 from sidecar.limiter import Limiter, Settings, local_share
 from sidecar.model import Code, Descriptor, Entry, Request
 from sidecar.rls import convert
 from sidecar.rules import Rules
-from sidecar.storage import open_backend
+from sidecar.storage.backends import open_backend
 from sidecar.storage.peers import PEERS_INTERVAL, PEERS_KEY, CountsPeers
 
 RULES = """
@@ -156,7 +157,7 @@ def test_workers_split_the_local_share_again() -> None:
     argv = "serve --config r.yaml --workers 2 --failure-mode local --local-divisor 3"
     args = parser.parse_args(argv.split())
     env_flags["serve"].resolve(args, {})
-    flags = _worker_flags(args)
+    flags = worker_flags(args)
     assert flags[flags.index("--local-divisor") + 1] == "6"
     assert flags[flags.index("--failure-mode") + 1] == "local"
 

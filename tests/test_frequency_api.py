@@ -14,7 +14,7 @@ import aiohttp
 import grpc
 import pytest
 from envoy.service.ratelimit.v3.rls_pb2 import RateLimitResponse
-from sidecars import Clock, client, request, running_app, write_rules
+from support.sidecars import Clock, client, request, running_app, write_rules
 
 from sidecar.algorithms.decide import Address, State
 from sidecar.app import TRANSPORTS, App

@@ -14,10 +14,10 @@ from zoneinfo import available_timezones
 
 import pytest
 import redis
-from callbacks import apply
-from clock import Clock
-from model_store import Model
-from servers import RedisServer
+from support.callbacks import apply
+from support.clock import Clock
+from support.model_store import Model
+from support.servers import RedisServer
 
 from sidecar import config
 from sidecar.algorithms import windows
@@ -26,7 +26,8 @@ from sidecar.counters import code, field_hit, kind, zone_code
 from sidecar.frequency.caps import Candidate, FrequencyCaps, Impression
 from sidecar.model import Algorithm, Dedupe, Hit, Role, Unit, Window
 from sidecar.rules import Rules
-from sidecar.storage import Backend, open_backend
+from sidecar.storage import Backend
+from sidecar.storage.backends import open_backend
 from sidecar.storage.keys import base36, dedupe_key, field_head, group_key, keep_until_id
 from sidecar.storage.memory import MemoryBackend
 

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from envoys import Envoy, ProcessError, Response, Sidecar, Upstream, free_port, get
-from servers import RedisServer
+from support.envoys import Envoy, ProcessError, Response, Sidecar, Upstream, free_port, get
+from support.servers import RedisServer
 
 from sidecar import cli
 from sidecar.envoy_config import commands

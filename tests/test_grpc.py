@@ -14,15 +14,15 @@ import grpc
 import pytest
 from envoy.service.ratelimit.v3.rls_pb2 import RateLimitResponse
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from servers import RedisServer
-from sidecars import NOW, Clock, client, request, running_app, serve_process, write_rules
+from support.servers import RedisServer
+from support.sidecars import NOW, Clock, client, request, running_app, serve_process, write_rules
 
 from sidecar.app import TRANSPORTS
 from sidecar.model import Hit
 from sidecar.storage.base import Applied
 from sidecar.storage.memory import MemoryBackend
-from sidecar.storage.pipeline import PipelinedRedis
 from sidecar.storage.redis import RedisBackend
+from sidecar.storage.redis_client import PipelinedRedis
 
 OK = RateLimitResponse.OK
 OVER_LIMIT = RateLimitResponse.OVER_LIMIT

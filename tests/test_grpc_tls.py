@@ -19,10 +19,10 @@ from pathlib import Path
 
 import grpc
 import pytest
-from certs import Authority
 from cryptography import x509
 from envoy.service.ratelimit.v3.rls_pb2 import RateLimitResponse
-from sidecars import Client, request, running_app, serve_process, write_rules
+from support.certs import Authority
+from support.sidecars import Client, request, running_app, serve_process, write_rules
 
 from sidecar import cli
 from sidecar.app import TRANSPORTS, App, InvalidOption
@@ -341,8 +341,8 @@ def test_the_reference_variables_set_tls_as_the_flags_do(pki: Pki) -> None:
         "GRPC_CLIENT_TLS_CACERT": str(pki.ca),
         "GRPC_CLIENT_TLS_SAN": "envoy.gateway.local",
     }
-    from_env = cli.tls_files(cli.parse_args(["serve", "--config", "r"], env))
-    from_flags = cli.tls_files(
+    from_env = cli.serve.tls_files(cli.parse_args(["serve", "--config", "r"], env))
+    from_flags = cli.serve.tls_files(
         cli.parse_args(
             ["serve", "--config", "r", "--grpc-tls-cert", cert, "--grpc-tls-key", key,
              "--grpc-tls-client-ca", str(pki.ca), "--grpc-tls-client-san", "envoy.gateway.local"],
@@ -351,11 +351,11 @@ def test_the_reference_variables_set_tls_as_the_flags_do(pki: Pki) -> None:
     )  # fmt: skip
     assert from_env == from_flags == pki.files(mtls=True, san="envoy.gateway.local")
     off = cli.parse_args(["serve", "--config", "r"], {**env, "GRPC_SERVER_USE_TLS": "false"})
-    assert cli.tls_files(off) is None
+    assert cli.serve.tls_files(off) is None
     ours = cli.parse_args(
         ["serve", "--config", "r"], {**env, "RLS_GRPC_TLS_CLIENT_SAN": "mine.local"}
     )
-    files = cli.tls_files(ours)
+    files = cli.serve.tls_files(ours)
     assert files is not None and files.client_san == "mine.local"
 
 

@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 import yaml
-from certs import Authority
-from envoys import Envoy, Sidecar, free_port, get, start_together
+from support.certs import Authority
+from support.envoys import Envoy, Sidecar, free_port, get, start_together
 from test_gateway_e2e import bootstrap, inside_one_window, unique
 
 from sidecar.app import TRANSPORTS

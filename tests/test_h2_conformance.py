@@ -1,8 +1,8 @@
 """HTTP/2 conformance of the fast transport's server (RFC 9113, RFC 7541), frame by frame.
 
-An independent client (tests/h2peer.py: h2's state machine, or raw frames for what h2 will not
-send) talks to an `H2Server` on a loopback port, and each test asserts the frames the RFC asks
-for: answers, RST_STREAM codes for stream errors, GOAWAY codes for connection errors.
+An independent client (tests/support/h2peer.py: h2's state machine, or raw frames for what h2
+will not send) talks to an `H2Server` on a loopback port, and each test asserts the frames the
+RFC asks for: answers, RST_STREAM codes for stream errors, GOAWAY codes for connection errors.
 """
 
 from __future__ import annotations
@@ -11,7 +11,14 @@ import asyncio
 import struct
 
 import pytest
-from h2peer import (
+from hyperframe.frame import (
+    DataFrame,
+    HeadersFrame,
+    PingFrame,
+    SettingsFrame,
+    WindowUpdateFrame,
+)
+from support.h2peer import (
     ACK,
     COMPRESSION_ERROR,
     CONTINUATION,
@@ -47,14 +54,7 @@ from h2peer import (
     request_headers,
     stream_error,
 )
-from h2served import BUG, ECHO, FAIL, MAX_STREAMS, THEN, Served
-from hyperframe.frame import (
-    DataFrame,
-    HeadersFrame,
-    PingFrame,
-    SettingsFrame,
-    WindowUpdateFrame,
-)
+from support.h2served import BUG, ECHO, FAIL, MAX_STREAMS, THEN, Served
 
 # --- connection setup and a call ---------------------------------------------------------------
 
@@ -160,6 +160,8 @@ async def test_a_callback_method_answers_once_its_errors_mapped_and_its_duration
 
 
 async def test_a_header_block_split_over_continuation_frames_is_one_request(raw: Peer) -> None:
+    """A header block split over HEADERS and two CONTINUATION frames is read as one request and
+    answered once."""
     block = raw.block(request_headers(ECHO))
     first, second, third = block[:5], block[5:12], block[12:]
     raw.send(
@@ -173,6 +175,8 @@ async def test_a_header_block_split_over_continuation_frames_is_one_request(raw:
 
 
 async def test_padded_headers_and_data_are_read_without_their_padding(raw: Peer) -> None:
+    """Padded HEADERS and DATA frames are read without their padding: the call gets exactly the
+    message sent."""
     block = raw.block(request_headers(ECHO))
     body = grpc_message(b"padded")
     raw.send(
@@ -207,6 +211,8 @@ async def test_priority_is_read_and_ignored(raw: Peer) -> None:
 async def test_a_broken_priority_frame_resets_its_stream(
     raw: Peer, frame: bytes, code: int
 ) -> None:
+    """A PRIORITY frame that depends on its own stream, or is not five bytes long, resets that stream
+    only: the next call on the connection is answered."""
     raw.send(frame)
     await stream_error(raw, 1, code)
     raw.send(call(raw, 3, ECHO))
@@ -214,6 +220,8 @@ async def test_a_broken_priority_frame_resets_its_stream(
 
 
 async def test_headers_that_depend_on_their_own_stream_reset_it(raw: Peer) -> None:
+    """HEADERS whose priority makes the stream depend on itself reset the stream with
+    PROTOCOL_ERROR."""
     block = raw.block(request_headers(ECHO))
     raw.send(
         raw_frame(
@@ -331,6 +339,8 @@ async def test_the_connection_window_holds_back_an_answer_as_much_as_the_stream_
 
 
 async def test_a_larger_max_frame_size_is_used(peer: Peer) -> None:
+    """When the client allows larger frames (SETTINGS_MAX_FRAME_SIZE), the answer's DATA frames are
+    as large as it allows."""
     peer.start({MAX_FRAME_SIZE: 32_768, INITIAL_WINDOW_SIZE: 1 << 20})
     await peer.until(lambda p: any("ACK" in f.flags for f in p.of(SettingsFrame)))
     stream_id = await peer.call_large(ECHO, bytes(40_000))
@@ -350,6 +360,7 @@ async def test_a_request_larger_than_the_stream_window_gets_window_updates(peer:
 
 
 async def test_a_ping_is_answered_with_its_payload(peer: Peer) -> None:
+    """A PING is answered with a PING ACK carrying the same eight bytes."""
     peer.start()
     peer.h2.ping(b"12345678")
     peer.flush()
@@ -435,11 +446,16 @@ _HPACK_TABLE_TOO_BIG = b"\x3f\xe2\x1f"  # dynamic table size update to 4,097 > 4
 async def test_a_broken_connection_rule_is_goaway_with_its_error_code(
     raw: Peer, frames: bytes, code: int
 ) -> None:
+    """A frame that breaks a rule of the connection (a bad size, a frame on the wrong stream, a bad
+    setting, a header block interrupted, a bad HPACK block) ends it with GOAWAY and the error code
+    RFC 9113 names for it."""
     raw.send(frames)
     await connection_error(raw, code)
 
 
 async def test_a_lower_stream_id_after_a_higher_one_is_a_protocol_error(raw: Peer) -> None:
+    """A new stream with a lower id than one already opened ends the connection with GOAWAY
+    PROTOCOL_ERROR, naming the last stream taken."""
     raw.send(call(raw, 5, ECHO))
     await answered(raw, 5)
     raw.send(call(raw, 3, ECHO))
@@ -453,6 +469,8 @@ async def test_a_lower_stream_id_after_a_higher_one_is_a_protocol_error(raw: Pee
     ids=["http/1.1", "first-frame-not-settings"],
 )
 async def test_a_bad_opening_is_goaway_protocol_error(served: Served, opening: bytes) -> None:
+    """A connection that opens with HTTP/1.1, or whose first frame is not SETTINGS, ends with GOAWAY
+    PROTOCOL_ERROR."""
     peer = await Peer.connect(served.port, track=False)
     peer.send(opening)
     await connection_error(peer, PROTOCOL_ERROR)
@@ -462,6 +480,7 @@ async def test_a_bad_opening_is_goaway_protocol_error(served: Served, opening: b
 async def test_after_a_connection_error_the_server_serves_other_connections(
     raw: Peer, served: Served
 ) -> None:
+    """A connection error ends that connection only: a new connection's call is answered."""
     raw.send(raw_frame(HEADERS, END_HEADERS, 1, _HPACK_BAD_INDEX))
     await connection_error(raw, COMPRESSION_ERROR)
 

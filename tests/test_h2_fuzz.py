@@ -12,7 +12,10 @@ from __future__ import annotations
 import struct
 
 import hpack
-from h2peer import (
+from hyperframe.frame import Frame, GoAwayFrame
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from support.h2peer import (
     ACK,
     CONTINUATION,
     DATA,
@@ -29,9 +32,6 @@ from h2peer import (
     raw_frame,
     request_headers,
 )
-from hyperframe.frame import Frame, GoAwayFrame
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 from sidecar.rls.h2.connection import Connection, Limits
 from sidecar.rls.h2.unary import PREFIX_SIZE, CallError, Status, read_message
@@ -207,6 +207,11 @@ def _check(driven: Driven) -> None:
 def test_any_conversation_ends_in_answers_or_a_connection_error(
     opening: bytes, frames: list[bytes]
 ) -> None:
+    """A conversation that mostly keeps to the rules (streams opened, headers, bodies, resets,
+    window updates, settings), after a preface with any one setting, never raises: the connection
+    either ends with a GOAWAY carrying an error code as its last frame, or stays open with every
+    complete call answered, its buffered bytes accounted exactly, and each open stream still
+    receiving or waiting for flow-control window."""
     _check(Driven().feed([opening, *frames]))
 
 
@@ -215,18 +220,25 @@ def test_any_conversation_ends_in_answers_or_a_connection_error(
 def test_any_frames_end_in_answers_or_a_connection_error(
     opening: bytes, frames: list[bytes]
 ) -> None:
+    """Any mix of arbitrary frames (any type, flags, stream and payload) and whole calls never
+    raises, and leaves the connection as `_check` requires: ended by a GOAWAY with an error code,
+    or open with every complete call answered and its buffers accounted exactly."""
     _check(Driven().feed([opening, *frames]))
 
 
 @FUZZ
 @given(st.binary(max_size=200))
 def test_any_bytes_after_the_preface_end_in_answers_or_a_connection_error(data: bytes) -> None:
+    """Any bytes after a valid preface and SETTINGS never raise, and leave the connection as
+    `_check` requires (ended by a GOAWAY with an error code, or open and consistent)."""
     _check(Driven().feed([PREFACE + raw_frame(SETTINGS, 0, 0), data]))
 
 
 @FUZZ
 @given(st.binary(max_size=60))
 def test_any_bytes_instead_of_the_preface_are_refused_or_awaited(data: bytes) -> None:
+    """Bytes that neither begin the client preface nor begin with it close the connection with a
+    GOAWAY carrying an error code; nothing raises."""
     driven = Driven().feed([data])
     _check(driven)
     assert driven.conn.closed or PREFACE.startswith(data) or data.startswith(PREFACE)
@@ -255,6 +267,8 @@ def test_how_the_bytes_are_split_does_not_change_the_answer(
 @FUZZ
 @given(st.binary(max_size=64))
 def test_the_message_reader_returns_one_whole_message_or_a_status(body: bytes) -> None:
+    """Any request body is read as exactly one whole uncompressed gRPC message (its prefix and
+    length true), or refused with RESOURCE_EXHAUSTED or INTERNAL and a message saying why."""
     try:
         message = read_message(body)
     except CallError as exc:

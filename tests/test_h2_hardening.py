@@ -14,8 +14,8 @@ from pathlib import Path
 
 import hpack
 import pytest
-from certs import Authority
-from h2peer import (
+from support.certs import Authority
+from support.h2peer import (
     CONTINUATION,
     DATA,
     END_HEADERS,
@@ -33,7 +33,7 @@ from h2peer import (
     raw_frame,
     request_headers,
 )
-from h2served import ECHO, WAIT, Methods, Served
+from support.h2served import ECHO, WAIT, Methods, Served
 
 from sidecar.rls.h2.connection import (
     CONTROL_BUDGET,

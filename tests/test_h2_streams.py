@@ -1,8 +1,8 @@
 """HTTP/2 conformance of the fast transport's server, stream by stream: resets from either side,
 stream limits, request header rules, gRPC framing, and the graceful shutdown.
 
-The client is tests/h2peer.py (h2's state machine, or raw frames); see test_h2_conformance.py
-for the connection-level rules.
+The client is tests/support/h2peer.py (h2's state machine, or raw frames); see
+test_h2_conformance.py for the connection-level rules.
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ from pathlib import Path
 
 import grpc
 import pytest
-from h2peer import (
+from hyperframe.frame import GoAwayFrame, PingFrame, RstStreamFrame
+from support.h2peer import (
     ACK,
     DATA,
     END_HEADERS,
@@ -37,8 +38,7 @@ from h2peer import (
     request_headers,
     stream_error,
 )
-from h2served import ECHO, MAX_STREAMS, WAIT, Served, serve_h2
-from hyperframe.frame import GoAwayFrame, PingFrame, RstStreamFrame
+from support.h2served import ECHO, MAX_STREAMS, WAIT, Served, serve_h2
 
 CANCEL = 8
 
@@ -56,6 +56,8 @@ async def waiting(served: Served, calls: int) -> None:
 async def test_a_call_reset_by_the_peer_is_dropped_and_its_late_answer_discarded(
     peer: Peer, served: Served
 ) -> None:
+    """A call the peer resets gets nothing more on its stream, even when its answer comes later;
+    the connection's next call is answered."""
     peer.start()
     reset = peer.call(WAIT, b"never")
     await waiting(served, 1)
@@ -160,6 +162,8 @@ _BASE = request_headers(ECHO)
 async def test_a_malformed_request_resets_its_stream_and_the_connection_goes_on(
     raw: Peer, headers: Headers
 ) -> None:
+    """A request with malformed headers (RFC 9113 §8.2 and §8.3) resets its stream with
+    PROTOCOL_ERROR; the next call on the connection is answered."""
     raw.send(raw_frame(HEADERS, END_HEADERS | END_STREAM, 1, raw.block(headers)))
     await stream_error(raw, 1, PROTOCOL_ERROR)
     raw.send(call(raw, 3, ECHO))
@@ -167,6 +171,7 @@ async def test_a_malformed_request_resets_its_stream_and_the_connection_goes_on(
 
 
 async def test_a_body_that_contradicts_content_length_resets_the_stream(raw: Peer) -> None:
+    """A body shorter than its content-length resets the stream with PROTOCOL_ERROR."""
     block = raw.block(request_headers(ECHO, content_length="100"))
     raw.send(
         raw_frame(HEADERS, END_HEADERS, 1, block),
@@ -176,6 +181,7 @@ async def test_a_body_that_contradicts_content_length_resets_the_stream(raw: Pee
 
 
 async def test_request_trailers_end_the_request(raw: Peer) -> None:
+    """Trailers (HEADERS with END_STREAM after the body) end the request, which is then answered."""
     raw.send(
         headers_frame(raw, 1, ECHO),
         raw_frame(DATA, 0, 1, grpc_message(b"t")),
@@ -247,6 +253,9 @@ async def test_data_on_a_stream_the_server_reset_is_ignored(raw: Peer) -> None:
 async def test_a_request_the_server_cannot_call_is_answered_with_a_status(
     raw: Peer, headers: Headers, body: bytes, status: bytes, grpc_status: bytes
 ) -> None:
+    """A request the server cannot call (wrong method or content type, an unsupported encoding, a
+    body that is not exactly one uncompressed message, a message over 4 MiB) is answered with the
+    HTTP and gRPC statuses gRPC names for it, and a message."""
     raw.send(
         raw_frame(HEADERS, END_HEADERS, 1, raw.block(headers)),
         raw_frame(DATA, END_STREAM, 1, body),

@@ -18,7 +18,7 @@ import pytest
 import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kube import NATIVE_VERSIONS, VERSIONS, assert_valid
+from support.kube import NATIVE_VERSIONS, VERSIONS, assert_valid
 
 from sidecar import __version__
 from sidecar.cli import parse_args
@@ -30,7 +30,7 @@ from sidecar.injector.manifests import inject_yaml
 from sidecar.injector.patch import Sidecar, Skipped, inject, patch, plan
 from sidecar.injector.settings import Settings
 from sidecar.injector.urls import validate_url
-from sidecar.storage import open_backend
+from sidecar.storage.backends import open_backend
 
 SETTINGS = Settings()
 ORDINARY = Settings(native_sidecars=False)
@@ -612,8 +612,8 @@ def test_a_native_sidecar_needs_the_1_29_schema_and_an_ordinary_one_fits_1_28() 
     [
         (
             {"ratelimit-sidecar/backend": "redis://cache:notaport"},
-            "ratelimit-sidecar/backend: 'redis://cache:notaport': bad address 'cache:notaport' "
-            "(want host:port, port from 1 to 65535)",
+            "ratelimit-sidecar/backend: 'redis://cache:notaport': bad port in 'cache:notaport' "
+            "(want a number from 1 to 65535)",
         ),
         (
             {"ratelimit-sidecar/backend": "http://redis:6379"},
@@ -1040,12 +1040,15 @@ def test_inject_command_takes_the_defaults_of_resources_user_and_rules_configmap
     ],
 )
 def test_inject_command_refuses_bad_defaults_with_status_2(flags: list[str], message: str) -> None:
+    """`inject` refuses default resources or a default rules ConfigMap that would make a bad pod,
+    with exit status 2 and the reason, before reading anything."""
     status, out, err = run(["inject", "-f", "-", *flags])
     assert (status, out) == (2, "")
     assert err.startswith(f"ratelimit-sidecar inject: {message}")
 
 
 def test_a_kube_version_that_is_not_one_is_a_usage_error() -> None:
+    """`inject --kube-version` that is not a Kubernetes version is a usage error (exit status 2)."""
     with pytest.raises(SystemExit) as caught:
         run(["inject", "-f", "-", "--kube-version", "latest"])
     assert caught.value.code == 2

@@ -32,10 +32,10 @@ import pytest
 import yaml
 from conftest import require_binary
 from envoy.service.ratelimit.v3.rls_pb2 import RateLimitRequest, RateLimitResponse
-from envoys import Envoy, ProcessError, Response, Sidecar, get, steady_port
-from loads import H2load, Wrk
-from servers import RedisServer, ServerError, start_server
-from sidecars import request
+from support.envoys import Envoy, ProcessError, Response, Sidecar, get, steady_port
+from support.loads import H2load, Wrk
+from support.servers import RedisServer, ServerError, start_server
+from support.sidecars import request
 
 from sidecar import cli
 from sidecar.app import SHUTDOWN_GRACE

@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 import yaml
-from envoys import validate
-from kube import K8S, build, find
+from support.envoys import validate
+from support.kube import K8S, build, find
 
 from sidecar import config
 from sidecar.injector import annotations as names

@@ -1,7 +1,7 @@
 """The manifests in k8s/: each kustomization builds, every object fits the Kubernetes API's
 schema, and the pieces agree with each other and with the sidecar (ports, names, flags, rules).
 
-Builds use tests/kube.py's kustomize, which always runs, and also `kubectl kustomize` where
+Builds use tests/support/kube.py's kustomize, which always runs, and also `kubectl kustomize` where
 kubectl is installed; both must print the same objects.
 """
 
@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import yaml
-from kube import K8S, assert_valid, build, by_id, find, kubectl_build
+from support.kube import K8S, assert_valid, build, by_id, find, kubectl_build
 
 from sidecar import config
 from sidecar.cli import parse_args
@@ -56,7 +56,7 @@ def test_the_layout_has_a_base_and_an_overlay() -> None:
 @pytest.mark.parametrize("name", KUSTOMIZATIONS)
 def test_every_object_is_valid_for_the_kubernetes_api(name: str, builder: str) -> None:
     """Every object every kustomization builds passes the API's strict schema; kubectl
-    kustomize, where it runs, builds exactly the objects tests/kube.py builds."""
+    kustomize, where it runs, builds exactly the objects tests/support/kube.py builds."""
     objects = objects_of(name, builder)
     assert objects
     for obj in objects:

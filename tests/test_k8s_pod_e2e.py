@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from envoys import Envoy, Sidecar, Upstream, free_port, get
-from kube import K8S, build, find
+from support.envoys import Envoy, Sidecar, Upstream, free_port, get
+from support.kube import K8S, build, find
 
 from sidecar.cli import parse_args
 from sidecar.injector.container import CONTAINER_NAME, RULES_PATH, SOCKET_DIR, SOCKET_PATH

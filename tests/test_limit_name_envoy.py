@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from envoys import Envoy, Sidecar, Upstream, free_port, get, start_together
+from support.envoys import Envoy, Sidecar, Upstream, free_port, get, start_together
 from test_gateway_e2e import bootstrap, unique
 
 RULES = """\

@@ -11,14 +11,15 @@ from pathlib import Path
 
 import pytest
 import redis
-from callbacks import should_rate_limit
-from clock import Clock
+from support.callbacks import should_rate_limit
+from support.clock import Clock
 
 from sidecar import config
 from sidecar.limiter import Limiter, Settings
 from sidecar.model import Code, Decision, Descriptor, Entry, Override, Request, Unit
 from sidecar.rules import Rules
-from sidecar.storage import Backend, open_backend
+from sidecar.storage import Backend
+from sidecar.storage.backends import open_backend
 
 pytestmark = pytest.mark.redis
 
@@ -199,7 +200,7 @@ async def test_a_reload_raising_a_limit_mid_window_sees_every_refused_hit(redis_
 
 async def test_a_reload_forgets_the_counters_known_over(tmp_path: Path, redis_url: str) -> None:
     """`serve` clears the over-limit cache when it loads new rules."""
-    from sidecars import running_app
+    from support.sidecars import running_app
 
     from sidecar.app import App
 

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 from conftest import require_binary
-from loads import H2load
-from sidecars import request, serve_process
+from support.loads import H2load
+from support.sidecars import request, serve_process
 
 pytestmark = pytest.mark.redis
 

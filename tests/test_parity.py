@@ -24,15 +24,16 @@ from dataclasses import dataclass, replace
 from datetime import date, datetime
 
 import pytest
-from callbacks import apply
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from model_store import Model
+from support.callbacks import apply
+from support.model_store import Model
 
 from sidecar import counters, usage
 from sidecar.algorithms import hyperloglog
 from sidecar.model import Algorithm, Hit, Outcome, Role, Unit, Window
-from sidecar.storage import Backend, open_backend
+from sidecar.storage import Backend
+from sidecar.storage.backends import open_backend
 from sidecar.storage.keys import descriptor_prefix, field_head, group_key, hash_tag
 from sidecar.storage.memory import MemoryBackend
 

@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 import redis
-from servers import RedisServer
-from sidecars import NOW, Clock, client, request, write_rules
+from support.servers import RedisServer
+from support.sidecars import NOW, Clock, client, request, write_rules
 
 from sidecar import cli
 from sidecar.app import App, InvalidOption, Options

@@ -4,11 +4,12 @@ body must give exactly the answers of doing it on every call."""
 from __future__ import annotations
 
 import hiredis
-from callbacks import service_call
 from envoy.service.ratelimit.v3.rls_pb2 import (  # type: ignore[import-untyped]
     RateLimitRequest,
     RateLimitResponse,
 )
+from support.callbacks import service_call
+from support.clock import Clock
 
 from sidecar import config
 from sidecar.limiter import Limiter
@@ -17,8 +18,7 @@ from sidecar.plan import prepare
 from sidecar.rls.service import RateLimitService
 from sidecar.rules import Rules
 from sidecar.storage.memory import MemoryBackend
-from sidecar.storage.redis import ApplyPacker, _command, counts
-from tests.clock import Clock
+from sidecar.storage.scripts import ApplyPacker, apply_command, counts
 
 RULES = """
 domain: d
@@ -102,7 +102,7 @@ async def test_a_reload_makes_cached_plans_stale() -> None:
 
 
 def test_packed_script_call_is_hiredis_packing_of_the_arguments() -> None:
-    """The packer's bytes are exactly what hiredis packs for `_command`, whatever the hits hold
+    """The packer's bytes are exactly what hiredis packs for `apply_command`, whatever the hits hold
     (every algorithm, grouped fields, non-ASCII bytes, a role), for either script, in both
     modes and repeatedly."""
     hits = [
@@ -136,10 +136,10 @@ def test_packed_script_call_is_hiredis_packing_of_the_arguments() -> None:
     for request in (hits, adding):
         for mode in (0, 1, 0):
             for now_ms in (0, 1_800_000_000_123):
-                expected = hiredis.pack_command(tuple(_command(request, mode, now_ms)))
+                expected = hiredis.pack_command(tuple(apply_command(request, mode, now_ms)))
                 assert packer.command(request, mode, now_ms) == expected
                 for hit in request:  # a call on one hit, kept whole (but for decide's mode, time)
-                    expected = hiredis.pack_command(tuple(_command([hit], mode, now_ms)))
+                    expected = hiredis.pack_command(tuple(apply_command([hit], mode, now_ms)))
                     assert packer.command([hit], mode, now_ms) == expected
 
 

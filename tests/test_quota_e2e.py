@@ -23,8 +23,8 @@ from datetime import datetime
 from pathlib import Path
 
 import pytest
-from envoys import HOST, Envoy, ProcessError, Sidecar, free_port, steady_port
-from servers import RedisServer
+from support.envoys import HOST, Envoy, ProcessError, Sidecar, free_port, steady_port
+from support.servers import RedisServer
 
 LIMIT = 600
 #: Seconds. Envoy 1.40 reports every 5 s, whatever `reporting_interval` says: a window holds two.

@@ -16,6 +16,7 @@ from envoy.service.rate_limit_quota.v3.rlqs_pb2 import (
     RateLimitQuotaUsageReports,
 )
 from envoy.type.v3.ratelimit_strategy_pb2 import RateLimitStrategy
+from support.sidecars import Clock, running_app, write_rules
 
 from sidecar import config
 from sidecar.app import App
@@ -24,8 +25,7 @@ from sidecar.quota.allocator import Budget, Holder
 from sidecar.quota.buckets import resolve, state_key
 from sidecar.quota.service import SERVICE_NAME
 from sidecar.quota.store import MemoryStore, QuotaStore, RedisStore, open_store
-from sidecar.storage import open_backend
-from tests.sidecars import Clock, running_app, write_rules
+from sidecar.storage.backends import open_backend
 
 METHOD = f"/{SERVICE_NAME}/StreamRateLimitQuotas"
 

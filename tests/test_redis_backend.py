@@ -15,27 +15,28 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
-from callbacks import apply
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from redis.crc import key_slot
-from servers import HOST, RedisCluster, RedisServer, free_port
+from support.callbacks import apply
+from support.servers import HOST, RedisCluster, RedisServer, free_port
 
 from sidecar.errors import StorageError
 from sidecar.model import Algorithm, Hit, Outcome, Role, Unit, Window
-from sidecar.storage import Backend, open_backend
+from sidecar.storage import Backend
+from sidecar.storage.backends import open_backend
 from sidecar.storage.cluster import RedisClusterBackend
 from sidecar.storage.memory import MemoryBackend
-from sidecar.storage.redis import (
-    _COUNT_SCRIPT,
-    _COUNT_SHA,
-    _SCRIPT,
-    _SHA,
+from sidecar.storage.redis import RedisBackend
+from sidecar.storage.scripts import (
+    COUNT_SCRIPT,
+    COUNT_SHA,
     MODE_ADD,
-    RedisBackend,
-    _decide_command,
-    _decided,
+    SCRIPT,
+    SHA,
     counts,
+    decide_command,
+    decide_outcomes,
 )
 
 # Generous, so a loaded machine does not turn contract tests into timing tests.
@@ -346,7 +347,7 @@ async def test_count_script_answers_and_writes_as_the_decide_script(
     backend = RedisBackend.from_url(redis_url, timeout_ms=TIMEOUT_MS)
     try:
         with redis_server.client() as client:
-            client.script_load(_SCRIPT)
+            client.script_load(SCRIPT)
             for hits in requests:
                 counted, decided = (
                     [
@@ -359,8 +360,8 @@ async def test_count_script_answers_and_writes_as_the_decide_script(
                 )
                 assert counts(counted, MODE_ADD)
                 answer = await apply(backend, counted, False, NOW_MS)
-                reply = client.execute_command(*_decide_command(decided, MODE_ADD, NOW_MS))
-                assert answer == _decided(decided, reply, NOW_MS)
+                reply = client.execute_command(*decide_command(decided, MODE_ADD, NOW_MS))
+                assert answer == decide_outcomes(decided, reply, NOW_MS)
                 for one, other in zip(counted, decided, strict=True):
                     assert client.get(one.key) == client.get(other.key)
                     ttl, other_ttl = client.pttl(one.key), client.pttl(other.key)
@@ -422,8 +423,8 @@ async def test_one_script_call_per_hash_slot(
     """Hits sharing a hash tag cost one EVALSHA; on a cluster, one per slot touched."""
     for node in store.nodes:
         with node.client() as client:
-            client.script_load(_SCRIPT)
-            client.script_load(_COUNT_SCRIPT)
+            client.script_load(SCRIPT)
+            client.script_load(COUNT_SCRIPT)
     same_tag = request(*(hit(b"rl{b}|%d" % i, 1, 10) for i in range(5)))
     reset_stats(store)
     await apply(store_backend, same_tag, False, NOW_MS)
@@ -438,7 +439,7 @@ async def test_one_script_call_per_hash_slot(
 
 # Plain counters added to run count.lua; all or nothing runs decide.lua.
 SCRIPTS = pytest.mark.parametrize(
-    ("all_or_nothing", "sha"), [(False, _COUNT_SHA), (True, _SHA)], ids=["count", "decide"]
+    ("all_or_nothing", "sha"), [(False, COUNT_SHA), (True, SHA)], ids=["count", "decide"]
 )
 
 

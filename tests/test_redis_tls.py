@@ -15,10 +15,10 @@ from pathlib import Path
 from urllib.parse import urlencode
 
 import pytest
-from callbacks import apply
-from certs import write_certificate
 from conftest import require_binary
-from servers import (
+from support.callbacks import apply
+from support.certs import write_certificate
+from support.servers import (
     HOST,
     RedisCluster,
     RedisServer,
@@ -31,7 +31,8 @@ from servers import (
 
 from sidecar.errors import StorageError
 from sidecar.model import Hit, Unit, Window
-from sidecar.storage import Backend, open_backend
+from sidecar.storage import Backend
+from sidecar.storage.backends import open_backend
 
 pytestmark = pytest.mark.redis
 

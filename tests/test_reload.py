@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import aiohttp
-from sidecars import client, request, running_app, serve_process
+from support.sidecars import client, request, running_app, serve_process
 
 from sidecar.app import App
 from sidecar.model import Code

@@ -9,13 +9,13 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from reference_process import reference_process
-from sidecars import client, request
+from support.reference_process import reference_process
+from support.sidecars import client, request
 
 from sidecar import cli, settings
 from sidecar.injector.urls import validate_url
 from sidecar.model import Code
-from sidecar.storage import open_backend
+from sidecar.storage.backends import open_backend
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -204,7 +204,7 @@ def test_xds_variables_map_onto_the_xds_flags() -> None:
             "FORCE_START_WITHOUT_INITIAL_CONFIG": "true",
         }
     )
-    options = cli.xds_flags.options(cli.parse_args(["serve"], {"RLS_XDS_SERVER": "x:1"}))
+    options = cli.serve.xds_flags.options(cli.parse_args(["serve"], {"RLS_XDS_SERVER": "x:1"}))
     assert options is not None and options.server == "x:1" and options.backoff_jitter
     assert args["config"] is None
     assert args["xds_server"] == "localhost:18000"
@@ -218,7 +218,7 @@ def test_xds_variables_map_onto_the_xds_flags() -> None:
     assert (args["xds_retry_seconds"], args["xds_backoff_seconds"]) == (90.0, 2.0)
     assert (args["xds_backoff_no_jitter"], args["xds_max_message_bytes"]) == (True, 8_388_608)
     assert args["force_start_without_initial_config"] is True
-    built = cli.xds_flags.options(
+    built = cli.serve.xds_flags.options(
         cli.parse_args(
             ["serve"],
             {
@@ -340,7 +340,7 @@ def test_statsd_tls_and_tracing_variables_read_as_the_reference_reads_them() -> 
         "GRPC_SERVER_TLS_KEY": "/certs/tls.key",
         "GRPC_SERVER_TLS_CA_CERT": "/certs/ca.crt",
     }
-    files = cli.tls_files(cli.parse_args(["serve", "--config", "x"], tls))
+    files = cli.serve.tls_files(cli.parse_args(["serve", "--config", "x"], tls))
     assert files is not None
     assert (str(files.cert), str(files.key), files.client_ca) == (
         "/certs/tls.crt", "/certs/tls.key", None,

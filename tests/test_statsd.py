@@ -11,7 +11,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 import pytest
-from sidecars import client, request, running_app, serve_process, write_rules
+from support.sidecars import client, request, running_app, serve_process, write_rules
 
 from sidecar import cli
 from sidecar.metrics import Latency

@@ -17,12 +17,12 @@ import socket
 from collections.abc import AsyncIterator, Callable
 
 import pytest
-from clock import Clock
 from envoy.service.ratelimit.v3.rls_pb2 import (  # type: ignore[import-untyped]
     RateLimitResponse,
 )
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support.clock import Clock
 
 from sidecar import config
 from sidecar.limiter import Limiter, Settings
@@ -31,7 +31,8 @@ from sidecar.plan import Plan
 from sidecar.rls import convert
 from sidecar.rules import Rules
 from sidecar.stats import Stats
-from sidecar.storage import Backend, open_backend
+from sidecar.storage import Backend
+from sidecar.storage.backends import open_backend
 
 #: One window per rule, every algorithm and a few other shapes a request can mix: no rule, an
 #: unlimited rule, a shadow rule and two windows on one descriptor (those make a plan general).

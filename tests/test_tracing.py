@@ -10,8 +10,8 @@ from pathlib import Path
 
 import grpc
 import pytest
-from otlp import grpc_receiver, http_receiver
-from sidecars import client, request, running_app, serve_process, write_rules
+from support.otlp import grpc_receiver, http_receiver
+from support.sidecars import client, request, running_app, serve_process, write_rules
 
 from sidecar import cli
 from sidecar.app import TRANSPORTS
@@ -148,12 +148,12 @@ def test_the_reference_variables_turn_tracing_on_as_the_flags_do() -> None:
     }
     base = ["serve", "--config", "r"]
     expected = TracingSettings("grpc", None, "rls", "edge", "pod-1", 0.25)
-    assert cli.tracing_settings(cli.parse_args(base, env)) == expected
+    assert cli.serve.tracing_settings(cli.parse_args(base, env)) == expected
     flags = [*base, "--tracing", "--tracing-protocol", "grpc", "--tracing-service-name", "rls",
              "--tracing-service-namespace", "edge", "--tracing-service-instance-id", "pod-1",
              "--tracing-sampling-rate", "0.25"]  # fmt: skip
-    assert cli.tracing_settings(cli.parse_args(flags, {})) == expected
-    assert cli.tracing_settings(cli.parse_args(base, {})) is None
+    assert cli.serve.tracing_settings(cli.parse_args(flags, {})) == expected
+    assert cli.serve.tracing_settings(cli.parse_args(base, {})) is None
     with pytest.raises(SystemExit):
         cli.parse_args([*base, "--tracing-sampling-rate", "2"], {})
 

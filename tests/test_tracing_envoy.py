@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 import yaml
-from envoys import Envoy, Sidecar, free_port, get, start_together
-from otlp import Received, threaded_grpc_receiver
+from support.envoys import Envoy, Sidecar, free_port, get, start_together
+from support.otlp import Received, threaded_grpc_receiver
 from test_gateway_e2e import bootstrap, unique
 
 from sidecar.app import TRANSPORTS

@@ -8,10 +8,10 @@ from collections import Counter
 from collections.abc import Callable
 
 import pytest
-from callbacks import should_rate_limit
-from clock import Clock
 from prometheus_client import CollectorRegistry
-from servers import RedisCluster, RedisServer
+from support.callbacks import should_rate_limit
+from support.clock import Clock
+from support.servers import RedisCluster, RedisServer
 
 from sidecar import config, metrics, usage, usage_api
 from sidecar.algorithms import hyperloglog
@@ -19,7 +19,8 @@ from sidecar.errors import ConfigError
 from sidecar.limiter import Limiter
 from sidecar.model import Code, Descriptor, Entry, Hit, Request, Unit, Window
 from sidecar.rules import Rules
-from sidecar.storage import open_backend, redis
+from sidecar.storage import scripts
+from sidecar.storage.backends import open_backend
 from sidecar.storage.memory import MemoryBackend
 
 RULES = """\
@@ -317,8 +318,8 @@ def test_a_request_with_usage_runs_the_decide_script_never_the_count_script() ->
     tally = usage.tally("open", parsed.usage, call("shop", "pay", "u"), None)
     assert tally is not None
     counter = Hit(b"rl{open|app|shop}|86400|0", 1, Window(5, Unit.DAY), ttl=86_400)
-    assert redis.counts([counter], redis.MODE_ADD)
-    assert not redis.counts([counter, *tally.at(1_795_537_800_000)], redis.MODE_ADD)
+    assert scripts.counts([counter], scripts.MODE_ADD)
+    assert not scripts.counts([counter, *tally.at(1_795_537_800_000)], scripts.MODE_ADD)
 
 
 async def test_prometheus_gets_only_the_top_keys_of_each_dimension(clock: Clock) -> None:

@@ -12,9 +12,9 @@ from typing import Any
 
 import aiohttp
 import pytest
-from browser import chromium, count_color, open_page, png_pixels
 from conftest import require_binary
-from envoys import HOST, Sidecar, free_port
+from support.browser import chromium, count_color, open_page, png_pixels
+from support.envoys import HOST, Sidecar, free_port
 
 from sidecar import cli
 

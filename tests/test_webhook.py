@@ -24,10 +24,10 @@ import jsonpatch
 import pytest
 import structlog
 from aiohttp import web
-from certs import write_certificate
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kube import assert_valid
+from support.certs import write_certificate
+from support.kube import assert_valid
 
 from sidecar.injector.commands import detect_native
 from sidecar.injector.settings import Settings
@@ -196,8 +196,8 @@ def test_an_unparsable_backend_is_denied_with_the_annotation_and_the_reason() ->
     annotations = document["request"]["object"]["metadata"]["annotations"]
     annotations["ratelimit-sidecar/backend"] = "redis://redis:70000"
     assert denied_message(ask(document), "0df28fbd-5f5f-11e8-bc74-36e6bb280816") == (
-        "ratelimit-sidecar/backend: 'redis://redis:70000': bad address 'redis:70000' "
-        "(want host:port, port from 1 to 65535)"
+        "ratelimit-sidecar/backend: 'redis://redis:70000': bad port in 'redis:70000' "
+        "(want a number from 1 to 65535)"
     )
 
 
@@ -584,7 +584,7 @@ async def test_a_renewed_certificate_is_served_without_a_restart(tmp_path: Path)
 
 # --- the command -----------------------------------------------------------------------------
 
-# The CLI's dispatch, as sidecar/cli.py does it once `register` is wired in.
+# The CLI's dispatch, as sidecar/cli/__init__.py does it once `register` is wired in.
 SHIM = """
 import argparse, sys
 from sidecar.injector.commands import register

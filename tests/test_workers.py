@@ -16,7 +16,7 @@ from typing import Any
 import grpc
 import pytest
 from envoy.service.ratelimit.v3.rls_pb2 import RateLimitRequest, RateLimitResponse
-from sidecars import ServeProcess, request, serve_process, write_rules
+from support.sidecars import ServeProcess, request, serve_process, write_rules
 
 from sidecar import cli
 from sidecar.rls.server import METHOD
@@ -47,6 +47,8 @@ def test_the_transport_is_fast_unless_told_otherwise() -> None:
 def test_bad_transport_flags_are_usage_errors(
     argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    """An unknown transport, fewer than one worker or an empty Unix socket path is a usage error
+    (exit status 2) naming the fault."""
     with pytest.raises(SystemExit) as exited:
         cli.parse_args(["serve", "--config", "a.yaml", *argv], {})
 
@@ -55,11 +57,14 @@ def test_bad_transport_flags_are_usage_errors(
 
 
 def test_a_unix_grpc_address_is_accepted() -> None:
+    """`--grpc-address unix:PATH` is a gRPC address."""
     args = cli.parse_args(["serve", "--config", "a.yaml", "--grpc-address", "unix:/run/rls.sock"])
     assert args.grpc_address == "unix:/run/rls.sock"
 
 
 def test_workers_get_every_flag_but_the_addresses_and_their_count() -> None:
+    """Each worker is started with every `serve` flag of the command line and its RLS_* variables,
+    but the addresses and the worker count."""
     args = cli.parse_args(
         [
             "serve", "--config", "a.yaml", "--config", "b.yaml", "--backend", "redis://r:6379",
@@ -68,7 +73,7 @@ def test_workers_get_every_flag_but_the_addresses_and_their_count() -> None:
         {"RLS_FAILURE_MODE": "deny"},
     )  # fmt: skip
 
-    flags = cli._worker_flags(args)
+    flags = cli.serve.worker_flags(args)
 
     assert flags[:6] == ["--config", "a.yaml", "--config", "b.yaml", "--backend", "redis://r:6379"]
     assert "--shadow-mode" in flags
@@ -132,6 +137,7 @@ async def test_grpc_socket_mode_sets_the_sockets_permission_bits(
 
 @pytest.mark.parametrize("mode", ["8", "1777", "rw", ""])
 def test_a_socket_mode_that_is_not_octal_permission_bits_is_a_usage_error(mode: str) -> None:
+    """A `--grpc-socket-mode` that is not octal permission bits (0 to 777) is a usage error."""
     with pytest.raises(SystemExit) as caught:
         cli.parse_args(["serve", "--config", "a.yaml", "--grpc-socket-mode", mode])
     assert caught.value.code == 2

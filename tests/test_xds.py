@@ -1,5 +1,5 @@
 """Rules over xDS (`CONFIG_TYPE=GRPC_XDS_SOTW`): the sidecar as a client of a control plane the
-tests start (tests/control_plane.py), over real sockets and mTLS, as Envoy Gateway runs the
+tests start (tests/support/control_plane.py), over real sockets and mTLS, as Envoy Gateway runs the
 reference: pushes are served, bad pushes are NACKed and change nothing, a control plane restart
 is survived."""
 
@@ -15,10 +15,10 @@ from typing import Any
 import aiohttp
 import grpc
 import pytest
-from certs import write_certificate
-from control_plane import ControlPlane, pack
-from reference_process import reference_process
-from sidecars import Client, client, request
+from support.certs import write_certificate
+from support.control_plane import ControlPlane, pack
+from support.reference_process import reference_process
+from support.sidecars import Client, client, request
 
 from sidecar.app import App, Options
 from sidecar.model import Code

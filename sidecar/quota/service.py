@@ -21,6 +21,10 @@ expires, then follows its `expired_assignment_behavior` (a new bucket its
 
 Bounds: `MAX_BUCKETS` buckets per stream (past it the stream ends RESOURCE_EXHAUSTED); a bucket
 id of at most 8 entries of at most 1,024 characters (else INVALID_ARGUMENT, see `convert`).
+
+One module past the usual size because it is one stream's life: the reports it answers and the
+pushes it schedules between them share the stream's buckets and its refresher; the pure parts
+live apart (allocator.py, buckets.py, convert.py, store.py).
 """
 
 from __future__ import annotations

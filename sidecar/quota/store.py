@@ -27,6 +27,7 @@ from typing import Any, Protocol
 
 from sidecar.errors import Overloaded, StorageError
 from sidecar.quota.allocator import Holder
+from sidecar.storage.base import RunsCommands
 from sidecar.storage.per_second import PerSecond
 
 #: The holders hash's field that counts assignments written (no Envoy id starts with '%').
@@ -80,21 +81,14 @@ class QuotaStore(Protocol):
         ...
 
 
-class Executes(Protocol):
-    """A pipelined Redis or Redis Cluster client (`sidecar.storage.pipeline`, `.cluster`)."""
-
-    async def execute(self, *args: Any) -> Any: ...
-
-
 def open_store(backend: object, timeout_ms: int) -> QuotaStore:
-    """The store beside a counters backend: on its Redis (or Redis Cluster) client, or in this
+    """The store beside a counters backend: on its Redis (or Redis Cluster) server, or in this
     process for the memory backend."""
     if isinstance(backend, PerSecond):
         backend = backend.main  # the quota's own keys live with the counters of longer windows
-    client = getattr(backend, "client", None)
-    if client is None:
+    if not isinstance(backend, RunsCommands):
         return MemoryStore()
-    return RedisStore(client, timeout_ms, str(getattr(backend, "name", "redis")))
+    return RedisStore(backend, timeout_ms, str(getattr(backend, "name", "redis")))
 
 
 def pack(holder: Holder) -> bytes:
@@ -132,9 +126,9 @@ def unpack(envoy: str, packed: bytes) -> Holder | None:
 
 
 class RedisStore:
-    """The store on a Redis or a Redis Cluster, through the backend's pipelined client."""
+    """The store on a Redis or a Redis Cluster, through the backend's `execute`."""
 
-    def __init__(self, client: Executes, timeout_ms: int, name: str = "redis") -> None:
+    def __init__(self, client: RunsCommands, timeout_ms: int, name: str = "redis") -> None:
         self._client = client
         self._timeout = timeout_ms / 1000
         self._name = name

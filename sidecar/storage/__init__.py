@@ -1,5 +1,19 @@
-"""Counter storage behind one interface: memory, Redis and Redis Cluster, chosen by URL."""
+"""Counter storage behind one interface: memory, Redis, Redis Sentinel and Redis Cluster.
 
-from sidecar.storage.base import Backend, open_backend
+- `base.py`: the `Backend` protocol every store implements; `backends.py` opens one by URL
+  (`urls.py` parses the URL, for the injector too).
+- `memory.py`: counters in this process.
+- `redis.py`, `sentinel.py`, `cluster.py`: the Redis backends, where Redis is called; each
+  request is one script call per hash slot, built and read by `scripts.py` (the contract with
+  `algorithms/lua/`), through `redis_client.py` (a pipelined RESP client) or
+  `cluster_client.py` (the same per master, routed by slot). `failures.py`: what a failed call
+  becomes.
+- `per_second.py`: per-second counters on a store of their own; `keys.py`: hash-tagged counter
+  keys; `peers.py`: how many sidecars share the counters.
 
-__all__ = ["Backend", "open_backend"]
+The package imports only the protocol, so the core's `storage.keys` imports no Redis client.
+"""
+
+from sidecar.storage.base import Applied, Backend
+
+__all__ = ["Applied", "Backend"]

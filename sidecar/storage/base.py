@@ -1,16 +1,10 @@
-"""The one interface every counter store implements, and the URL that picks one.
-
-Backend URLs: ``memory://`` (the default; ``memory://?max_counters=N`` caps its counters), ``redis://[user:password@]host:port[/db]``,
-``rediss://...`` (TLS), ``redis+cluster://host:port[,host:port...]`` (``rediss+cluster://``
-for TLS) and ``redis+sentinel://[user:password@]host:port[,host:port...]/master-name[/db]``
-(``rediss+sentinel://`` for TLS; ``?sentinel_username=&sentinel_password=`` for the Sentinels).
-"""
+"""The one interface every counter store implements (`Backend`), and what a shared one adds
+(`RunsCommands`). `sidecar.storage.backends` opens one by URL."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Protocol
-from urllib.parse import parse_qsl, urlsplit
+from typing import Any, Protocol, runtime_checkable
 
 from sidecar.algorithms.decide import Address, State
 from sidecar.model import Dedupe, Hit, Outcome
@@ -70,42 +64,13 @@ class Backend(Protocol):
     async def close(self) -> None: ...
 
 
-def open_backend(url: str, timeout_ms: int = 50) -> Backend:
-    """The backend a URL names; raises ValueError with the reason for a URL it cannot use."""
-    scheme = urlsplit(url).scheme
-    if scheme == "memory":
-        from sidecar.storage.memory import MemoryBackend
+@runtime_checkable
+class RunsCommands(Protocol):
+    """A backend on a Redis server others share (standalone, Sentinel, Cluster), which runs a
+    command there for a caller that keeps keys of its own beside the counters (the quota
+    service's, `sidecar.quota.store`)."""
 
-        return MemoryBackend(**_memory_options(url))
-    if scheme in ("redis", "rediss"):
-        from sidecar.storage.redis import RedisBackend
-
-        return RedisBackend.from_url(url, timeout_ms=timeout_ms)
-    if scheme in ("redis+cluster", "rediss+cluster"):
-        from sidecar.storage.cluster import RedisClusterBackend
-
-        return RedisClusterBackend.from_url(url, timeout_ms=timeout_ms)
-    if scheme in ("redis+sentinel", "rediss+sentinel"):
-        from sidecar.storage import sentinel
-
-        return sentinel.from_url(url, timeout_ms=timeout_ms)
-    raise ValueError(
-        f"unsupported backend URL {url!r}: use memory://, redis://host:port, rediss://host:port, "
-        "redis+cluster://host:port[,host:port...] (rediss+cluster:// for TLS) "
-        "or redis+sentinel://host:port[,host:port...]/master-name (rediss+sentinel:// for TLS)"
-    )
-
-
-def _memory_options(url: str) -> dict[str, int]:
-    """`memory://` takes one query parameter, `max_counters` (a whole number, at least 1)."""
-    parts = urlsplit(url)
-    if parts.netloc or parts.path or parts.fragment:
-        raise ValueError(f"{url!r}: memory:// takes no host or path, only ?max_counters=N")
-    options = {}
-    for name, value in parse_qsl(parts.query, keep_blank_values=True):
-        if name != "max_counters":
-            raise ValueError(f"{url!r}: unknown query parameter {name!r} (allowed: max_counters)")
-        if not value.isdigit() or int(value) < 1:
-            raise ValueError(f"{url!r}: max_counters must be a whole number of at least 1")
-        options[name] = int(value)
-    return options
+    async def execute(self, *args: Any) -> Any:
+        """Run one command (on a cluster, on the master of its first key's slot) and return its
+        reply; error replies raise. No deadline of its own: the caller keeps one."""
+        ...

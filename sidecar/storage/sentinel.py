@@ -2,7 +2,7 @@
 failovers.
 
 A ``redis+sentinel://`` backend is the standalone Redis backend (`redis.py`, the pipelined
-client of `pipeline.py`) whose client asks `Sentinels` for its server's address before each
+client of `redis_client.py`) whose client asks `Sentinels` for its server's address before each
 connection it opens. `Sentinels.locate` asks the Sentinels in turn (SENTINEL
 get-master-addr-by-name) and checks that the node named says ROLE master before handing it out,
 so a Sentinel that has not yet heard of a failover (it still names the old master, dead or
@@ -13,9 +13,9 @@ demoted) is passed over for the next one. Three things move the client to a new 
   (after a graceful failover the old master goes on taking writes for about ten seconds, until
   the Sentinels make it a replica: only the announcement gets the client off it in time);
 - a lost connection (the master died): every new connection asks the Sentinels again, at most
-  once per `pipeline.RECONNECT_BACKOFF` after a failed attempt;
+  once per `redis_client.RECONNECT_BACKOFF` after a failed attempt;
 - an error reply saying the node is not a usable master (READONLY, MASTERDOWN, LOADING): the
-  client drops its connections, at most once per `pipeline.RECONNECT_BACKOFF`, and asks again.
+  client drops its connections, at most once per `redis_client.RECONNECT_BACKOFF`, and asks again.
 
 The call that meets a dead, demoted or loading master fails (StorageError) and the service
 answers it by its failure mode; it is not sent again to the new master. A READONLY reply means
@@ -29,32 +29,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import ssl
 from collections.abc import Callable, Sequence
 from typing import Any
-from urllib.parse import parse_qsl, unquote, urlencode, urlsplit
 
 import hiredis
 import structlog
 
-from sidecar.storage.pipeline import NOT_MASTER, ConnectionLost, PipelinedRedis, RedisReplyError
-from sidecar.storage.redis import (
-    _TLS_OPTIONS,
-    RedisBackend,
-    _address,
-    _database,
-    _redact,
-    _ssl_context,
-    _timeout_seconds,
-    _tls_options,
-)
-from sidecar.storage.redis import (
-    DEFAULT_PORT as DEFAULT_REDIS_PORT,
-)
-
-#: The port of a Sentinel given without one.
-DEFAULT_PORT = 26379
+from sidecar.storage import urls
+from sidecar.storage.redis import RedisBackend
+from sidecar.storage.redis_client import NOT_MASTER, ConnectionLost, PipelinedRedis, RedisReplyError
 
 #: The least time a Sentinel's answer, a ROLE check or a subscription is given (the backend's
 #: timeout when longer). Finding the master is not any call's round trip (calls fail fast
@@ -64,10 +48,6 @@ MIN_TIMEOUT = 0.2
 
 #: A subscription to a Sentinel that failed or was lost is tried again after this long.
 RESUBSCRIBE_DELAY = 1.0
-
-#: Query parameters of a Sentinel URL beside the TLS ones: the Sentinels' own credentials (the
-#: userinfo is the master's, as envoyproxy/ratelimit's REDIS_AUTH and REDIS_SENTINEL_AUTH).
-SENTINEL_OPTIONS = ("sentinel_username", "sentinel_password")
 
 log = structlog.get_logger("sidecar.storage.sentinel")
 
@@ -84,55 +64,34 @@ def from_url(url: str, timeout_ms: int = 50) -> RedisBackend:
     Sentinels know it, then the database. The userinfo authenticates to the master; the query
     parameters ``sentinel_username`` and ``sentinel_password`` to the Sentinels (no
     ``sentinel_password``, no AUTH to them). With TLS, the query takes the TLS parameters of
-    ``rediss://`` too (see `RedisBackend.from_url`), for both. Nothing connects yet.
+    ``rediss://`` too (see `sidecar.storage.urls`), for both. Nothing connects yet.
     """
-    parts = urlsplit(url)
-    if parts.scheme not in ("redis+sentinel", "rediss+sentinel"):
-        raise ValueError(f"{_redact(url)}: scheme must be redis+sentinel:// or rediss+sentinel://")
-    tls = parts.scheme == "rediss+sentinel"
-    timeout = _timeout_seconds(url, timeout_ms)
-    userinfo, _, hosts = parts.netloc.rpartition("@")
-    if not hosts:
-        raise ValueError(f"{_redact(url)}: no Sentinel host:port")
-    sentinels = [_address(url, address, DEFAULT_PORT) for address in hosts.split(",")]
-    name, _, database = parts.path.lstrip("/").partition("/")
-    if not name:
+    location = urls.parse(url)
+    if not isinstance(location, urls.SentinelURL):
         raise ValueError(
-            f"{_redact(url)}: no master name: want redis+sentinel://host:port/master-name[/db]"
+            f"{urls.redact(url)!r}: scheme must be redis+sentinel:// or rediss+sentinel://"
         )
-    if parts.fragment:
-        raise ValueError(f"{_redact(url)}: unexpected fragment '#{parts.fragment}'")
-    fields = parse_qsl(parts.query, keep_blank_values=True)
-    allowed = [*(sorted(_TLS_OPTIONS) if tls else []), *SENTINEL_OPTIONS]
-    for field, _ in fields:
-        if field not in allowed:
-            raise ValueError(
-                f"{_redact(url)}: unknown query parameter {field!r} (allowed: {', '.join(allowed)})"
-            )
-    credentials = {field: value for field, value in fields if field in SENTINEL_OPTIONS}
-    rest = urlencode([(field, value) for field, value in fields if field not in SENTINEL_OPTIONS])
-    options = _tls_options(url, rest, tls)
-    context = functools.partial(_ssl_context, options) if tls else None
-    username, has_password, password = userinfo.partition(":")
+    timeout = urls.timeout_seconds(url, timeout_ms)
+    context = location.tls.context if location.tls else None
     master: dict[str, Any] = {
-        "username": unquote(username) or None,
-        "password": unquote(password) if has_password else None,
+        "username": location.username,
+        "password": location.password,
         "ssl_context": context,
         "connect_timeout": timeout,
     }
     located = Sentinels(
-        sentinels,
-        unquote(name),
-        username=credentials.get("sentinel_username") or None,
-        password=credentials.get("sentinel_password"),
+        location.sentinels,
+        location.master_name,
+        username=location.sentinel_username,
+        password=location.sentinel_password,
         ssl_context=context,
         timeout=timeout,
         master=master,
     )
     client = PipelinedRedis(
-        unquote(name),  # until the first connection asks the Sentinels where the master is
-        DEFAULT_REDIS_PORT,
-        db=_database(url, "/" + database),
+        location.master_name,  # until the first connection asks the Sentinels where the master is
+        urls.REDIS_PORT,
+        db=location.db,
         locator=located,
         # A master that is loading may be one the Sentinels have since moved away from.
         reconnect_on=(*NOT_MASTER, "LOADING"),
@@ -147,7 +106,7 @@ class Sentinels:
     failovers, which make the followed client drop its connections (`follow`).
 
     Bounds: one connection to each Sentinel for questions and one for its announcements, each
-    opened again at most once per RESUBSCRIBE_DELAY (questions: pipeline.RECONNECT_BACKOFF);
+    opened again at most once per RESUBSCRIBE_DELAY (questions: redis_client.RECONNECT_BACKOFF);
     one question at a time, shared by every connection being opened meanwhile; each question
     and each ROLE check given the backend's timeout, at least MIN_TIMEOUT.
     """

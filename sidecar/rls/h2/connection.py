@@ -27,6 +27,11 @@ limit below is a connection error, GOAWAY ENHANCE_YOUR_CALM, unless said otherwi
 - calls started per `receive`: `Limits.max_calls_per_read`; the rest of the bytes wait for
   `resume` (`backlog` says so), so one connection's read cannot hold the loop for thousands
   of calls while others wait.
+
+One module past the usual size because it is one state machine: every frame type's handler
+reads and moves the same connection state (streams, windows, the budgets above), and a rule of
+RFC 9113 changes them together; what stands apart already lives apart (frames.py, fields.py,
+streams.py, unary.py).
 """
 
 from __future__ import annotations

@@ -28,6 +28,10 @@ busy connection cannot hold the others' calls for a whole read. A connection tha
 nothing for FRAME_TIMEOUT in the middle of something (a frame, a header block, a request body),
 or nothing at all for IDLE_TIMEOUT with no stream open, is closed (an idle one with GOAWAY
 NO_ERROR first).
+
+One module past the usual size because the bounds across connections are one state: the server
+counts connections, buffered bytes and calls in flight, and each connection's protocol pauses
+and resumes against those counts, so the server and its Protocol change together.
 """
 
 from __future__ import annotations

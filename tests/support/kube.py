@@ -20,7 +20,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-K8S = Path(__file__).resolve().parent.parent / "k8s"
+K8S = Path(__file__).resolve().parents[2] / "k8s"
 #: Oldest and newest Kubernetes minor versions the manifests and the injected pods must fit.
 #: The schemas come with the kubernetes-validate package (the test extra), one per version.
 VERSIONS = ("1.28", kubernetes_validate.latest_version())
@@ -72,7 +72,7 @@ def build(directory: Path) -> list[dict[str, Any]]:
     if unknown:
         raise ValueError(
             f"{directory}: kustomization fields {sorted(unknown)} are not understood by "
-            "tests/kube.py: extend `build`, or keep to resources and patches"
+            "tests/support/kube.py: extend `build`, or keep to resources and patches"
         )
     objects: list[dict[str, Any]] = []
     for entry in kustomization.get("resources", []):

@@ -1,62 +1,43 @@
-"""The command line, `serve`, `check` and `query`: a thin layer over `app`, `config`, `rls.client`.
+"""`serve`: the rate limit service, from its flags, their RLS_* variables and the reference's
+variables (`sidecar.settings`), beneath both; `--workers N` runs N of it.
 
-Every flag can also come from the environment as `RLS_<FLAG>` (upper case, dashes as
-underscores); a flag on the command line wins over its variable. `serve` also reads the
-reference's variables (`sidecar.settings`), beneath both. `ratelimit`, the reference's entry
-point (`reference_main`), is `serve` with the reference's defaults.
+One module past the usual size because its flags are one table (a row per flag, each turned
+into an `Options` field by `run`): adding a flag touches the table and `run` together.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import os
-import re
 import sys
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from sidecar import __version__, config, logs, settings, statsd
-from sidecar.envoy_config.commands import register as register_envoy_config
+from sidecar import logs, settings, statsd
+from sidecar.cli.flags import (
+    ENV_PREFIX,
+    PROG,
+    Flags,
+    address,
+    at_least_a_second,
+    count,
+    count_or_auto,
+    grpc_address,
+    log_level,
+    share,
+    socket_mode,
+)
 from sidecar.errors import ConfigError
-from sidecar.injector.commands import register as register_injector
 from sidecar.rls.tls import TlsFiles
 from sidecar.statsd import StatsdError, StatsdSettings
 from sidecar.tracing import TracingSettings
-from sidecar.usage_command import register as register_usage
 from sidecar.xds import flags as xds_flags
 
-# grpc's C core writes its own lines to stderr; keep them to errors so the log stays one format.
-os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
-
-PROG = "ratelimit-sidecar"
 TRANSPORT_CHOICES = ("fast", "grpcio")
 LOOP_CHOICES = ("auto", "uvloop", "asyncio")
-ENV_PREFIX = "RLS_"
 
-_DESCRIPTION = """\
-An Envoy global rate limit service (envoy.service.ratelimit.v3.RateLimitService), a drop-in
-for envoyproxy/ratelimit: the same YAML rules, the same gRPC and HTTP endpoints, with counters
-in memory, Redis or Redis Cluster.
-
-Every flag can also be set in the environment as RLS_<FLAG> (upper case, dashes as
-underscores: --grpc-address is RLS_GRPC_ADDRESS). A flag on the command line wins.
-`serve` also reads envoyproxy/ratelimit's variables (REDIS_URL, RUNTIME_ROOT, CONFIG_TYPE, ...),
-beneath RLS_* and flags; `ratelimit` with no arguments runs `serve` from them alone, as the
-reference's /bin/ratelimit does (README lists every variable)."""
-
-_EPILOG = """\
-examples:
-  ratelimit-sidecar check rules/
-  ratelimit-sidecar serve --config rules/ --backend redis://127.0.0.1:6379
-  RLS_CONFIG=/etc/ratelimit RLS_BACKEND=redis://redis:6379 ratelimit-sidecar serve
-  ratelimit-sidecar query --domain edge --descriptor remote_address=10.0.0.1
-
-Run 'ratelimit-sidecar COMMAND --help' for the flags of a command."""
-
-_SERVE_DESCRIPTION = """\
+DESCRIPTION = """\
 Serve ShouldRateLimit over gRPC and, over HTTP: POST /json (the same call in proto3 JSON;
 200 OK, 429 OVER_LIMIT, 400 bad request), GET /healthcheck, GET /rlconfig (the loaded
 rules) and GET /metrics (Prometheus). The gRPC health service reports SERVING for "" and
@@ -98,199 +79,15 @@ matched against the same rules as a descriptor, and every Envoy (through every s
 the backend) gets its demand's share of the rule's limit per window. See README, "Quota
 service"."""
 
-_CHECK_DESCRIPTION = """\
-Validate rules files without starting anything: print one summary line per domain and exit
-0, or print the first error as 'FILE: PATH-IN-FILE: message' and exit 1.
 
-Every file envoyproxy/ratelimit loads loads here too. What it loads but is likely a mistake
-(a key where it does nothing, such as a unit beside rate_limit instead of inside it; a key
-repeated in one map; an empty rate_limit) is printed to stderr as 'warning: FILE: PATH:
-message'; `serve` logs it once. With --strict a warning fails the check (exit 1)."""
-
-_QUERY_DESCRIPTION = """\
-Send one ShouldRateLimit call to a running service and print the response.
-Exit status: 0 when overall_code is OK, 1 when OVER_LIMIT, 2 on error."""
-
-
-@dataclass(frozen=True)
-class _EnvFlag:
-    """A flag that may also come from RLS_<DEST>, with the default applied when neither is set."""
-
-    dest: str
-    option: str
-    default: Any
-    from_env: Callable[[str], Any]
-    required: bool
-
-
-class _Flags:
-    """Adds flags to one subcommand and remembers how to read each from the environment."""
-
-    def __init__(self, parser: argparse.ArgumentParser) -> None:
-        self.parser = parser
-        self.flags: list[_EnvFlag] = []
-
-    def add(
-        self,
-        option: str,
-        help: str,
-        *,
-        default: Any = None,
-        required: bool = False,
-        separators: str = "",
-        **kwargs: Any,
-    ) -> None:
-        dest = option.lstrip("-").replace("-", "_")
-        var = ENV_PREFIX + dest.upper()
-        shown = f"default: {default}; " if default not in (None, False) else ""
-        where = "required; " if required else ""
-        action = self.parser.add_argument(
-            option, default=None, help=f"{help} ({where}{shown}env {var})", **kwargs
-        )
-        reader = _env_reader(action, kwargs.get("action"), separators)
-        self.flags.append(_EnvFlag(dest, option, default, reader, required))
-
-    def resolve(self, args: argparse.Namespace, environ: Mapping[str, str]) -> None:
-        """Fill every flag the command line left out from its variable, else its default."""
-        for flag in self.flags:
-            if getattr(args, flag.dest) is not None:
-                continue
-            var = ENV_PREFIX + flag.dest.upper()
-            raw = environ.get(var, "")
-            value = flag.default
-            if raw:
-                try:
-                    value = flag.from_env(raw)
-                except (ValueError, argparse.ArgumentTypeError) as exc:
-                    self.parser.error(f"{var}={raw!r}: {exc}")
-            if value is None and flag.required:
-                self.parser.error(f"the following arguments are required: {flag.option} (or {var})")
-            setattr(args, flag.dest, value)
-
-
-def _env_reader(action: argparse.Action, kind: str | None, separators: str) -> Callable[[str], Any]:
-    """How to read an environment value for `action`: its type, its choices, one value or many."""
-    convert: Callable[[str], Any] = action.type if callable(action.type) else str
-
-    def one(raw: str) -> Any:
-        value = convert(raw.strip())
-        if action.choices is not None and value not in action.choices:
-            choices = ", ".join(map(str, action.choices))
-            raise ValueError(f"invalid choice {value!r} (choose from {choices})")
-        return value
-
-    if kind == "store_true":
-        return _boolean
-    if kind == "append":
-        pattern = f"[{re.escape(separators)}]"
-        return lambda raw: [one(part) for part in re.split(pattern, raw) if part.strip()]
-    return one
-
-
-def _boolean(raw: str) -> bool:
-    text = raw.strip().lower()
-    if text in ("1", "true", "yes", "on"):
-        return True
-    if text in ("0", "false", "no", "off"):
-        return False
-    raise ValueError("expected true or false")
-
-
-def _grpc_address(text: str) -> str:
-    from sidecar.app import InvalidOption, check_grpc_address
-
-    try:
-        check_grpc_address(text)
-    except InvalidOption as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from exc
-    return text
-
-
-def _socket_mode(text: str) -> int:
-    try:
-        mode = int(text, 8)
-    except ValueError:
-        mode = -1
-    if not 0 <= mode <= 0o777:
-        raise argparse.ArgumentTypeError(f"expected octal permission bits like 660, got {text!r}")
-    return mode
-
-
-def _address(text: str) -> str:
-    from sidecar.app import InvalidOption, split_address
-
-    try:
-        split_address(text)
-    except InvalidOption as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from exc
-    return text
-
-
-def _log_level(text: str) -> str:
-    level = text.strip().lower()
-    return "warning" if level == "warn" else level
-
-
-def _count(minimum: int) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
-        return value
-
-    return parse
-
-
-def _count_or_auto(text: str) -> int | str:
-    if text == "auto":
-        return text
-    return _count(1)(text)
-
-
-def _share(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number from 0 to 1, got {text!r}") from None
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be from 0 to 1, got {text}")
-    return value
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be more than 0, got {text}")
-    return value
-
-
-def _at_least_a_second(text: str) -> float:
-    value = _seconds(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1 second, got {text}")
-    return value
-
-
-def build_parser() -> tuple[argparse.ArgumentParser, dict[str, _Flags]]:
-    """The parser, and per subcommand the flags that read RLS_* variables."""
+def register(commands: Any) -> Flags:
+    """Add `serve` to the subcommands; its flags, which read RLS_* variables."""
     formatter = argparse.RawDescriptionHelpFormatter
-    parser = argparse.ArgumentParser(
-        prog=PROG, description=_DESCRIPTION, epilog=_EPILOG, formatter_class=formatter
-    )
-    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
-    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-
-    serve = _Flags(
+    serve = Flags(
         commands.add_parser(
             "serve",
             help="run the rate limit service (gRPC and HTTP)",
-            description=_SERVE_DESCRIPTION,
+            description=DESCRIPTION,
             formatter_class=formatter,
         )
     )
@@ -324,7 +121,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, _Flags]]:
         "listen address for ShouldRateLimit and gRPC health: HOST:PORT (port 0 picks a free "
         "port) or unix:PATH",
         default="0.0.0.0:8081",
-        type=_grpc_address,
+        type=grpc_address,
         metavar="ADDRESS",
     )
     serve.add(
@@ -332,14 +129,14 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, _Flags]]:
         "with a unix:PATH gRPC address: the socket file's permission bits, in octal (660, "
         "666), so a client running as another user (Envoy in the same pod) may connect; "
         "unset: as the umask leaves them",
-        type=_socket_mode,
+        type=socket_mode,
         metavar="OCTAL",
     )
     serve.add(
         "--http-address",
         "listen address for /json, /healthcheck, /rlconfig and /metrics",
         default="0.0.0.0:8080",
-        type=_address,
+        type=address,
         metavar="HOST:PORT",
     )
     serve.add(
@@ -360,7 +157,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, _Flags]]:
         "--workers",
         "processes serving the same ports (SO_REUSEPORT); more than 1 needs a shared backend",
         default=1,
-        type=_count(1),
+        type=count(1),
         metavar="N",
     )
     serve.add(
@@ -376,7 +173,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, _Flags]]:
         "--redis-timeout-ms",
         "deadline for one backend call; past it the failure mode answers",
         default=50,
-        type=_count(1),
+        type=count(1),
         metavar="N",
     )
     serve.add(
@@ -393,7 +190,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, _Flags]]:
         "enforces limit/N (rounded down, at least 1) while the backend fails. auto: counted "
         "on the backend, where every sidecar registers every 2 s",
         default="auto",
-        type=_count_or_auto,
+        type=count_or_auto,
         metavar="N|auto",
     )
     serve.add(
@@ -424,7 +221,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, _Flags]]:
         "keys per usage dimension in /metrics: today's with the most calls, read every 30 s "
         "(ratelimit_sidecar_usage_calls, ratelimit_sidecar_usage_unique); 0 turns them off",
         default=10,
-        type=_count(0),
+        type=count(0),
         metavar="N",
     )
     serve.add(
@@ -433,7 +230,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, _Flags]]:
         "answered without a Redis call (plain fixed windows; not with --rejected-hits skip); "
         "0 turns it off",
         default=100_000,
-        type=_count(0),
+        type=count(0),
         metavar="ENTRIES",
     )
     serve.add(
@@ -464,7 +261,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, _Flags]]:
         "send the reference's stats to a statsd (or DogStatsD) server at HOST:PORT, every "
         "--stats-flush-interval (the reference's USE_STATSD or USE_DOG_STATSD turn it on at "
         "STATSD_HOST:STATSD_PORT, default localhost:8125); Prometheus /metrics goes on beside it",
-        type=_address,
+        type=address,
         metavar="HOST:PORT",
     )
     serve.add(
@@ -537,7 +334,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, _Flags]]:
         "the share of calls without a sampled parent that are traced (a sampled parent is "
         "always followed)",
         default=1.0,
-        type=_share,
+        type=share,
         metavar="0..1",
     )
     serve.add(
@@ -551,7 +348,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, _Flags]]:
         "the least severe level logged (any case; WARN is warning, as the reference spells it)",
         default="info",
         choices=logs.LEVELS,
-        type=_log_level,
+        type=log_level,
     )
     serve.add(
         "--config-poll-seconds",
@@ -565,7 +362,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, _Flags]]:
         "--rlqs-address",
         "listen address of the Rate Limit Quota Service (StreamRateLimitQuotas, for Envoy's "
         "rate_limit_quota filter), from the same rules and backend; not served unless set",
-        type=_address,
+        type=address,
         metavar="HOST:PORT",
     )
     serve.add(
@@ -573,7 +370,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, _Flags]]:
         "seconds a quota assignment lives (assignment_time_to_live); the service refreshes it "
         "before it ends when Envoy has not reported meanwhile",
         default=6.0,
-        type=_at_least_a_second,
+        type=at_least_a_second,
         metavar="SECONDS",
     )
     serve.add(
@@ -594,14 +391,14 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, _Flags]]:
         "--metrics-address",
         "also serve Prometheus metrics on this address, at --metrics-path (/metrics on the "
         "HTTP address stays)",
-        type=_address,
+        type=address,
         metavar="HOST:PORT",
     )
     serve.add("--metrics-path", "the path of --metrics-address", default="/metrics", metavar="PATH")
     serve.add(
         "--debug-address",
         "also serve /rlconfig and /metrics on this address (the reference's debug port)",
-        type=_address,
+        type=address,
         metavar="HOST:PORT",
     )
     xds_flags.add(serve.add)
@@ -610,129 +407,47 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, _Flags]]:
         "frequency caps: seconds an impression id is remembered at least, so a repeated "
         "record within it counts nothing (ids are forgotten by twice that)",
         default=86_400,
-        type=_count(1),
+        type=count(1),
         metavar="SECONDS",
     )
+    serve.parser.set_defaults(func=run)
+    return serve
 
-    check = commands.add_parser(
-        "check",
-        help="validate rules files and summarise them",
-        description=_CHECK_DESCRIPTION,
-        formatter_class=formatter,
-    )
-    check.add_argument(
-        "paths", nargs="+", metavar="PATH", help="a rules file or a directory of them"
-    )
-    check.add_argument(
-        "--strict", action="store_true", help="fail (exit 1) on a warning as on an error"
-    )
-    check.add_argument(
-        "--merge-domain-config",
-        action="store_true",
-        help="files declaring the same domain add their descriptors to it, as `serve "
-        "--merge-domain-config` does (the reference's MERGE_DOMAIN_CONFIG)",
-    )
 
-    query = _Flags(
-        commands.add_parser(
-            "query",
-            help="send one ShouldRateLimit call to a running service",
-            description=_QUERY_DESCRIPTION,
-            formatter_class=formatter,
+def resolve(
+    flags: Flags,
+    args: argparse.Namespace,
+    environ: Mapping[str, str],
+    reference_defaults: bool,
+) -> None:
+    """Fill `serve`'s flags: the command line, then RLS_* variables, then the reference's
+    variables, then defaults (the reference's too with `reference_defaults`); exits with status
+    2 and a usage message when something is missing or malformed."""
+    given = frozenset(
+        flag.dest
+        for flag in flags.flags
+        if getattr(args, flag.dest) is not None or environ.get(ENV_PREFIX + flag.dest.upper())
+    )
+    try:
+        translated = settings.translate(environ, defaults=reference_defaults, given=given)
+    except settings.SettingError as exc:
+        flags.parser.error(str(exc))
+    flags.resolve(args, {**translated, **environ})
+    if not args.config and not args.xds_server:
+        flags.parser.error(
+            "the following arguments are required: --config (or RLS_CONFIG), or --xds-server"
         )
-    )
-    query.add(
-        "--address",
-        "the service's gRPC address: HOST:PORT or unix:PATH",
-        default="127.0.0.1:8081",
-        type=_grpc_address,
-        metavar="ADDRESS",
-    )
-    query.add("--domain", "the rate limit domain", required=True, metavar="DOMAIN")
-    query.add(
-        "--descriptor",
-        "one descriptor as key=value[,key2=value2]; repeat for more. "
-        "In RLS_DESCRIPTOR, separate descriptors with ';'",
-        required=True,
-        action="append",
-        metavar="K=V[,K=V]",
-        separators=";",
-    )
-    query.add(
-        "--hits",
-        "the request's hits_addend (0 counts as 1)",
-        default=0,
-        type=_count(0),
-        metavar="N",
-    )
-    query.add(
-        "--format",
-        "print the response as protobuf text or JSON",
-        default="text",
-        choices=("text", "json"),
-    )
-    query.add(
-        "--timeout", "seconds to wait for the answer", default=5.0, type=_seconds, metavar="SECONDS"
-    )
-    register_injector(commands)
-    register_envoy_config(commands)
-    register_usage(commands)
-    return parser, {"serve": serve, "query": query}
-
-
-def parse_args(
-    argv: Sequence[str] | None = None,
-    environ: Mapping[str, str] | None = None,
-    reference_defaults: bool = False,
-) -> argparse.Namespace:
-    """Flags, then RLS_* variables from `environ` (default os.environ), then (for `serve`) the
-    reference's variables, then defaults; `reference_defaults` adds the reference's defaults
-    of the rules directory, of the backend and of statsd (`ratelimit`).
-
-    Exits with status 2 and a usage message when something is missing or malformed.
-    """
-    parser, env_flags = build_parser()
-    args = parser.parse_args(argv)
-    environ = os.environ if environ is None else environ
-    flags = env_flags.get(args.command)
-    if flags is not None and args.command == "serve":
-        given = frozenset(
-            flag.dest
-            for flag in flags.flags
-            if getattr(args, flag.dest) is not None or environ.get(ENV_PREFIX + flag.dest.upper())
-        )
-        try:
-            translated = settings.translate(environ, defaults=reference_defaults, given=given)
-        except settings.SettingError as exc:
-            flags.parser.error(str(exc))
-        flags.resolve(args, {**translated, **environ})
-        if not args.config and not args.xds_server:
-            flags.parser.error(
-                "the following arguments are required: --config (or RLS_CONFIG), or --xds-server"
-            )
-        if args.config and args.xds_server:
-            flags.parser.error("--config and --xds-server exclude each other: rules come from one")
-        problem = _tls_problem(args)
-        if problem:
-            flags.parser.error(problem)
-        try:
-            args.statsd = statsd_settings(args, environ)
-        except StatsdError as exc:
-            flags.parser.error(str(exc))
-        args.reference_applied = settings.applied(environ)
-        args.reference_ignored = settings.ignored(environ)
-    elif flags is not None:
-        flags.resolve(args, environ)
-    return args
-
-
-def reference_main(argv: Sequence[str] | None = None) -> int:
-    """`ratelimit`, the reference's /bin/ratelimit: `serve` configured by the reference's
-    environment variables, with its defaults (rules in RUNTIME_ROOT/RUNTIME_SUBDIRECTORY/
-    RUNTIME_APPDIRECTORY, Redis at REDIS_URL, statsd unless USE_STATSD=false); arguments, if
-    any, are `serve` flags."""
-    args = list(sys.argv[1:] if argv is None else argv)
-    return main(["serve", *args], reference_defaults=True)
+    if args.config and args.xds_server:
+        flags.parser.error("--config and --xds-server exclude each other: rules come from one")
+    problem = _tls_problem(args)
+    if problem:
+        flags.parser.error(problem)
+    try:
+        args.statsd = statsd_settings(args, environ)
+    except StatsdError as exc:
+        flags.parser.error(str(exc))
+    args.reference_applied = settings.applied(environ)
+    args.reference_ignored = settings.ignored(environ)
 
 
 def statsd_settings(args: argparse.Namespace, environ: Mapping[str, str]) -> StatsdSettings | None:
@@ -801,26 +516,8 @@ def tls_files(args: argparse.Namespace) -> TlsFiles | None:
     )
 
 
-def main(
-    argv: Sequence[str] | None = None,
-    environ: Mapping[str, str] | None = None,
-    reference_defaults: bool = False,
-) -> int:
-    """Run the command line; returns the exit status."""
-    args = parse_args(argv, environ, reference_defaults)
-    try:
-        if hasattr(args, "func"):
-            return int(args.func(args))
-        if args.command == "serve":
-            return _serve(args)
-        if args.command == "check":
-            return _check(args)
-        return _query(args)
-    except KeyboardInterrupt:
-        return 130
-
-
-def _serve(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
+    """Serve until SIGTERM or SIGINT; the exit status."""
     from sidecar.app import App, InvalidOption, Options
 
     logs.configure(args.log_level, args.log_format)
@@ -930,17 +627,17 @@ def _serve_workers(args: argparse.Namespace) -> int:
         print(f"{PROG}: {problem}", file=sys.stderr)
         return 2
     try:
-        return workers.run(_worker_flags(args), args.workers, args.grpc_address, args.http_address)
+        return workers.run(worker_flags(args), args.workers, args.grpc_address, args.http_address)
     except OSError as exc:
         print(f"{PROG}: {exc}", file=sys.stderr)
         return 1
 
 
-def _worker_flags(args: argparse.Namespace) -> list[str]:
+def worker_flags(args: argparse.Namespace) -> list[str]:
     """The `serve` flags of this command line, but for the addresses and the worker count."""
-    _, env_flags = build_parser()
+    serve = register(argparse.ArgumentParser(prog=PROG).add_subparsers())
     argv: list[str] = []
-    for flag in env_flags["serve"].flags:
+    for flag in serve.flags:
         if flag.dest in ("grpc_address", "http_address", "workers"):
             continue
         value = getattr(args, flag.dest)
@@ -958,44 +655,3 @@ def _worker_flags(args: argparse.Namespace) -> list[str]:
         else:
             argv += [flag.option, str(value)]
     return argv
-
-
-def _check(args: argparse.Namespace) -> int:
-    try:
-        rules = config.load(args.paths, merge=args.merge_domain_config)
-    except ConfigError as exc:
-        print(exc, file=sys.stderr)
-        return 1
-    if not rules.domains:
-        print(f"{PROG}: no rules files (*.yaml, *.yml) in {', '.join(args.paths)}", file=sys.stderr)
-        return 1
-    warnings = rules.warnings()
-    for warning in warnings:
-        print(f"warning: {warning}", file=sys.stderr)
-    for domain in rules.domains.values():
-        print(domain.summary())
-    if warnings and args.strict:
-        print(f"{PROG} check --strict: {len(warnings)} warning(s)", file=sys.stderr)
-        return 1
-    return 0
-
-
-def _query(args: argparse.Namespace) -> int:
-    from sidecar.model import Code
-    from sidecar.rls import client
-
-    try:
-        descriptors = [client.parse_descriptor(text) for text in args.descriptor]
-    except ValueError as exc:
-        print(f"{PROG} query: {exc}", file=sys.stderr)
-        return 2
-    try:
-        response = client.query(args.address, args.domain, descriptors, args.hits, args.timeout)
-    except client.QueryError as exc:
-        print(f"{PROG} query: {args.address}: {exc}", file=sys.stderr)
-        return 2
-    print(client.render(response, args.format))
-    code = client.overall_code(response)
-    if code is Code.OK:
-        return 0
-    return 1 if code is Code.OVER_LIMIT else 2

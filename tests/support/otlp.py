@@ -116,7 +116,7 @@ async def grpc_receiver() -> AsyncIterator[Received]:
 @contextmanager
 def threaded_grpc_receiver() -> Iterator[Received]:
     """The grpc receiver on grpc's own threads, for tests that block (processes started and
-    polled by tests/envoys.py)."""
+    polled by tests/support/envoys.py)."""
     received = Received()
 
     class Service(trace_service_pb2_grpc.TraceServiceServicer):  # type: ignore[misc]

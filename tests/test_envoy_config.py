@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import yaml
-from envoys import validate
+from support.envoys import validate
 
 from sidecar import cli, config
 from sidecar.envoy_config import feeds, sources

@@ -37,6 +37,11 @@ within the deadline), so a flood of requests cannot queue more calls in Redis th
 in time; a call past it is refused at once with Overloaded, which is not a failure of Redis.
 A call whose deadline passes while the server is answering others fails with Overloaded too
 (see `_expire`): only a server silent for a whole timeout is a failure (DeadlineExceeded).
+
+One module, past the usual size, because the connection (`_Protocol`) and the client that owns
+it (`PipelinedRedis`) share one state: the reply queue, the deadline heap and its timer, the
+tick's buffer; the client reads and writes them directly on the hot path, without calls, and
+every change to one is a change to the other.
 """
 
 from __future__ import annotations
@@ -80,7 +85,7 @@ NOT_MASTER = ("READONLY", "MASTERDOWN")
 
 _NEVER = float("inf")
 
-log = structlog.get_logger("sidecar.storage.pipeline")
+log = structlog.get_logger("sidecar.storage.redis_client")
 
 
 def in_flight_bound(timeout: float) -> int:

@@ -12,7 +12,7 @@ from typing import Any
 import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from sidecars import client, request, running_app, write_rules
+from support.sidecars import client, request, running_app, write_rules
 
 from sidecar import config, http_bodies
 from sidecar.app import App

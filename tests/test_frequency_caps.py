@@ -11,8 +11,8 @@ from datetime import datetime
 from zoneinfo import ZoneInfo
 
 import pytest
-from callbacks import apply, should_rate_limit
-from clock import Clock
+from support.callbacks import apply, should_rate_limit
+from support.clock import Clock
 
 from sidecar import config
 from sidecar.algorithms.decide import Address, State
@@ -40,7 +40,8 @@ from sidecar.model import (
 )
 from sidecar.plan import descriptor_hits
 from sidecar.rules import Rules
-from sidecar.storage import Backend, open_backend
+from sidecar.storage import Backend
+from sidecar.storage.backends import open_backend
 from sidecar.storage.base import Applied
 
 RULES = """

@@ -1,0 +1,109 @@
+"""The command line: `serve`, `check` and `query` (a module each), `inject` and `webhook`
+(`sidecar.injector.commands`), `envoy-config` (`sidecar.envoy_config.commands`); a thin layer
+over `app`, `config`, `rls.client`.
+
+Every flag can also come from the environment as `RLS_<FLAG>` (upper case, dashes as
+underscores; `flags.py`); a flag on the command line wins over its variable. `serve` also reads
+the reference's variables (`sidecar.settings`), beneath both. `ratelimit`, the reference's entry
+point (`reference_main`), is `serve` with the reference's defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Mapping, Sequence
+
+from sidecar import __version__
+from sidecar.cli import check, query, serve
+from sidecar.cli.flags import PROG, Flags
+from sidecar.envoy_config.commands import register as register_envoy_config
+from sidecar.injector.commands import register as register_injector
+from sidecar.usage_command import register as register_usage
+
+# grpc's C core writes its own lines to stderr; keep them to errors so the log stays one format.
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+
+_DESCRIPTION = """\
+An Envoy global rate limit service (envoy.service.ratelimit.v3.RateLimitService), a drop-in
+for envoyproxy/ratelimit: the same YAML rules, the same gRPC and HTTP endpoints, with counters
+in memory, Redis or Redis Cluster.
+
+Every flag can also be set in the environment as RLS_<FLAG> (upper case, dashes as
+underscores: --grpc-address is RLS_GRPC_ADDRESS). A flag on the command line wins.
+`serve` also reads envoyproxy/ratelimit's variables (REDIS_URL, RUNTIME_ROOT, CONFIG_TYPE, ...),
+beneath RLS_* and flags; `ratelimit` with no arguments runs `serve` from them alone, as the
+reference's /bin/ratelimit does (README lists every variable)."""
+
+_EPILOG = """\
+examples:
+  ratelimit-sidecar check rules/
+  ratelimit-sidecar serve --config rules/ --backend redis://127.0.0.1:6379
+  RLS_CONFIG=/etc/ratelimit RLS_BACKEND=redis://redis:6379 ratelimit-sidecar serve
+  ratelimit-sidecar query --domain edge --descriptor remote_address=10.0.0.1
+
+Run 'ratelimit-sidecar COMMAND --help' for the flags of a command."""
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Flags]]:
+    """The parser, and per subcommand the flags that read RLS_* variables."""
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description=_DESCRIPTION,
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    env_flags = {"serve": serve.register(commands)}
+    check.register(commands)
+    env_flags["query"] = query.register(commands)
+    register_injector(commands)
+    register_envoy_config(commands)
+    register_usage(commands)
+    return parser, env_flags
+
+
+def parse_args(
+    argv: Sequence[str] | None = None,
+    environ: Mapping[str, str] | None = None,
+    reference_defaults: bool = False,
+) -> argparse.Namespace:
+    """Flags, then RLS_* variables from `environ` (default os.environ), then (for `serve`) the
+    reference's variables, then defaults; `reference_defaults` adds the reference's defaults
+    of the rules directory, of the backend and of statsd (`ratelimit`).
+
+    Exits with status 2 and a usage message when something is missing or malformed.
+    """
+    parser, env_flags = build_parser()
+    args = parser.parse_args(argv)
+    environ = os.environ if environ is None else environ
+    flags = env_flags.get(args.command)
+    if flags is not None and args.command == "serve":
+        serve.resolve(flags, args, environ, reference_defaults)
+    elif flags is not None:
+        flags.resolve(args, environ)
+    return args
+
+
+def reference_main(argv: Sequence[str] | None = None) -> int:
+    """`ratelimit`, the reference's /bin/ratelimit: `serve` configured by the reference's
+    environment variables, with its defaults (rules in RUNTIME_ROOT/RUNTIME_SUBDIRECTORY/
+    RUNTIME_APPDIRECTORY, Redis at REDIS_URL, statsd unless USE_STATSD=false); arguments, if
+    any, are `serve` flags."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    return main(["serve", *args], reference_defaults=True)
+
+
+def main(
+    argv: Sequence[str] | None = None,
+    environ: Mapping[str, str] | None = None,
+    reference_defaults: bool = False,
+) -> int:
+    """Run the command line; returns the exit status."""
+    args = parse_args(argv, environ, reference_defaults)
+    try:
+        return int(args.func(args))
+    except KeyboardInterrupt:
+        return 130

@@ -1,0 +1,183 @@
+"""The flags of the commands: each may also come from the environment as `RLS_<FLAG>`, and the
+converters that check their values.
+
+`Flags` adds a command's flags and remembers how to read each from its variable; `resolve`
+fills what the command line left out, from the variable, else the default. A flag on the
+command line wins over its variable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+PROG = "ratelimit-sidecar"
+ENV_PREFIX = "RLS_"
+
+
+@dataclass(frozen=True)
+class EnvFlag:
+    """A flag that may also come from RLS_<DEST>, with the default applied when neither is set."""
+
+    dest: str
+    option: str
+    default: Any
+    from_env: Callable[[str], Any]
+    required: bool
+
+
+class Flags:
+    """Adds flags to one subcommand and remembers how to read each from the environment."""
+
+    def __init__(self, parser: argparse.ArgumentParser) -> None:
+        self.parser = parser
+        self.flags: list[EnvFlag] = []
+
+    def add(
+        self,
+        option: str,
+        help: str,
+        *,
+        default: Any = None,
+        required: bool = False,
+        separators: str = "",
+        **kwargs: Any,
+    ) -> None:
+        dest = option.lstrip("-").replace("-", "_")
+        var = ENV_PREFIX + dest.upper()
+        shown = f"default: {default}; " if default not in (None, False) else ""
+        where = "required; " if required else ""
+        action = self.parser.add_argument(
+            option, default=None, help=f"{help} ({where}{shown}env {var})", **kwargs
+        )
+        reader = env_reader(action, kwargs.get("action"), separators)
+        self.flags.append(EnvFlag(dest, option, default, reader, required))
+
+    def resolve(self, args: argparse.Namespace, environ: Mapping[str, str]) -> None:
+        """Fill every flag the command line left out from its variable, else its default."""
+        for flag in self.flags:
+            if getattr(args, flag.dest) is not None:
+                continue
+            var = ENV_PREFIX + flag.dest.upper()
+            raw = environ.get(var, "")
+            value = flag.default
+            if raw:
+                try:
+                    value = flag.from_env(raw)
+                except (ValueError, argparse.ArgumentTypeError) as exc:
+                    self.parser.error(f"{var}={raw!r}: {exc}")
+            if value is None and flag.required:
+                self.parser.error(f"the following arguments are required: {flag.option} (or {var})")
+            setattr(args, flag.dest, value)
+
+
+def env_reader(action: argparse.Action, kind: str | None, separators: str) -> Callable[[str], Any]:
+    """How to read an environment value for `action`: its type, its choices, one value or many."""
+    convert: Callable[[str], Any] = action.type if callable(action.type) else str
+
+    def one(raw: str) -> Any:
+        value = convert(raw.strip())
+        if action.choices is not None and value not in action.choices:
+            choices = ", ".join(map(str, action.choices))
+            raise ValueError(f"invalid choice {value!r} (choose from {choices})")
+        return value
+
+    if kind == "store_true":
+        return boolean
+    if kind == "append":
+        pattern = f"[{re.escape(separators)}]"
+        return lambda raw: [one(part) for part in re.split(pattern, raw) if part.strip()]
+    return one
+
+
+def boolean(raw: str) -> bool:
+    text = raw.strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ValueError("expected true or false")
+
+
+def grpc_address(text: str) -> str:
+    from sidecar.app import InvalidOption, check_grpc_address
+
+    try:
+        check_grpc_address(text)
+    except InvalidOption as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+    return text
+
+
+def socket_mode(text: str) -> int:
+    try:
+        mode = int(text, 8)
+    except ValueError:
+        mode = -1
+    if not 0 <= mode <= 0o777:
+        raise argparse.ArgumentTypeError(f"expected octal permission bits like 660, got {text!r}")
+    return mode
+
+
+def address(text: str) -> str:
+    from sidecar.app import InvalidOption, split_address
+
+    try:
+        split_address(text)
+    except InvalidOption as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+    return text
+
+
+def log_level(text: str) -> str:
+    level = text.strip().lower()
+    return "warning" if level == "warn" else level
+
+
+def count(minimum: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+
+    return parse
+
+
+def count_or_auto(text: str) -> int | str:
+    if text == "auto":
+        return text
+    return count(1)(text)
+
+
+def share(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number from 0 to 1, got {text!r}") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be from 0 to 1, got {text}")
+    return value
+
+
+def seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0, got {text}")
+    return value
+
+
+def at_least_a_second(text: str) -> float:
+    value = seconds(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 second, got {text}")
+    return value

@@ -1,0 +1,383 @@
+"""The contract between the Redis backends and their Lua scripts: what a call sends (the EVALSHA
+arguments each script's header lays out, packed once per hit by `ApplyPacker`) and what its
+reply means (Outcomes, record flags, read values).
+
+The scripts are `decide.lua`, which knows every algorithm and mode, and `count.lua`, which only
+adds: the usual request, whose hits only add to plain windows' counters (`Hit.adds_only`, not
+all or nothing), runs it, and its answer is worked out here from what the counters come to, for
+a third of the server's CPU (`counts` says which script a call runs). Both backends
+(`redis.py`, `cluster.py`) build their calls and read their replies here, and only here.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from collections.abc import Sequence
+from importlib.resources import files
+from typing import Any
+
+from redis.crc import key_slot
+
+from sidecar.algorithms import decide
+from sidecar.algorithms.decide import Address, State
+from sidecar.algorithms.token_bucket import Bucket
+from sidecar.algorithms.windows import FIELD_GRACE
+from sidecar.model import Dedupe, Hit, Outcome, Role, new
+from sidecar.storage.base import Applied
+from sidecar.storage.failures import failure
+
+_LUA = files("sidecar.algorithms") / "lua"
+SCRIPT = (_LUA / "decide.lua").read_text(encoding="utf-8")
+SHA = hashlib.sha1(SCRIPT.encode()).hexdigest()
+COUNT_SCRIPT = (_LUA / "count.lua").read_text(encoding="utf-8")
+COUNT_SHA = hashlib.sha1(COUNT_SCRIPT.encode()).hexdigest()
+#: Each script's text by its hash, for EVAL when the server has lost it.
+_TEXTS = {SHA: SCRIPT, COUNT_SHA: COUNT_SCRIPT}
+
+# ARGV[1] of the script.
+MODE_ADD = 0
+MODE_ALL_OR_NOTHING = 1
+MODE_READ = 2
+MODE_RECORD = 3
+
+#: What a script call answers: integers (see each script's header).
+Reply = list[int]
+
+
+def counts(hits: Sequence[Hit], mode: int) -> bool:
+    """Whether `count.lua` decides `hits` in `mode`: every hit only adds (`Hit.adds_only`), and
+    nothing makes one hit wait on another (mode 0, apply)."""
+    if mode != MODE_ADD:
+        return False
+    for hit in hits:  # noqa: SIM110 (all() of a generator costs more, on every call)
+        if not hit.adds_only:
+            return False
+    return True
+
+
+def apply_command(hits: Sequence[Hit], mode: int, now_ms: int) -> list[Any]:
+    """The EVALSHA arguments that apply (or read) `hits` in `mode`: `count.lua`'s when it
+    `counts` them, else `decide.lua`'s."""
+    if counts(hits, mode):
+        return _count_command(hits)
+    return decide_command(hits, mode, now_ms)
+
+
+def decide_command(
+    hits: Sequence[Hit],
+    mode: int,
+    now_ms: int,
+    quota_as_shadow: bool = False,
+    dedupe: Dedupe | None = None,
+) -> list[Any]:
+    """`decide.lua`'s arguments, as its header lays them out (the only script that records, or
+    reads quota counters as shadow ones)."""
+    args: list[Any] = ["EVALSHA", SHA, 2 * len(hits) + (2 if dedupe is not None else 0)]
+    for hit in hits:
+        args += _hit_keys(hit)
+    if dedupe is not None:
+        args += (dedupe.current, dedupe.previous)
+    args += (mode, now_ms, len(hits), FIELD_GRACE * 1000)
+    for hit in hits:
+        args += _hit_args(hit, quota_as_shadow)
+    if dedupe is not None:
+        args += (dedupe.ttl_ms, *dedupe.ids)
+    return args
+
+
+def _count_command(hits: Sequence[Hit]) -> list[Any]:
+    """`count.lua`'s arguments: each hit's key, then each hit's count and ttl."""
+    args: list[Any] = ["EVALSHA", COUNT_SHA, len(hits)]
+    args += [hit.key for hit in hits]
+    for hit in hits:
+        args += (hit.hits, hit.ttl)
+    return args
+
+
+def _hit_keys(hit: Hit) -> tuple[bytes, bytes]:
+    return hit.key, hit.previous or hit.key
+
+
+def _hit_args(hit: Hit, quota_as_shadow: bool = False) -> tuple[Any, ...]:
+    """A hit's eleven script arguments (see the script's header)."""
+    role = hit.role
+    if quota_as_shadow and role is Role.QUOTA:
+        role = Role.SHADOW
+    window = hit.window
+    algorithm = decide.code(window)
+    if algorithm == decide.BUCKET:
+        params: tuple[int, ...] = (
+            window.requests_per_unit,
+            window.seconds * 1000,
+            window.capacity,
+            window.borrow,
+        )
+    elif role >= Role.USAGE:
+        # A usage hit (`sidecar.usage`): p1 is when its hash or HyperLogLog expires, Unix ms.
+        params = (hit.end_ms, 0, 0, 0)
+    elif algorithm == decide.SLIDING:
+        params = (window.requests_per_unit, 0, hit.start_ms, window.seconds * 1000)
+    else:
+        params = (window.requests_per_unit, 0, window.borrow, 0)
+    # int(): an IntEnum must travel as its number.
+    return (
+        algorithm,
+        hit.hits,
+        hit.group,
+        int(role),
+        *params,
+        hit.ttl,
+        hit.field,
+        hit.previous_field or hit.field,
+    )
+
+
+#: How many hits' packed arguments `ApplyPacker` keeps before it starts over.
+PACKED_HITS = 16_384
+_EVALSHA = b"$7\r\nEVALSHA\r\n$40\r\n" + SHA.encode() + b"\r\n"
+_EVALSHA_COUNT = b"$7\r\nEVALSHA\r\n$40\r\n" + COUNT_SHA.encode() + b"\r\n"
+
+
+class ApplyPacker:
+    """The RESP bytes of an apply call, each hit's part packed once.
+
+    A request's hits are the same objects for every call in their window (`sidecar.plan`), so
+    their keys and arguments are packed the first time and kept by the hit's identity (the
+    entry keeps the hit alive, so its id cannot be reused while the entry exists); only
+    `decide.lua`'s mode and time are packed per call. A call on one hit, the common request, is
+    kept whole (`count.lua`'s) or whole around those two (`decide.lua`'s). The bytes equal
+    hiredis's packing of `apply_command`.
+    """
+
+    def __init__(self, size: int = PACKED_HITS) -> None:
+        self._size = size
+        self._parts: dict[int, _Parts] = {}
+
+    def command(self, hits: Sequence[Hit], mode: int, now_ms: int) -> bytes:
+        if len(hits) == 1:
+            parts = self._parts.get(id(hits[0])) or self._pack(hits[0])
+            if counts(hits, mode):
+                return parts.count_alone
+            return b"".join((parts.alone_head, _SMALL_BULKS[mode], _now(now_ms), parts.alone_tail))
+        every = [self._parts.get(id(hit)) or self._pack(hit) for hit in hits]
+        n = len(hits)
+        if counts(hits, mode):
+            return b"".join(
+                (
+                    _count_head(n),
+                    *[parts.count_key for parts in every],
+                    *[parts.count_args for parts in every],
+                )
+            )
+        count = _SMALL_BULKS[n] if n < _SMALL else _bulk(n)
+        return b"".join(
+            (
+                _head(n),
+                *[parts.keys for parts in every],
+                _SMALL_BULKS[mode],
+                _now(now_ms),
+                count,
+                _GRACE,
+                *[parts.args for parts in every],
+            )
+        )
+
+    def _pack(self, hit: Hit) -> _Parts:
+        if len(self._parts) >= self._size:
+            self._parts.clear()
+        parts = self._parts[id(hit)] = _Parts(hit)
+        return parts
+
+
+class _Parts:
+    """One hit's parts of either script's call, packed once (see `ApplyPacker`)."""
+
+    def __init__(self, hit: Hit) -> None:
+        self.hit = hit
+        # decide.lua: the hit's keys and its eleven arguments; a call on it alone, up to the
+        # mode, and from the hit count on.
+        self.keys = b"".join(map(_bulk, _hit_keys(hit)))
+        self.args = b"".join(map(_bulk, _hit_args(hit)))
+        self.alone_head = _head(1) + self.keys
+        self.alone_tail = _bulk(1) + _GRACE + self.args
+        # count.lua: the hit's key, its two arguments, and a whole call on it alone.
+        self.count_key = _bulk(hit.key)
+        self.count_args = _bulk(hit.hits) + _bulk(hit.ttl)
+        self.count_alone = _count_head(1) + self.count_key + self.count_args
+
+
+def _now(now_ms: int) -> bytes:
+    now = b"%d" % now_ms
+    return b"$%d\r\n%s\r\n" % (len(now), now)
+
+
+@functools.lru_cache(maxsize=256)
+def _head(n: int) -> bytes:
+    """The start of a call on `n` hits: the array's length, EVALSHA, the hash, the key count."""
+    return b"*%d\r\n" % (7 + 13 * n) + _EVALSHA + _bulk(2 * n)
+
+
+@functools.lru_cache(maxsize=256)
+def _count_head(n: int) -> bytes:
+    """The start of a `count.lua` call on `n` hits, up to its keys."""
+    return b"*%d\r\n" % (3 + 3 * n) + _EVALSHA_COUNT + _bulk(n)
+
+
+def _bulk(value: bytes | str | int) -> bytes:
+    """One RESP bulk string, as hiredis packs a command argument."""
+    if type(value) is int and 0 <= value < _SMALL:
+        return _SMALL_BULKS[value]
+    return _bulk_any(value)
+
+
+def _bulk_any(value: bytes | str | int) -> bytes:
+    if isinstance(value, int):
+        value = b"%d" % value
+    elif isinstance(value, str):
+        value = value.encode()
+    return b"$%d\r\n%s\r\n" % (len(value), value)
+
+
+#: Modes, hit counts, groups and the like: small numbers, packed once.
+_SMALL = 256
+_SMALL_BULKS = tuple(_bulk_any(number) for number in range(_SMALL))
+_GRACE = _bulk(FIELD_GRACE * 1000)
+
+
+def record_commands(batches: Sequence[tuple[Sequence[Hit], Dedupe]], now_ms: int) -> list[Any]:
+    return [decide_command(hits, MODE_RECORD, now_ms, dedupe=dedupe) for hits, dedupe in batches]
+
+
+def read_commands(addresses: Sequence[Address]) -> tuple[list[list[Any]], list[list[int]]]:
+    """The commands that read `addresses`: one HMGET per grouped hash, one MGET per slot's
+    string keys; and for each command, the positions of the addresses it reads."""
+    reads: dict[bytes | int, tuple[list[Any], list[int]]] = {}
+    for index, where in enumerate(addresses):
+        if isinstance(where, tuple):
+            key, field = where
+            read = reads.get(key)
+            if read is None:
+                read = reads[key] = (["HMGET", key], [])
+            read[0].append(field)
+        else:
+            slot = key_slot(where)
+            read = reads.get(slot)
+            if read is None:
+                read = reads[slot] = (["MGET"], [])
+            read[0].append(where)
+        read[1].append(index)
+    return [command for command, _ in reads.values()], [indexes for _, indexes in reads.values()]
+
+
+def read_values(
+    count: int, positions: list[list[int]], replies: Sequence[list[bytes | None]]
+) -> list[State | None]:
+    """The read replies as `decide` reads values: counts, or buckets ("tokens stamp drawn
+    [keep until]"), None where nothing is stored."""
+    values: list[State | None] = [None] * count
+    for indexes, reply in zip(positions, replies, strict=True):
+        for index, raw in zip(indexes, reply, strict=True):
+            if raw is None:
+                continue
+            if b" " in raw:
+                tokens, stamp, drawn = raw.split()[:3]
+                values[index] = Bucket(float(tokens), int(float(stamp)), float(drawn))
+            else:
+                values[index] = int(raw)
+    return values
+
+
+def duplicates(reply: Reply) -> list[bool]:
+    """The record mode's answer: one flag per impression, true when its id was seen before."""
+    return [flag == 1 for flag in reply]
+
+
+def outcomes_of(hits: Sequence[Hit], reply: Reply, now_ms: int, mode: int) -> list[Outcome]:
+    """The reply of the script `apply_command` chose for `hits` in `mode`, as Outcomes."""
+    if counts(hits, mode):
+        return _counted(hits, reply, now_ms)
+    return decide_outcomes(hits, reply, now_ms)
+
+
+def _counted(hits: Sequence[Hit], reply: Reply, now_ms: int) -> list[Outcome]:
+    """`count.lua`'s counters after the hits, as the Outcomes `decide.lua` gives."""
+    if len(reply) != len(hits):
+        raise ValueError(f"count.lua answered {len(reply)} values for {len(hits)} hits")
+    if len(hits) == 1:  # the common call, without the loop
+        return [_count_outcome(hits[0], reply[0], now_ms)]
+    return [_count_outcome(hit, reply[index], now_ms) for index, hit in enumerate(hits)]
+
+
+def _count_outcome(hit: Hit, count: int, now_ms: int) -> Outcome:
+    """A plain window's hit whose counter came to `count`: over when that passes the limit, and
+    applied either way (a plain window counts rejected hits)."""
+    after = hit.window.requests_per_unit - count
+    before = after + hit.hits
+    return new(
+        Outcome,
+        (
+            after < 0,
+            after if after > 0 else 0,
+            hit.end_ms - now_ms,
+            True,
+            before if before > 0 else 0,
+        ),
+    )
+
+
+def decide_outcomes(hits: Sequence[Hit], reply: Reply, now_ms: int) -> list[Outcome]:
+    """`decide.lua`'s five integers per hit, as Outcomes (window resets come from the hit)."""
+    if len(hits) == 1:  # the common call, without the slicing
+        over, remaining, reset_ms, applied, left_before = reply
+        end_ms = hits[0].end_ms
+        return [
+            new(
+                Outcome,
+                (
+                    over == 1,
+                    remaining,
+                    end_ms - now_ms if end_ms else reset_ms,
+                    applied == 1,
+                    left_before,
+                ),
+            )
+        ]
+    outcomes = []
+    for index, hit in enumerate(hits):
+        over, remaining, reset_ms, applied, left_before = reply[5 * index : 5 * index + 5]
+        if hit.end_ms:  # a window (a bucket has no end: the script works out its reset)
+            reset_ms = hit.end_ms - now_ms
+        outcomes.append(new(Outcome, (over == 1, remaining, reset_ms, applied == 1, left_before)))
+    return outcomes
+
+
+def applied(
+    backend: str,
+    timeout_ms: int,
+    hits: Sequence[Hit],
+    mode: int,
+    now_ms: int,
+    reply: Any,
+    done: Applied,
+) -> None:
+    """Hand `done` the outcomes of the reply to `apply_command(hits, mode, now_ms)`, or the
+    failure it ended with (a StorageError whose cause is what the client raised)."""
+    if isinstance(reply, Exception):
+        error = failure(backend, timeout_ms, reply)
+        error.__cause__ = reply
+        done(error)
+        return
+    try:
+        outcomes = outcomes_of(hits, reply, now_ms, mode)
+    except Exception as exc:  # a reply of the wrong shape: a bug, not an outage
+        done(exc)
+        return
+    done(outcomes)
+
+
+def as_eval(command: list[Any]) -> list[Any]:
+    """The EVAL form of an EVALSHA command: the script's text in place of its hash, for a
+    server that has lost it (restart, failover, SCRIPT FLUSH). EVAL runs the text and caches it
+    in one round trip, where SCRIPT LOAD + EVALSHA would take two."""
+    return ["EVAL", _TEXTS[command[1]], *command[2:]]
