@@ -350,3 +350,38 @@ async def test_prometheus_gets_only_the_top_keys_of_each_dimension(clock: Clock)
         1_500, rel=0.02
     )
     assert not any("maps" in name or "user-" in name for name in samples)
+
+
+@pytest.mark.parametrize(
+    "server",
+    [
+        pytest.param("redis", marks=pytest.mark.redis),
+        pytest.param("cluster", marks=pytest.mark.cluster),
+    ],
+)
+async def test_requests_refused_from_the_over_limit_cache_count_as_refused(
+    server: str, request: pytest.FixtureRequest, clock: Clock
+) -> None:
+    """A request the over-limit cache refuses without a backend call still counts, as refused:
+    its usage goes with the refused hits the cache adds afterwards, so the counts stay exact."""
+    url = request.getfixturevalue("cluster_url" if server == "cluster" else "redis_url")
+    domain = config.parse(RULES, "rules.yaml")
+    backend = open_backend(url, timeout_ms=1000)
+    limiter = Limiter(Rules({domain.name: domain}), backend, clock=clock, over_limit_cache=1_000)
+    outcomes: Counter[Code] = Counter()
+    for n in range(1_300):
+        decision = await should_rate_limit(limiter, call(CROWDED, "pay", f"u{n % 50}"))
+        outcomes[decision.overall_code] += 1
+    assert limiter.over_limit_cache is not None
+    # What the cache still holds goes out now, ahead of the reads below on the same connection.
+    limiter.over_limit_cache.flush()
+    counted = domain.usage
+    assert counted is not None
+    report = await usage.report(
+        backend, "open", counted, ("app",), [counted.today(int(clock() * 1000))], 10
+    )  # type: ignore[arg-type]
+    rows = {row["key"]["app"]: row for row in report["days"][0]["top"]}
+    await backend.close()
+    assert (rows[CROWDED]["admitted"], rows[CROWDED]["refused"]) == (1_000, 300)
+    assert outcomes[Code.OVER_LIMIT] == 300
+    assert limiter.stats.rules["open.app"].over_limit_with_local_cache > 0
