@@ -15,7 +15,6 @@ from support.servers import RedisCluster, RedisServer
 
 from sidecar import config, metrics, usage, usage_api
 from sidecar.algorithms import hyperloglog
-from sidecar.errors import ConfigError
 from sidecar.limiter import Limiter
 from sidecar.model import Code, Descriptor, Entry, Hit, Request, Unit, Window
 from sidecar.rules import Rules
@@ -122,53 +121,6 @@ async def test_a_scripted_day_gives_the_three_statistics_on_every_backend(
 
 
 # --- The rules ---------------------------------------------------------------------------------
-
-USAGE_ERRORS = [
-    (
-        "usage: {by: app}",
-        "usage: usage must be a list of maps like {by: [app]} (or remove 'usage')",
-    ),
-    ("usage: [app]", "usage[0]: a usage dimension is a map like {by: [app]}, got 'app'"),
-    (
-        "usage: [{by: []}]",
-        "usage[0].by: by must be a list of distinct descriptor keys, like [app, interface]",
-    ),
-    (
-        "usage: [{by: [a, a]}]",
-        "usage[0].by: by must be a list of distinct descriptor keys, like [app, interface]",
-    ),
-    (
-        "usage: [{by: [app], per: day}]",
-        "usage[0]: unknown key 'per' in a usage dimension (allowed: by, unique, timezone, retention_days)",
-    ),
-    (
-        "usage: [{by: [app], unique: app}]",
-        "usage[0].unique: 'app' is in by: count the distinct values of another key",
-    ),
-    (
-        "usage: [{by: [app], timezone: Mars/Base}]",
-        "usage[0].timezone: unknown time zone 'Mars/Base' (use an IANA name like 'Asia/Shanghai')",
-    ),
-    (
-        "usage: [{by: [app], retention_days: 0}]",
-        "usage[0].retention_days: retention_days must be a whole number from 1 to 366, got 0",
-    ),
-    (
-        "usage: [{by: [app]}, {by: [b], retention_days: 30}]",
-        "usage[1]: every usage dimension of a domain counts by the same days: give all the same timezone and retention_days",
-    ),
-    ("usage: [{by: [app]}, {by: [app]}]", "usage[1]: usage dimension by [app] declared twice"),
-]
-
-
-@pytest.mark.parametrize(("text", "message"), USAGE_ERRORS)
-def test_a_bad_usage_declaration_is_a_config_error_naming_path_and_fix(
-    text: str, message: str
-) -> None:
-    """Each mistake in `usage` is refused with the file, the path inside it and the fix."""
-    with pytest.raises(ConfigError) as raised:
-        config.parse(f"domain: d\n{text}\n", "rules.yaml")
-    assert str(raised.value) == f"rules.yaml: {message}"
 
 
 def test_usage_counts_each_by_once_with_its_unique_keys() -> None:
