@@ -335,24 +335,20 @@ class RedisClusterBackend:
     async def usage_hashes(self, pattern: str) -> list[tuple[bytes, dict[bytes, int]]]:
         """Every usage count hash matching `pattern`, scanned on every master (`sidecar.usage`);
         raises StorageError."""
-        try:
-            async with asyncio.timeout(usage_reads.READ_TIMEOUT):
-                masters = await self._client.masters()
-                found = await gather_all(
-                    usage_reads.hashes(node.execute, pattern) for node in masters
-                )
-        except Exception as exc:  # every failure, see `failure`
-            raise failure(self.name, int(usage_reads.READ_TIMEOUT * 1000), exc) from exc
-        return [item for node in found for item in node]
+
+        async def every_master() -> list[tuple[bytes, dict[bytes, int]]]:
+            masters = await self._client.masters()
+            found = await gather_all(usage_reads.hashes(node.execute, pattern) for node in masters)
+            return [item for node in found for item in node]
+
+        return await usage_reads.bounded(self.name, every_master())
 
     async def usage_unique(self, groups: Sequence[Sequence[bytes]]) -> list[int]:
         """PFCOUNT of each group of HyperLogLog keys, slot by slot (`sidecar.usage`); raises
         StorageError."""
-        try:
-            async with asyncio.timeout(usage_reads.READ_TIMEOUT):
-                return await usage_reads.unique(self._client.execute, groups)
-        except Exception as exc:  # every failure, see `failure`
-            raise failure(self.name, int(usage_reads.READ_TIMEOUT * 1000), exc) from exc
+        return await usage_reads.bounded(
+            self.name, usage_reads.unique(self._client.execute, groups)
+        )
 
     async def ping(self) -> bool:
         """Whether every master answers PING."""

@@ -216,7 +216,8 @@ class MemoryBackend:
 
     async def usage_hashes(self, pattern: str) -> list[tuple[bytes, dict[bytes, int]]]:
         """Every usage count hash whose key matches `pattern` (a glob as Redis's SCAN MATCH
-        reads it: `*` `?` `[...]`, `\\` escaping), its fields as Redis would list them."""
+        reads it: `*` and `?`, `\\` escaping; no `[...]` classes, which `usage.count_pattern`
+        never writes), its fields as Redis would list them."""
         self._evict(int(time.time() * 1000))
         matches = _glob(pattern)
         hashes: dict[bytes, dict[bytes, int]] = {}
@@ -246,7 +247,7 @@ class MemoryBackend:
 
 
 def _glob(pattern: str) -> Callable[[bytes], bool]:
-    """A test of keys against a glob as Redis's SCAN MATCH reads it."""
+    """A test of keys against a glob as Redis's SCAN MATCH reads it (`*`, `?`, `\\`)."""
     parts = []
     escaped = False
     for char in pattern:

@@ -158,20 +158,15 @@ class RedisBackend:
 
     async def usage_hashes(self, pattern: str) -> list[tuple[bytes, dict[bytes, int]]]:
         """Every usage count hash matching `pattern` (`sidecar.usage`); raises StorageError."""
-        try:
-            async with asyncio.timeout(usage_reads.READ_TIMEOUT):
-                return await usage_reads.hashes(self._client.execute, pattern)
-        except Exception as exc:  # every failure, see `failure`
-            raise failure(self.name, int(usage_reads.READ_TIMEOUT * 1000), exc) from exc
+        return await usage_reads.bounded(
+            self.name, usage_reads.hashes(self._client.execute, pattern)
+        )
 
     async def usage_unique(self, groups: Sequence[Sequence[bytes]]) -> list[int]:
-        """PFCOUNT of each group of HyperLogLog keys, slot by slot (`sidecar.usage`); raises
-        StorageError."""
-        try:
-            async with asyncio.timeout(usage_reads.READ_TIMEOUT):
-                return await usage_reads.unique(self._client.execute, groups)
-        except Exception as exc:  # every failure, see `failure`
-            raise failure(self.name, int(usage_reads.READ_TIMEOUT * 1000), exc) from exc
+        """PFCOUNT of each group of HyperLogLog keys (`sidecar.usage`); raises StorageError."""
+        return await usage_reads.bounded(
+            self.name, usage_reads.unique(self._client.execute, groups)
+        )
 
     async def execute(self, *args: Any) -> Any:
         """Run one command on the server and return its reply (error replies raise); for the

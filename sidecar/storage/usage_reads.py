@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from redis.crc import key_slot
 
+from sidecar.storage.failures import failure
+
 Execute = Callable[..., Awaitable[Any]]
+T = TypeVar("T")
 
 #: Seconds a usage read may take in all.
 READ_TIMEOUT = 10.0
@@ -54,3 +57,12 @@ async def unique(execute: Execute, groups: Sequence[Sequence[bytes]]) -> list[in
         replies = await asyncio.gather(*(execute("PFCOUNT", *same) for same in by_slot.values()))
         counts.append(sum(int(reply) for reply in replies))
     return counts
+
+
+async def bounded(backend: str, read: Awaitable[T]) -> T:
+    """`read` within READ_TIMEOUT; whatever goes wrong is a StorageError (see `failure`)."""
+    try:
+        async with asyncio.timeout(READ_TIMEOUT):
+            return await read
+    except Exception as exc:  # every failure, see `failure`
+        raise failure(backend, int(READ_TIMEOUT * 1000), exc) from exc
