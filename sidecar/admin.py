@@ -10,19 +10,27 @@
 - `POST /v1/caps/check`, `POST /v1/caps/record`: frequency caps for ad servers, in JSON (see
   `json_api.py`): 200 with the answer, 400 with `{"error": reason}` for a bad body, 404 for
   a domain without caps, 413 for a body over 1 MiB, 503 when the backend fails.
+- `GET /v1/usage`: usage per day (`sidecar.usage_api`): 200 with the JSON, 400 with
+  `{"error": reason}` for a bad query, 404 for a domain without usage, 503 when the backend
+  fails. `GET /v1/usage/dimensions`: the rules and what each domain counts.
+  `GET /v1/refusing`: the limits that refused calls in the last minute.
+- `GET /ui`: a page drawing all of that (`sidecar/ui/index.html`, self-contained).
 """
 
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Awaitable, Callable
 from http import HTTPStatus
+from importlib.resources import files
 from typing import Any
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
-from sidecar import metrics
+from sidecar import metrics, usage, usage_api
+from sidecar.errors import StorageError
 from sidecar.frequency import json_api
 from sidecar.frequency.caps import FrequencyCaps
 from sidecar.health import Health
@@ -50,7 +58,12 @@ _INDEX = """ratelimit-sidecar
   GET  /metrics       Prometheus metrics
   POST /v1/caps/check   frequency caps: which of these ads may a user still see (JSON)
   POST /v1/caps/record  frequency caps: count impressions exactly once (JSON)
+  GET  /v1/usage      usage per day: ?domain=D&by=KEY[,KEY][&day=YYYY-MM-DD|&from=&to=][&top=N]
+  GET  /v1/usage/dimensions  the rules loaded and what each domain counts
+  GET  /v1/refusing   the limits that refused calls in the last minute
+  GET  /ui            a page of the rules, usage charts, top keys and limits refusing now
 """
+_PAGE = (files("sidecar") / "ui" / "index.html").read_bytes()
 
 
 class AdminServer:
@@ -67,8 +80,14 @@ class AdminServer:
         shutdown_timeout: float = 5.0,
         reuse_port: bool = False,
         frequency: FrequencyCaps | None = None,
+        usage_reader: usage.Reader | None = None,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self.service = service
+        #: Where usage is read (the backend); None: `/v1/usage` answers 503.
+        self.usage_reader = usage_reader
+        self._clock = clock
+        self.refusals = usage_api.Refusals(service.stats)
         self.frequency = frequency
         self.rules = rules
         self.health = health
@@ -88,6 +107,10 @@ class AdminServer:
         app.router.add_get("/healthcheck", self._healthcheck)
         app.router.add_get("/rlconfig", self._rlconfig)
         app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/v1/usage", self._usage)
+        app.router.add_get("/v1/usage/dimensions", self._usage_dimensions)
+        app.router.add_get("/v1/refusing", self._refusing)
+        app.router.add_get("/ui", self._ui)
         if self.frequency is not None:
             app.router.add_post("/v1/caps/check", self._caps_check)
             app.router.add_post("/v1/caps/record", self._caps_record)
@@ -152,6 +175,32 @@ class AdminServer:
         response = web.Response(body=metrics.render(self.registry))
         response.headers["Content-Type"] = metrics.CONTENT_TYPE
         return response
+
+    # --- Usage (sidecar.usage) and the page -------------------------------------------------
+
+    async def _usage(self, request: web.Request) -> web.Response:
+        now_ms = int(self._clock() * 1000)
+        try:
+            query = usage_api.parse(self.rules, request.query, now_ms)
+        except usage_api.QueryError as exc:
+            return _json_error(404 if exc.missing else 400, str(exc))
+        if self.usage_reader is None:
+            return _json_error(503, "usage cannot be read from this backend")
+        try:
+            answer = await usage_api.answer(self.usage_reader, query)
+        except StorageError as exc:
+            return _json_error(503, f"usage unavailable: {exc}")
+        return web.json_response(answer, dumps=_dumps)
+
+    async def _usage_dimensions(self, request: web.Request) -> web.Response:
+        answer = usage_api.dimensions(self.rules, int(self._clock() * 1000))
+        return web.json_response(answer, dumps=_dumps)
+
+    async def _refusing(self, request: web.Request) -> web.Response:
+        return web.json_response(self.refusals.now(), dumps=_dumps)
+
+    async def _ui(self, request: web.Request) -> web.Response:
+        return web.Response(body=_PAGE, content_type="text/html", charset="utf-8")
 
     # --- Frequency caps (sidecar.frequency) ---------------------------------------------------
 

@@ -56,8 +56,12 @@ from sidecar.storage.backends import open_backend
 from sidecar.storage.memory import MemoryBackend
 from sidecar.storage.per_second import PerSecond
 from sidecar.tracing import Tracing, TracingError, TracingSettings
+from sidecar.usage import Reader
+from sidecar.usage_api import TopKeys
 from sidecar.xds.client import XdsClient, XdsOptions, check_files
 
+#: Seconds between reads of the usage top keys for /metrics.
+USAGE_METRICS_INTERVAL = 30.0
 #: Seconds calls in flight get to finish once shutdown starts.
 SHUTDOWN_GRACE = 5.0
 #: Seconds between backend pings that keep the gRPC health status current.
@@ -108,6 +112,10 @@ class Options:
     shadow_mode: bool = False
     #: Entries of the over-limit cache (0: off).
     over_limit_cache: int = 100_000
+    #: Keys per usage dimension in /metrics (today's with the most calls); 0: none.
+    usage_metrics_top: int = 10
+    #: Name the limit behind an OVER_LIMIT answer (a `RateLimit-Policy` header, dynamic metadata).
+    response_limit_name: bool = False
     transport: Transport = "fast"
     #: Share the gRPC and HTTP ports with other processes (SO_REUSEPORT): `serve --workers N`.
     reuse_port: bool = False
@@ -197,6 +205,7 @@ class App:
         self._config_watch: asyncio.Task[None] | None = None
         self._tls: ServerTls | None = None
         self._tls_watch: asyncio.Task[None] | None = None
+        self._usage_watch: asyncio.Task[None] | None = None
         self._statsd: StatsdReporter | None = None
         self._tracing: Tracing | None = None
         #: `--failure-mode local --local-divisor auto`: this sidecar's name among its peers,
@@ -283,7 +292,7 @@ class App:
             over_limit_cache=options.over_limit_cache,
         )
         self._limiter = limiter
-        service = RateLimitService(limiter)
+        service = RateLimitService(limiter, response_limit_name=options.response_limit_name)
         health = self._health = Health(
             backend,
             backend_required=options.failure_mode == "deny",
@@ -306,6 +315,8 @@ class App:
             SHUTDOWN_GRACE,
             reuse_port=options.reuse_port,
             frequency=caps,
+            usage_reader=backend if isinstance(backend, Reader) else None,
+            clock=self._clock,
         )
         if options.rlqs_address is not None:
             # Envoy's rate_limit_quota filter, on its own port, from the same rules and backend.
@@ -366,6 +377,11 @@ class App:
             self._config_watch = asyncio.create_task(
                 self._watch_config(config_marks, options.config_poll_seconds)
             )
+        if options.usage_metrics_top > 0 and isinstance(backend, Reader):
+            # Today's top keys per usage dimension for /metrics, read in the background.
+            top = TopKeys(lambda: self.rules, backend, options.usage_metrics_top, self._clock)
+            self.registry.register(metrics.UsageCollector(top))
+            self._usage_watch = asyncio.create_task(top.watch(USAGE_METRICS_INTERVAL))
         if options.config_poll_seconds > 0 and self._tls is not None:
             # Rules over xDS or from files, the certificate rotates on disk all the same.
             self._tls_watch = asyncio.create_task(
@@ -618,6 +634,7 @@ class App:
             self._config_watch,
             self._peers_watch,
             self._tls_watch,
+            self._usage_watch,
             self._xds_task,
         ):
             if task is None:

@@ -25,6 +25,7 @@ from typing import Any
 
 import yaml
 
+from sidecar import usage
 from sidecar.algorithms.windows import check_zone, is_calendar_unit
 from sidecar.counters import code, kind
 from sidecar.errors import ConfigError
@@ -33,7 +34,7 @@ from sidecar.rules import ConfigWarning, Domain, Level, Node, Rules, yaml_bool
 
 MAX_REQUESTS_PER_UNIT = 4_294_967_295
 
-_ROOT_KEYS = ("domain", "descriptors")
+_ROOT_KEYS = ("domain", "descriptors", "usage")
 _DESCRIPTOR_KEYS = (
     "key",
     "value",
@@ -73,7 +74,7 @@ _REPLACES_KEYS = ("name",)
 _LIMIT_FIELDS = ("unit", "requests_per_unit", "unlimited", "name", "replaces")
 _REFERENCE_KEYS = frozenset(
     (
-        *_ROOT_KEYS,
+        *(key for key in _ROOT_KEYS if key != "usage"),
         *_LIMIT_FIELDS,
         *(
             key
@@ -148,8 +149,19 @@ def _merge(first: Domain, second: Domain) -> Domain:
                 f"{first.source}; merge the two descriptors)",
             )
         root.add(node)
+    if first.usage is not None and second.usage is not None:
+        raise ConfigError(
+            second.source,
+            "usage",
+            f"usage of domain '{first.name}' is declared in {first.source} already "
+            "(declare it in one file)",
+        )
     return Domain(
-        first.name, f"{first.source}, {second.source}", root, first.warnings + second.warnings
+        first.name,
+        f"{first.source}, {second.source}",
+        root,
+        first.warnings + second.warnings,
+        first.usage or second.usage,
     )
 
 
@@ -352,7 +364,16 @@ class _Parser:
                 "domain", "config file cannot have empty domain (add a top-level 'domain: NAME')"
             )
         root = self.level(document.get("descriptors"), "descriptors", domain)
-        return Domain(name=domain, source=self.source, root=root, warnings=tuple(self.warnings))
+        counted = (
+            None if document.get("usage") is None else usage.parse(document["usage"], self.source)
+        )
+        return Domain(
+            name=domain,
+            source=self.source,
+            root=root,
+            warnings=tuple(self.warnings),
+            usage=counted,
+        )
 
     def check_keys(
         self, mapping: dict[Any, Any], allowed: Sequence[str], path: str, place: str

@@ -203,8 +203,14 @@ class Limiter:
             stats.domain_not_found[request.domain] += len(request.descriptors)
             return Decision(_OK, plan.statuses)
         counted_all = plan.counted
+        usage = plan.usage
         if not counted_all:
-            return Decision(_OK, plan.statuses)
+            if usage is None:
+                return Decision(_OK, plan.statuses)
+            # Nothing to judge, but the call is counted in the domain's usage.
+            now_ms = int(self._clock() * 1000)
+            hits = usage.at(now_ms)
+            return _Waiting(self, plan, list(plan.statuses), [], (), hits, now_ms, encode, done)
 
         now_ms = int(self._clock() * 1000)
         statuses = list(plan.statuses)
@@ -218,8 +224,12 @@ class Limiter:
             hits = item.windows.at(now_ms)
             if cache is not None and (status := self._cached(cache, item, hits, now_ms)):
                 statuses[item.index] = status
+                if usage is not None:
+                    cache.queue(usage.at(now_ms, refused=True))
                 return self._overall([(True, item.match.limit.role)], statuses)
             counted: Sequence[tuple[Counted, int]] = ((item, 0),)
+            if usage is not None:
+                hits = hits + usage.at(now_ms)
         else:
             counted = []
             hits = []
@@ -231,6 +241,15 @@ class Limiter:
                     continue
                 counted.append((item, len(hits)))
                 hits += windows
+            if usage is not None:
+                # A descriptor refused from the over-limit cache refuses the request (unless
+                # it is a shadow or quota one: then the call's answer decides).
+                refused = any(role is Role.BLOCKING for _, role in judged)
+                if not hits:
+                    assert cache is not None  # only the cache judges without a call
+                    cache.queue(usage.at(now_ms, refused=True))
+                    return self._overall(judged, statuses)
+                hits += usage.at(now_ms, refused)
             if not hits:
                 return self._overall(judged, statuses)
         return _Waiting(self, plan, statuses, judged, counted, hits, now_ms, encode, done)

@@ -239,3 +239,35 @@ def _escape_help(text: str) -> str:
 
 def _escape_label(value: str) -> str:
     return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+class UsageCollector(Collector):
+    """Today's top keys of each usage dimension (`usage_api.TopKeys`, read from the backend in
+    the background): `ratelimit_sidecar_usage_calls{domain,by,key,outcome}` and
+    `ratelimit_sidecar_usage_unique{domain,by,key,unique}`. Only the top keys: never a series
+    per user, so the series stay bounded."""
+
+    def __init__(self, top: Any) -> None:
+        self.top = top
+
+    def collect(self) -> Iterator[Metric]:
+        calls = Metric(
+            "ratelimit_sidecar_usage_calls",
+            f"Calls today of the {self.top.n} keys with the most calls, per usage dimension, "
+            "admitted or refused.",
+            "gauge",
+        )
+        unique = Metric(
+            "ratelimit_sidecar_usage_unique",
+            f"Distinct values today of a usage dimension's unique key, for its top {self.top.n} "
+            "keys (HyperLogLog, 0.81% standard error).",
+            "gauge",
+        )
+        for domain, by, key, admitted, refused, uniques in self.top.rows:
+            labels = {"domain": domain, "by": by, "key": key}
+            calls.add_sample(calls.name, {**labels, "outcome": "admitted"}, float(admitted))
+            calls.add_sample(calls.name, {**labels, "outcome": "refused"}, float(refused))
+            for name, count in uniques.items():
+                unique.add_sample(unique.name, {**labels, "unique": name}, float(count))
+        yield calls
+        yield unique

@@ -64,6 +64,13 @@ class Role(enum.IntEnum):
     BLOCKING = 0
     SHADOW = 1
     QUOTA = 2
+    #: Not a limit: a usage count (`sidecar.usage`), never judged. The backend adds its `hits`
+    #: to the field `field` of the hash at `key` when the request is admitted, to
+    #: `previous_field` when it is refused, and makes the hash expire at `end_ms`.
+    USAGE = 3
+    #: Not a limit: a unique count. The backend adds `field` (the member) to the HyperLogLog at
+    #: `key`, which expires at `end_ms`.
+    UNIQUE = 4
 
 
 @dataclass(frozen=True, slots=True)

@@ -79,21 +79,27 @@ class OverLimitCache:
             end = self.get(hit.counter, now_ms)
             if end is None:
                 continue
-            pending = self.pending
-            if not self._due:
-                self._due = True
-                asyncio.get_running_loop().call_soon(self.flush)
-            for refused in hits:
-                if refused.hits and refused.window.plain:
-                    name = (refused.key, refused.field)
-                    queued = pending.get(name)
-                    pending[name] = (
-                        (refused, refused.hits)
-                        if queued is None
-                        else (queued[0], queued[1] + refused.hits)
-                    )
+            self.queue(hits)
             return hit, end
         return None
+
+    def queue(self, hits: Sequence[Hit]) -> None:
+        """Add `hits` to the backend with the next `flush`: the hits of plain windows a refused
+        descriptor would have added (a plain fixed window adds a rejected hit too), or a
+        refused request's usage counts (`sidecar.usage`), summed per counter."""
+        pending = self.pending
+        if not self._due:
+            self._due = True
+            asyncio.get_running_loop().call_soon(self.flush)
+        for refused in hits:
+            if refused.hits and refused.window.plain:
+                name = (refused.key, refused.field)
+                queued = pending.get(name)
+                pending[name] = (
+                    (refused, refused.hits)
+                    if queued is None
+                    else (queued[0], queued[1] + refused.hits)
+                )
 
     def flush(self) -> None:
         """Add the pending hits to the backend now: at the end of the turn that refused them,

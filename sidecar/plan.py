@@ -28,6 +28,7 @@ from sidecar.model import (
 )
 from sidecar.rules import Rules
 from sidecar.storage.keys import descriptor_prefix, field_head, group_key
+from sidecar.usage import Tally, tally
 
 #: Bounds on what one request may carry; beyond them it is refused with INVALID_ARGUMENT.
 MAX_HITS_ADDEND = 4_294_967_295
@@ -120,6 +121,9 @@ class Plan:
     blocking_only: bool
     #: Of a straight plan: each counted descriptor with the position of its hit.
     positions: tuple[tuple[Counted, int], ...] = ()
+    #: What the request counts in its domain's usage (`sidecar.usage`); None: nothing. A plan
+    #: that counts usage is never straight: its usage hits follow its counters' hits.
+    usage: Tally | None = None
 
     @property
     def straight(self) -> bool:
@@ -161,11 +165,20 @@ def prepare(rules: Rules, request: Request) -> Plan:
         windows = WindowHits(request.domain, found, cost, index)
         counted.append(Counted(index, found, cost, windows))
     blocking_only = all(c.role is Role.BLOCKING for c in counted)
+    counts = None
+    if domain.usage is not None:
+        first = counted[0].match.counter_parts[0] if counted else None
+        counts = tally(request.domain, domain.usage, request, first)
     straight = (
-        bool(counted) and blocking_only and all(len(c.match.limit.windows) == 1 for c in counted)
+        bool(counted)
+        and counts is None
+        and blocking_only
+        and all(len(c.match.limit.windows) == 1 for c in counted)
     )
     positions = tuple((item, position) for position, item in enumerate(counted)) if straight else ()
-    return Plan(rules, request, True, tuple(statuses), tuple(counted), blocking_only, positions)
+    return Plan(
+        rules, request, True, tuple(statuses), tuple(counted), blocking_only, positions, counts
+    )
 
 
 def descriptor_hits(domain: str, found: Match, cost: int, group: int, now_ms: int) -> list[Hit]:

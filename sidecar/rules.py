@@ -9,10 +9,13 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sidecar.errors import ConfigError
 from sidecar.model import Algorithm, Limit, Unit, Window
+
+if TYPE_CHECKING:
+    from sidecar.usage import Usage
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +99,8 @@ class Domain:
     source: str
     root: Level
     warnings: tuple[ConfigWarning, ...] = ()
+    #: What the domain counts per day (`usage` in its file; `sidecar.usage`), None: nothing.
+    usage: Usage | None = None
 
     def limits(self) -> Iterable[Limit]:
         """Every limit of the domain, depth first in declaration order."""

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import redis
 from prometheus_client import generate_latest
+from support.callbacks import should_rate_limit
 from support.sidecars import client, request, write_rules
 
 from sidecar import cli, config
@@ -381,3 +382,55 @@ def test_sync_interval_flag_and_variable() -> None:
     assert args.sync_interval_ms == 100
     with pytest.raises(SystemExit):
         cli.parse_args(["serve", "--config", "x", "--sync-interval-ms", "0"], {})
+
+
+USAGE_RULES = """\
+domain: open
+usage:
+  - by: [app]
+  - by: [app]
+    unique: user
+descriptors:
+  - key: app
+    approximate: true
+    rate_limit: {unit: minute, requests_per_unit: 20}
+  - key: plan
+    rate_limit: {unit: minute, requests_per_unit: 15}
+"""
+
+
+@pytest.mark.parametrize("with_exact", [False, True], ids=["approximate only", "with exact"])
+async def test_usage_counts_a_locally_judged_request_by_its_answer(
+    redis_url: str, with_exact: bool
+) -> None:
+    """With aggregation, a request judged on the local view still counts its usage in Redis as
+    admitted or refused by its answer (a local refusal included, which Redis never saw), and
+    /v1/usage's reads pass through the wrapper: the counts equal the answers given."""
+    from sidecar import usage
+
+    clock = Clock()
+    domain = config.parse(USAGE_RULES, "rules.yaml")
+    backend = aggregated(redis_url, clock)
+    limiter = Limiter(Rules({domain.name: domain}), backend, clock=clock)
+    answers: Counter[Code] = Counter()
+    try:
+        for n in range(30):
+            entries = [
+                Descriptor((Entry("app", "shop"),)),
+                Descriptor((Entry("user", f"u{n % 7}"),)),
+            ]
+            if with_exact:
+                entries.append(Descriptor((Entry("plan", "free"),)))
+            decision = await should_rate_limit(limiter, Request("open", tuple(entries)))
+            answers[decision.overall_code] += 1
+        assert backend.local_hits > 0
+        counted = domain.usage
+        assert counted is not None
+        report = await usage.report(
+            backend, "open", counted, ("app",), [counted.today(clock.ms)], 10
+        )  # type: ignore[arg-type]
+        (row,) = report["days"][0]["top"]
+        assert (row["admitted"], row["refused"]) == (answers[Code.OK], answers[Code.OVER_LIMIT])
+        assert answers[Code.OVER_LIMIT] == (15 if with_exact else 10)
+    finally:
+        await backend.close()

@@ -189,6 +189,16 @@ ERRORS = {
     "approximate_not_a_flag.yaml": (
         "descriptors[0].approximate: approximate must be true or false, got 'yes'"
     ),
+    "usage_not_a_list.yaml": "usage: usage must be a list of maps like {by: [app]} (or remove 'usage')",
+    "usage_not_a_map.yaml": "usage[0]: a usage dimension is a map like {by: [app]}, got 'app'",
+    "usage_empty_by.yaml": "usage[0].by: by must be a list of distinct descriptor keys, like [app, interface]",
+    "usage_repeated_by.yaml": "usage[0].by: by must be a list of distinct descriptor keys, like [app, interface]",
+    "usage_unknown_key.yaml": "usage[0]: unknown key 'per' in a usage dimension (allowed: by, unique, timezone, retention_days)",
+    "usage_unique_in_by.yaml": "usage[0].unique: 'app' is in by: count the distinct values of another key",
+    "usage_unknown_timezone.yaml": "usage[0].timezone: unknown time zone 'Mars/Base' (use an IANA name like 'Asia/Shanghai')",
+    "usage_zero_retention.yaml": "usage[0].retention_days: retention_days must be a whole number from 1 to 366, got 0",
+    "usage_days_differ.yaml": "usage[1]: every usage dimension of a domain counts by the same days: give all the same timezone and retention_days",
+    "usage_twice.yaml": "usage[1]: usage dimension by [app] declared twice",
 }
 
 

@@ -18,9 +18,10 @@ buckets refill slowly), far longer than an example runs.
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
-from datetime import datetime
+from datetime import date, datetime
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -28,11 +29,12 @@ from hypothesis import strategies as st
 from support.callbacks import apply
 from support.model_store import Model
 
-from sidecar import counters
+from sidecar import counters, usage
+from sidecar.algorithms import hyperloglog
 from sidecar.model import Algorithm, Hit, Outcome, Role, Unit, Window
 from sidecar.storage import Backend
 from sidecar.storage.backends import open_backend
-from sidecar.storage.keys import descriptor_prefix, field_head, group_key
+from sidecar.storage.keys import descriptor_prefix, field_head, group_key, hash_tag
 from sidecar.storage.memory import MemoryBackend
 
 TIMEOUT_MS = 2_000
@@ -114,6 +116,10 @@ class Scenario:
     grouped: bool  # counters are fields of a hash per first entry (`group_counters`)
     descriptors: tuple[Descriptor, ...]
     steps: tuple[Step, ...]
+    #: Each request also counts usage (`sidecar.usage`): a count per descriptor it carries,
+    #: admitted or refused, and a unique member; only where every hit shares one slot, as a
+    #: request's usage hits share its first counter's (see `usage_hits`).
+    usage: bool = False
 
 
 _windows = st.one_of(
@@ -158,6 +164,7 @@ def _scenarios(draw: st.DrawFn) -> Scenario:
         grouped=draw(st.booleans()),
         descriptors=descriptors,
         steps=draw(st.lists(step, min_size=1, max_size=25).map(tuple)),
+        usage=draw(st.booleans()),
     )
 
 
@@ -190,8 +197,62 @@ def requests(scenario: Scenario) -> list[tuple[list[Hit], bool, int]]:
                     prefix = descriptor_prefix(domain, parts[index])
                     hit = counters.window_hit(prefix, window, cost, group, role, now_ms)
                 hits.append(hit)
+        if scenario.usage and scenario.one_slot:
+            hits += usage_hits(hits[0].key, step.hits)
         result.append((hits, step.all_or_nothing, now_ms))
     return result
+
+
+#: When usage keys expire (PEXPIREAT): past the real time, which Redis counts, and past every
+#: simulated time of an example, which the memory backend counts (sequences of month windows
+#: run up to two years from their start).
+_USAGE_END_MS = int(time.time() * 1000) + 4 * 365 * 86_400_000
+_DAY = date(2026, 6, 15)
+
+
+def usage_hits(first_key: bytes, steps: tuple[tuple[int, int], ...]) -> list[Hit]:
+    """A request's usage hits beside its first counter: one count per descriptor index it
+    carries (its largest cost; none for a check), and that index as a unique member."""
+    head = f"rl{{{hash_tag(first_key).decode()}}}"
+    cost = max(c for _, c in steps)
+    if cost == 0:
+        return []
+    hits = []
+    for index in sorted({i for i, _ in steps}):
+        name = b"d|%d" % index
+        hits.append(
+            Hit(usage.count_key(head, _DAY), cost, usage.USAGE_WINDOW, role=Role.USAGE,
+                end_ms=_USAGE_END_MS, field=name + b"|a", previous_field=name + b"|r")
+        )  # fmt: skip
+    unique = usage.unique_key(head, _DAY, ["t"], ["t"], "d")
+    member = str(steps[0][0]).encode()
+    hits.append(
+        Hit(unique, cost, usage.USAGE_WINDOW, role=Role.UNIQUE, end_ms=_USAGE_END_MS, field=member)
+    )
+    return hits
+
+
+async def assert_same_usage(
+    scenario: Scenario, model: Model, stores: dict[str, Model | Backend]
+) -> None:
+    """Every store holds the model's usage counts and unique counts after the scenario."""
+    counted = {
+        where: value
+        for where, value in model.values.items()
+        if isinstance(where, tuple) and b"|%u|" in where[0]
+    }
+    uniques = sorted(
+        where for where in model.values if isinstance(where, bytes) and b"|%h|" in where
+    )
+    for name, store in stores.items():
+        found = await store.usage_hashes("rl{parity*|%u|*")  # type: ignore[union-attr]
+        held = {(key, field): value for key, fields in found for field, value in fields.items()}
+        mine = {
+            where: value for where, value in held.items() if where[0] in {k for k, _ in counted}
+        }
+        assert mine == counted, f"{name}'s usage counts differ from the model's"
+        got = await store.usage_unique([[key] for key in uniques])  # type: ignore[union-attr]
+        assert got == [hyperloglog.count(model.values[key]) for key in uniques], name  # type: ignore[arg-type]
 
 
 async def assert_agree(scenario: Scenario, stores: dict[str, Model | Backend]) -> None:
@@ -202,6 +263,8 @@ async def assert_agree(scenario: Scenario, stores: dict[str, Model | Backend]) -
         for name, store in stores.items():
             got = await apply(store, hits, all_or_nothing, now_ms)
             assert got == expected, f"{name} differs from the model at request {number}: {hits}"
+    if scenario.usage and scenario.one_slot:
+        await assert_same_usage(scenario, model, stores)
 
 
 _settings = settings(
@@ -279,7 +342,7 @@ async def test_a_bucket_is_full_the_moment_its_state_expires(
 @settings(_settings, max_examples=200)
 @given(
     limit=st.integers(0, 4),
-    role=st.sampled_from(list(Role)),
+    role=st.sampled_from([Role.BLOCKING, Role.SHADOW, Role.QUOTA]),  # the roles of limits
     grouped=st.booleans(),
     steps=st.lists(st.tuples(st.integers(0, 3), st.booleans(), st.integers(0, 40_000)), min_size=1),
 )

@@ -152,3 +152,41 @@ def test_numbers_at_every_varint_length_encode_as_protobuf_does(value: int) -> N
         Code.OK, (DescriptorStatus(Code.OK, limit, min(value, 4_294_967_295), value),)
     )
     assert convert.response_bytes(decision) == _protobuf(decision)
+
+
+def test_an_over_limit_answer_names_every_refusing_limit_in_a_ratelimit_policy_header() -> None:
+    """With the limit's name (`--response-limit-name`), an OVER_LIMIT answer carries one
+    `RateLimit-Policy` header listing each refusing limit once, in request order, as a quoted
+    name with its quota and window in seconds; the rule's name, else its descriptor path. The
+    first refusing limit's name, quota and window are the dynamic metadata."""
+    unnamed = single(5, Unit.HOUR, rule_key="d.app_x.interface")
+    statuses = (
+        DescriptorStatus(Code.OK, BIG, 7, 1, BIG.windows[0]),
+        DescriptorStatus(Code.OVER_LIMIT, MINUTE, 0, 30, MINUTE.windows[0]),
+        DescriptorStatus(Code.OVER_LIMIT, unnamed, 0, 30, unnamed.windows[0]),
+        DescriptorStatus(Code.OVER_LIMIT, MINUTE, 0, 30, MINUTE.windows[0]),
+    )
+    message = convert.response(Decision(Code.OVER_LIMIT, statuses), named=True)
+    assert [(h.key, h.value) for h in message.response_headers_to_add] == [
+        ("RateLimit-Policy", '"per-user";q=3;w=60, "d.app_x.interface";q=5;w=3600')
+    ]
+    metadata = dict(message.dynamic_metadata.fields)
+    assert metadata["limit_name"].string_value == "per-user"
+    assert metadata["limit_quota"].number_value == 3
+    assert metadata["limit_window"].number_value == 60
+    # The statuses are the same bytes as without the name.
+    assert message.statuses == convert.response(Decision(Code.OVER_LIMIT, statuses)).statuses
+
+
+def test_an_ok_answer_carries_no_limit_name() -> None:
+    """An OK answer is encoded as without `--response-limit-name`: nothing refused it."""
+    decision = Decision(Code.OK, (DescriptorStatus(Code.OK, MINUTE, 2, 30, MINUTE.windows[0]),))
+    assert convert.response_bytes_named(decision) == convert.response_bytes(decision)
+
+
+def test_a_limit_name_is_a_valid_structured_field_string() -> None:
+    """Quotes and backslashes are escaped, and what is not printable ASCII (and `%`) is
+    percent-encoded from its UTF-8 bytes, so the header is always a valid sf-string."""
+    odd = single(1, Unit.SECOND, name='a"b\\c%d é\n')
+    status = DescriptorStatus(Code.OVER_LIMIT, odd, 0, 1, odd.windows[0])
+    assert convert.policy(status) == '"a\\"b\\\\c%25d %C3%A9%0A";q=1;w=1'

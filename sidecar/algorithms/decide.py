@@ -8,7 +8,8 @@ Three phases:
    A counter repeated in one request sees the earlier hits on it as added.
 2. A descriptor is over when any of its windows is; the request is OVER_LIMIT when a blocking
    descriptor is over, or when it has quota descriptors and all of them are (shadow ones never).
-3. Hits are applied: a plain fixed window counts every hit, admitted or not (the reference's
+3. Hits are applied (usage hits, roles USAGE and UNIQUE, are not judged: they count the request
+   as admitted or refused, see `sidecar.usage`): a plain fixed window counts every hit, admitted or not (the reference's
    behaviour); a token bucket, a borrowing window or a sliding window counts a hit only when its
    descriptor was admitted. With all-or-nothing, a request that is OVER_LIMIT applies nothing.
    With `force` (recording impressions, which are facts) every hit is applied, whatever the
@@ -55,14 +56,17 @@ def code(window: Window) -> int:
 
 @dataclass(frozen=True, slots=True)
 class Write:
-    """A change to one stored value: add `amount` to a counter (created with `ttl_ms`), or store a
-    bucket's `state` for `ttl_ms`. `field` is set for a counter in a grouped hash."""
+    """A change to one stored value: add `amount` to a counter (created with `ttl_ms`), store a
+    bucket's `state` for `ttl_ms`, or add `member` to a HyperLogLog (kept `ttl_ms` from its
+    creation). `field` is set for a counter in a grouped hash or a usage count's hash."""
 
     key: bytes
     amount: int = 0
     state: Bucket | None = None
     ttl_ms: int = 0
     field: bytes = b""
+    #: A unique count's member, added to the HyperLogLog at `key` (see `sidecar.usage`).
+    member: bytes = b""
 
     @property
     def address(self) -> Address:
@@ -93,11 +97,15 @@ def decide(
             seen[where] = read(where)
         return seen[where]
 
-    judged = [_judge(hit, value, seen, now_ms, force) for hit in hits]
+    judged = [
+        _judge(hit, value, seen, now_ms, force) if hit.role < _USAGE else _UNJUDGED for hit in hits
+    ]
 
     group_over: dict[int, bool] = {}
     group_role: dict[int, Role] = {}
     for hit, j in zip(hits, judged, strict=True):
+        if j is _UNJUDGED:
+            continue
         group_over[hit.group] = group_over.get(hit.group, False) or j.over
         group_role[hit.group] = hit.role
     request_over = fixed_window.request_is_over(
@@ -108,6 +116,15 @@ def decide(
     writes: list[Write] = []
     blocked = read_only or (all_or_nothing and request_over)
     for hit, j in zip(hits, judged, strict=True):
+        if j is _UNJUDGED:
+            # Usage (`sidecar.usage`): counted as the request's answer says, never by a check
+            # or a recording (the limiter sends none with them).
+            # Its "reset" is when it expires, as for any window (Redis's reply is read so).
+            counted = not read_only and not force
+            outcomes.append(Outcome(False, 0, hit.end_ms - now_ms, counted, 0))
+            if counted:
+                writes.append(_usage_write(hit, request_over, now_ms))
+            continue
         algorithm = code(hit.window)
         applied = force or (not blocked and (algorithm == PLAIN or not group_over[hit.group]))
         remaining, reset_ms = j.after if applied else j.before
@@ -122,6 +139,23 @@ def decide(
                     Write(hit.key, amount=hit.hits, ttl_ms=hit.ttl * 1000, field=hit.field)
                 )
     return outcomes, writes
+
+
+#: Where a usage hit's judgement would be: it has none.
+_UNJUDGED = _Judged(False, (0, 0), (0, 0), None)
+_USAGE, _UNIQUE = Role.USAGE, Role.UNIQUE
+
+
+def _usage_write(hit: Hit, refused: bool, now_ms: int) -> Write:
+    """A usage hit's write: its hits to the admitted field (`field`) or the refused one
+    (`previous_field`), or its member (`field`) to the HyperLogLog at `key`; either kept until
+    the hit's `end_ms`."""
+    ttl_ms = hit.end_ms - now_ms
+    if hit.role is _UNIQUE:
+        return Write(hit.key, ttl_ms=ttl_ms, member=hit.field)
+    return Write(
+        hit.key, amount=hit.hits, ttl_ms=ttl_ms, field=hit.previous_field if refused else hit.field
+    )
 
 
 def _judge(

@@ -56,10 +56,10 @@ def calendar_window(now: float, unit: Unit, zone: str, week_start: int = 0) -> t
         first, following = date(local.year, 1, 1), date(local.year + 1, 1, 1)
     else:
         raise ValueError(f"{unit.name.lower()} has no calendar window")
-    return _midnight(first, zone), _midnight(following, zone)
+    return midnight(first, zone), midnight(following, zone)
 
 
-def _midnight(day: date, zone: str) -> int:
+def midnight(day: date, zone: str) -> int:
     """The first instant of `day` in `zone`.
 
     For a midnight skipped by DST, the naive local time with fold=0 uses the offset in force

@@ -20,6 +20,7 @@ from sidecar.cli import check, query, serve
 from sidecar.cli.flags import PROG, Flags
 from sidecar.envoy_config.commands import register as register_envoy_config
 from sidecar.injector.commands import register as register_injector
+from sidecar.usage_command import register as register_usage
 
 # grpc's C core writes its own lines to stderr; keep them to errors so the log stays one format.
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
@@ -60,6 +61,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Flags]]:
     env_flags["query"] = query.register(commands)
     register_injector(commands)
     register_envoy_config(commands)
+    register_usage(commands)
     return parser, env_flags
 
 

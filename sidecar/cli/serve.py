@@ -217,6 +217,24 @@ def register(commands: Any) -> Flags:
         default=False,
     )
     serve.add(
+        "--response-limit-name",
+        "name the limit behind an OVER_LIMIT answer (the rule's name, else its descriptor "
+        "path): a RateLimit-Policy header Envoy adds to the 429 ('\"name\";q=QUOTA;w=SECONDS', "
+        "IETF RateLimit header fields draft) and dynamic metadata limit_name, limit_quota, "
+        "limit_window for Envoy's access log "
+        "(%%DYNAMIC_METADATA(envoy.filters.http.ratelimit:limit_name)%%)",
+        action="store_true",
+        default=False,
+    )
+    serve.add(
+        "--usage-metrics-top",
+        "keys per usage dimension in /metrics: today's with the most calls, read every 30 s "
+        "(ratelimit_sidecar_usage_calls, ratelimit_sidecar_usage_unique); 0 turns them off",
+        default=10,
+        type=count(0),
+        metavar="N",
+    )
+    serve.add(
         "--over-limit-cache",
         "counters known to be over their limit, remembered until their window ends and "
         "answered without a Redis call (plain fixed windows; not with --rejected-hits skip); "
@@ -529,6 +547,8 @@ def run(args: argparse.Namespace) -> int:
         sync_interval_ms=args.sync_interval_ms,
         shadow_mode=args.shadow_mode,
         over_limit_cache=args.over_limit_cache,
+        response_limit_name=args.response_limit_name,
+        usage_metrics_top=args.usage_metrics_top,
         transport=args.transport,
         reuse_port=args.reuse_port,
         grpc_socket_fd=args.grpc_socket_fd,

@@ -36,9 +36,15 @@ PARSED_CACHE_SIZE = 4_096
 class RateLimitService:
     """`envoy.service.ratelimit.v3.RateLimitService`, independent of its transport."""
 
-    def __init__(self, limiter: Limiter) -> None:
+    def __init__(self, limiter: Limiter, *, response_limit_name: bool = False) -> None:
         self.limiter = limiter
         self._plans: dict[bytes, Plan] = {}
+        #: Name the limit behind an OVER_LIMIT answer (`--response-limit-name`): a
+        #: `RateLimit-Policy` header and dynamic metadata (`convert.limit_name_fields`).
+        self.response_limit_name = response_limit_name
+        self._encode = (
+            convert.response_bytes_named if response_limit_name else convert.response_bytes
+        )
 
     @property
     def stats(self) -> Stats:
@@ -51,7 +57,7 @@ class RateLimitService:
         `sidecar.callbacks`): `done` gets the serialized `RateLimitResponse`, or the exception
         the call ended with once the store has answered (Overloaded, or a bug). What goes wrong
         before that (InvalidRequest for a request that breaks the protocol) is raised here."""
-        self.limiter.decide_then(self._plan(body), convert.response_bytes, done)
+        self.limiter.decide_then(self._plan(body), self._encode, done)
 
     def _plan(self, body: bytes) -> Plan:
         """The plan of a request body: the one kept, unless made under rules since replaced."""
@@ -90,7 +96,7 @@ class RateLimitService:
             raise self._refuse(f"malformed RateLimitRequest JSON: {exc}") from exc
         plan = self.limiter.prepare(self._convert(message))
         decision = await awaited(functools.partial(self.limiter.decide_then, plan, _same))
-        fields = json_format.MessageToDict(convert.response(decision))
+        fields = json_format.MessageToDict(convert.response(decision, self.response_limit_name))
         return decision.overall_code, json.dumps(fields, separators=(",", ":"))
 
     def _convert(self, message: RateLimitRequest) -> Request:

@@ -30,6 +30,10 @@ and its dict slot), plus its counter's last Hit (about 200) once no request plan
 ``limit + (S - 1) × r × 2 × (interval + deadline)`` for `S` sidecars each receiving `r` hits per
 second of one counter.
 
+Usage counts (`sidecar.usage`) stay in the store and count a request as its answer says: when
+some of a request's limits were judged here, its usage hits go to the store once every limit is
+answered (`_with_usage`), so a domain with `usage` still costs the store a call per request.
+
 `--rejected-hits skip` (all or nothing) is decided by the store: a request cannot be all or
 nothing across a local view and a store. The app refuses the two together.
 """
@@ -48,9 +52,10 @@ from prometheus_client.registry import Collector
 
 from sidecar.algorithms.approximate import LocalCount, count_after
 from sidecar.algorithms.decide import Address, State
+from sidecar.algorithms.fixed_window import request_is_over
 from sidecar.callbacks import awaited
 from sidecar.errors import StorageError
-from sidecar.model import Dedupe, Hit, Outcome, new
+from sidecar.model import Dedupe, Hit, Outcome, Role, new
 from sidecar.storage.base import Applied, Backend
 from sidecar.storage.peers import CountsPeers
 
@@ -62,6 +67,24 @@ MAX_COUNTS = 100_000
 FLUSH_HITS = 1_000
 
 Counter = tuple[bytes, bytes]
+
+
+def _request_over(hits: Sequence[Hit], outcomes: dict[int, Outcome]) -> bool:
+    """The request's answer from its limit hits' outcomes, as the store's scripts find it."""
+    group_over: dict[int, bool] = {}
+    group_role: dict[int, Role] = {}
+    for position, hit in enumerate(hits):
+        if hit.role < Role.USAGE:
+            group_over[hit.group] = group_over.get(hit.group, False) or outcomes[position].over
+            group_role[hit.group] = hit.role
+    return request_is_over(list(group_over.values()), [group_role[g] for g in group_over])
+
+
+def _as_refused(hit: Hit) -> Hit:
+    """A usage hit counting its refused field (a unique count is the same either way)."""
+    if hit.role is Role.USAGE:
+        return dataclasses.replace(hit, field=hit.previous_field)
+    return hit
 
 
 class _Tracked(LocalCount):
@@ -146,6 +169,9 @@ class Aggregated:
             done([judged[position] for position in range(len(hits))])
             return
         rest = [hit for position, hit in enumerate(hits) if position not in judged]
+        if any(hit.role >= Role.USAGE for hit in rest):
+            self._with_usage(hits, judged, now_ms, done, learning)
+            return
 
         def answered(outcomes: list[Outcome] | Exception) -> None:
             if isinstance(outcomes, Exception):
@@ -156,6 +182,62 @@ class Aggregated:
 
         learned = self._learning(rest, now_ms, answered) if learning else answered
         self.backend.apply_then(rest, False, now_ms, learned)
+
+    def _with_usage(
+        self,
+        hits: Sequence[Hit],
+        judged: dict[int, Outcome],
+        now_ms: int,
+        done: Applied,
+        learning: bool,
+    ) -> None:
+        """A request with usage hits (`sidecar.usage`) and hits judged here: its usage counts
+        as admitted or refused by the request's answer, which the store cannot give alone, so
+        the usage hits go to the store once every limit hit is answered (after the store's
+        answer, when some were the store's)."""
+        at_store = [
+            position
+            for position, hit in enumerate(hits)
+            if position not in judged and hit.role < Role.USAGE
+        ]
+        usage_at = [
+            position
+            for position, hit in enumerate(hits)
+            if position not in judged and hit.role >= Role.USAGE
+        ]
+        outcomes: dict[int, Outcome] = dict(judged)
+
+        def count_usage() -> None:
+            over = _request_over(hits, outcomes)
+            usage = [_as_refused(hits[at]) if over else hits[at] for at in usage_at]
+
+            def counted(answer: list[Outcome] | Exception) -> None:
+                if isinstance(answer, Exception):
+                    done(answer)
+                    return
+                outcomes.update(zip(usage_at, answer, strict=True))
+                done([outcomes[at] for at in range(len(hits))])
+
+            self.backend.apply_then(usage, False, now_ms, counted)
+
+        if not at_store:
+            count_usage()
+            return
+
+        def answered(answer: list[Outcome] | Exception) -> None:
+            if isinstance(answer, Exception):
+                done(answer)
+                return
+            outcomes.update(zip(at_store, answer, strict=True))
+            count_usage()
+
+        limits = [hits[at] for at in at_store]
+        self.backend.apply_then(
+            limits,
+            False,
+            now_ms,
+            self._learning(limits, now_ms, answered) if learning else answered,
+        )
 
     def _judge(self, hit: Hit, now_ms: int) -> Outcome:
         """A hit judged and counted on its counter's local view."""
@@ -190,6 +272,14 @@ class Aggregated:
                 count.learn(came_to, asked_ms)
             elif len(counts) < self.max_counts:
                 counts[where] = _Tracked(hit, came_to, asked_ms)
+
+    # --- usage (`sidecar.usage`): counted and read in the store ----------------------------
+
+    async def usage_hashes(self, pattern: str) -> list[tuple[bytes, dict[bytes, int]]]:
+        return await self.backend.usage_hashes(pattern)  # type: ignore[attr-defined, no-any-return]
+
+    async def usage_unique(self, groups: Sequence[Sequence[bytes]]) -> list[int]:
+        return await self.backend.usage_unique(groups)  # type: ignore[attr-defined, no-any-return]
 
     # --- syncs --------------------------------------------------------------------------------
 

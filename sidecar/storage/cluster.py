@@ -16,7 +16,7 @@ from sidecar.algorithms import fixed_window
 from sidecar.algorithms.decide import Address, State
 from sidecar.errors import StorageError
 from sidecar.model import Dedupe, Hit, Outcome, Role
-from sidecar.storage import peers, urls
+from sidecar.storage import peers, urls, usage_reads
 from sidecar.storage.base import Applied
 from sidecar.storage.cluster_client import PipelinedCluster, stale_map
 from sidecar.storage.failures import failure, gather_all
@@ -331,6 +331,24 @@ class RedisClusterBackend:
     async def leave(self, name: bytes) -> None:
         """Take this sidecar's name out of the count at once (a clean stop)."""
         await peers.leave_within(self._client.execute, name, self._timeout)
+
+    async def usage_hashes(self, pattern: str) -> list[tuple[bytes, dict[bytes, int]]]:
+        """Every usage count hash matching `pattern`, scanned on every master (`sidecar.usage`);
+        raises StorageError."""
+
+        async def every_master() -> list[tuple[bytes, dict[bytes, int]]]:
+            masters = await self._client.masters()
+            found = await gather_all(usage_reads.hashes(node.execute, pattern) for node in masters)
+            return [item for node in found for item in node]
+
+        return await usage_reads.bounded(self.name, every_master())
+
+    async def usage_unique(self, groups: Sequence[Sequence[bytes]]) -> list[int]:
+        """PFCOUNT of each group of HyperLogLog keys, slot by slot (`sidecar.usage`); raises
+        StorageError."""
+        return await usage_reads.bounded(
+            self.name, usage_reads.unique(self._client.execute, groups)
+        )
 
     async def ping(self) -> bool:
         """Whether every master answers PING."""

@@ -22,13 +22,18 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Sequence
+import re
+import time
+from collections.abc import Callable, Sequence
 
-from sidecar.algorithms import fixed_window
+from sidecar.algorithms import fixed_window, hyperloglog
 from sidecar.algorithms.decide import Address, State, decide
 from sidecar.algorithms.windows import FIELD_GRACE
 from sidecar.model import Dedupe, Hit, Outcome, Role
 from sidecar.storage.base import Applied
+
+#: Read on every call: on Python 3.11 an enum member read through its class is a Python call.
+_USAGE = Role.USAGE
 
 #: Values kept at most, unless told otherwise: about 340 MB at BYTES_PER_COUNTER.
 MAX_COUNTERS = 1_000_000
@@ -75,7 +80,7 @@ class MemoryBackend:
 
     def _apply(self, hits: Sequence[Hit], all_or_nothing: bool, now_ms: int) -> list[Outcome]:
         self._evict(now_ms)
-        if len(hits) == 1 and hits[0].window.plain:
+        if len(hits) == 1 and hits[0].window.plain and hits[0].role is not _USAGE:
             return [self._apply_plain(hits[0], all_or_nothing, now_ms)]
         return self._decide(hits, all_or_nothing, now_ms, False, force=False)
 
@@ -149,7 +154,13 @@ class MemoryBackend:
         for write in writes:
             where = write.address
             entry = values.get(where)
-            if write.state is not None:
+            if write.member:
+                if entry is None:
+                    registers, _ = hyperloglog.add(hyperloglog.new(), write.member)
+                    self._store(where, registers, now_ms + write.ttl_ms)
+                else:
+                    entry[0], _ = hyperloglog.add(entry[0], write.member)  # type: ignore[arg-type]
+            elif write.state is not None:
                 expires_at = now_ms + write.ttl_ms
                 if write.field:
                     # Redis keeps a grouped bucket's field until its keep-until plus the grace.
@@ -203,9 +214,53 @@ class MemoryBackend:
             self.evicted += 1
             return
 
+    async def usage_hashes(self, pattern: str) -> list[tuple[bytes, dict[bytes, int]]]:
+        """Every usage count hash whose key matches `pattern` (a glob as Redis's SCAN MATCH
+        reads it: `*` and `?`, `\\` escaping; no `[...]` classes, which `usage.count_pattern`
+        never writes), its fields as Redis would list them."""
+        self._evict(int(time.time() * 1000))
+        matches = _glob(pattern)
+        hashes: dict[bytes, dict[bytes, int]] = {}
+        for where, entry in self._values.items():
+            if isinstance(where, tuple) and matches(where[0]) and isinstance(entry[0], int):
+                hashes.setdefault(where[0], {})[where[1]] = entry[0]
+        return list(hashes.items())
+
+    async def usage_unique(self, groups: Sequence[Sequence[bytes]]) -> list[int]:
+        """For each group of HyperLogLog keys, the distinct members of their union (PFCOUNT)."""
+        counts = []
+        for keys in groups:
+            union: hyperloglog.Registers = hyperloglog.new()
+            for key in keys:
+                entry = self._values.get(key)
+                if entry is not None:
+                    union = hyperloglog.merge(union, entry[0])  # type: ignore[arg-type]
+            counts.append(hyperloglog.count(union))
+        return counts
+
     async def ping(self) -> bool:
         return True
 
     async def close(self) -> None:
         self._values.clear()
         self._expiries.clear()
+
+
+def _glob(pattern: str) -> Callable[[bytes], bool]:
+    """A test of keys against a glob as Redis's SCAN MATCH reads it (`*`, `?`, `\\`)."""
+    parts = []
+    escaped = False
+    for char in pattern:
+        if escaped:
+            parts.append(re.escape(char))
+            escaped = False
+        elif char == "\\":
+            escaped = True
+        elif char == "*":
+            parts.append(".*")
+        elif char == "?":
+            parts.append(".")
+        else:
+            parts.append(re.escape(char))
+    compiled = re.compile("".join(parts).encode(), re.DOTALL)
+    return lambda key: compiled.fullmatch(key) is not None

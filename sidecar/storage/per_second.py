@@ -86,6 +86,13 @@ class PerSecond:
     async def read(self, addresses: Sequence[Address], now_ms: int) -> list[State | None]:
         return await self.main.read(addresses, now_ms)
 
+    async def usage_hashes(self, pattern: str) -> list[tuple[bytes, dict[bytes, int]]]:
+        """Usage lives on `main` (its hits are of a day, never per second)."""
+        return await self.main.usage_hashes(pattern)  # type: ignore[attr-defined, no-any-return]
+
+    async def usage_unique(self, groups: Sequence[Sequence[bytes]]) -> list[int]:
+        return await self.main.usage_unique(groups)  # type: ignore[attr-defined, no-any-return]
+
     async def ping(self) -> bool:
         main, per_second = await asyncio.gather(self.main.ping(), self.per_second.ping())
         return main and per_second

@@ -25,7 +25,7 @@ import hiredis
 
 from sidecar.algorithms.decide import Address, State
 from sidecar.model import Dedupe, Hit
-from sidecar.storage import peers, urls
+from sidecar.storage import peers, urls, usage_reads
 from sidecar.storage.base import Applied
 from sidecar.storage.failures import failure, gather_all
 from sidecar.storage.redis_client import PipelinedRedis, RedisReplyError
@@ -155,6 +155,18 @@ class RedisBackend:
     async def leave(self, name: bytes) -> None:
         """Take this sidecar's name out of the count at once (a clean stop)."""
         await peers.leave_within(self._client.execute, name, self._timeout)
+
+    async def usage_hashes(self, pattern: str) -> list[tuple[bytes, dict[bytes, int]]]:
+        """Every usage count hash matching `pattern` (`sidecar.usage`); raises StorageError."""
+        return await usage_reads.bounded(
+            self.name, usage_reads.hashes(self._client.execute, pattern)
+        )
+
+    async def usage_unique(self, groups: Sequence[Sequence[bytes]]) -> list[int]:
+        """PFCOUNT of each group of HyperLogLog keys (`sidecar.usage`); raises StorageError."""
+        return await usage_reads.bounded(
+            self.name, usage_reads.unique(self._client.execute, groups)
+        )
 
     async def execute(self, *args: Any) -> Any:
         """Run one command on the server and return its reply (error replies raise); for the

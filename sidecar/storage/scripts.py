@@ -113,6 +113,9 @@ def _hit_args(hit: Hit, quota_as_shadow: bool = False) -> tuple[Any, ...]:
             window.capacity,
             window.borrow,
         )
+    elif role >= Role.USAGE:
+        # A usage hit (`sidecar.usage`): p1 is when its hash or HyperLogLog expires, Unix ms.
+        params = (hit.end_ms, 0, 0, 0)
     elif algorithm == decide.SLIDING:
         params = (window.requests_per_unit, 0, hit.start_ms, window.seconds * 1000)
     else:

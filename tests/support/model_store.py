@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from sidecar.algorithms import hyperloglog
 from sidecar.algorithms.decide import Address, State, decide
 from sidecar.model import Dedupe, Hit, Outcome
 from sidecar.storage.base import Applied
@@ -15,7 +16,7 @@ class Model:
     """What every backend must answer: `apply_then` and `record` over the pure decision."""
 
     def __init__(self) -> None:
-        self.values: dict[Address, State] = {}
+        self.values: dict[Address, State | hyperloglog.Registers] = {}
         self.ids: dict[bytes, set[str]] = {}
 
     def apply_then(
@@ -46,7 +47,10 @@ class Model:
     ) -> list[Outcome]:
         outcomes, writes = decide(self.values.get, hits, now_ms, all_or_nothing, force=force)
         for write in writes:
-            if write.state is not None:
+            if write.member:
+                registers = self.values.get(write.address, hyperloglog.new())
+                self.values[write.address], _ = hyperloglog.add(registers, write.member)  # type: ignore[arg-type]
+            elif write.state is not None:
                 self.values[write.address] = write.state
             else:
                 count = self.values.get(write.address, 0)

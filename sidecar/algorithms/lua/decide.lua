@@ -21,7 +21,12 @@
 --   cost       hits to add; 0 = a check (would one more hit be admitted?)
 --   group      the descriptor: a descriptor is over when any of its windows is (mode 3: the
 --              impression, numbered from 0)
---   role       0 blocking, 1 shadow (never blocks), 2 quota (blocks when every quota one is over)
+--   role       0 blocking, 1 shadow (never blocks), 2 quota (blocks when every quota one is over);
+--              3 a usage count and 4 a unique count (sidecar/usage.py): never judged, never
+--              written in modes 2 and 3. A usage count adds cost to field `field` of the hash
+--              KEYS[2i-1] when the request is admitted, to field `previous` when it is refused;
+--              a unique count adds the member `field` to the HyperLogLog KEYS[2i-1]; either
+--              makes its key expire at p1 (Unix ms) when it changes it. Answered 0 0 0 applied 0.
 --   p1..p4     windows: limit, unused, borrow (1) or the window's start, Unix ms (2), window ms (2)
 --              buckets: rate, period ms, capacity, borrow
 --   ttl        seconds a new counter key (or the hash, for a new field) must live
@@ -107,6 +112,8 @@ if force then
 end
 
 local skipped = {}
+-- Usage hits (roles 3 and 4, see sidecar/usage.py): never judged, counted once the request is.
+local usage = {}
 local over, before_left, before_reset, after_left, after_reset, state = {}, {}, {}, {}, {}, {}
 local group_over, group_role = {}, {}
 local groups = {}
@@ -114,7 +121,10 @@ local groups = {}
 for i = 1, n do
   local base = 5 + 11 * (i - 1)
   local group = ARGV[base + 2]
-  if force and duplicate[tonumber(group)] then
+  local role = ARGV[base + 3]
+  if role == '3' or role == '4' then
+    usage[i] = role
+  elseif force and duplicate[tonumber(group)] then
     skipped[i] = true
   elseif force and tonumber(ARGV[base]) ~= 3 then
     -- Recorded, a window counts the impression whatever it holds: nothing to read or judge
@@ -213,7 +223,27 @@ local function touch(key, needed, created)
 end
 
 for i = 1, n do
-  if not skipped[i] then
+  if usage[i] then
+    local base = 5 + 11 * (i - 1)
+    local applied = not (mode == 2 or force)
+    if applied then
+      local key, field = KEYS[2 * i - 1], ARGV[base + 9]
+      if usage[i] == '4' then
+        if redis.call('PFADD', key, field) == 1 then
+          redis.call('PEXPIREAT', key, ARGV[base + 4])
+        end
+      else
+        local cost = tonumber(ARGV[base + 1])
+        if request_over then field = ARGV[base + 10] end
+        if redis.call('HINCRBY', key, field, cost) == cost then
+          redis.call('PEXPIREAT', key, ARGV[base + 4])
+        end
+      end
+    end
+    local o = 5 * (i - 1)
+    results[o + 1], results[o + 2], results[o + 3], results[o + 5] = 0, 0, 0, 0
+    if applied then results[o + 4] = 1 else results[o + 4] = 0 end
+  elseif not skipped[i] then
     local base = 5 + 11 * (i - 1)
     local algorithm = tonumber(ARGV[base])
     local cost = tonumber(ARGV[base + 1])
