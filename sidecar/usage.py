@@ -30,6 +30,10 @@ So a day's counts of one dimension lie in one small hash per first entry (per ap
 leads the descriptors), which a reader finds by scanning (`report`). Each expires
 `retention_days` after its day began. Cost: one hash field per distinct key and outcome per
 day, and one HyperLogLog per distinct key per day (`make bench` measures both).
+
+One module past the usual size because it is one key layout: the rules' declaration, the keys
+and fields a request counts into, and the report that reads them back all spell the layout
+above, and a change to it changes the three together.
 """
 
 from __future__ import annotations

@@ -34,6 +34,9 @@ Usage counts (`sidecar.usage`) stay in the store and count a request as its answ
 some of a request's limits were judged here, its usage hits go to the store once every limit is
 answered (`_with_usage`), so a domain with `usage` still costs the store a call per request.
 
+One module past the usual size because decisions and syncs share one state: the views, their
+pending hits and the failing flag are set by one and read by the other, on the same loop.
+
 `--rejected-hits skip` (all or nothing) is decided by the store: a request cannot be all or
 nothing across a local view and a store. The app refuses the two together.
 """
