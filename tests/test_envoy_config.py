@@ -90,6 +90,14 @@ def keys(rate_limit: dict[str, Any]) -> list[str]:
     return found
 
 
+def assert_envoy_accepts(envoy_binary: str, bootstrap: Any, tmp_path: Path) -> None:
+    """`envoy --mode validate` accepts the bootstrap."""
+    path = tmp_path / "bootstrap.yaml"
+    path.write_text(yaml.safe_dump(bootstrap))
+    result = validate(envoy_binary, path)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
 # --- the configs in envoy/ --------------------------------------------------------------------
 
 
@@ -281,10 +289,7 @@ def test_a_bootstrap_with_every_attribute_passes_envoy_validate(
     )  # fmt: skip
     clusters = {c["name"]: c["type"] for c in bootstrap["static_resources"]["clusters"]}
     assert clusters == {"upstream": "STATIC", "ratelimit": "STRICT_DNS"}
-    path = tmp_path / "bootstrap.yaml"
-    path.write_text(yaml.safe_dump(bootstrap))
-    result = validate(envoy_binary, path)
-    assert result.returncode == 0, result.stdout + result.stderr
+    assert_envoy_accepts(envoy_binary, bootstrap, tmp_path)
 
 
 def test_a_unix_socket_sidecar_is_a_static_pipe_cluster_envoy_accepts(
@@ -302,10 +307,7 @@ def test_a_unix_socket_sidecar_is_a_static_pipe_cluster_envoy_accepts(
     assert endpoint["endpoint"]["address"] == {"pipe": {"path": socket}}
     options = cluster["typed_extension_protocol_options"]
     assert "http2_protocol_options" in str(options)
-    path = tmp_path / "bootstrap.yaml"
-    path.write_text(yaml.safe_dump(bootstrap))
-    result = validate(envoy_binary, path)
-    assert result.returncode == 0, result.stdout + result.stderr
+    assert_envoy_accepts(envoy_binary, bootstrap, tmp_path)
 
 
 def test_a_rule_key_without_a_source_is_an_error_naming_it(
@@ -363,11 +365,14 @@ def test_several_domains_need_domain_flag(
         ["--sidecar", "unix:rls.sock"],
         ["--sidecar", "unix:"],
         ["--timeout-ms", "0"],
+        ["--rlqs-address", "8083"],
+        ["--rlqs-address", "unix:/var/run/rlqs.sock"],
     ],
 )
 def test_malformed_flags_exit_2(tmp_path: Path, flag: list[str]) -> None:
-    """A route without NAME=/PREFIX, an address without a port, a relative socket path or a
-    zero timeout is a usage error."""
+    """A route without NAME=/PREFIX, an address without a port, a relative socket path, a
+    zero timeout or an RLQS address that is not HOST:PORT (the sidecar serves RLQS on TCP
+    only) is a usage error."""
     with pytest.raises(SystemExit) as caught:
         cli.main(["envoy-config", "--rules", "r", "--sources", "s", *flag])
     assert caught.value.code == 2
@@ -740,10 +745,7 @@ def test_an_rlqs_bootstrap_with_every_attribute_passes_envoy_validate(
     )  # fmt: skip
     clusters = {c["name"]: c["type"] for c in bootstrap["static_resources"]["clusters"]}
     assert clusters == {"upstream": "STATIC", "rlqs": "STRICT_DNS"}
-    path = tmp_path / "bootstrap.yaml"
-    path.write_text(yaml.safe_dump(bootstrap))
-    result = validate(envoy_binary, path)
-    assert result.returncode == 0, result.stdout + result.stderr
+    assert_envoy_accepts(envoy_binary, bootstrap, tmp_path)
 
 
 def test_rlqs_a_narrower_bucket_comes_before_a_broader_one_whatever_the_rules_order() -> None:

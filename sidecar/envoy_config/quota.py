@@ -294,21 +294,25 @@ def _field_matcher(
 def _all(
     predicates: list[xds_matcher_v3.MatcherMatcherListPredicate],
 ) -> xds_matcher_v3.MatcherMatcherListPredicate:
-    if len(predicates) == 1:
-        return predicates[0]
-    return xds_matcher_v3.MatcherMatcherListPredicate(
-        and_matcher=xds_matcher_v3.MatcherMatcherListPredicatePredicateList(predicate=predicates)
-    )
+    return _joined(predicates, any_of=False)
 
 
 def _any(
     predicates: list[xds_matcher_v3.MatcherMatcherListPredicate],
 ) -> xds_matcher_v3.MatcherMatcherListPredicate:
+    return _joined(predicates, any_of=True)
+
+
+def _joined(
+    predicates: list[xds_matcher_v3.MatcherMatcherListPredicate], *, any_of: bool
+) -> xds_matcher_v3.MatcherMatcherListPredicate:
+    """`predicates` under an or_matcher (`any_of`) or an and_matcher, or the one alone."""
     if len(predicates) == 1:
         return predicates[0]
-    return xds_matcher_v3.MatcherMatcherListPredicate(
-        or_matcher=xds_matcher_v3.MatcherMatcherListPredicatePredicateList(predicate=predicates)
-    )
+    joined = xds_matcher_v3.MatcherMatcherListPredicatePredicateList(predicate=predicates)
+    if any_of:
+        return xds_matcher_v3.MatcherMatcherListPredicate(or_matcher=joined)
+    return xds_matcher_v3.MatcherMatcherListPredicate(and_matcher=joined)
 
 
 def _single(condition: Condition) -> xds_matcher_v3.MatcherMatcherListPredicate:
