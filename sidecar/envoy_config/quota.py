@@ -11,9 +11,10 @@ What differs from the `rate_limit` filter, and how the command deals with it:
 
 - A request counts in one bucket only, the first whose matcher it satisfies; the
   `rate_limit` filter checks every descriptor. A bucket's matcher asks for what its rules
-  could match (each header present, or the rules' exact values and wildcards), narrower
-  buckets come first, and a bucket no request could reach past an earlier one is a
-  ConfigError. The rest is stated in the output's header (`notes`).
+  could match (each header present, or the rules' exact values and wildcards); a bucket goes
+  before the first one that would take all its requests, and one that no request could reach
+  past an earlier one is a ConfigError. The output's header states each route's order
+  (`notes`).
 - The filter's matchers run before routing, so each route's buckets also match the route's
   `:path` prefix, and not the prefix of an earlier route that would take the request first.
 - `count: on_success` (check-then-count) has no counterpart: every request in a bucket counts.
