@@ -62,7 +62,7 @@ class Level:
         if node.value is None:
             self.keys[node.key] = node
         elif "*" in node.value:
-            self.wildcards.append((node.key, _compile_pattern(node.value), node))
+            self.wildcards.append((node.key, compile_wildcard(node.value), node))
         else:
             self.exact[(node.key, node.value)] = node
 
@@ -169,6 +169,6 @@ def yaml_bool(value: bool) -> str:
     return "true" if value else "false"
 
 
-def _compile_pattern(value: str) -> re.Pattern[str]:
+def compile_wildcard(value: str) -> re.Pattern[str]:
     """A wildcard value as a regex: each `*` matches zero or more characters, anything else itself."""
     return re.compile(".*".join(re.escape(part) for part in value.split("*")), re.DOTALL)

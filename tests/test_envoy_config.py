@@ -17,7 +17,7 @@ import yaml
 from support.envoys import validate
 
 from sidecar import cli, config
-from sidecar.envoy_config import feeds, sources
+from sidecar.envoy_config import feeds, quota, sources
 from sidecar.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -88,6 +88,14 @@ def keys(rate_limit: dict[str, Any]) -> list[str]:
         ((kind, spec),) = action.items()
         found.append("remote_address" if kind == "remote_address" else spec["descriptor_key"])
     return found
+
+
+def assert_envoy_accepts(envoy_binary: str, bootstrap: Any, tmp_path: Path) -> None:
+    """`envoy --mode validate` accepts the bootstrap."""
+    path = tmp_path / "bootstrap.yaml"
+    path.write_text(yaml.safe_dump(bootstrap))
+    result = validate(envoy_binary, path)
+    assert result.returncode == 0, result.stdout + result.stderr
 
 
 # --- the configs in envoy/ --------------------------------------------------------------------
@@ -281,10 +289,7 @@ def test_a_bootstrap_with_every_attribute_passes_envoy_validate(
     )  # fmt: skip
     clusters = {c["name"]: c["type"] for c in bootstrap["static_resources"]["clusters"]}
     assert clusters == {"upstream": "STATIC", "ratelimit": "STRICT_DNS"}
-    path = tmp_path / "bootstrap.yaml"
-    path.write_text(yaml.safe_dump(bootstrap))
-    result = validate(envoy_binary, path)
-    assert result.returncode == 0, result.stdout + result.stderr
+    assert_envoy_accepts(envoy_binary, bootstrap, tmp_path)
 
 
 def test_a_unix_socket_sidecar_is_a_static_pipe_cluster_envoy_accepts(
@@ -302,10 +307,7 @@ def test_a_unix_socket_sidecar_is_a_static_pipe_cluster_envoy_accepts(
     assert endpoint["endpoint"]["address"] == {"pipe": {"path": socket}}
     options = cluster["typed_extension_protocol_options"]
     assert "http2_protocol_options" in str(options)
-    path = tmp_path / "bootstrap.yaml"
-    path.write_text(yaml.safe_dump(bootstrap))
-    result = validate(envoy_binary, path)
-    assert result.returncode == 0, result.stdout + result.stderr
+    assert_envoy_accepts(envoy_binary, bootstrap, tmp_path)
 
 
 def test_a_rule_key_without_a_source_is_an_error_naming_it(
@@ -363,11 +365,14 @@ def test_several_domains_need_domain_flag(
         ["--sidecar", "unix:rls.sock"],
         ["--sidecar", "unix:"],
         ["--timeout-ms", "0"],
+        ["--rlqs-address", "8083"],
+        ["--rlqs-address", "unix:/var/run/rlqs.sock"],
     ],
 )
 def test_malformed_flags_exit_2(tmp_path: Path, flag: list[str]) -> None:
-    """A route without NAME=/PREFIX, an address without a port, a relative socket path or a
-    zero timeout is a usage error."""
+    """A route without NAME=/PREFIX, an address without a port, a relative socket path, a
+    zero timeout or an RLQS address that is not HOST:PORT (the sidecar serves RLQS on TCP
+    only) is a usage error."""
     with pytest.raises(SystemExit) as caught:
         cli.main(["envoy-config", "--rules", "r", "--sources", "s", *flag])
     assert caught.value.code == 2
@@ -446,3 +451,318 @@ def test_sources_errors_name_the_file_the_key_and_the_fix(text: str, message: st
         assert str(caught.value).startswith("s.yaml: not valid YAML: ")
     else:
         assert str(caught.value) == message
+
+
+# --- envoy-config --rlqs-address: the rate_limit_quota filter ---------------------------------
+
+QUOTA_FILTER = "envoy.filters.http.rate_limit_quota"
+
+
+def quota_config(filters: list[dict[str, Any]]) -> dict[str, Any]:
+    (quota_filter,) = [f for f in filters if f["name"] == QUOTA_FILTER]
+    config: dict[str, Any] = quota_filter["typed_config"]
+    assert config["@type"].endswith("rate_limit_quota.v3.RateLimitQuotaFilterConfig")
+    return config
+
+
+def quota_buckets(config: dict[str, Any]) -> list[tuple[str, dict[str, Any], dict[str, Any]]]:
+    """Each matcher's (rule, predicate, bucket settings), in the order Envoy tries them."""
+    return [
+        (m["on_match"]["action"]["name"], m["predicate"], m["on_match"]["action"]["typed_config"])
+        for m in config["bucket_matchers"]["matcher_list"]["matchers"]
+    ]
+
+
+def header_input(name: str) -> dict[str, Any]:
+    return {
+        "name": name,
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.type.matcher.v3.HttpRequestHeaderMatchInput",
+            "header_name": name,
+        },
+    }
+
+
+def on_header(name: str, **value_match: Any) -> dict[str, Any]:
+    return {"single_predicate": {"input": header_input(name), "value_match": value_match}}
+
+
+def present(name: str) -> dict[str, Any]:
+    return on_header(name, safe_regex={"google_re2": {}, "regex": ".+"})
+
+
+def test_rlqs_pieces_are_the_quota_filter_the_rlqs_cluster_and_routes_without_limits(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """With --rlqs-address: the rate_limit_quota filter (domain, the rlqs cluster, one bucket
+    per key path and route, narrower first, each with its keys' values read from the request),
+    an HTTP/2 'rlqs' cluster at the address, and routes without rate_limits."""
+    pieces = generate(capsys, tmp_path, "--route", "api=/api", "--route", "ads=/ads",
+        "--rlqs-address", "127.0.0.1:8083",
+    )  # fmt: skip
+    assert [f["name"] for f in pieces["http_filters"]] == [QUOTA_FILTER]
+    config = quota_config(pieces["http_filters"])
+    assert config["domain"] == "shop"
+    assert config["rlqs_server"] == {"envoy_grpc": {"cluster_name": "rlqs"}}
+    (cluster,) = pieces["clusters"]
+    assert cluster["name"] == "rlqs"
+    endpoint = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]
+    assert endpoint["address"] == {"socket_address": {"address": "127.0.0.1", "port_value": 8083}}
+    options = cluster["typed_extension_protocol_options"]
+    assert options["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"][
+        "explicit_http_config"
+    ] == {"http2_protocol_options": {}}
+    assert all("typed_per_filter_config" not in r for r in pieces["routes"])
+    buckets = quota_buckets(config)
+    assert [rule for rule, _, _ in buckets] == [
+        "shop.app.user.interface",
+        "shop.remote_address",
+        "shop.app.user.interface",
+        "shop.user.ad",
+        "shop.remote_address",
+    ]
+    _, predicate, settings = buckets[0]
+    assert predicate == {
+        "and_matcher": {
+            "predicate": [
+                on_header(":path", prefix="/api"),
+                # The ads route is not a prefix of /api, so no request of it is excluded.
+                present("x-app-id"),
+                present("x-user-id"),
+            ]
+        }
+    }
+    assert settings == {
+        "@type": "type.googleapis.com/envoy.extensions.filters.http.rate_limit_quota.v3.RateLimitQuotaBucketSettings",
+        "bucket_id_builder": {
+            "bucket_id_builder": {
+                "app": {"custom_value": header_input("x-app-id")},
+                "user": {"custom_value": header_input("x-user-id")},
+                "interface": {"string_value": "api"},
+            }
+        },
+        "reporting_interval": "5s",
+        "deny_response_settings": {
+            "http_status": {"code": "TooManyRequests"},
+            "grpc_status": {"code": 8},
+        },
+        "no_assignment_behavior": {"fallback_rate_limit": {"blanket_rule": "ALLOW_ALL"}},
+        "expired_assignment_behavior": {"fallback_rate_limit": {"blanket_rule": "ALLOW_ALL"}},
+    }
+    # remote_address is always there: its bucket takes every request of the route the
+    # narrower ones left.
+    _, predicate, settings = buckets[1]
+    assert predicate == on_header(":path", prefix="/api")
+    assert settings["bucket_id_builder"]["bucket_id_builder"] == {
+        "remote_address": {
+            "custom_value": {
+                "name": "source_ip",
+                "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.matching.common_inputs.network.v3.SourceIPInput"
+                },
+            }
+        }
+    }
+
+
+def test_rlqs_header_states_what_differs_from_the_rate_limit_filter(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """The output's header names, per route, the buckets a request counts in the first of,
+    and each count: on_success key the quota filter cannot honour."""
+    generate(capsys, tmp_path, "--route", "api=/api", "--route", "ads=/ads",
+        "--rlqs-address", "127.0.0.1:8083",
+    )  # fmt: skip
+    (tmp_path / "rules.yaml").write_text(RULES_TEXT)
+    argv = ["envoy-config", "--rules", str(tmp_path / "rules.yaml"),
+            "--sources", str(tmp_path / "sources.yaml"), "--route", "api=/api",
+            "--route", "ads=/ads", "--rlqs-address", "127.0.0.1:8083"]  # fmt: skip
+    assert cli.main(argv) == 0
+    header = [line for line in capsys.readouterr().out.splitlines() if line.startswith("#")][3:]
+    assert header == [
+        "# Through the rate_limit_quota filter, unlike the rate_limit filter:",
+        "#   On route 'api' a request counts in the first of these buckets it matches, and in "
+        "no other: shop.app.user.interface, shop.remote_address.",
+        "#   On route 'ads' a request counts in the first of these buckets it matches, and in "
+        "no other: shop.app.user.interface, shop.user.ad, shop.remote_address.",
+        "#   Key 'ad' has count: on_success, which the rate_limit_quota filter cannot do: "
+        "every request in its buckets counts, served or not.",
+    ]
+
+
+def test_rlqs_failure_mode_deny_denies_a_bucket_without_a_live_assignment(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """--failure-mode-deny with --rlqs-address: DENY_ALL before the first assignment and once
+    one expired."""
+    pieces = generate(capsys, tmp_path, "--rlqs-address", "127.0.0.1:8083", "--failure-mode-deny",
+        sources_text=SOURCES_TEXT.replace(", routes: [ads]", ""),
+    )  # fmt: skip
+    for _, _, settings in quota_buckets(quota_config(pieces["http_filters"])):
+        deny = {"fallback_rate_limit": {"blanket_rule": "DENY_ALL"}}
+        assert settings["no_assignment_behavior"] == settings["expired_assignment_behavior"] == deny
+
+
+def test_rlqs_buckets_ask_for_the_rules_values_and_the_route(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """A rule's exact value is an exact match, a wildcard an RE2 regex over the whole value,
+    a client address value a match on the source IP; a fixed value (generic_key, route) that
+    no rule of the key path takes leaves the path without a bucket on that route; a route's
+    buckets exclude the requests an earlier route with an overlapping prefix takes."""
+    rules = """\
+domain: d
+descriptors:
+  - key: plan
+    value: gold
+    descriptors:
+      - key: user
+        value: vip-*.x
+        rate_limit: {unit: second, requests_per_unit: 1}
+  - key: plan
+    value: silver
+    descriptors:
+      - key: user
+        rate_limit: {unit: second, requests_per_unit: 1}
+  - key: ip
+    value: 10.0.0.1
+    descriptors:
+      - key: interface
+        value: search
+        rate_limit: {unit: second, requests_per_unit: 1}
+"""
+    sources_text = (
+        "plan: {header: x-plan}\nuser: {header: x-user}\nip: remote_address\ninterface: route\n"
+    )
+    pieces = generate(capsys, tmp_path, "--route", "orders=/api/orders", "--route", "search=/api",
+        "--rlqs-address", "127.0.0.1:8083", rules=rules, sources_text=sources_text,
+    )  # fmt: skip
+    buckets = quota_buckets(quota_config(pieces["http_filters"]))
+    assert [rule for rule, _, _ in buckets] == [
+        "d.plan_gold.user_vip-*.x",
+        "d.plan_gold.user_vip-*.x",
+        "d.ip_10.0.0.1.interface_search",
+    ]
+    orders, search, ip = (predicate for _, predicate, _ in buckets)
+    either = {
+        "or_matcher": {
+            "predicate": [
+                {
+                    "and_matcher": {
+                        "predicate": [
+                            on_header("x-plan", exact="gold"),
+                            on_header(
+                                "x-user", safe_regex={"google_re2": {}, "regex": r"vip-.*\.x"}
+                            ),
+                        ]
+                    }
+                },
+                {
+                    "and_matcher": {
+                        "predicate": [on_header("x-plan", exact="silver"), present("x-user")]
+                    }
+                },
+            ]
+        }
+    }
+    assert orders == {
+        "and_matcher": {"predicate": [on_header(":path", prefix="/api/orders"), either]}
+    }
+    not_orders = {"not_matcher": on_header(":path", prefix="/api/orders")}
+    assert search == {
+        "and_matcher": {"predicate": [on_header(":path", prefix="/api"), not_orders, either]}
+    }
+    source_ip = {
+        "name": "source_ip",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.matching.common_inputs.network.v3.SourceIPInput"
+        },
+    }
+    assert ip == {
+        "and_matcher": {
+            "predicate": [
+                on_header(":path", prefix="/api"),
+                not_orders,
+                {"single_predicate": {"input": source_ip, "value_match": {"exact": "10.0.0.1"}}},
+            ]
+        }
+    }
+
+
+def test_rlqs_a_bucket_no_request_could_reach_is_an_error_naming_both_rules(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """Two key paths that read the same headers: every request of the second falls in the
+    first's bucket, so the second rule could never count; the command says so and how to fix."""
+    rules = """\
+domain: d
+descriptors:
+  - key: user
+    rate_limit: {unit: second, requests_per_unit: 10}
+    descriptors:
+      - key: interface
+        rate_limit: {unit: second, requests_per_unit: 1}
+"""
+    (tmp_path / "rules.yaml").write_text(rules)
+    (tmp_path / "sources.yaml").write_text("user: {header: x-user-id}\ninterface: route\n")
+    argv = ["envoy-config", "--rules", str(tmp_path / "rules.yaml"),
+            "--sources", str(tmp_path / "sources.yaml"), "--rlqs-address", "127.0.0.1:8083"]  # fmt: skip
+    assert cli.main(argv) == 1
+    assert capsys.readouterr().err == (
+        f"{tmp_path / 'rules.yaml'}: rule 'd.user.interface' cannot be a rate_limit_quota bucket "
+        "on route 'default': a request counts in one bucket only, and every request it could "
+        "match falls first in the bucket of rule 'd.user' (read one of its keys from a request "
+        "attribute the other does not need, or leave out --rlqs-address to feed the rules "
+        "through the rate_limit filter, which checks every rule)\n"
+    )
+    assert cli.main(argv[:-2]) == 0
+
+
+def test_an_rlqs_bootstrap_with_every_attribute_passes_envoy_validate(
+    capsys: pytest.CaptureFixture[str], envoy_binary: str, tmp_path: Path
+) -> None:
+    """Envoy accepts the quota filter envoy-config writes: every attribute, exact values,
+    wildcards, client address values, several routes, and the rlqs cluster by DNS name."""
+    rules = (
+        RULES_TEXT
+        + """\
+  - key: page
+    value: /api/*
+    descriptors:
+      - key: extra
+        rate_limit: {unit: second, requests_per_unit: 1}
+  - key: remote_address
+    value: 10.0.0.1
+    descriptors:
+      - key: interface
+        rate_limit: {unit: second, requests_per_unit: 1}
+"""
+    )
+    bootstrap = generate(capsys, tmp_path, "--bootstrap", "--route", "api=/api", "--route", "ads=/ads",
+        "--rlqs-address", "rlqs.internal:8083", "--failure-mode-deny",
+        rules=rules.replace("  - key: remote_address\n    rate_limit", "  - key: client\n    rate_limit"),
+        sources_text=SOURCES_TEXT + "page: path\nextra: {generic_key: x}\nclient: remote_address\n",
+    )  # fmt: skip
+    clusters = {c["name"]: c["type"] for c in bootstrap["static_resources"]["clusters"]}
+    assert clusters == {"upstream": "STATIC", "rlqs": "STRICT_DNS"}
+    assert_envoy_accepts(envoy_binary, bootstrap, tmp_path)
+
+
+def test_rlqs_a_narrower_bucket_comes_before_a_broader_one_whatever_the_rules_order() -> None:
+    """A bucket for one value of a header goes before the bucket for any value of it, though
+    declared after it, so both get requests; the others keep the rules' order."""
+    rules = """\
+domain: d
+descriptors:
+  - key: plan
+    rate_limit: {unit: second, requests_per_unit: 5}
+  - key: user
+    rate_limit: {unit: second, requests_per_unit: 5}
+  - key: tier
+    value: gold
+    rate_limit: {unit: second, requests_per_unit: 1}
+"""
+    domain = config.parse(rules, "r.yaml")
+    text = "plan: {header: x-plan}\nuser: {header: x-user}\ntier: {header: x-plan}\n"
+    feed = feeds.feed(domain, sources.parse(text, "s.yaml"), [feeds.Route("r", "/")])
+    assert [b.descriptor.rule for b in quota.buckets(feed)] == ["d.tier_gold", "d.plan", "d.user"]

@@ -1,7 +1,9 @@
 """The quota service end to end: real Envoys with the `rate_limit_quota` filter enforce the
 assignments the sidecar's RLQS server (on Redis) gives them.
 
-Every Envoy puts every request in one bucket, `{tenant: acme}`, whose rule allows 600 requests
+Every Envoy runs the gateway `envoy-config --rlqs-address` generates from the rules and a
+sources file reading the `tenant` key from the `x-tenant` header. The clients name tenant
+`acme`, so every request falls in one bucket, `{tenant: acme}`, whose rule allows 600 requests
 per 10-second window; clients send uneven load (1:2:3 over the Envoys) at three times that.
 Envoy denies a bucket that has no assignment yet, or an expired one (DENY_ALL fallbacks), so
 the allocator's overshoot bound leaves only the network latency: each window admits at most the
@@ -23,15 +25,29 @@ from datetime import datetime
 from pathlib import Path
 
 import pytest
-from support.envoys import HOST, Envoy, ProcessError, Sidecar, free_port, steady_port
+from support.envoys import (
+    HOST,
+    Envoy,
+    ProcessError,
+    Sidecar,
+    Upstream,
+    free_port,
+    get,
+    steady_port,
+)
 from support.servers import RedisServer
+
+from sidecar import cli
+from sidecar.envoy_config import commands
 
 LIMIT = 600
 #: Seconds. Envoy 1.40 reports every 5 s, whatever `reporting_interval` says: a window holds two.
 WINDOW = 10.0
 #: Requests per second over the limit's pace (LIMIT / WINDOW).
 LOAD = 3.0
-REPORTING_INTERVAL = 5
+TENANT = "acme"
+#: Where the rules' key comes from: every client names its tenant in a header.
+SOURCES = "tenant: {header: x-tenant}\n"
 #: The sidecar's assignment TTL, seconds: a report's interval and a second.
 TTL = 6
 
@@ -39,102 +55,49 @@ RULES = f"""\
 domain: quota
 descriptors:
   - key: tenant
-    value: acme
+    value: {TENANT}
     rate_limit:
       unit: second
       unit_multiplier: {int(WINDOW)}
       requests_per_unit: {LIMIT}
 """
 
-ENVOY = """\
-admin:
-  address: {{socket_address: {{address: 127.0.0.1, port_value: {admin}}}}}
-static_resources:
-  listeners:
-  - name: gateway
-    address: {{socket_address: {{address: 127.0.0.1, port_value: {port}}}}}
-    filter_chains:
-    - filters:
-      - name: envoy.filters.network.http_connection_manager
-        typed_config:
-          "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
-          stat_prefix: gateway
-          route_config:
-            virtual_hosts:
-            - name: all
-              domains: ["*"]
-              routes:
-              - match: {{prefix: /}}
-                direct_response: {{status: 200, body: {{inline_string: ok}}}}
-          http_filters:
-          - name: envoy.filters.http.rate_limit_quota
-            typed_config:
-              "@type": type.googleapis.com/envoy.extensions.filters.http.rate_limit_quota.v3.RateLimitQuotaFilterConfig
-              rlqs_server:
-                envoy_grpc: {{cluster_name: rlqs}}
-              domain: quota
-              bucket_matchers:
-                matcher_list:
-                  matchers:
-                  - predicate:
-                      single_predicate:
-                        input:
-                          name: path
-                          typed_config:
-                            "@type": type.googleapis.com/envoy.type.matcher.v3.HttpRequestHeaderMatchInput
-                            header_name: ":path"
-                        value_match: {{prefix: /}}
-                    on_match:
-                      action:
-                        name: acme
-                        typed_config:
-                          "@type": type.googleapis.com/envoy.extensions.filters.http.rate_limit_quota.v3.RateLimitQuotaBucketSettings
-                          bucket_id_builder:
-                            bucket_id_builder:
-                              tenant: {{string_value: acme}}
-                          reporting_interval: {reporting}s
-                          no_assignment_behavior:
-                            fallback_rate_limit: {{blanket_rule: DENY_ALL}}
-                          expired_assignment_behavior:
-                            fallback_rate_limit: {{blanket_rule: DENY_ALL}}
-          - name: envoy.filters.http.router
-            typed_config:
-              "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
-  clusters:
-  - name: rlqs
-    type: STATIC
-    connect_timeout: 1s
-    typed_extension_protocol_options:
-      envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
-        "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
-        explicit_http_config: {{http2_protocol_options: {{}}}}
-    load_assignment:
-      cluster_name: rlqs
-      endpoints:
-      - lb_endpoints:
-        - endpoint: {{address: {{socket_address: {{address: 127.0.0.1, port_value: {rlqs}}}}}}}
-"""
+
+def envoy_config(
+    rules: Path, sources: Path, rlqs: int, port: int, admin: int, upstream: int
+) -> str:
+    """The gateway `envoy-config --rlqs-address --failure-mode-deny --bootstrap` generates:
+    the rate_limit_quota filter with one bucket per tenant, denying a bucket that has no
+    assignment yet or an expired one."""
+    argv = ["envoy-config", "--rules", str(rules), "--sources", str(sources),
+            "--rlqs-address", f"{HOST}:{rlqs}", "--failure-mode-deny", "--bootstrap",
+            "--listen", f"{HOST}:{port}", "--admin", f"{HOST}:{admin}",
+            "--upstream", f"{HOST}:{upstream}"]  # fmt: skip
+    return commands.generate(cli.parse_args(argv), argv)
 
 
 @dataclass
 class Fleet:
     sidecar: Sidecar
+    upstream: Upstream
     workdir: Path
     envoy_binary: str
     rlqs_port: int
     envoys: list[tuple[Envoy, int]] = field(default_factory=list)
 
     def envoy(self) -> int:
-        """Start one more Envoy; returns its listener port."""
+        """Start one more Envoy on the generated config; returns its listener port."""
         port, admin = free_port(), free_port()
         index = len(self.envoys)
         config = self.workdir / f"envoy-{index}.yaml"
         config.write_text(
-            ENVOY.format(
-                admin=admin,
-                port=port,
-                rlqs=self.rlqs_port,
-                reporting=REPORTING_INTERVAL,
+            envoy_config(
+                self.workdir / "rules.yaml",
+                self.workdir / "sources.yaml",
+                self.rlqs_port,
+                port,
+                admin,
+                self.upstream.port,
             )
         )
         envoy = Envoy(self.envoy_binary, config, admin, self.workdir / f"envoy-{index}.log")
@@ -146,13 +109,14 @@ class Fleet:
 @contextmanager
 def running_fleet(envoy_binary: str, redis: RedisServer, workdir: Path) -> Iterator[Fleet]:
     """Redis (emptied) and the sidecar serving RLQS on it, on ports below the ephemeral range
-    (it may be restarted on them); Envoys (answering 200 themselves, with no upstream) are
-    started by the test (`Fleet.envoy`) and all stopped at its end."""
+    (it may be restarted on them), and an upstream answering 200; Envoys are started by the
+    test (`Fleet.envoy`) and all stopped at its end."""
     redis.start()
     with redis.client() as client:
         client.flushall()
     rules = workdir / "rules.yaml"
     rules.write_text(RULES)
+    (workdir / "sources.yaml").write_text(SOURCES)
     for attempt in range(3):
         rlqs_port = steady_port()
         sidecar = Sidecar(
@@ -167,13 +131,16 @@ def running_fleet(envoy_binary: str, redis: RedisServer, workdir: Path) -> Itera
         except ProcessError:
             if attempt == 2:
                 raise
-    running = Fleet(sidecar, workdir, envoy_binary, rlqs_port)
+    upstream = Upstream()
+    upstream.start()
+    running = Fleet(sidecar, upstream, workdir, envoy_binary, rlqs_port)
     try:
         yield running
     finally:
         for envoy, _ in running.envoys:
             envoy.stop()
         sidecar.stop()
+        upstream.stop()
 
 
 @pytest.fixture
@@ -201,7 +168,8 @@ class Client:
     def run(self) -> None:
         argv = [
             "h2load", "-c", "1", "-m", "1", f"--rps={self.rate}", "-D", str(self.seconds),
-            f"--log-file={self.log}", f"http://{HOST}:{self.port}/orders",
+            "-H", f"x-tenant: {TENANT}", f"--log-file={self.log}",
+            f"http://{HOST}:{self.port}/orders",
         ]  # fmt: skip
         done = subprocess.run(argv, capture_output=True, text=True, timeout=self.seconds + 60)
         assert done.returncode == 0, done.stdout + done.stderr
@@ -271,11 +239,14 @@ def check(counted: dict[int, list[tuple[int, int]]]) -> None:
 
 
 def test_one_envoy_admits_the_limit_per_window(fleet: Fleet) -> None:
-    """One Envoy at three times the limit admits the limit in every window, ±5%."""
+    """One Envoy at three times the limit admits the limit in every window, ±5%; a request
+    naming no tenant, or a tenant no rule limits, falls in no bucket and passes at once."""
     port = fleet.envoy()
     counted = windows(drive([port], [1], until_windows(1), fleet.workdir))
     print(report(counted))
     check(counted)
+    for headers in ({}, {"x-tenant": "other"}):
+        assert [get(port, "/orders", headers).status for _ in range(3)] == [200, 200, 200]
 
 
 def test_three_envoys_share_the_limit_by_demand(fleet: Fleet) -> None:

@@ -2,5 +2,6 @@
 
 `sources` reads where each descriptor key comes from in a request, `feeds` decides which
 descriptors each route sends (pure, no protobuf), `messages` turns that feed into Envoy's typed
-messages (envoy-data-plane) and YAML, and `commands` is the `envoy-config` subcommand.
+messages (envoy-data-plane) and YAML, `quota` turns it into the rate_limit_quota filter's buckets
+instead, and `commands` is the `envoy-config` subcommand.
 """

@@ -12,11 +12,15 @@ import re
 import shlex
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sidecar import config
 from sidecar.errors import ConfigError
 from sidecar.rules import Domain
+
+if TYPE_CHECKING:
+    # Imported when a command runs: envoy-data-plane is slow to import for the other commands.
+    from sidecar.envoy_config import messages
 
 PROG = "ratelimit-sidecar"
 DEFAULT_ROUTE = "default=/"
@@ -37,6 +41,13 @@ The sources file says where each descriptor key's value comes from in a request:
 count: on_success checks those descriptors when the request arrives (hits_addend 0) and
 counts them when the response is a 2xx; routes sends the key on the named routes only.
 
+With --rlqs-address, the rate_limit_quota filter instead (the sidecar's Rate Limit Quota
+Service, serve --rlqs-address): Envoy enforces the sidecar's quota assignments itself and asks
+nothing per request. Each key path becomes a bucket whose id carries the descriptor's keys and
+values; a request counts in one bucket only (the first it matches, narrower buckets first), and
+count: on_success is not honoured (every request counts). The output's header says where this
+changes what the rules do; a rule no request could reach is an error.
+
 With --bootstrap, a whole gateway: a listener, the routes to one upstream cluster, the
 sidecar's cluster and the admin interface, ready for 'envoy -c'."""
 
@@ -44,7 +55,9 @@ _EPILOG = """\
 examples:
   ratelimit-sidecar envoy-config --rules rules/ --sources sources.yaml
   ratelimit-sidecar envoy-config --rules rules/ --sources sources.yaml --bootstrap \\
-      --route orders=/api/orders --route ads=/ads > envoy.yaml"""
+      --route orders=/api/orders --route ads=/ads > envoy.yaml
+  ratelimit-sidecar envoy-config --rules rules/ --sources sources.yaml \\
+      --rlqs-address 127.0.0.1:8083"""
 
 
 def register(subparsers: Any) -> None:
@@ -95,10 +108,20 @@ def register(subparsers: Any) -> None:
         "--redis-timeout-ms so the sidecar's failure mode answers first (default: 100)",
     )
     parser.add_argument(
+        "--rlqs-address",
+        type=_address,
+        metavar="HOST:PORT",
+        help="feed the rules through the rate_limit_quota filter and the 'rlqs' cluster to the "
+        "sidecar's Rate Limit Quota Service at this address (its serve --rlqs-address), "
+        "instead of the rate_limit filter; --sidecar and --timeout-ms are then unused",
+    )
+    parser.add_argument(
         "--failure-mode-deny",
         action="store_true",
-        help="answer 500 when the sidecar cannot be reached in time (default: let the request "
-        "through)",
+        help="answer 500 when the sidecar cannot be reached in time; with --rlqs-address, "
+        "answer 429 for a bucket without a live assignment: a new bucket's first requests, "
+        "until its first assignment arrives (a round trip to the sidecar), and a bucket whose "
+        "assignment expired with the sidecar out of reach (default: let the request through)",
     )
     parser.add_argument("--bootstrap", action="store_true", help="print a whole gateway bootstrap")
     parser.add_argument(
@@ -144,7 +167,7 @@ def generate(
     `with_rate_limit=False` drops the filter, the route limits and the sidecar's cluster from a
     bootstrap: the same gateway without rate limiting, for comparison.
     """
-    from sidecar.envoy_config import feeds, messages, sources
+    from sidecar.envoy_config import feeds, messages, quota, sources
 
     domain = _domain(args.rules, args.domain)
     routes = [feeds.Route(name, prefix) for name, prefix in args.route or [_route(DEFAULT_ROUTE)]]
@@ -154,13 +177,10 @@ def generate(
         raise ConfigError("--route", "", f"route '{duplicates[0]}' is given twice")
     feed = feeds.feed(domain, sources.load(args.sources), routes)
     settings = messages.Settings(
-        sidecar=(
-            messages.Pipe(args.sidecar)
-            if isinstance(args.sidecar, str)
-            else messages.Address(*args.sidecar)
-        ),
+        sidecar=_endpoint(args.sidecar),
         timeout=datetime.timedelta(milliseconds=args.timeout_ms),
         failure_mode_deny=args.failure_mode_deny,
+        rlqs=None if args.rlqs_address is None else messages.Address(*args.rlqs_address),
         listen=messages.Address(*args.listen),
         upstream=messages.Address(*args.upstream),
         admin=messages.Address(*args.admin),
@@ -172,11 +192,23 @@ def generate(
         f"#   {command}\n"
         "# Change the rules or the sources and generate it again rather than editing it.\n"
     )
+    if settings.rlqs is not None:
+        notes = quota.notes(feed, quota.buckets(feed))
+        if notes:
+            header += "# Through the rate_limit_quota filter, unlike the rate_limit filter:\n"
+            header += "".join(f"#   {line}\n" for line in notes)
     if args.bootstrap:
         return messages.to_yaml(
             messages.bootstrap(feed, settings, with_rate_limit=with_rate_limit), header
         )
     return messages.to_yaml(messages.pieces(feed, settings), header)
+
+
+def _endpoint(address: tuple[str, int] | str) -> messages.Address | messages.Pipe:
+    """A parsed --sidecar as the address Envoy reaches: TCP or a pipe."""
+    from sidecar.envoy_config import messages
+
+    return messages.Pipe(address) if isinstance(address, str) else messages.Address(*address)
 
 
 def _domain(paths: Sequence[str], name: str | None) -> Domain:

@@ -28,10 +28,15 @@ class Route:
 
 @dataclass(frozen=True)
 class Descriptor:
-    """One descriptor Envoy sends: its entries' sources in order, and the first rule it feeds."""
+    """One descriptor Envoy sends: its entries' sources in order, and the first rule it feeds.
+
+    `values` holds, for every rule with this key path, the value each of its levels asks for
+    (None: any value; a value with `*` is a wildcard), in declaration order.
+    """
 
     sources: tuple[Source, ...]
     rule: str
+    values: tuple[tuple[str | None, ...], ...] = ()
 
     @property
     def keys(self) -> tuple[str, ...]:
@@ -51,10 +56,12 @@ class RouteFeed:
 
 @dataclass(frozen=True)
 class Feed:
-    """Everything Envoy needs to feed one domain: its name and each route's descriptors."""
+    """Everything Envoy needs to feed one domain: its name and each route's descriptors;
+    `source` names the rules file."""
 
     domain: str
     routes: tuple[RouteFeed, ...]
+    source: str = ""
 
 
 def key_paths(domain: Domain) -> list[tuple[tuple[str, ...], str]]:
@@ -62,18 +69,27 @@ def key_paths(domain: Domain) -> list[tuple[tuple[str, ...], str]]:
 
     Declaration order, depth first: the order a reader of the rules file meets them.
     """
-    seen: dict[tuple[str, ...], str] = {}
-    for keys, rule in _walk(domain.root, ()):
-        seen.setdefault(keys, rule)
-    return list(seen.items())
+    return [(keys, rules[0][0]) for keys, rules in _rules_by_path(domain).items()]
 
 
-def _walk(level: Level, above: tuple[str, ...]) -> Iterator[tuple[tuple[str, ...], str]]:
+def _rules_by_path(
+    domain: Domain,
+) -> dict[tuple[str, ...], list[tuple[str, tuple[str | None, ...]]]]:
+    """Each distinct key path that ends in a limit: its rules' keys and their levels' values."""
+    paths: dict[tuple[str, ...], list[tuple[str, tuple[str | None, ...]]]] = {}
+    for keys, values, rule in _walk(domain.root, (), ()):
+        paths.setdefault(keys, []).append((rule, values))
+    return paths
+
+
+def _walk(
+    level: Level, keys: tuple[str, ...], values: tuple[str | None, ...]
+) -> Iterator[tuple[tuple[str, ...], tuple[str | None, ...], str]]:
     for node in level.nodes():
-        keys = (*above, node.key)
+        below = (*keys, node.key), (*values, node.value)
         if node.limit is not None:
-            yield keys, node.rule_key
-        yield from _walk(node.children, keys)
+            yield *below, node.rule_key
+        yield from _walk(node.children, *below)
 
 
 def feed(domain: Domain, sources: Sources, routes: Sequence[Route]) -> Feed:
@@ -89,7 +105,8 @@ def feed(domain: Domain, sources: Sources, routes: Sequence[Route]) -> Feed:
                     f"unknown route '{name}' (the routes are: {', '.join(names)})",
                 )
     descriptors = []
-    for keys, rule in key_paths(domain):
+    for keys, rules in _rules_by_path(domain).items():
+        rule = rules[0][0]
         missing = [key for key in keys if key not in sources.keys]
         if missing:
             key = missing[0]
@@ -99,7 +116,13 @@ def feed(domain: Domain, sources: Sources, routes: Sequence[Route]) -> Feed:
                 f"descriptor key '{key}' of rule '{rule}' ({domain.source}) has no source "
                 f"(add a line such as '{key}: {{header: x-{key.replace('_', '-')}}}')",
             )
-        descriptors.append(Descriptor(tuple(sources.keys[key] for key in keys), rule))
+        descriptors.append(
+            Descriptor(
+                tuple(sources.keys[key] for key in keys),
+                rule,
+                tuple(dict.fromkeys(values for _, values in rules)),
+            )
+        )
     return Feed(
         domain=domain.name,
         routes=tuple(
@@ -109,4 +132,5 @@ def feed(domain: Domain, sources: Sources, routes: Sequence[Route]) -> Feed:
             )
             for route in routes
         ),
+        source=domain.source,
     )

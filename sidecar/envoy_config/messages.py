@@ -22,6 +22,7 @@ from typing import Any
 import betterproto2
 import yaml
 
+from sidecar.envoy_config import quota
 from sidecar.envoy_config.feeds import Descriptor, Feed, RouteFeed
 from sidecar.envoy_config.sources import Attribute, Source
 
@@ -87,6 +88,8 @@ class Settings:
     sidecar: Address | Pipe
     timeout: datetime.timedelta
     failure_mode_deny: bool = False
+    #: The sidecar's RLQS address: feed the rules through the rate_limit_quota filter instead.
+    rlqs: Address | Pipe | None = None
     listen: Address = Address("0.0.0.0", 10000)
     upstream: Address = Address("127.0.0.1", 8000)
     admin: Address = Address("127.0.0.1", 9901)
@@ -113,14 +116,14 @@ def rate_limit_filter(domain: str, settings: Settings) -> hcm_v3.HttpFilter:
     return hcm_v3.HttpFilter(name=FILTER_NAME, typed_config=AnyMessage.pack(config))
 
 
-def sidecar_cluster(address: Address | Pipe) -> cluster_v3.Cluster:
-    """The `ratelimit` cluster: gRPC, so HTTP/2 only, to the sidecar."""
+def sidecar_cluster(address: Address | Pipe, name: str = SIDECAR_CLUSTER) -> cluster_v3.Cluster:
+    """The `ratelimit` cluster (or another `name`): gRPC, so HTTP/2 only, to the sidecar."""
     http2 = upstream_http_v3.HttpProtocolOptions(
         explicit_http_config=upstream_http_v3.HttpProtocolOptionsExplicitHttpConfig(
             http2_protocol_options=core_v3.Http2ProtocolOptions()
         )
     )
-    cluster = _cluster(SIDECAR_CLUSTER, address)
+    cluster = _cluster(name, address)
     cluster.typed_extension_protocol_options = {
         "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": AnyMessage.pack(http2)
     }
@@ -214,7 +217,10 @@ def bootstrap(
     Without `with_rate_limit`, the same gateway with no rate limit filter, no per-route limits
     and no sidecar cluster: the baseline a benchmark compares with.
     """
-    filters = [rate_limit_filter(feed.domain, settings)] if with_rate_limit else []
+    filters, clusters = _rate_limiting(feed, settings) if with_rate_limit else ([], [])
+    # The rate_limit filter reads each route's limits; the quota filter's buckets match routes
+    # themselves.
+    route_limits = with_rate_limit and settings.rlqs is None
     filters.append(
         hcm_v3.HttpFilter(
             name="envoy.filters.http.router", typed_config=AnyMessage.pack(router_v3.Router())
@@ -231,7 +237,7 @@ def bootstrap(
                 route_v3.VirtualHost(
                     name="gateway",
                     domains=["*"],
-                    routes=[route(r, with_rate_limit=with_rate_limit) for r in feed.routes],
+                    routes=[route(r, with_rate_limit=route_limits) for r in feed.routes],
                 )
             ],
         ),
@@ -251,9 +257,7 @@ def bootstrap(
             )
         ],
     )
-    clusters = [_cluster(UPSTREAM_CLUSTER, settings.upstream)]
-    if with_rate_limit:
-        clusters.append(sidecar_cluster(settings.sidecar))
+    clusters.insert(0, _cluster(UPSTREAM_CLUSTER, settings.upstream))
     return bootstrap_v3.Bootstrap(
         admin=bootstrap_v3.Admin(address=_address(settings.admin)),
         static_resources=bootstrap_v3.BootstrapStaticResources(
@@ -264,11 +268,26 @@ def bootstrap(
 
 def pieces(feed: Feed, settings: Settings) -> dict[str, Any]:
     """The filter, the cluster and each route with its rate limits, as plain data for YAML."""
+    filters, clusters = _rate_limiting(feed, settings)
     return {
-        "http_filters": [_data(rate_limit_filter(feed.domain, settings))],
-        "clusters": [_data(sidecar_cluster(settings.sidecar))],
-        "routes": [_data(route(r)) for r in feed.routes],
+        "http_filters": [_data(f) for f in filters],
+        "clusters": [_data(c) for c in clusters],
+        "routes": [_data(route(r, with_rate_limit=settings.rlqs is None)) for r in feed.routes],
     }
+
+
+def _rate_limiting(
+    feed: Feed, settings: Settings
+) -> tuple[list[hcm_v3.HttpFilter], list[cluster_v3.Cluster]]:
+    """The filter that limits the requests, and the cluster it reaches the sidecar by: the
+    rate_limit filter, or with `settings.rlqs` the rate_limit_quota filter."""
+    if settings.rlqs is None:
+        return [rate_limit_filter(feed.domain, settings)], [sidecar_cluster(settings.sidecar)]
+    found = quota.buckets(feed)
+    return (
+        [quota.quota_filter(feed, found, settings.failure_mode_deny)],
+        [sidecar_cluster(settings.rlqs, quota.RLQS_CLUSTER)],
+    )
 
 
 def to_yaml(document: Mapping[str, Any] | betterproto2.Message, header: str = "") -> str:
