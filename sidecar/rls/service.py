@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 from envoy.service.ratelimit.v3.rls_pb2 import (  # type: ignore[import-untyped]
     RateLimitRequest,
+    RateLimitResponse,
 )
 from google.protobuf import json_format  # type: ignore[import-untyped]
 from google.protobuf.message import DecodeError  # type: ignore[import-untyped]
@@ -23,6 +24,7 @@ from sidecar.limiter import Limiter
 from sidecar.model import Code, Decision, Request
 from sidecar.plan import Plan
 from sidecar.rls import convert
+from sidecar.rls.extras import Extras
 from sidecar.stats import Stats
 
 #: Prepared requests (`sidecar.plan`) are kept by their bytes: Envoy sends the same bodies again
@@ -36,15 +38,14 @@ PARSED_CACHE_SIZE = 4_096
 class RateLimitService:
     """`envoy.service.ratelimit.v3.RateLimitService`, independent of its transport."""
 
-    def __init__(self, limiter: Limiter, *, response_limit_name: bool = False) -> None:
+    def __init__(self, limiter: Limiter, *, extras: Extras | None = None) -> None:
         self.limiter = limiter
         self._plans: dict[bytes, Plan] = {}
-        #: Name the limit behind an OVER_LIMIT answer (`--response-limit-name`): a
-        #: `RateLimit-Policy` header and dynamic metadata (`convert.limit_name_fields`).
-        self.response_limit_name = response_limit_name
-        self._encode = (
-            convert.response_bytes_named if response_limit_name else convert.response_bytes
-        )
+        #: What answers carry beside their statuses (`--response-limit-name`,
+        #: `--response-headers`, `--response-dynamic-metadata`); None when nothing: the answer
+        #: is then `convert.response_bytes` of the decision, as `_encode` is kept.
+        self.extras = extras if extras is not None and extras.any else None
+        self._encode = convert.response_bytes
 
     @property
     def stats(self) -> Stats:
@@ -57,7 +58,20 @@ class RateLimitService:
         `sidecar.callbacks`): `done` gets the serialized `RateLimitResponse`, or the exception
         the call ended with once the store has answered (Overloaded, or a bug). What goes wrong
         before that (InvalidRequest for a request that breaks the protocol) is raised here."""
-        self.limiter.decide_then(self._plan(body), self._encode, done)
+        plan = self._plan(body)
+        extras = self.extras
+        if extras is None:  # the usual answer: nothing made per call (`_encoder` would be a call)
+            self.limiter.decide_then(plan, self._encode, done)
+        else:
+            self.limiter.decide_then(plan, functools.partial(extras.encode, plan.request), done)
+
+    def _encoder(self, request: Request) -> Callable[[Decision], bytes]:
+        """What writes the answer to `request`: with extras, some need the request itself (the
+        dynamic metadata names its domain and descriptors)."""
+        extras = self.extras
+        if extras is None:
+            return self._encode
+        return functools.partial(extras.encode, request)
 
     def _plan(self, body: bytes) -> Plan:
         """The plan of a request body: the one kept, unless made under rules since replaced."""
@@ -96,7 +110,8 @@ class RateLimitService:
             raise self._refuse(f"malformed RateLimitRequest JSON: {exc}") from exc
         plan = self.limiter.prepare(self._convert(message))
         decision = await awaited(functools.partial(self.limiter.decide_then, plan, _same))
-        fields = json_format.MessageToDict(convert.response(decision, self.response_limit_name))
+        answer = RateLimitResponse.FromString(self._encoder(plan.request)(decision))
+        fields = json_format.MessageToDict(answer)
         return decision.overall_code, json.dumps(fields, separators=(",", ":"))
 
     def _convert(self, message: RateLimitRequest) -> Request:
