@@ -46,6 +46,7 @@ from sidecar.rls.fast import FastServer
 from sidecar.rls.h2.server import unix_path
 from sidecar.rls.server import GrpcServer
 from sidecar.rls.service import RateLimitService
+from sidecar.rls.service import service as rate_limit_service
 from sidecar.rls.tls import ServerTls, TlsError, TlsFiles
 from sidecar.rules import Rules
 from sidecar.side_ports import SidePort
@@ -324,7 +325,7 @@ class App:
             over_limit_cache=options.over_limit_cache,
         )
         self._limiter = limiter
-        service = RateLimitService(limiter, extras=extras)
+        service = rate_limit_service(limiter, extras)
         health = self._health = Health(
             backend,
             backend_required=options.failure_mode == "deny",

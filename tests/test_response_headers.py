@@ -42,7 +42,7 @@ from sidecar.rls.extras import (
     merge_metadata,
     rate_limit_headers,
 )
-from sidecar.rls.service import RateLimitService
+from sidecar.rls.service import service
 from sidecar.rules import Rules
 from sidecar.storage.memory import MemoryBackend
 
@@ -82,7 +82,7 @@ class Served:
         domain = config.parse(RULES, "rules.yaml")
         self.backend = MemoryBackend()
         limiter = Limiter(Rules({domain.name: domain}), self.backend, clock=clock)
-        self.service = RateLimitService(limiter, extras=extras)
+        self.service = service(limiter, extras)
 
     async def call(self, *descriptors: list[tuple[str, str]], hits_addend: int = 0) -> Any:
         message = RateLimitRequest(domain="web", hits_addend=hits_addend)

@@ -38,13 +38,9 @@ PARSED_CACHE_SIZE = 4_096
 class RateLimitService:
     """`envoy.service.ratelimit.v3.RateLimitService`, independent of its transport."""
 
-    def __init__(self, limiter: Limiter, *, extras: Extras | None = None) -> None:
+    def __init__(self, limiter: Limiter) -> None:
         self.limiter = limiter
         self._plans: dict[bytes, Plan] = {}
-        #: What answers carry beside their statuses (`--response-limit-name`,
-        #: `--response-headers`, `--response-dynamic-metadata`); None when nothing: the answer
-        #: is then `convert.response_bytes` of the decision, as `_encode` is kept.
-        self.extras = extras if extras is not None and extras.any else None
         self._encode = convert.response_bytes
 
     @property
@@ -58,20 +54,11 @@ class RateLimitService:
         `sidecar.callbacks`): `done` gets the serialized `RateLimitResponse`, or the exception
         the call ended with once the store has answered (Overloaded, or a bug). What goes wrong
         before that (InvalidRequest for a request that breaks the protocol) is raised here."""
-        plan = self._plan(body)
-        extras = self.extras
-        if extras is None:  # the usual answer: nothing made per call (`_encoder` would be a call)
-            self.limiter.decide_then(plan, self._encode, done)
-        else:
-            self.limiter.decide_then(plan, functools.partial(extras.encode, plan.request), done)
+        self.limiter.decide_then(self._plan(body), self._encode, done)
 
     def _encoder(self, request: Request) -> Callable[[Decision], bytes]:
-        """What writes the answer to `request`: with extras, some need the request itself (the
-        dynamic metadata names its domain and descriptors)."""
-        extras = self.extras
-        if extras is None:
-            return self._encode
-        return functools.partial(extras.encode, request)
+        """What writes the answer to `request`."""
+        return self._encode
 
     def _plan(self, body: bytes) -> Plan:
         """The plan of a request body: the one kept, unless made under rules since replaced."""
@@ -126,6 +113,36 @@ class RateLimitService:
         refusal = InvalidRequest(message)
         self.limiter.stats.refused(refusal)
         return refusal
+
+
+class ServiceWithExtras(RateLimitService):
+    """The service whose answers carry `extras` beside their statuses (`--response-limit-name`,
+    `--response-headers`, `--response-dynamic-metadata`).
+
+    A subclass rather than a test in `should_rate_limit_then`, so that the usual service, with
+    none of them, runs exactly the code it ran before they existed: the dynamic metadata needs
+    the request, so the answer's encoder is made per call here.
+    """
+
+    def __init__(self, limiter: Limiter, extras: Extras) -> None:
+        super().__init__(limiter)
+        self.extras = extras
+
+    def should_rate_limit_then(
+        self, body: bytes, done: Callable[[bytes | Exception], None]
+    ) -> None:
+        plan = self._plan(body)
+        self.limiter.decide_then(plan, self._encoder(plan.request), done)
+
+    def _encoder(self, request: Request) -> Callable[[Decision], bytes]:
+        return functools.partial(self.extras.encode, request)
+
+
+def service(limiter: Limiter, extras: Extras | None = None) -> RateLimitService:
+    """The service for `limiter`, its answers carrying `extras` when any is on."""
+    if extras is None or not extras.any:
+        return RateLimitService(limiter)
+    return ServiceWithExtras(limiter, extras)
 
 
 def _same(decision: Decision) -> Decision:
