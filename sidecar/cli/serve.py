@@ -231,8 +231,8 @@ def register(commands: Any) -> Flags:
         "--response-headers",
         "the reference's response headers (LIMIT_RESPONSE_HEADERS_ENABLED): RateLimit-Limit, "
         "RateLimit-Remaining and RateLimit-Reset of the descriptor closest to its limit (the "
-        "last over its limit, if any), on every answer with a limit, OK ones too; Envoy adds "
-        "them to the client's response",
+        "last one over its limit that is not a quota descriptor, if any), on every answer with "
+        "a limit, OK ones too; Envoy adds them to the client's response",
         action="store_true",
         default=False,
     )
