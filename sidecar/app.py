@@ -41,10 +41,12 @@ from sidecar.quota.service import (
     QuotaService,
 )
 from sidecar.quota.store import open_store
+from sidecar.rls.extras import Extras, HeaderNames
 from sidecar.rls.fast import FastServer
 from sidecar.rls.h2.server import unix_path
 from sidecar.rls.server import GrpcServer
 from sidecar.rls.service import RateLimitService
+from sidecar.rls.service import service as rate_limit_service
 from sidecar.rls.tls import ServerTls, TlsError, TlsFiles
 from sidecar.rules import Rules
 from sidecar.side_ports import SidePort
@@ -88,6 +90,10 @@ class InvalidOption(ValueError):
     """An address or backend URL the sidecar cannot start with; the message says why."""
 
 
+#: The reference's names of its response headers (LIMIT_LIMIT_HEADER and the others' defaults).
+_HEADER_NAMES = HeaderNames()
+
+
 @dataclass(frozen=True)
 class Options:
     """What `serve` needs; the CLI fills it from flags and RLS_* variables."""
@@ -116,6 +122,15 @@ class Options:
     usage_metrics_top: int = 10
     #: Name the limit behind an OVER_LIMIT answer (a `RateLimit-Policy` header, dynamic metadata).
     response_limit_name: bool = False
+    #: The reference's RateLimit-Limit/-Remaining/-Reset headers on every answer with a limit
+    #: (LIMIT_RESPONSE_HEADERS_ENABLED), under these names.
+    response_headers: bool = False
+    response_limit_header: str = _HEADER_NAMES.limit
+    response_remaining_header: str = _HEADER_NAMES.remaining
+    response_reset_header: str = _HEADER_NAMES.reset
+    #: The reference's dynamic metadata (RESPONSE_DYNAMIC_METADATA): the request's domain and
+    #: descriptors, and the passing rules' `metadata`.
+    response_dynamic_metadata: bool = False
     transport: Transport = "fast"
     #: Share the gRPC and HTTP ports with other processes (SO_REUSEPORT): `serve --workers N`.
     reuse_port: bool = False
@@ -151,6 +166,23 @@ class Options:
     metrics_path: str = "/metrics"
     #: Another listener for /rlconfig and /metrics, as the reference's DEBUG_PORT.
     debug_address: str | None = None
+
+    def extras(self) -> Extras:
+        """What answers carry beside their statuses; raises InvalidOption for a header name
+        that cannot be one."""
+        try:
+            headers = HeaderNames(
+                self.response_limit_header,
+                self.response_remaining_header,
+                self.response_reset_header,
+            )
+        except ValueError as exc:
+            raise InvalidOption(f"response headers: {exc}") from exc
+        return Extras(
+            limit_name=self.response_limit_name,
+            headers=headers if self.response_headers else None,
+            dynamic_metadata=self.response_dynamic_metadata,
+        )
 
 
 def loop_name(loop: asyncio.AbstractEventLoop) -> str:
@@ -235,6 +267,7 @@ class App:
         http_host, http_port = split_address(options.http_address)
         if options.rlqs_address is not None:
             split_address(options.rlqs_address)
+        extras = options.extras()
         side_addresses = [
             (name, split_address(address))
             for name, address in (
@@ -292,7 +325,7 @@ class App:
             over_limit_cache=options.over_limit_cache,
         )
         self._limiter = limiter
-        service = RateLimitService(limiter, response_limit_name=options.response_limit_name)
+        service = rate_limit_service(limiter, extras)
         health = self._health = Health(
             backend,
             backend_required=options.failure_mode == "deny",

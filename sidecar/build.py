@@ -28,6 +28,7 @@ HOT_PATH = (
     "sidecar.rls.h2.connection",
     "sidecar.rls.h2.server",
     "sidecar.rls.convert",
+    "sidecar.rls.extras",
     "sidecar.rls.service",
     "sidecar.plan",
     "sidecar.limiter",

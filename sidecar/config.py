@@ -513,6 +513,8 @@ class _Parser:
         limit = self.limit(item, path, rule_key, flags["shadow_mode"], flags["quota_mode"])
         if flags["approximate"]:
             limit = self.approximate(limit, item, path, rule_key)
+        if metadata and limit is not None:
+            limit = dataclasses.replace(limit, metadata=metadata)
         children = self.level(item.get("descriptors"), f"{path}.descriptors", rule_key, depth + 1)
         if grouped:
             self.codes = None

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 #: `limit_remaining` reported for an `unlimited` rule (the reference's MaxUint32).
 UNLIMITED_REMAINING = 4_294_967_295
@@ -162,7 +163,9 @@ class Limit:
 
     `rule_key` is the rule's place in the tree (`domain.key_value.subkey`), shown by `/rlconfig`.
     The rule's `approximate` flag is kept on its windows (a Hit carries its window, not its
-    limit): `approximate` says whether they have it.
+    limit): `approximate` says whether they have it. `metadata` is the descriptor's `metadata`
+    map from the rules, returned as dynamic metadata (`--response-dynamic-metadata`); it takes
+    no part in comparing limits.
     """
 
     windows: tuple[Window, ...]
@@ -172,6 +175,7 @@ class Limit:
     shadow_mode: bool = False
     quota_mode: bool = False
     rule_key: str = ""
+    metadata: Mapping[str, Any] | None = field(default=None, compare=False, repr=False)
     #: How the limit's over-limit result weighs on the request (see `Role`), worked out once.
     role: Role = field(init=False, repr=False, compare=False)
 

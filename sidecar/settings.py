@@ -250,6 +250,24 @@ def _text(name: str) -> Callable[[Env, bool], str | None]:
     return convert
 
 
+def _header_name(name: str) -> Callable[[Env, bool], str | None]:
+    """A header name of LIMIT_RESPONSE_HEADERS_ENABLED, read only when that is true, as the
+    reference reads it; one that cannot name an HTTP header stops the start."""
+
+    def convert(env: Env, defaults: bool) -> str | None:
+        from sidecar.rls.extras import check_header_name
+
+        value = env.get(name, "").strip()
+        if not value or not boolean("LIMIT_RESPONSE_HEADERS_ENABLED", env):
+            return None
+        try:
+            return check_header_name(value)
+        except ValueError as exc:
+            raise SettingError(f"{name}={value!r}: {exc}") from None
+
+    return convert
+
+
 def _flag(name: str) -> Callable[[Env, bool], str | None]:
     """A boolean variable onto a store_true flag: set only when true."""
 
@@ -659,6 +677,24 @@ FLAGS: tuple[Flag, ...] = (
     Flag("over_limit_cache", ("LOCAL_CACHE_SIZE_IN_BYTES",), _over_limit_cache),
     Flag("rejected_hits", ("STOP_CACHE_KEY_INCREMENT_WHEN_OVERLIMIT",), _rejected_hits),
     Flag("shadow_mode", ("SHADOW_MODE",), _flag("SHADOW_MODE")),
+    Flag(
+        "response_dynamic_metadata",
+        ("RESPONSE_DYNAMIC_METADATA",),
+        _flag("RESPONSE_DYNAMIC_METADATA"),
+    ),
+    Flag(
+        "response_headers",
+        ("LIMIT_RESPONSE_HEADERS_ENABLED",),
+        _flag("LIMIT_RESPONSE_HEADERS_ENABLED"),
+    ),
+    *(
+        Flag(dest, ("LIMIT_RESPONSE_HEADERS_ENABLED", name), _header_name(name))
+        for dest, name in (
+            ("response_limit_header", "LIMIT_LIMIT_HEADER"),
+            ("response_remaining_header", "LIMIT_REMAINING_HEADER"),
+            ("response_reset_header", "LIMIT_RESET_HEADER"),
+        )
+    ),
     Flag("log_level", ("LOG_LEVEL",), _log_level),
     Flag("log_format", ("LOG_FORMAT",), _log_format),
     Flag(
@@ -815,11 +851,11 @@ def _variables() -> tuple[Variable, ...]:
         V("STOP_CACHE_KEY_INCREMENT_WHEN_OVERLIMIT", "false", D, "`--rejected-hits skip`: a request answered OVER_LIMIT adds nothing to any of its counters (the reference still adds to those that would not exceed)", _false),
         V("SHADOW_MODE", "false", S, "`--shadow-mode`"),
         V("QUOTA_MODE", "false", U, "per-rule `quota_mode` is supported; the global switch is not", _false),
-        V("RESPONSE_DYNAMIC_METADATA", "false", U, "rules' `metadata` is accepted, not returned", _false),
-        V("LIMIT_RESPONSE_HEADERS_ENABLED", "false", U, "Envoy's own `enable_x_ratelimit_headers` gives `X-RateLimit-*` from the statuses", _false),
-        V("LIMIT_LIMIT_HEADER", "RateLimit-Limit", U, "with `LIMIT_RESPONSE_HEADERS_ENABLED`", _always),
-        V("LIMIT_REMAINING_HEADER", "RateLimit-Remaining", U, "with `LIMIT_RESPONSE_HEADERS_ENABLED`", _always),
-        V("LIMIT_RESET_HEADER", "RateLimit-Reset", U, "with `LIMIT_RESPONSE_HEADERS_ENABLED`", _always),
+        V("RESPONSE_DYNAMIC_METADATA", "false", S, "`--response-dynamic-metadata`"),
+        V("LIMIT_RESPONSE_HEADERS_ENABLED", "false", S, "`--response-headers`"),
+        V("LIMIT_LIMIT_HEADER", "RateLimit-Limit", S, "`--response-limit-header`, read with `LIMIT_RESPONSE_HEADERS_ENABLED=true` as in the reference"),
+        V("LIMIT_REMAINING_HEADER", "RateLimit-Remaining", S, "`--response-remaining-header`, read with `LIMIT_RESPONSE_HEADERS_ENABLED=true`"),
+        V("LIMIT_RESET_HEADER", "RateLimit-Reset", S, "`--response-reset-header`, read with `LIMIT_RESPONSE_HEADERS_ENABLED=true`"),
         V("HEALTHY_WITH_AT_LEAST_ONE_CONFIG_LOADED", "false", S, "`--health-requires-config`: unhealthy until rules with at least one domain are loaded"),
         # Stats.
         V("USE_STATSD", "true", D, "`--statsd-address STATSD_HOST:STATSD_PORT`: the reference's stat names over TCP (`STATSD_PROTOCOL=udp`, which the reference's stats library reads, for UDP); under `ratelimit` on unless false, as in the reference, under `serve` only when true. Prometheus `/metrics` stays beside it (the reference allows one sink)", _always),

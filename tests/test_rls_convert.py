@@ -13,10 +13,12 @@ from sidecar.model import (
     DescriptorStatus,
     Entry,
     Override,
+    Request,
     Unit,
     single,
 )
 from sidecar.rls import convert
+from sidecar.rls.extras import Extras, policy
 
 
 def _protobuf(decision: Decision) -> bytes:
@@ -37,6 +39,8 @@ def _protobuf(decision: Decision) -> bytes:
 
 
 MINUTE = single(3, Unit.MINUTE, name="per-user", rule_key="d.user")
+#: What the answers below answer (only the dynamic metadata of `Extras` reads it).
+REQUEST = Request("d", ())
 BIG = single(4_294_967_295, Unit.YEAR, name="n" * 300, rule_key="d.big")
 ZERO = single(0, Unit.SECOND, rule_key="d.blocked")
 WEEK = single(7, Unit.WEEK, rule_key="d.week")
@@ -166,7 +170,8 @@ def test_an_over_limit_answer_names_every_refusing_limit_in_a_ratelimit_policy_h
         DescriptorStatus(Code.OVER_LIMIT, unnamed, 0, 30, unnamed.windows[0]),
         DescriptorStatus(Code.OVER_LIMIT, MINUTE, 0, 30, MINUTE.windows[0]),
     )
-    message = convert.response(Decision(Code.OVER_LIMIT, statuses), named=True)
+    decision = Decision(Code.OVER_LIMIT, statuses)
+    message = RateLimitResponse.FromString(Extras(limit_name=True).encode(REQUEST, decision))
     assert [(h.key, h.value) for h in message.response_headers_to_add] == [
         ("RateLimit-Policy", '"per-user";q=3;w=60, "d.app_x.interface";q=5;w=3600')
     ]
@@ -181,7 +186,7 @@ def test_an_over_limit_answer_names_every_refusing_limit_in_a_ratelimit_policy_h
 def test_an_ok_answer_carries_no_limit_name() -> None:
     """An OK answer is encoded as without `--response-limit-name`: nothing refused it."""
     decision = Decision(Code.OK, (DescriptorStatus(Code.OK, MINUTE, 2, 30, MINUTE.windows[0]),))
-    assert convert.response_bytes_named(decision) == convert.response_bytes(decision)
+    assert Extras(limit_name=True).encode(REQUEST, decision) == convert.response_bytes(decision)
 
 
 def test_a_limit_name_is_a_valid_structured_field_string() -> None:
@@ -189,4 +194,4 @@ def test_a_limit_name_is_a_valid_structured_field_string() -> None:
     percent-encoded from its UTF-8 bytes, so the header is always a valid sf-string."""
     odd = single(1, Unit.SECOND, name='a"b\\c%d é\n')
     status = DescriptorStatus(Code.OVER_LIMIT, odd, 0, 1, odd.windows[0])
-    assert convert.policy(status) == '"a\\"b\\\\c%25d %C3%A9%0A";q=1;w=1'
+    assert policy(status) == '"a\\"b\\\\c%25d %C3%A9%0A";q=1;w=1'

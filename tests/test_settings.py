@@ -352,14 +352,71 @@ def test_statsd_tls_and_tracing_variables_read_as_the_reference_reads_them() -> 
         assert args.tracing_sampling_rate == rate
 
 
+#: A rules path, which `serve` requires of any command line.
+CONFIG = ("--config", "rules")
+
+
+def test_response_header_and_metadata_variables_map_onto_their_flags() -> None:
+    """LIMIT_RESPONSE_HEADERS_ENABLED and RESPONSE_DYNAMIC_METADATA turn on --response-headers
+    and --response-dynamic-metadata; the three header names are read with the headers on, as
+    the reference reads them, and left at their defaults otherwise."""
+    args = serve(
+        {
+            "LIMIT_RESPONSE_HEADERS_ENABLED": "true",
+            "LIMIT_LIMIT_HEADER": "X-Limit",
+            "LIMIT_REMAINING_HEADER": "X-Left",
+            "LIMIT_RESET_HEADER": "X-Reset",
+            "RESPONSE_DYNAMIC_METADATA": "1",
+        },
+        *CONFIG,
+    )
+    assert (args["response_headers"], args["response_dynamic_metadata"]) == (True, True)
+    names = (
+        args["response_limit_header"],
+        args["response_remaining_header"],
+        args["response_reset_header"],
+    )
+    assert names == ("X-Limit", "X-Left", "X-Reset")
+    off = serve(
+        {"LIMIT_RESPONSE_HEADERS_ENABLED": "false", "LIMIT_LIMIT_HEADER": "Bad Name"}, *CONFIG
+    )
+    assert (off["response_headers"], off["response_dynamic_metadata"]) == (False, False)
+    assert off["response_limit_header"] == "RateLimit-Limit"
+    # RLS_* and the flags still win over the reference's names.
+    flagged = serve(
+        {"LIMIT_RESPONSE_HEADERS_ENABLED": "true", "LIMIT_LIMIT_HEADER": "X-Limit"},
+        *CONFIG,
+        "--response-limit-header",
+        "X-Quota",
+    )
+    assert flagged["response_limit_header"] == "X-Quota"
+
+
+def test_a_response_header_name_that_is_not_a_token_stops_the_start(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A header name with a space, from the reference's variable or the flag, is refused with
+    exit status 2, naming where it came from."""
+    with pytest.raises(SystemExit) as exited:
+        serve(
+            {"LIMIT_RESPONSE_HEADERS_ENABLED": "true", "LIMIT_RESET_HEADER": "Rate Reset"}, *CONFIG
+        )
+    assert exited.value.code == 2
+    assert "LIMIT_RESET_HEADER='Rate Reset': 'Rate Reset' is not an HTTP header name" in (
+        capsys.readouterr().err
+    )
+    with pytest.raises(SystemExit):
+        serve({}, *CONFIG, "--response-limit-header", "a:b")
+    assert "'a:b' is not an HTTP header name" in capsys.readouterr().err
+
+
 def test_set_variables_the_sidecar_does_not_honour_are_listed_for_the_log() -> None:
     """A variable asking for something the sidecar does not do, or does otherwise, is reported;
-    one at a value that asks for nothing (USE_STATSD=false, a header name while the headers are
-    off), and variables not the reference's, are not."""
+    one at a value that asks for nothing (USE_STATSD=false, QUOTA_MODE=false), and variables
+    not the reference's, are not."""
     env = {
         "QUOTA_MODE": "true",
-        "LIMIT_RESPONSE_HEADERS_ENABLED": "false",
-        "LIMIT_LIMIT_HEADER": "X-Limit",
+        "LIMIT_RESPONSE_HEADERS_ENABLED": "true",
         "GRPC_SERVER_USE_TLS": "true",
         "USE_STATSD": "false",
         "NEAR_LIMIT_RATIO": "0.9",
@@ -375,7 +432,8 @@ def test_set_variables_the_sidecar_does_not_honour_are_listed_for_the_log() -> N
         "EXPIRATION_JITTER_MAX_SECONDS": settings.Support.DIFFERENT,
         "REDIS_POOL_SIZE": settings.Support.DIFFERENT,
     }
-    assert "USE_STATSD" not in reported and "LIMIT_LIMIT_HEADER" not in reported
+    assert "USE_STATSD" not in reported
+    assert "LIMIT_RESPONSE_HEADERS_ENABLED" not in reported  # supported: --response-headers
     assert "GRPC_SERVER_USE_TLS" not in reported  # supported: TLS on the gRPC port
     assert "HOME" not in reported and "REDIS_URL" not in reported
 

@@ -156,6 +156,15 @@ def count_or_auto(text: str) -> int | str:
     return count(1)(text)
 
 
+def header_name(text: str) -> str:
+    from sidecar.rls.extras import check_header_name
+
+    try:
+        return check_header_name(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def share(text: str) -> float:
     try:
         value = float(text)

@@ -24,6 +24,7 @@ from sidecar.cli.flags import (
     count,
     count_or_auto,
     grpc_address,
+    header_name,
     log_level,
     share,
     socket_mode,
@@ -223,6 +224,35 @@ def register(commands: Any) -> Flags:
         "IETF RateLimit header fields draft) and dynamic metadata limit_name, limit_quota, "
         "limit_window for Envoy's access log "
         "(%%DYNAMIC_METADATA(envoy.filters.http.ratelimit:limit_name)%%)",
+        action="store_true",
+        default=False,
+    )
+    serve.add(
+        "--response-headers",
+        "the reference's response headers (LIMIT_RESPONSE_HEADERS_ENABLED): RateLimit-Limit, "
+        "RateLimit-Remaining and RateLimit-Reset of the descriptor closest to its limit (the "
+        "last one over its limit that is not a quota descriptor, if any), on every answer with "
+        "a limit, OK ones too; Envoy adds them to the client's response",
+        action="store_true",
+        default=False,
+    )
+    for option, name, variable in (
+        ("--response-limit-header", "RateLimit-Limit", "LIMIT_LIMIT_HEADER"),
+        ("--response-remaining-header", "RateLimit-Remaining", "LIMIT_REMAINING_HEADER"),
+        ("--response-reset-header", "RateLimit-Reset", "LIMIT_RESET_HEADER"),
+    ):
+        serve.add(
+            option,
+            f"the name of the {name} header of --response-headers ({variable})",
+            default=name,
+            type=header_name,
+            metavar="NAME",
+        )
+    serve.add(
+        "--response-dynamic-metadata",
+        "the reference's dynamic metadata (RESPONSE_DYNAMIC_METADATA): domain, descriptors, "
+        "hitsAddend, and the merged 'metadata' of the rules whose descriptors passed, under "
+        "envoy.filters.http.ratelimit (%%DYNAMIC_METADATA(envoy.filters.http.ratelimit:domain)%%)",
         action="store_true",
         default=False,
     )
@@ -548,6 +578,11 @@ def run(args: argparse.Namespace) -> int:
         shadow_mode=args.shadow_mode,
         over_limit_cache=args.over_limit_cache,
         response_limit_name=args.response_limit_name,
+        response_headers=args.response_headers,
+        response_limit_header=args.response_limit_header,
+        response_remaining_header=args.response_remaining_header,
+        response_reset_header=args.response_reset_header,
+        response_dynamic_metadata=args.response_dynamic_metadata,
         usage_metrics_top=args.usage_metrics_top,
         transport=args.transport,
         reuse_port=args.reuse_port,

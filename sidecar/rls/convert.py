@@ -5,12 +5,12 @@ cannot carry (an override with an unknown unit) with InvalidRequest.
 `response_bytes` writes a `model.Decision` straight to the wire bytes of a `RateLimitResponse`:
 it is the hot path, and encoding the few fields by hand, with each limit's `current_limit`
 encoded once and reused, costs a fraction of building the protobuf message field by field.
-`response` parses those bytes back for callers that need a message (the JSON endpoint).
+`response` parses those bytes back for callers that need a message.
+What `serve` may add beside the statuses (the limit's name, the reference's headers and
+dynamic metadata) `sidecar.rls.extras` writes.
 """
 
 from __future__ import annotations
-
-import struct
 
 from envoy.extensions.common.ratelimit.v3.ratelimit_pb2 import (  # type: ignore[import-untyped]
     RateLimitDescriptor,
@@ -26,7 +26,6 @@ from sidecar.model import (
     Code,
     Decision,
     Descriptor,
-    DescriptorStatus,
     Entry,
     Override,
     Request,
@@ -69,11 +68,9 @@ def _override(limit: RateLimitDescriptor.RateLimitOverride, index: int) -> Overr
     return Override(limit.requests_per_unit, unit)
 
 
-def response(decision: Decision, named: bool = False) -> RateLimitResponse:
-    """The decision as a protobuf message (parsed from `response_bytes`, so both always agree);
-    `named`: with the limit's name on OVER_LIMIT (`response_bytes_named`)."""
-    encode = response_bytes_named if named else response_bytes
-    return RateLimitResponse.FromString(encode(decision))
+def response(decision: Decision) -> RateLimitResponse:
+    """The decision as a protobuf message (parsed from `response_bytes`, so both always agree)."""
+    return RateLimitResponse.FromString(response_bytes(decision))
 
 
 # Wire format of the fields written below (field number << 3 | wire type):
@@ -118,18 +115,18 @@ def response_bytes(decision: Decision) -> bytes:
         else:
             body = _CODE_FIELD[code]
         if remaining:
-            body += b"\x18" + _varint(remaining)
+            body += b"\x18" + varint(remaining)
         if seconds is not None:
             if 0 < seconds < 0x80:
                 body += _SMALL_DURATIONS[seconds]
             elif seconds:
-                duration = b"\x08" + _varint(seconds)
+                duration = b"\x08" + varint(seconds)
                 body += b"\x22" + _SMALL_VARINTS[len(duration)] + duration
             else:
                 body += b"\x22\x00"
         size = len(body)
         parts.append(
-            (b"\x12" + _SMALL_VARINTS[size] if size < 0x80 else b"\x12" + _varint(size)) + body
+            (b"\x12" + _SMALL_VARINTS[size] if size < 0x80 else b"\x12" + varint(size)) + body
         )
     return b"".join(parts)
 
@@ -138,12 +135,12 @@ def _current_limit(window: Window) -> tuple[bytes, ...]:
     """Encode a window's `current_limit` field after each `code` field, and remember them."""
     body = b""
     if window.requests_per_unit:
-        body += b"\x08" + _varint(window.requests_per_unit)
-    body += b"\x10" + _varint(window.unit)
+        body += b"\x08" + varint(window.requests_per_unit)
+    body += b"\x10" + varint(window.unit)
     if window.name:
         name = window.name.encode()
-        body += b"\x1a" + _varint(len(name)) + name
-    encoded = b"\x12" + _varint(len(body)) + body
+        body += b"\x1a" + varint(len(name)) + name
+    encoded = b"\x12" + varint(len(body)) + body
     if len(_current_limits) >= _CURRENT_LIMIT_CACHE_SIZE:
         _current_limits.clear()
     by_code = tuple(code + encoded for code in _CODE_FIELD)
@@ -151,7 +148,7 @@ def _current_limit(window: Window) -> tuple[bytes, ...]:
     return by_code
 
 
-def _varint(value: int) -> bytes:
+def varint(value: int) -> bytes:
     # Unrolled by length up to five bytes (every uint32: a limit, what remains of it, a reset in
     # seconds): a loop costs several times as much, and large limits are common.
     if value < 0x80:
@@ -180,96 +177,3 @@ def _varint(value: int) -> bytes:
         value >>= 7
     out.append(value)
     return bytes(out)
-
-
-# --- The limit that decided an OVER_LIMIT answer (`--response-limit-name`) -------------------
-#
-#   RateLimitResponse: 3 response_headers_to_add (HeaderValue: 1 key, 2 value),
-#                      6 dynamic_metadata (google.protobuf.Struct: 1 fields, a map entry of
-#                      1 key and 2 Value; Value: 2 number_value (double), 3 string_value)
-#
-# Envoy adds the headers to the 429 it sends the client, and puts the Struct in the request's
-# dynamic metadata under its filter's name (`envoy.filters.http.ratelimit`), where the access
-# log reads it: `%DYNAMIC_METADATA(envoy.filters.http.ratelimit:limit_name)%`.
-
-#: The header, per the IETF RateLimit header fields draft (draft-ietf-httpapi-ratelimit-headers):
-#: a list of policies, each a quoted name with its quota `q` and window `w` in seconds.
-POLICY_HEADER = "RateLimit-Policy"
-#: The keys of `dynamic_metadata`.
-METADATA_NAME, METADATA_QUOTA, METADATA_WINDOW = "limit_name", "limit_quota", "limit_window"
-
-
-def limit_name(status: DescriptorStatus) -> str:
-    """The name of the limit behind `status`: the rule's `name` (its window's, for a window of
-    `rate_limits` that has one), else its descriptor path (`domain.key_value...`)."""
-    limit, window = status.limit, status.window
-    if window is not None and window.name:
-        return window.name
-    if limit is None:
-        return ""
-    return limit.name or limit.rule_key
-
-
-def policy(status: DescriptorStatus) -> str:
-    """One policy of the `RateLimit-Policy` header for `status`: `"name";q=100;w=60`."""
-    window = status.window or (status.limit.windows[0] if status.limit else None)
-    text = f'"{_sf_string(limit_name(status))}"'
-    if window is not None:
-        text += f";q={window.requests_per_unit};w={window.seconds}"
-    return text
-
-
-def _sf_string(text: str) -> str:
-    """`text` as the inside of a structured-field string (RFC 8941): printable ASCII, with `"`
-    and `\\` escaped; any other character percent-encoded from its UTF-8 bytes (`%` too)."""
-    out = []
-    for char in text:
-        if char in '"\\':
-            out.append("\\" + char)
-        elif " " <= char <= "~" and char != "%":
-            out.append(char)
-        else:
-            out.append("".join(f"%{byte:02X}" for byte in char.encode()))
-    return "".join(out)
-
-
-def limit_name_fields(decision: Decision) -> bytes:
-    """What an OVER_LIMIT answer adds to name the limits that refused it (nothing for another
-    answer): the `RateLimit-Policy` header listing every refusing limit in request order, and
-    the first one's name, quota and window as dynamic metadata."""
-    if decision.overall_code != Code.OVER_LIMIT:
-        return b""
-    refusing = [s for s in decision.statuses if s.code == Code.OVER_LIMIT and s.limit is not None]
-    if not refusing:
-        return b""
-    policies = list(dict.fromkeys(policy(status) for status in refusing))
-    header = _message(3, _string(1, POLICY_HEADER) + _string(2, ", ".join(policies)))
-    first = refusing[0]
-    window = first.window or first.limit.windows[0]  # type: ignore[union-attr]
-    fields = (
-        _struct_entry(METADATA_NAME, _string(3, limit_name(first)))
-        + _struct_entry(METADATA_QUOTA, _double(2, window.requests_per_unit))
-        + _struct_entry(METADATA_WINDOW, _double(2, window.seconds))
-    )
-    return header + _message(6, fields)
-
-
-def response_bytes_named(decision: Decision) -> bytes:
-    """`response_bytes`, and on OVER_LIMIT the limit's name (`limit_name_fields`)."""
-    return response_bytes(decision) + limit_name_fields(decision)
-
-
-def _struct_entry(key: str, value: bytes) -> bytes:
-    return _message(1, _string(1, key) + _message(2, value))
-
-
-def _message(number: int, body: bytes) -> bytes:
-    return _varint(number << 3 | 2) + _varint(len(body)) + body
-
-
-def _string(number: int, text: str) -> bytes:
-    return _message(number, text.encode())
-
-
-def _double(number: int, value: float) -> bytes:
-    return _varint(number << 3 | 1) + struct.pack("<d", value)

@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 from envoy.service.ratelimit.v3.rls_pb2 import (  # type: ignore[import-untyped]
     RateLimitRequest,
+    RateLimitResponse,
 )
 from google.protobuf import json_format  # type: ignore[import-untyped]
 from google.protobuf.message import DecodeError  # type: ignore[import-untyped]
@@ -23,6 +24,7 @@ from sidecar.limiter import Limiter
 from sidecar.model import Code, Decision, Request
 from sidecar.plan import Plan
 from sidecar.rls import convert
+from sidecar.rls.extras import Extras
 from sidecar.stats import Stats
 
 #: Prepared requests (`sidecar.plan`) are kept by their bytes: Envoy sends the same bodies again
@@ -36,15 +38,10 @@ PARSED_CACHE_SIZE = 4_096
 class RateLimitService:
     """`envoy.service.ratelimit.v3.RateLimitService`, independent of its transport."""
 
-    def __init__(self, limiter: Limiter, *, response_limit_name: bool = False) -> None:
+    def __init__(self, limiter: Limiter) -> None:
         self.limiter = limiter
         self._plans: dict[bytes, Plan] = {}
-        #: Name the limit behind an OVER_LIMIT answer (`--response-limit-name`): a
-        #: `RateLimit-Policy` header and dynamic metadata (`convert.limit_name_fields`).
-        self.response_limit_name = response_limit_name
-        self._encode = (
-            convert.response_bytes_named if response_limit_name else convert.response_bytes
-        )
+        self._encode = convert.response_bytes
 
     @property
     def stats(self) -> Stats:
@@ -58,6 +55,10 @@ class RateLimitService:
         the call ended with once the store has answered (Overloaded, or a bug). What goes wrong
         before that (InvalidRequest for a request that breaks the protocol) is raised here."""
         self.limiter.decide_then(self._plan(body), self._encode, done)
+
+    def _encoder(self, request: Request) -> Callable[[Decision], bytes]:
+        """What writes the answer to `request`."""
+        return self._encode
 
     def _plan(self, body: bytes) -> Plan:
         """The plan of a request body: the one kept, unless made under rules since replaced."""
@@ -96,7 +97,8 @@ class RateLimitService:
             raise self._refuse(f"malformed RateLimitRequest JSON: {exc}") from exc
         plan = self.limiter.prepare(self._convert(message))
         decision = await awaited(functools.partial(self.limiter.decide_then, plan, _same))
-        fields = json_format.MessageToDict(convert.response(decision, self.response_limit_name))
+        answer = RateLimitResponse.FromString(self._encoder(plan.request)(decision))
+        fields = json_format.MessageToDict(answer)
         return decision.overall_code, json.dumps(fields, separators=(",", ":"))
 
     def _convert(self, message: RateLimitRequest) -> Request:
@@ -111,6 +113,36 @@ class RateLimitService:
         refusal = InvalidRequest(message)
         self.limiter.stats.refused(refusal)
         return refusal
+
+
+class ServiceWithExtras(RateLimitService):
+    """The service whose answers carry `extras` beside their statuses (`--response-limit-name`,
+    `--response-headers`, `--response-dynamic-metadata`).
+
+    A subclass rather than a test in `should_rate_limit_then`, so that the usual service, with
+    none of them, runs exactly the code it ran before they existed: the dynamic metadata needs
+    the request, so the answer's encoder is made per call here.
+    """
+
+    def __init__(self, limiter: Limiter, extras: Extras) -> None:
+        super().__init__(limiter)
+        self.extras = extras
+
+    def should_rate_limit_then(
+        self, body: bytes, done: Callable[[bytes | Exception], None]
+    ) -> None:
+        plan = self._plan(body)
+        self.limiter.decide_then(plan, self._encoder(plan.request), done)
+
+    def _encoder(self, request: Request) -> Callable[[Decision], bytes]:
+        return functools.partial(self.extras.encode, request)
+
+
+def service(limiter: Limiter, extras: Extras | None = None) -> RateLimitService:
+    """The service for `limiter`, its answers carrying `extras` when any is on."""
+    if extras is None or not extras.any:
+        return RateLimitService(limiter)
+    return ServiceWithExtras(limiter, extras)
 
 
 def _same(decision: Decision) -> Decision:
