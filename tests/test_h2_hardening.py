@@ -314,6 +314,58 @@ async def test_at_the_bound_of_calls_in_flight_connections_stop_reading_until_an
         await other.close()
 
 
+def waiting(server: H2Server) -> int:
+    """Connections held with something put aside to read."""
+    return sum(1 for protocol in server.held if protocol.conn.unread)
+
+
+async def test_held_connections_take_their_turns_oldest_connection_first() -> None:
+    """At the bound of calls in flight, what connections send waits; once the calls come down,
+    the connections take their turns oldest first: a client connected before a flood of new
+    connections is started before all of them, though it sent last (a gateway's connections to
+    its sidecar are kept; a flood's are new)."""
+    started: list[bytes] = []
+    methods = Methods()
+
+    async def record(message: bytes) -> bytes:
+        started.append(message)
+        return message
+
+    server = H2Server(
+        {ECHO: record, WAIT: methods.wait}, max_calls_in_flight=4, resume_calls_in_flight=2
+    )
+    port = await server.listen("127.0.0.1:0")
+    peers: list[Peer] = []  # the flood's
+    opened: list[Peer] = []
+    try:
+        gateway = await Peer.connect(port, track=False)
+        busy = await Peer.connect(port, track=False)
+        opened += [gateway, busy]
+        gateway.start()
+        busy.start()
+        busy.send(*(call(busy, stream_id, WAIT) for stream_id in (1, 3, 5, 7)))
+        await until(lambda: server.in_flight() == 4)
+        for n in range(20):
+            peer = await Peer.connect(port, track=False)
+            opened.append(peer)
+            peer.start()
+            peer.send(call(peer, 1, ECHO, b"flood %d" % n))
+            peers.append(peer)
+            await until(lambda: waiting(server) == len(peers))
+        gateway.send(call(gateway, 1, ECHO, b"gateway"))
+        await until(lambda: waiting(server) == 21)
+        methods.gate.set()
+        assert await answered(gateway, 1) == {b"grpc-status": b"0"}
+        for peer in peers:
+            await peer.until(lambda p: p.ended(1))
+        assert started == [b"gateway", *(b"flood %d" % n for n in range(20))]
+    finally:
+        methods.gate.set()
+        for peer in opened:
+            await peer.close()
+        await server.stop(grace=1.0)
+
+
 # --- connections ----------------------------------------------------------------------------
 
 

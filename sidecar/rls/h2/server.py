@@ -22,9 +22,10 @@ bodies buffered by all of them within `Limits.max_buffered_bytes_all` (given bac
 connection closes); calls in flight over all connections: at MAX_CALLS_IN_FLIGHT no call is
 started, what connections send is put aside (within the same budget; past it they stop reading
 and TCP holds the clients) until the calls in flight are down to RESUME_CALLS_IN_FLIGHT, then
-started, connections with the fewest calls of their own in flight first. A connection whose read holds more than `Limits.max_calls_per_read`
-calls has the rest started on the next turns of the loop, and stops reading meanwhile, so one
-busy connection cannot hold the others' calls for a whole read. A connection that has sent
+started, the connections taking their turns oldest first (`H2Server.calls_answered`). A
+connection whose read holds more than `Limits.max_calls_per_read` calls has the rest started on
+the next turns of the loop, and stops reading meanwhile, so one busy connection cannot hold the
+others' calls for a whole read. A connection that has sent
 nothing for FRAME_TIMEOUT in the middle of something (a frame, a header block, a request body),
 or nothing at all for IDLE_TIMEOUT with no stream open, is closed (an idle one with GOAWAY
 NO_ERROR first).
@@ -131,10 +132,12 @@ class H2Server:
         self.protocols: set[_Protocol] = set()
         #: Request bytes buffered by all connections (Limits.max_buffered_bytes_all).
         self.budget = BufferBudget(limits.max_buffered_bytes_all)
-        #: Connections that stopped reading because of the calls in flight, in the order they
-        #: stopped: they read again in that order, so the one held longest goes first and a
-        #: connection with few calls is not starved by many with many.
+        #: Connections waiting for the calls in flight to come down (see `calls_answered`).
         self.held: dict[_Protocol, None] = {}
+        #: The held connections were let go and their turns have not all run yet: a read
+        #: meanwhile waits behind them.
+        self.resuming = False
+        self.accepted = 0  # connections so far: each one's `serial`, its age
         self._refusing = False  # at MAX_CONNECTIONS (said once per episode)
         self._sweeper: asyncio.TimerHandle | None = None
         self._listeners: list[asyncio.Server] = []
@@ -193,14 +196,30 @@ class H2Server:
             protocol.sweep()
 
     def calls_answered(self) -> None:
-        """A call answered: below RESUME_CALLS_IN_FLIGHT, the held connections read again,
-        those with the fewest calls of their own in flight first (then the longest held): a
-        client with a call or two is not queued behind a flood of connections with many."""
-        if self.held and self.in_flight() <= self.resume_calls_in_flight:
-            held = sorted(self.held, key=_calls_out)  # stable: held longest first among equals
+        """A call answered: below RESUME_CALLS_IN_FLIGHT, the held connections take their
+        turns, oldest connection first, until the calls in flight are back at the bound; the
+        others wait for the next round, and every read meanwhile waits behind them.
+
+        Oldest first: a gateway's connections to its sidecar are made once and kept, so a
+        flood of new connections, however many, cannot push an established client back; and
+        a held connection keeps its place from round to round. Ordering by calls in flight or
+        by time held did not: a client sending more than each flood connection was pushed back
+        by those that read in the same turn as a round, every round, until the flood ended.
+        """
+        if self.held and not self.resuming and self.in_flight() <= self.resume_calls_in_flight:
+            held = sorted(self.held, key=_age)
             self.held.clear()
+            self.resuming = True
             for protocol in held:
                 protocol.unhold()
+            # After their turns (each a call_soon of `unhold`'s, queued ahead of this one).
+            asyncio.get_running_loop().call_soon(self._resumed)
+
+    def _resumed(self) -> None:
+        """The round's turns have run: the next round starts with the next answer, or now if
+        the calls in flight are already down (the turns started none)."""
+        self.resuming = False
+        self.calls_answered()
 
     def in_flight(self) -> int:
         """Calls started and not answered yet, over all connections."""
@@ -258,8 +277,8 @@ async def _answer_when_done(call: Awaitable[bytes], answer: Answer) -> None:
     answer(response)
 
 
-def _calls_out(protocol: _Protocol) -> int:
-    return len(protocol.conn.calls)
+def _age(protocol: _Protocol) -> int:
+    return protocol.serial
 
 
 def unix_path(address: str) -> str | None:
@@ -298,6 +317,8 @@ class _Protocol(asyncio.Protocol):
 
     def __init__(self, server: H2Server) -> None:
         self.server = server
+        server.accepted += 1
+        self.serial = server.accepted
         self.methods = server.methods
         self.loop = asyncio.get_running_loop()
         # Without kept fields (no tracing), calls go straight to _on_call: nothing per call.
@@ -342,15 +363,21 @@ class _Protocol(asyncio.Protocol):
         self._flush()
 
     def data_received(self, data: bytes) -> None:
-        conn = self.conn
         self.reads += 1
-        if self.server.too_many_calls() and conn.stash(data):
-            # As many calls in flight as the server takes: this read waits, put aside (within
-            # the budget of buffered bytes), until they come down; the connection goes on
-            # reading into it, so that what waits is taken in the server's order (`held`), not
-            # in the order the sockets happen to be polled. Past the budget it stops reading.
+        server = self.server
+        if (server.held or server.resuming or server.too_many_calls()) and self.conn.stash(data):
+            # As many calls in flight as the server takes, or connections waiting for them to
+            # come down: this read waits, put aside (within the budget of buffered bytes), for
+            # its turn; the connection goes on reading into it, so that what waits is taken in
+            # the server's order (`calls_answered`), not in the order the sockets happen to be
+            # polled. Past the budget it stops reading.
             self._hold(pause=False)
             return
+        self._take(data)
+
+    def _take(self, data: bytes) -> None:
+        """Start the calls of `data` and of what waited before it, and write what they answer."""
+        conn = self.conn
         # What the calls of this read answered and sent to Redis leaves as the read ends (see
         # batching), before the loop polls again; the write below takes what is left.
         held = batching.begin()
@@ -396,7 +423,10 @@ class _Protocol(asyncio.Protocol):
         transport = self.transport
         if transport is None or transport.is_closing():
             return
-        self.data_received(b"")
+        if self.server.too_many_calls():
+            self._hold(pause=False)  # what waits stays put aside, for the next round
+        else:
+            self._take(b"")
         if not self._backlogged:
             self._resume_if_free()
 
