@@ -13,13 +13,15 @@ $(STAMP): pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -e '.[test,dev]'
-	@# xds-protos carries an older copy of opentelemetry-proto's modules at the same paths, and
-	@# the wheel pip installs last wins; the OTLP exporters need opentelemetry-proto's own.
-	$(BIN)/pip install --quiet --no-deps --force-reinstall \
-		"opentelemetry-proto==$$($(BIN)/python -c 'from importlib.metadata import version; print(version("opentelemetry-proto"))')"
 	touch $(STAMP)
 
+## xds-protos carries an older copy of opentelemetry-proto's modules at the same paths, and the
+## wheel pip installs last wins; the OTLP exporters need opentelemetry-proto's own. Checked on
+## every run (a venv made before this check is mended too), put back when xds-protos' won.
 venv: $(STAMP)
+	@$(BIN)/python -c 'from opentelemetry.proto.common.v1.common_pb2 import InstrumentationScope' \
+		2>/dev/null || $(BIN)/pip install --quiet --no-deps --force-reinstall \
+		"opentelemetry-proto==$$($(BIN)/python -c 'from importlib.metadata import version; print(version("opentelemetry-proto"))')"
 
 ## Serve the example rules on the in-memory backend (gRPC :8081, HTTP :8080).
 run: venv
@@ -52,7 +54,7 @@ test-source: venv test-deps
 
 ## The whole suite on the compiled build: tests/support/builds.py puts it ahead of the sources, in
 ## the tests' process and in every process they start.
-test-compiled: compiled test-deps
+test-compiled: venv compiled test-deps
 	SIDECAR_BUILD=$(COMPILED) $(BIN)/pytest $(PYTEST_ARGS)
 
 ## The compiled build (setup.py: the hot path compiled with mypyc), unpacked into build/compiled;
