@@ -21,6 +21,7 @@ from redis.crc import key_slot
 from support.callbacks import apply
 from support.servers import HOST, RedisCluster, RedisServer, free_port
 
+from sidecar import usage
 from sidecar.errors import StorageError
 from sidecar.model import Algorithm, Hit, Outcome, Role, Unit, Window
 from sidecar.storage import Backend
@@ -514,6 +515,32 @@ async def test_cluster_rejection_across_slots_writes_nothing(
         ]
         with redis_cluster.client() as client:
             assert [client.get(A), client.get(B), client.get(C)] == [b"1", b"1", b"2"]
+    finally:
+        await backend.close()
+
+
+@pytest.mark.cluster
+async def test_cluster_rejection_across_slots_with_usage_writes_no_counter(
+    redis_cluster: RedisCluster, cluster_url: str
+) -> None:
+    """Usage hits (group 0, as the plan builds them) beside an all-or-nothing request over three
+    slots whose first descriptor is over: no counter is added (usage hits are no descriptor)."""
+    backend = RedisClusterBackend.from_url(cluster_url, timeout_ms=TIMEOUT_MS)
+    day_key = b"rl{a}|%u|20260101"
+    usage_hit = Hit(
+        day_key, 1, usage.USAGE_WINDOW, role=Role.USAGE, end_ms=END_MS,
+        field=b"app|x|a", previous_field=b"app|x|r",
+    )  # fmt: skip
+    try:
+        await apply(backend, [hit(C, 2, 2)], False, NOW_MS)
+        hits = [*request(hit(C, 1, 2), hit(A, 1, 5), hit(B, 1, 5)), usage_hit]
+        outcomes = await apply(backend, hits, True, NOW_MS)
+        assert [o.over for o in outcomes[:3]] == [True, False, False]
+        assert not any(o.applied for o in outcomes[:3])
+        with redis_cluster.client() as client:
+            assert client.exists(A) == 0
+            assert client.exists(B) == 0
+            assert client.get(C) == b"2"
     finally:
         await backend.close()
 

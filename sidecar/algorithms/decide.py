@@ -101,16 +101,7 @@ def decide(
         _judge(hit, value, seen, now_ms, force) if hit.role < _USAGE else _UNJUDGED for hit in hits
     ]
 
-    group_over: dict[int, bool] = {}
-    group_role: dict[int, Role] = {}
-    for hit, j in zip(hits, judged, strict=True):
-        if j is _UNJUDGED:
-            continue
-        group_over[hit.group] = group_over.get(hit.group, False) or j.over
-        group_role[hit.group] = hit.role
-    request_over = fixed_window.request_is_over(
-        list(group_over.values()), [group_role[g] for g in group_over]
-    )
+    group_over, request_over = fixed_window.groups_over(hits, [j.over for j in judged])
 
     outcomes: list[Outcome] = []
     writes: list[Write] = []

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from sidecar.model import Role
+from sidecar.model import Hit, Role
 
 
 def judge(previous: int, current: int, cost: int, limit: int, borrow: int) -> tuple[bool, int, int]:
@@ -61,3 +61,20 @@ def request_is_over(over: Sequence[bool], roles: Sequence[Role]) -> bool:
             quota_seen = True
             quota_all_over = quota_all_over and is_over
     return quota_seen and quota_all_over
+
+
+def groups_over(hits: Sequence[Hit], over: Sequence[bool]) -> tuple[dict[int, bool], bool]:
+    """Each descriptor's outcome and the request's, from each hit's `over`: a descriptor (the
+    hits of one `group`) is over when any of its windows is, and the request as
+    `request_is_over` finds it. Usage hits (roles USAGE and UNIQUE) are no limit: they count in
+    neither (their `group` is 0, a descriptor's too)."""
+    group_over: dict[int, bool] = {}
+    group_role: dict[int, Role] = {}
+    for hit, is_over in zip(hits, over, strict=True):
+        if hit.role >= Role.USAGE:
+            continue
+        group_over[hit.group] = group_over.get(hit.group, False) or is_over
+        group_role[hit.group] = hit.role
+    return group_over, request_is_over(
+        list(group_over.values()), [group_role[g] for g in group_over]
+    )

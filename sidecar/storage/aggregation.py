@@ -55,7 +55,7 @@ from prometheus_client.registry import Collector
 
 from sidecar.algorithms.approximate import LocalCount, count_after
 from sidecar.algorithms.decide import Address, State
-from sidecar.algorithms.fixed_window import request_is_over
+from sidecar.algorithms.fixed_window import groups_over
 from sidecar.callbacks import awaited
 from sidecar.errors import StorageError
 from sidecar.model import Dedupe, Hit, Outcome, Role, new
@@ -70,17 +70,6 @@ MAX_COUNTS = 100_000
 FLUSH_HITS = 1_000
 
 Counter = tuple[bytes, bytes]
-
-
-def _request_over(hits: Sequence[Hit], outcomes: dict[int, Outcome]) -> bool:
-    """The request's answer from its limit hits' outcomes, as the store's scripts find it."""
-    group_over: dict[int, bool] = {}
-    group_role: dict[int, Role] = {}
-    for position, hit in enumerate(hits):
-        if hit.role < Role.USAGE:
-            group_over[hit.group] = group_over.get(hit.group, False) or outcomes[position].over
-            group_role[hit.group] = hit.role
-    return request_is_over(list(group_over.values()), [group_role[g] for g in group_over])
 
 
 def _as_refused(hit: Hit) -> Hit:
@@ -211,7 +200,9 @@ class Aggregated:
         outcomes: dict[int, Outcome] = dict(judged)
 
         def count_usage() -> None:
-            over = _request_over(hits, outcomes)
+            # The usage hits have no outcome yet, and count for nothing in it.
+            limits_over = [at in outcomes and outcomes[at].over for at in range(len(hits))]
+            over = groups_over(hits, limits_over)[1]
             usage = [_as_refused(hits[at]) if over else hits[at] for at in usage_at]
 
             def counted(answer: list[Outcome] | Exception) -> None:

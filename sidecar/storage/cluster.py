@@ -221,14 +221,7 @@ class RedisClusterBackend:
         block only when they all live in one slot, since a slot cannot see the others'.
         """
         phase1 = await self._apply_per_slot(hits, slots, MODE_READ, now_ms, deadline)
-        group_over: dict[int, bool] = {}
-        group_role: dict[int, Role] = {}
-        for outcome, hit in zip(phase1, hits, strict=True):
-            group_over[hit.group] = group_over.get(hit.group, False) or outcome.over
-            group_role[hit.group] = hit.role
-        if fixed_window.request_is_over(
-            list(group_over.values()), [group_role[g] for g in group_over]
-        ):
+        if fixed_window.groups_over(hits, [outcome.over for outcome in phase1])[1]:
             return phase1
         quota_slots = {
             slot for slot, group in slots.items() for i in group if hits[i].role is Role.QUOTA
