@@ -44,7 +44,7 @@ from sidecar.rls.h2.connection import (
     Connection,
     Limits,
 )
-from sidecar.rls.h2.server import H2Server
+from sidecar.rls.h2.server import H2Server, _Protocol
 from sidecar.rls.h2.unary import CallbackMethod, Method
 from sidecar.rls.tls import ServerTls, TlsFiles
 
@@ -361,6 +361,120 @@ async def test_held_connections_take_their_turns_oldest_connection_first() -> No
         assert started == [b"gateway", *(b"flood %d" % n for n in range(20))]
     finally:
         methods.gate.set()
+        for peer in opened:
+            await peer.close()
+        await server.stop(grace=1.0)
+
+
+class Gates:
+    """A method whose each call waits for its own message's gate; records the order started."""
+
+    def __init__(self) -> None:
+        self.started: list[bytes] = []
+        self.gates: dict[bytes, asyncio.Event] = {}
+
+    def gate(self, message: bytes) -> asyncio.Event:
+        return self.gates.setdefault(message, asyncio.Event())
+
+    async def wait(self, message: bytes) -> bytes:
+        self.started.append(message)
+        await self.gate(message).wait()
+        return message
+
+
+async def test_a_round_lets_go_only_the_connections_the_room_takes() -> None:
+    """When the calls in flight come down, only as many held connections take their turn as
+    there is room for calls; the others stay held in their places, untouched (a flood's
+    hundreds of held connections cost nothing per round), and take their turns in later
+    rounds, oldest first, until every call is answered."""
+    gates = Gates()
+    server = H2Server({WAIT: gates.wait}, max_calls_in_flight=4, resume_calls_in_flight=2)
+    port = await server.listen("127.0.0.1:0")
+    turns: list[int] = []
+    take_turn = _Protocol.take_turn
+
+    def counted(protocol: _Protocol) -> None:
+        turns.append(protocol.serial)
+        take_turn(protocol)
+
+    opened: list[Peer] = []
+    try:
+        busy = await Peer.connect(port, track=False)
+        opened.append(busy)
+        busy.start()
+        busy.send(*(call(busy, 1 + 2 * n, WAIT, b"busy %d" % n) for n in range(4)))
+        await until(lambda: server.in_flight() == 4)
+        flood: list[Peer] = []
+        for n in range(20):
+            peer = await Peer.connect(port, track=False)
+            opened.append(peer)
+            peer.start()
+            peer.send(call(peer, 1, WAIT, b"flood %d" % n))
+            flood.append(peer)
+            await until(lambda: waiting(server) == len(flood))
+        _Protocol.take_turn = counted  # type: ignore[method-assign]
+        for n in range(3):
+            gates.gate(b"busy %d" % n).set()
+        await until(lambda: len(gates.started) == 7)
+        await asyncio.sleep(0.05)
+        assert gates.started[4:] == [b"flood 0", b"flood 1", b"flood 2"]
+        # busy's (it stopped reading when it filled the bound) and three of the flood's, not
+        # one per held connection
+        assert len(turns) == 4, turns
+        assert waiting(server) == 17
+        gates.gate(b"busy 3").set()
+        for n in range(20):
+            gates.gate(b"flood %d" % n).set()
+        for peer in flood:
+            assert await answered(peer, 1) == {b"grpc-status": b"0"}
+        assert gates.started[4:] == [b"flood %d" % n for n in range(20)]
+        assert not server.held
+    finally:
+        _Protocol.take_turn = take_turn  # type: ignore[method-assign]
+        for event in gates.gates.values():
+            event.set()
+        for peer in opened:
+            await peer.close()
+        await server.stop(grace=1.0)
+
+
+async def test_connections_closed_while_held_leave_no_growing_queue() -> None:
+    """Connections that close while held leave the queue of held connections; what the server
+    keeps for their order stays within twice the connections still held (plus 64), however
+    many come and go, and the one left is still served."""
+    gates = Gates()
+    server = H2Server({WAIT: gates.wait}, max_calls_in_flight=1, resume_calls_in_flight=0)
+    port = await server.listen("127.0.0.1:0")
+    opened: list[Peer] = []
+    try:
+        busy = await Peer.connect(port, track=False)
+        opened.append(busy)
+        busy.start()
+        busy.send(call(busy, 1, WAIT, b"busy"))
+        await until(lambda: server.in_flight() == 1)
+        kept = await Peer.connect(port, track=False)
+        opened.append(kept)
+        kept.start()
+        kept.send(call(kept, 1, WAIT, b"kept"))
+        await until(lambda: waiting(server) == 1)
+        for _ in range(3):
+            gone = [await Peer.connect(port, track=False) for _ in range(100)]
+            for n, peer in enumerate(gone):
+                peer.start()
+                peer.send(call(peer, 1, WAIT, b"gone %d" % n))
+            await until(lambda: waiting(server) == 101)
+            for peer in gone:
+                await peer.close()
+            # busy's (it stopped reading when it filled the bound) and kept's
+            await until(lambda: len(server.held) == 2)
+            assert len(server._held_order) <= 2 * len(server.held) + 64
+        gates.gate(b"busy").set()
+        gates.gate(b"kept").set()
+        assert await answered(kept, 1) == {b"grpc-status": b"0"}
+        assert not any(message.startswith(b"gone") for message in gates.started)
+    finally:
+        for event in gates.gates.values():
+            event.set()
         for peer in opened:
             await peer.close()
         await server.stop(grace=1.0)

@@ -22,7 +22,7 @@ bodies buffered by all of them within `Limits.max_buffered_bytes_all` (given bac
 connection closes); calls in flight over all connections: at MAX_CALLS_IN_FLIGHT no call is
 started, what connections send is put aside (within the same budget; past it they stop reading
 and TCP holds the clients) until the calls in flight are down to RESUME_CALLS_IN_FLIGHT, then
-started, the connections taking their turns oldest first (`H2Server.calls_answered`). A
+started, the connections taking their turns oldest first (`H2Server._round`). A
 connection whose read holds more than `Limits.max_calls_per_read` calls has the rest started on
 the next turns of the loop, and stops reading meanwhile, so one busy connection cannot hold the
 others' calls for a whole read. A connection that has sent
@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import heapq
 import os
 import socket
 import ssl
@@ -65,14 +66,15 @@ BACKLOG = 1_024
 #: Envoy; each costs about 10 KB idle, so this bounds idle connections to tens of MB.
 MAX_CONNECTIONS = 4_096
 #: Calls in flight over all connections at which no more are started, and the number they
-#: must come down to before what was put aside meanwhile is started. 512 calls are about 10 ms of the
-#: sidecar's work on Redis (20 µs a call, compiled): enough to keep it and Redis busy, few
-#: enough that a call read is sent to Redis well within its 50 ms deadline. A flood of 1,000
-#: h2load connections was shed (UNAVAILABLE) on 79% of its calls with 2,048 here, 35% with 512
-#: when connections only stopped reading; 256 did no better. Putting reads aside and starting
-#: them light connections first took the shedding to almost none (26 of 200,000).
-MAX_CALLS_IN_FLIGHT = 512
-RESUME_CALLS_IN_FLIGHT = 256
+#: must come down to before what was put aside meanwhile is started. What a call waits for in a
+#: flood is about the calls ahead of it: on this 2-core machine (compiled, a 1,000-connection
+#: h2load flood, `make chaos`'s overload probe, 5 runs each) a legitimate client's p99 was
+#: 30-40 ms at 512/256, 19-23 ms at 256/128 and 16-18 ms at 128/64, with the same flood decided
+#: (180k-235k calls in 3 s) and none shed. Redis stays busy while the calls in flight cover its
+#: round trip: 128 calls at the sidecar's ~60k calls/s is 2 ms, a Redis in the same zone;
+#: past that round trip the bound, not the sidecar, sets the throughput (128-256 / RTT).
+MAX_CALLS_IN_FLIGHT = 256
+RESUME_CALLS_IN_FLIGHT = 128
 #: Seconds between two looks at every connection for the timeouts below.
 SWEEP_INTERVAL = 5.0
 #: A connection that sends nothing for this long in the middle of a frame, a header block or a
@@ -134,6 +136,8 @@ class H2Server:
         self.budget = BufferBudget(limits.max_buffered_bytes_all)
         #: Connections waiting for the calls in flight to come down (see `calls_answered`).
         self.held: dict[_Protocol, None] = {}
+        #: The same as a heap by age (`serial`), with entries of connections closed meanwhile.
+        self._held_order: list[tuple[int, _Protocol]] = []
         #: The held connections were let go and their turns have not all run yet: a read
         #: meanwhile waits behind them.
         self.resuming = False
@@ -196,30 +200,69 @@ class H2Server:
             protocol.sweep()
 
     def calls_answered(self) -> None:
-        """A call answered: below RESUME_CALLS_IN_FLIGHT, the held connections take their
-        turns, oldest connection first, until the calls in flight are back at the bound; the
-        others wait for the next round, and every read meanwhile waits behind them.
+        """A call answered: below RESUME_CALLS_IN_FLIGHT, a round of turns is due (`_round`),
+        run a turn of the loop later, outside the answer's callback; every read meanwhile
+        waits behind the held connections."""
+        if self.held and not self.resuming and self.in_flight() <= self.resume_calls_in_flight:
+            self.resuming = True
+            asyncio.get_running_loop().call_soon(self._round)
+
+    def _round(self) -> None:
+        """The held connections take their turns, oldest connection first, until the calls in
+        flight are back at the bound; the others keep their places for the next round.
 
         Oldest first: a gateway's connections to its sidecar are made once and kept, so a
         flood of new connections, however many, cannot push an established client back; and
         a held connection keeps its place from round to round. Ordering by calls in flight or
         by time held did not: a client sending more than each flood connection was pushed back
         by those that read in the same turn as a round, every round, until the flood ended.
-        """
-        if self.held and not self.resuming and self.in_flight() <= self.resume_calls_in_flight:
-            held = sorted(self.held, key=_age)
-            self.held.clear()
-            self.resuming = True
-            for protocol in held:
-                protocol.unhold()
-            # After their turns (each a call_soon of `unhold`'s, queued ahead of this one).
-            asyncio.get_running_loop().call_soon(self._resumed)
 
-    def _resumed(self) -> None:
-        """The round's turns have run: the next round starts with the next answer, or now if
-        the calls in flight are already down (the turns started none)."""
-        self.resuming = False
-        self.calls_answered()
+        Only the connections whose turn it is are touched. Letting every held connection go
+        each round, to be held again as the bound filled, cost a callback per held connection
+        per round (hundreds in a flood), which made a lower bound cost throughput. Each turn's
+        calls go to Redis as that turn's batch, as a read's do: one batch for the whole round
+        would be sent to one Redis connection, past its share of calls waiting (refused as
+        Overloaded).
+        """
+        held, order = self.held, self._held_order
+        try:
+            while held and not self.too_many_calls():
+                protocol = heapq.heappop(order)[1]
+                if protocol not in held:
+                    continue  # closed while held
+                del held[protocol]
+                try:
+                    protocol.take_turn()
+                except Exception as exc:  # a bug: that connection goes, the round goes on
+                    log.exception("turn_failed", error=repr(exc))
+                    protocol.abort()
+        finally:
+            if not held:
+                order.clear()
+            self.resuming = False
+        if held:
+            self.calls_answered()  # the turns started no call: the next round now
+
+    def hold(self, protocol: _Protocol) -> None:
+        """`protocol` waits for a round (`_round`), in its place by age."""
+        self.held[protocol] = None
+        heapq.heappush(self._held_order, (protocol.serial, protocol))
+        self._compact()
+
+    def drop(self, protocol: _Protocol) -> None:
+        """`protocol`'s connection is gone: it waits no more."""
+        if protocol in self.held:
+            del self.held[protocol]
+            self._compact()
+
+    def _compact(self) -> None:
+        """Entries of connections closed while held stay in the heap until popped; past twice
+        the held connections plus 64 it is built again from them, so it never holds more
+        (each rebuild paid for by as many closes or holds)."""
+        held, order = self.held, self._held_order
+        if len(order) > 2 * len(held) + 64:
+            order[:] = [(each.serial, each) for each in held]
+            heapq.heapify(order)
 
     def in_flight(self) -> int:
         """Calls started and not answered yet, over all connections."""
@@ -275,10 +318,6 @@ async def _answer_when_done(call: Awaitable[bytes], answer: Answer) -> None:
         answer(exc)
         return
     answer(response)
-
-
-def _age(protocol: _Protocol) -> int:
-    return protocol.serial
 
 
 def unix_path(address: str) -> str | None:
@@ -409,11 +448,11 @@ class _Protocol(asyncio.Protocol):
         transport.pause_reading()
 
     def _hold(self, pause: bool = True) -> None:
-        """Wait for the server's calls in flight to come down (`unhold`); with `pause`, stop
+        """Wait for the server's calls in flight to come down (`take_turn`); with `pause`, stop
         reading meanwhile."""
         if not self._held:
             self._held = True
-            self.server.held[self] = None
+            self.server.hold(self)
         if pause and self.transport is not None:
             self.transport.pause_reading()
 
@@ -430,14 +469,17 @@ class _Protocol(asyncio.Protocol):
         if not self._backlogged:
             self._resume_if_free()
 
-    def unhold(self) -> None:
+    def take_turn(self) -> None:
+        """The server's round (`H2Server._round`): start what was put aside (up to a read's
+        bound of calls; the rest on the next turns of the loop), and read again once nothing
+        is left."""
         self._held = False
-        if self.conn.unread and not self._backlogged:
-            # What was put aside is read first, a turn later (reading resumes after it).
-            self._backlogged = True
-            self.loop.call_soon(self._go_on)
-            return
-        self._resume_if_free()
+        if self._backlogged:
+            return  # its `_go_on` is queued and takes it
+        if self.conn.unread:
+            self._go_on()
+        else:
+            self._resume_if_free()
 
     def _resume_if_free(self) -> None:
         transport = self.transport
@@ -475,7 +517,7 @@ class _Protocol(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.conn.release()  # answers still on their way are dropped; bodies given back
         self.server.protocols.discard(self)
-        self.server.held.pop(self, None)
+        self.server.drop(self)
         for timer in (self._shutdown_timer, self._handshake_timer):
             if timer is not None:
                 timer.cancel()
