@@ -21,7 +21,10 @@ The counts ride along with the decision: the plan (`sidecar.plan`) adds hits of 
 UNIQUE (`model.Role`) after the request's counters, and the backend applies them in the same
 script call (Redis) or the same step (memory), judged with nothing, counted as the call's
 answer says. Their keys share the hash slot of the request's first counter (its first entry's
-hash tag), so a Redis Cluster needs no other call either::
+hash tag), so a Redis Cluster needs no other call either, unless the request's counters span
+several slots: then no one slot's script sees all its limits, and the usage hits go in a call
+after the decision, counted as the whole request's answer says
+(`RedisClusterBackend._decide_then_count_usage`)::
 
     rl{<domain>|<key1>|<value1>}|%u|<YYYYMMDD>   field <k>|<v>|...|a (admitted), ...|r (refused)
     rl{<domain>|<key1>|<value1>}|%h|<YYYYMMDD>|<k>|<v>|...|<unique key>   a HyperLogLog

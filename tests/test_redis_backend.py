@@ -15,6 +15,7 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
+import structlog
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from redis.crc import key_slot
@@ -520,20 +521,26 @@ async def test_cluster_rejection_across_slots_writes_nothing(
 
 
 @pytest.mark.cluster
+def usage_hit(role: Role = Role.USAGE, field: bytes = b"app|x|a") -> Hit:
+    """A usage hit as the plan builds it (group 0), counted beside C (hash tag {a}); its keys
+    live a day (END_MS may pass while the tests run, and a key set to expire then is gone)."""
+    key = b"rl{a}|%u|20260101" if role is Role.USAGE else b"rl{a}|%h|20260101|app|x|user"
+    return Hit(
+        key, 1, usage.USAGE_WINDOW, role=role, end_ms=NOW_MS + 86_400_000,
+        field=field, previous_field=field[:-1] + b"r",
+    )  # fmt: skip
+
+
 async def test_cluster_rejection_across_slots_with_usage_writes_no_counter(
     redis_cluster: RedisCluster, cluster_url: str
 ) -> None:
     """Usage hits (group 0, as the plan builds them) beside an all-or-nothing request over three
-    slots whose first descriptor is over: no counter is added (usage hits are no descriptor)."""
+    slots whose first descriptor is over: no counter is added (usage hits are no descriptor),
+    and the usage counts it as refused."""
     backend = RedisClusterBackend.from_url(cluster_url, timeout_ms=TIMEOUT_MS)
-    day_key = b"rl{a}|%u|20260101"
-    usage_hit = Hit(
-        day_key, 1, usage.USAGE_WINDOW, role=Role.USAGE, end_ms=END_MS,
-        field=b"app|x|a", previous_field=b"app|x|r",
-    )  # fmt: skip
     try:
         await apply(backend, [hit(C, 2, 2)], False, NOW_MS)
-        hits = [*request(hit(C, 1, 2), hit(A, 1, 5), hit(B, 1, 5)), usage_hit]
+        hits = [*request(hit(C, 1, 2), hit(A, 1, 5), hit(B, 1, 5)), usage_hit()]
         outcomes = await apply(backend, hits, True, NOW_MS)
         assert [o.over for o in outcomes[:3]] == [True, False, False]
         assert not any(o.applied for o in outcomes[:3])
@@ -541,6 +548,77 @@ async def test_cluster_rejection_across_slots_with_usage_writes_no_counter(
             assert client.exists(A) == 0
             assert client.exists(B) == 0
             assert client.get(C) == b"2"
+            assert client.hgetall(b"rl{a}|%u|20260101") == {b"app|x|r": b"1"}
+    finally:
+        await backend.close()
+
+
+@pytest.mark.parametrize("all_or_nothing", [False, True], ids=["add", "all-or-nothing"])
+async def test_cluster_usage_across_slots_counts_the_whole_requests_answer(
+    redis_cluster: RedisCluster, cluster_url: str, all_or_nothing: bool
+) -> None:
+    """A request over several slots counts its usage as the whole request's answer says, as
+    the memory backend does: refused when a limit in another slot than the usage keys' refused
+    it (the usage keys' slot alone admits it), admitted when none did; and its unique count
+    either way. Before, the usage keys' slot judged the request by its own limits only."""
+    cluster = RedisClusterBackend.from_url(cluster_url, timeout_ms=TIMEOUT_MS)
+    memory = MemoryBackend()
+    requests = [
+        [*request(hit(C, 1, 5), hit(A, 1, 1)), usage_hit(), usage_hit(Role.UNIQUE, b"u1")],
+        [*request(hit(C, 1, 5), hit(A, 1, 1)), usage_hit(), usage_hit(Role.UNIQUE, b"u2")],
+        [*request(hit(C, 1, 5), hit(B, 1, 5)), usage_hit(), usage_hit(Role.UNIQUE, b"u2")],
+    ]
+    try:
+        answers = {}
+        for name, backend in (("memory", memory), ("cluster", cluster)):
+            answers[name] = [
+                [o.over for o in (await apply(backend, hits, all_or_nothing, NOW_MS))[:2]]
+                for hits in requests
+            ]
+        assert (
+            answers["cluster"]
+            == answers["memory"]
+            == [[False, False], [False, True], [False, False]]
+        )
+        expected = [(b"rl{a}|%u|20260101", {b"app|x|a": 2, b"app|x|r": 1})]
+        assert await memory.usage_hashes("rl{a}|%u|*") == expected
+        assert await cluster.usage_hashes("rl{a}|%u|*") == expected
+        unique = [[b"rl{a}|%h|20260101|app|x|user"]]
+        assert await cluster.usage_unique(unique) == await memory.usage_unique(unique) == [2]
+    finally:
+        await cluster.close()
+        await memory.close()
+
+
+async def test_cluster_usage_call_failing_leaves_the_answer(
+    redis_cluster: RedisCluster, cluster_url: str
+) -> None:
+    """The usage counts of a request over several slots go in a call after its limits are
+    decided; when that call fails (the usage keys' master paused), the request keeps its
+    answer and its counters, only its usage counts are lost, and the loss is logged."""
+    backend = RedisClusterBackend.from_url(cluster_url, timeout_ms=300)
+    with redis_cluster.client() as client:
+        port = client.get_node_from_key(b"rl{a}|%u|20260101").port
+    [usage_master] = [node for node in redis_cluster.nodes if node.port == port]
+    try:
+        await apply(backend, [hit(A, 0, 5)], False, NOW_MS)  # connected before the pause
+        usage_master.pause()
+        try:
+            with structlog.testing.capture_logs() as logs:
+                outcomes = await apply(
+                    backend, [*request(hit(A, 1, 5), hit(B, 1, 5)), usage_hit()], False, NOW_MS
+                )
+        finally:
+            usage_master.resume()
+        assert [(o.over, o.applied) for o in outcomes] == [
+            (False, True),
+            (False, True),
+            (False, False),
+        ]
+        assert [entry["event"] for entry in logs] == ["usage_not_counted"]
+        with redis_cluster.client() as client:
+            assert client.get(A) == b"1"
+            assert client.get(B) == b"1"
     finally:
         await backend.close()
 

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from typing import Any, Self
 
 import hiredis
+import structlog
 from redis.crc import key_slot
 
 from sidecar.algorithms import fixed_window
@@ -25,6 +26,7 @@ from sidecar.storage.scripts import (
     MODE_ADD,
     MODE_ALL_OR_NOTHING,
     MODE_READ,
+    MODE_REFUSED,
     ApplyPacker,
     Reply,
     applied,
@@ -42,6 +44,20 @@ from sidecar.storage.scripts import (
 #: Error replies that say a script call did not run where it was sent: it is sent again (by
 #: `_apply`), where the cluster says, and counts once.
 _NOT_RUN = frozenset({"MOVED", "ASK", "TRYAGAIN", "CLUSTERDOWN", "NOSCRIPT"})
+#: Seconds between two logs of usage counts lost (`_decide_then_count_usage`).
+USAGE_LOG_INTERVAL = 60.0
+#: A usage hit's outcome when its call failed: not counted.
+_NOT_COUNTED = Outcome(over=False, remaining=0, reset_ms=0, applied=False)
+
+log = structlog.get_logger("sidecar.storage.cluster")
+
+
+def _slots_of(hits: Sequence[Hit]) -> dict[int, list[int]]:
+    """The hits' indexes by hash slot."""
+    slots: dict[int, list[int]] = {}
+    for index, hit in enumerate(hits):
+        slots.setdefault(key_slot(hit.key), []).append(index)
+    return slots
 
 
 class RedisClusterBackend:
@@ -61,6 +77,9 @@ class RedisClusterBackend:
         self._packer = ApplyPacker()
         # `apply_then` calls running `_apply`'s coroutine (kept: the loop holds tasks weakly).
         self._tasks: set[asyncio.Task[None]] = set()
+        # Requests whose usage counts were lost since the last `usage_not_counted`, and when.
+        self._usage_lost = 0
+        self._usage_logged_at = -USAGE_LOG_INTERVAL
 
     @classmethod
     def from_url(cls, url: str, timeout_ms: int = 50) -> Self:
@@ -92,20 +111,63 @@ class RedisClusterBackend:
     ) -> list[Outcome]:
         if not hits:
             return []
-        slots: dict[int, list[int]] = {}
-        for index, hit in enumerate(hits):
-            slots.setdefault(key_slot(hit.key), []).append(index)
         try:
-            if len(slots) == 1:
-                [slot] = slots
-                mode = MODE_ALL_OR_NOTHING if all_or_nothing else MODE_ADD
-                reply = await self._apply_slot(slot, hits, mode, now_ms, deadline)
-                return outcomes_of(hits, reply, now_ms, mode)
-            if all_or_nothing:
-                return await self._apply_across_slots(hits, slots, now_ms, deadline)
-            return await self._apply_per_slot(hits, slots, MODE_ADD, now_ms, deadline)
+            return await self._decide(hits, all_or_nothing, now_ms, deadline)
         except Exception as exc:  # every failure, see `failure`
             raise failure(self.name, self._timeout_ms, exc) from exc
+
+    async def _decide(
+        self, hits: Sequence[Hit], all_or_nothing: bool, now_ms: int, deadline: float
+    ) -> list[Outcome]:
+        slots = _slots_of(hits)
+        if len(slots) == 1:
+            [slot] = slots
+            mode = MODE_ALL_OR_NOTHING if all_or_nothing else MODE_ADD
+            reply = await self._apply_slot(slot, hits, mode, now_ms, deadline)
+            return outcomes_of(hits, reply, now_ms, mode)
+        if any(hit.role >= Role.USAGE for hit in hits):
+            return await self._decide_then_count_usage(hits, all_or_nothing, now_ms, deadline)
+        if all_or_nothing:
+            return await self._apply_across_slots(hits, slots, now_ms, deadline)
+        return await self._apply_per_slot(hits, slots, MODE_ADD, now_ms, deadline)
+
+    async def _decide_then_count_usage(
+        self, hits: Sequence[Hit], all_or_nothing: bool, now_ms: int, deadline: float
+    ) -> list[Outcome]:
+        """A request over several slots that counts usage (`sidecar.usage`): its usage hits go
+        after its limits are decided, counted as the whole request's answer says.
+
+        In one slot the script counts them with the request's answer; over several, each
+        slot's script sees only its own limits, so a request refused by a limit in another
+        slot would count as admitted. So the limits are decided first, without the usage
+        hits, and the usage hits then go in one more call per slot holding them: mode 0
+        (admitted) or MODE_REFUSED. That call failing loses the request's usage counts, not
+        its answer: its limits are decided and counted already (`usage_not_counted`, logged
+        at most once a minute with how many were lost since).
+        """
+        limits = [hit for hit in hits if hit.role < Role.USAGE]
+        usage = [hit for hit in hits if hit.role >= Role.USAGE]
+        decided = await self._decide(limits, all_or_nothing, now_ms, deadline) if limits else []
+        refused = fixed_window.groups_over(limits, [outcome.over for outcome in decided])[1]
+        mode = MODE_REFUSED if refused else MODE_ADD
+        try:
+            counted = await self._apply_per_slot(usage, _slots_of(usage), mode, now_ms, deadline)
+        except Exception as exc:  # the answer stands; the counts are lost
+            self._usage_lost += 1
+            now = asyncio.get_running_loop().time()
+            if now >= self._usage_logged_at + USAGE_LOG_INTERVAL:
+                self._usage_logged_at = now
+                log.warning(
+                    "usage_not_counted",
+                    backend=self.name,
+                    error=repr(exc),
+                    requests=self._usage_lost,
+                )
+                self._usage_lost = 0
+            counted = [_NOT_COUNTED] * len(usage)
+        outcomes = iter(decided)
+        counts = iter(counted)
+        return [next(counts) if hit.role >= Role.USAGE else next(outcomes) for hit in hits]
 
     def apply_then(
         self, hits: Sequence[Hit], all_or_nothing: bool, now_ms: int, done: Applied
