@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import ssl
 import struct
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -382,14 +382,42 @@ class Gates:
         return message
 
 
-async def test_a_round_lets_go_only_the_connections_the_room_takes() -> None:
+@asynccontextmanager
+async def gated_server(
+    max_calls: int, resume_calls: int
+) -> AsyncIterator[tuple[H2Server, Gates, Callable[[], Awaitable[Peer]]]]:
+    """A server of `Gates.wait` with these bounds on calls in flight, and a function opening a
+    started connection to it; every gate opened and every connection closed on the way out."""
+    gates = Gates()
+    server = H2Server(
+        {WAIT: gates.wait}, max_calls_in_flight=max_calls, resume_calls_in_flight=resume_calls
+    )
+    port = await server.listen("127.0.0.1:0")
+    opened: list[Peer] = []
+
+    async def connect() -> Peer:
+        peer = await Peer.connect(port, track=False)
+        opened.append(peer)
+        peer.start()
+        return peer
+
+    try:
+        yield server, gates, connect
+    finally:
+        for event in gates.gates.values():
+            event.set()
+        for peer in opened:
+            await peer.close()
+        await server.stop(grace=1.0)
+
+
+async def test_a_round_lets_go_only_the_connections_the_room_takes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """When the calls in flight come down, only as many held connections take their turn as
     there is room for calls; the others stay held in their places, untouched (a flood's
     hundreds of held connections cost nothing per round), and take their turns in later
     rounds, oldest first, until every call is answered."""
-    gates = Gates()
-    server = H2Server({WAIT: gates.wait}, max_calls_in_flight=4, resume_calls_in_flight=2)
-    port = await server.listen("127.0.0.1:0")
     turns: list[int] = []
     take_turn = _Protocol.take_turn
 
@@ -397,22 +425,17 @@ async def test_a_round_lets_go_only_the_connections_the_room_takes() -> None:
         turns.append(protocol.serial)
         take_turn(protocol)
 
-    opened: list[Peer] = []
-    try:
-        busy = await Peer.connect(port, track=False)
-        opened.append(busy)
-        busy.start()
+    async with gated_server(4, 2) as (server, gates, connect):
+        busy = await connect()
         busy.send(*(call(busy, 1 + 2 * n, WAIT, b"busy %d" % n) for n in range(4)))
         await until(lambda: server.in_flight() == 4)
         flood: list[Peer] = []
         for n in range(20):
-            peer = await Peer.connect(port, track=False)
-            opened.append(peer)
-            peer.start()
+            peer = await connect()
             peer.send(call(peer, 1, WAIT, b"flood %d" % n))
             flood.append(peer)
             await until(lambda: waiting(server) == len(flood))
-        _Protocol.take_turn = counted  # type: ignore[method-assign]
+        monkeypatch.setattr(_Protocol, "take_turn", counted)
         for n in range(3):
             gates.gate(b"busy %d" % n).set()
         await until(lambda: len(gates.started) == 7)
@@ -429,38 +452,22 @@ async def test_a_round_lets_go_only_the_connections_the_room_takes() -> None:
             assert await answered(peer, 1) == {b"grpc-status": b"0"}
         assert gates.started[4:] == [b"flood %d" % n for n in range(20)]
         assert not server.held
-    finally:
-        _Protocol.take_turn = take_turn  # type: ignore[method-assign]
-        for event in gates.gates.values():
-            event.set()
-        for peer in opened:
-            await peer.close()
-        await server.stop(grace=1.0)
 
 
 async def test_connections_closed_while_held_leave_no_growing_queue() -> None:
     """Connections that close while held leave the queue of held connections; what the server
     keeps for their order stays within twice the connections still held (plus 64), however
     many come and go, and the one left is still served."""
-    gates = Gates()
-    server = H2Server({WAIT: gates.wait}, max_calls_in_flight=1, resume_calls_in_flight=0)
-    port = await server.listen("127.0.0.1:0")
-    opened: list[Peer] = []
-    try:
-        busy = await Peer.connect(port, track=False)
-        opened.append(busy)
-        busy.start()
+    async with gated_server(1, 0) as (server, gates, connect):
+        busy = await connect()
         busy.send(call(busy, 1, WAIT, b"busy"))
         await until(lambda: server.in_flight() == 1)
-        kept = await Peer.connect(port, track=False)
-        opened.append(kept)
-        kept.start()
+        kept = await connect()
         kept.send(call(kept, 1, WAIT, b"kept"))
         await until(lambda: waiting(server) == 1)
         for _ in range(3):
-            gone = [await Peer.connect(port, track=False) for _ in range(100)]
+            gone = [await connect() for _ in range(100)]
             for n, peer in enumerate(gone):
-                peer.start()
                 peer.send(call(peer, 1, WAIT, b"gone %d" % n))
             await until(lambda: waiting(server) == 101)
             for peer in gone:
@@ -472,12 +479,6 @@ async def test_connections_closed_while_held_leave_no_growing_queue() -> None:
         gates.gate(b"kept").set()
         assert await answered(kept, 1) == {b"grpc-status": b"0"}
         assert not any(message.startswith(b"gone") for message in gates.started)
-    finally:
-        for event in gates.gates.values():
-            event.set()
-        for peer in opened:
-            await peer.close()
-        await server.stop(grace=1.0)
 
 
 # --- connections ----------------------------------------------------------------------------
