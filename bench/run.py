@@ -39,12 +39,17 @@ from pathlib import Path
 if not __package__:  # run as `python bench/run.py`: make the `bench` package importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench import gateway, load, probe, processes, report, scenarios, tls
+from bench import gateway, load, probe, processes, report, scenarios
 from bench.processes import CLOCK_TICKS_PER_SECOND, BenchError
 from bench.report import Result
 from bench.scenarios import Paced, Scenario
 from bench.services import STARTERS, Service
 from sidecar import build as sidecar_build
+
+#: The TLS scenario's certificate is the tests' (tests/support/certs.py), not made twice: its own
+#: CA, naming 127.0.0.1, which the probe (a real gRPC client) verifies; h2load does not.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from support.certs import write_certificate
 
 DEFAULT_REQUESTS = 20_000
 DEFAULT_RATE_SECONDS = 4
@@ -217,7 +222,7 @@ def measure(
             placeholders.update(service.placeholders)
         certificate = None
         if scenario.tls:
-            certificate, key = tls.write_certificate(workdir)
+            certificate, key = write_certificate(workdir)
             placeholders.update(tls_cert=str(certificate), tls_key=str(key))
         argv = scenario.argv(placeholders)
     except (BenchError, ValueError) as exc:
