@@ -34,7 +34,8 @@ from sidecar.errors import StorageError
 from sidecar.frequency import json_api
 from sidecar.frequency.caps import FrequencyCaps
 from sidecar.health import Health
-from sidecar.http_bodies import LINGERING_SECONDS, SlowBody, read_body
+from sidecar.http_bodies import SlowBody, read_body
+from sidecar.http_listener import Listener
 from sidecar.model import Code
 from sidecar.rls.service import RateLimitService
 from sidecar.rls.statuses import statuses
@@ -94,11 +95,11 @@ class AdminServer:
         self.registry = registry
         self.host = host
         self.port = port
-        self._runner: web.AppRunner | None = None
-        self._shutdown_timeout = shutdown_timeout
         # Only worker processes share a port (`serve --workers N`); otherwise a second server on
         # the same port is an error, not a silent share of the traffic.
-        self._reuse_port = reuse_port
+        self._listener = Listener(
+            "HTTP", host, port, reuse_port=reuse_port, shutdown_timeout=shutdown_timeout
+        )
 
     def application(self) -> web.Application:
         app = web.Application(client_max_size=MAX_BODY_BYTES)
@@ -117,29 +118,11 @@ class AdminServer:
         return app
 
     async def start(self) -> int:
-        runner = web.AppRunner(
-            self.application(),
-            handle_signals=False,
-            access_log=None,
-            shutdown_timeout=self._shutdown_timeout,
-            lingering_time=LINGERING_SECONDS,
-        )
-        await runner.setup()
-        try:
-            site = web.TCPSite(runner, self.host, self.port, reuse_port=self._reuse_port)
-            await site.start()
-        except OSError as exc:
-            await runner.cleanup()
-            raise OSError(f"cannot listen for HTTP on {self.host}:{self.port}: {exc}") from exc
-        self._runner = runner
-        port: int = runner.addresses[0][1]
-        return port
+        return await self._listener.start(self.application())
 
     async def stop(self) -> None:
         """Stop listening and let requests in flight finish (up to the shutdown timeout)."""
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
+        await self._listener.stop()
 
     async def _index(self, request: web.Request) -> web.Response:
         return web.Response(text=_INDEX)

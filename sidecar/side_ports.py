@@ -14,6 +14,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from sidecar import metrics
+from sidecar.http_listener import Listener
 from sidecar.rules import Rules
 
 
@@ -39,9 +40,8 @@ class SidePort:
         self._rules = rules
         self._metrics_path = metrics_path
         self._rlconfig = rlconfig
-        self._runner: web.AppRunner | None = None
-        #: Shared with other sidecars (`serve --workers N`), as the HTTP port is.
-        self._reuse_port = reuse_port
+        # Shared with other sidecars (`serve --workers N`), as the HTTP port is.
+        self._listener = Listener(name, host, port, reuse_port=reuse_port)
 
     def application(self) -> web.Application:
         app = web.Application()
@@ -52,24 +52,10 @@ class SidePort:
         return app
 
     async def start(self) -> int:
-        runner = web.AppRunner(self.application(), handle_signals=False, access_log=None)
-        await runner.setup()
-        try:
-            site = web.TCPSite(runner, self.host, self.port, reuse_port=self._reuse_port)
-            await site.start()
-        except OSError as exc:
-            await runner.cleanup()
-            raise OSError(
-                f"cannot listen for {self.name} on {self.host}:{self.port}: {exc}"
-            ) from exc
-        self._runner = runner
-        port: int = runner.addresses[0][1]
-        return port
+        return await self._listener.start(self.application())
 
     async def stop(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
+        await self._listener.stop()
 
     async def _index(self, request: web.Request) -> web.Response:
         return web.Response(

@@ -23,7 +23,8 @@ import structlog
 from aiohttp import web
 
 from sidecar.errors import InjectionError
-from sidecar.http_bodies import LINGERING_SECONDS, SlowBody, read_body
+from sidecar.http_bodies import SlowBody, read_body
+from sidecar.http_listener import Listener
 from sidecar.injector.patch import KINDS, WORKLOAD_KINDS, Sidecar, operations, plan
 from sidecar.injector.settings import Settings
 
@@ -189,7 +190,7 @@ class WebhookServer:
         self.host = host
         self.port = port
         self._reload_seconds = reload_seconds
-        self._runner: web.AppRunner | None = None
+        self._listener = Listener("HTTPS", host, port, shutdown_timeout=SHUTDOWN_SECONDS)
         self._reloader: asyncio.Task[None] | None = None
 
     def application(self) -> web.Application:
@@ -200,23 +201,8 @@ class WebhookServer:
         return app
 
     async def start(self) -> int:
-        runner = web.AppRunner(
-            self.application(),
-            handle_signals=False,
-            access_log=None,
-            shutdown_timeout=SHUTDOWN_SECONDS,
-            lingering_time=LINGERING_SECONDS,
-        )
-        await runner.setup()
-        try:
-            site = web.TCPSite(runner, self.host, self.port, ssl_context=self.certificates.context)
-            await site.start()
-        except OSError as exc:
-            await runner.cleanup()
-            raise OSError(f"cannot listen for HTTPS on {self.host}:{self.port}: {exc}") from exc
-        self._runner = runner
+        port = await self._listener.start(self.application(), self.certificates.context)
         self._reloader = asyncio.create_task(self._reload_forever())
-        port: int = runner.addresses[0][1]
         log.info("webhook_started", address=f"{self.host}:{port}", image=self.settings.image)
         return port
 
@@ -227,9 +213,7 @@ class WebhookServer:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reloader
             self._reloader = None
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
+        await self._listener.stop()
 
     async def _reload_forever(self) -> None:
         while True:
