@@ -17,6 +17,7 @@ from support.h2served import Served, serve_h2
 from support.servers import RedisCluster, RedisServer, ServerError, start_cluster, start_server
 
 from sidecar import config
+from sidecar.app import TRANSPORTS
 from sidecar.limiter import Limiter, Settings
 from sidecar.rules import Rules
 from sidecar.storage import Backend
@@ -131,6 +132,13 @@ def backend_url(request: pytest.FixtureRequest) -> str:
     if request.param == "redis":
         return str(request.getfixturevalue("redis_url"))
     return str(request.getfixturevalue("cluster_url"))
+
+
+@pytest.fixture(params=TRANSPORTS)
+def transport(request: pytest.FixtureRequest) -> str:
+    """Each gRPC transport in turn (`serve --transport`): the fast one and grpc.aio."""
+    name: str = request.param
+    return name
 
 
 @pytest.fixture

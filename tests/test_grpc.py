@@ -17,7 +17,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from support.servers import RedisServer
 from support.sidecars import NOW, Clock, client, request, running_app, serve_process, write_rules
 
-from sidecar.app import TRANSPORTS
 from sidecar.model import Hit
 from sidecar.storage.base import Applied
 from sidecar.storage.memory import MemoryBackend
@@ -32,12 +31,6 @@ USER = [("user", "alice")]
 @pytest.fixture
 def rules(tmp_path: Path) -> Path:
     return write_rules(tmp_path)
-
-
-@pytest.fixture(params=TRANSPORTS)
-def transport(request: pytest.FixtureRequest) -> str:
-    name: str = request.param
-    return name
 
 
 async def test_a_rule_answers_ok_until_its_limit_then_over_limit(

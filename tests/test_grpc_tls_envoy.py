@@ -22,8 +22,6 @@ from support.certs import Authority
 from support.envoys import Envoy, Sidecar, free_port, get, start_together
 from test_gateway_e2e import bootstrap, inside_one_window, unique
 
-from sidecar.app import TRANSPORTS
-
 RULES = """\
 domain: gateway
 descriptors:
@@ -120,12 +118,6 @@ def start_gateway(
     sidecar, envoy = start_together(make)
     assert isinstance(sidecar, Sidecar) and isinstance(envoy, Envoy)
     return Gateway(envoy, sidecar, port)
-
-
-@pytest.fixture(params=TRANSPORTS)
-def transport(request: pytest.FixtureRequest) -> str:
-    name: str = request.param
-    return name
 
 
 @pytest.fixture

@@ -6,12 +6,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 from envoy.service.ratelimit.v3.rls_pb2 import RateLimitResponse
 from google.protobuf import json_format
 from support.sidecars import client, request, running_app, write_rules
-
-from sidecar.app import TRANSPORTS
 
 RULES = """\
 domain: test
@@ -23,12 +20,6 @@ descriptors:
     rate_limit: {unit: hour, requests_per_unit: 100}
     metadata: {backend: {name: apps, pool: b}}
 """
-
-
-@pytest.fixture(params=TRANSPORTS)
-def transport(request: pytest.FixtureRequest) -> str:
-    name: str = request.param
-    return name
 
 
 async def test_both_transports_answer_with_headers_metadata_and_the_limit_name(

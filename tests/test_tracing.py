@@ -14,7 +14,6 @@ from support.otlp import grpc_receiver, http_receiver
 from support.sidecars import client, request, running_app, serve_process, write_rules
 
 from sidecar import cli
-from sidecar.app import TRANSPORTS
 from sidecar.rls.fast import FastServer
 from sidecar.rls.h2.unary import CallbackMethod
 from sidecar.rls.server import METHOD
@@ -28,12 +27,6 @@ SERVER_KIND = 2  # opentelemetry.proto.trace.v1.Span.SPAN_KIND_SERVER
 @pytest.fixture
 def rules(tmp_path: Path) -> Path:
     return write_rules(tmp_path)
-
-
-@pytest.fixture(params=TRANSPORTS)
-def transport(request: pytest.FixtureRequest) -> str:
-    name: str = request.param
-    return name
 
 
 async def traced_call(port: int, metadata: list[tuple[str, str]]) -> None:
