@@ -134,12 +134,12 @@ class H2Server:
         self.protocols: set[_Protocol] = set()
         #: Request bytes buffered by all connections (Limits.max_buffered_bytes_all).
         self.budget = BufferBudget(limits.max_buffered_bytes_all)
-        #: Connections waiting for the calls in flight to come down (see `calls_answered`).
+        #: Connections waiting for the calls in flight to come down (see `_round`).
         self.held: dict[_Protocol, None] = {}
         #: The same as a heap by age (`serial`), with entries of connections closed meanwhile.
         self._held_order: list[tuple[int, _Protocol]] = []
-        #: The held connections were let go and their turns have not all run yet: a read
-        #: meanwhile waits behind them.
+        #: A round of turns is due or running (`calls_answered` to `_round`): a read meanwhile
+        #: waits behind the held connections.
         self.resuming = False
         self.accepted = 0  # connections so far: each one's `serial`, its age
         self._refusing = False  # at MAX_CONNECTIONS (said once per episode)
@@ -408,7 +408,7 @@ class _Protocol(asyncio.Protocol):
             # As many calls in flight as the server takes, or connections waiting for them to
             # come down: this read waits, put aside (within the budget of buffered bytes), for
             # its turn; the connection goes on reading into it, so that what waits is taken in
-            # the server's order (`calls_answered`), not in the order the sockets happen to be
+            # the server's order (`_round`), not in the order the sockets happen to be
             # polled. Past the budget it stops reading.
             self._hold(pause=False)
             return
