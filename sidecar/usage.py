@@ -42,7 +42,7 @@ above, and a change to it changes the three together.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import date, datetime, timedelta
 from typing import Any, Protocol, runtime_checkable
 from zoneinfo import ZoneInfo
@@ -350,6 +350,16 @@ class Tally:
             hits.append(hit)
             refused.append(hit)
         self._hits, self._refused = hits, refused
+
+
+def as_refused(hit: Hit) -> Hit:
+    """A usage hit counting its request as refused: a count's hits go to its refused field
+    (`previous_field`), whatever the call's answer says; a unique count is the same either way.
+    For a request whose answer the call counting its usage cannot see (local aggregation, a
+    Redis Cluster's other slots)."""
+    if hit.role is Role.USAGE:
+        return replace(hit, field=hit.previous_field)
+    return hit
 
 
 def _usage_hit(

@@ -61,6 +61,7 @@ from sidecar.errors import StorageError
 from sidecar.model import Dedupe, Hit, Outcome, Role, new
 from sidecar.storage.base import Applied, Backend
 from sidecar.storage.peers import CountsPeers
+from sidecar.usage import as_refused
 
 log = structlog.get_logger("sidecar.storage.aggregation")
 
@@ -70,13 +71,6 @@ MAX_COUNTS = 100_000
 FLUSH_HITS = 1_000
 
 Counter = tuple[bytes, bytes]
-
-
-def _as_refused(hit: Hit) -> Hit:
-    """A usage hit counting its refused field (a unique count is the same either way)."""
-    if hit.role is Role.USAGE:
-        return dataclasses.replace(hit, field=hit.previous_field)
-    return hit
 
 
 class _Tracked(LocalCount):
@@ -203,7 +197,7 @@ class Aggregated:
             # The usage hits have no outcome yet, and count for nothing in it.
             limits_over = [at in outcomes and outcomes[at].over for at in range(len(hits))]
             over = groups_over(hits, limits_over)[1]
-            usage = [_as_refused(hits[at]) if over else hits[at] for at in usage_at]
+            usage = [as_refused(hits[at]) if over else hits[at] for at in usage_at]
 
             def counted(answer: list[Outcome] | Exception) -> None:
                 if isinstance(answer, Exception):

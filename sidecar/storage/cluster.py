@@ -26,7 +26,6 @@ from sidecar.storage.scripts import (
     MODE_ADD,
     MODE_ALL_OR_NOTHING,
     MODE_READ,
-    MODE_REFUSED,
     ApplyPacker,
     Reply,
     applied,
@@ -40,6 +39,7 @@ from sidecar.storage.scripts import (
     read_values,
     record_commands,
 )
+from sidecar.usage import as_refused
 
 #: Error replies that say a script call did not run where it was sent: it is sent again (by
 #: `_apply`), where the cluster says, and counts once.
@@ -140,18 +140,20 @@ class RedisClusterBackend:
         In one slot the script counts them with the request's answer; over several, each
         slot's script sees only its own limits, so a request refused by a limit in another
         slot would count as admitted. So the limits are decided first, without the usage
-        hits, and the usage hits then go in one more call per slot holding them: mode 0
-        (admitted) or MODE_REFUSED. That call failing loses the request's usage counts, not
+        hits, and the usage hits then go in one more call per slot holding them, as they are
+        or `usage.as_refused`. That call failing loses the request's usage counts, not
         its answer: its limits are decided and counted already (`usage_not_counted`, logged
         at most once a minute with how many were lost since).
         """
         limits = [hit for hit in hits if hit.role < Role.USAGE]
         usage = [hit for hit in hits if hit.role >= Role.USAGE]
         decided = await self._decide(limits, all_or_nothing, now_ms, deadline) if limits else []
-        refused = fixed_window.groups_over(limits, [outcome.over for outcome in decided])[1]
-        mode = MODE_REFUSED if refused else MODE_ADD
+        if fixed_window.groups_over(limits, [outcome.over for outcome in decided])[1]:
+            usage = [as_refused(hit) for hit in usage]
         try:
-            counted = await self._apply_per_slot(usage, _slots_of(usage), mode, now_ms, deadline)
+            counted = await self._apply_per_slot(
+                usage, _slots_of(usage), MODE_ADD, now_ms, deadline
+            )
         except Exception as exc:  # the answer stands; the counts are lost
             self._usage_lost += 1
             now = asyncio.get_running_loop().time()

@@ -40,7 +40,6 @@ MODE_ADD = 0
 MODE_ALL_OR_NOTHING = 1
 MODE_READ = 2
 MODE_RECORD = 3
-MODE_REFUSED = 4
 
 #: What a script call answers: integers (see each script's header).
 Reply = list[int]

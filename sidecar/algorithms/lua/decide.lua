@@ -12,9 +12,7 @@
 --             nothing when the request is OVER_LIMIT); 2 read only (judge, write nothing);
 --             3 record: each impression id found in neither id hash is added to the current one
 --             and every hit of its group is applied whatever the limits say (an impression is a
---             fact); the hits of an id seen before change nothing; 4 refused: the request was
---             refused by limits decided in other calls (a Redis Cluster's other slots): usage
---             counts count it as refused, and nothing else is written
+--             fact); the hits of an id seen before change nothing
 -- ARGV[2]     now, Unix milliseconds (the sidecar's clock)
 -- ARGV[3]     n, the number of hits
 -- ARGV[4]     grace, milliseconds a grouped field is kept past its keep-until
@@ -40,7 +38,7 @@
 -- ARGV[5 + 11n]      mode 3 only: milliseconds the current id hash must live
 -- ARGV[6 + 11n + g]  mode 3 only: the id of impression g
 --
--- Returns, in modes 0 to 2 and 4, 5 integers per hit: over (0/1), remaining, reset ms (buckets; 0 for
+-- Returns, in modes 0 to 2, 5 integers per hit: over (0/1), remaining, reset ms (buckets; 0 for
 -- windows, whose reset the caller knows), applied (0/1), and what the window admitted before this
 -- request. Mode 3 returns one integer per impression: 1 when its id was seen before, else 0.
 --
@@ -209,8 +207,7 @@ for _, group in ipairs(groups) do
   end
 end
 if quota_seen and quota_all_over then request_over = true end
-if mode == 4 then request_over = true end
-local blocked = mode == 2 or mode == 4 or (mode == 1 and request_over)
+local blocked = mode == 2 or (mode == 1 and request_over)
 
 -- Grouped hashes written: {ms they must live at least, whether a field was created}.
 local hashes, hash_order = {}, {}
