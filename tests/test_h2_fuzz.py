@@ -31,6 +31,7 @@ from support.h2peer import (
     grpc_message,
     raw_frame,
     request_headers,
+    split_frames,
 )
 
 from sidecar.rls.h2.connection import Connection, Limits
@@ -176,14 +177,9 @@ class Driven:
 
 def _frames(data: bytes) -> list[Frame]:
     """Parse everything the server wrote; it must be whole, well-formed frames."""
-    found, at = [], 0
-    while at < len(data):
-        frame, size = Frame.parse_frame_header(memoryview(data[at : at + 9]))
-        assert size <= 16_384
-        frame.parse_body(memoryview(data[at + 9 : at + 9 + size]))
-        found.append(frame)
-        at += 9 + size
-    assert at == len(data)
+    found, rest = split_frames(data)
+    assert rest == b""
+    assert all(frame.body_len <= 16_384 for frame in found)
     return found
 
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import hpack
 import pytest
+from hyperframe.frame import RstStreamFrame
 from support.certs import Authority
 from support.h2peer import (
     CONTINUATION,
@@ -23,6 +24,7 @@ from support.h2peer import (
     END_STREAM,
     HEADERS,
     INITIAL_WINDOW_SIZE,
+    NO_ERROR,
     PING,
     PREFACE,
     SETTINGS,
@@ -33,6 +35,7 @@ from support.h2peer import (
     grpc_message,
     raw_frame,
     request_headers,
+    split_frames,
 )
 from support.h2served import ECHO, WAIT, Methods, Served
 
@@ -46,6 +49,7 @@ from sidecar.rls.h2.connection import (
     Limits,
 )
 from sidecar.rls.h2.server import H2Server, _Protocol
+from sidecar.rls.h2.streams import CLOSED_STREAMS_REMEMBERED
 from sidecar.rls.h2.unary import CallbackMethod, Method
 from sidecar.rls.tls import ServerTls, TlsFiles
 
@@ -159,6 +163,29 @@ def test_streams_refused_past_the_concurrency_limit_spend_the_control_budget() -
     conn, called = calls_of(_preface() + flood, Limits(max_concurrent_streams=4))
     assert conn.closed and not called
     assert goaway_code(conn.data_to_send()) == ENHANCE_YOUR_CALM
+
+
+def test_a_flood_of_streams_answered_before_their_requests_end_keeps_bounded_state() -> None:
+    """Once one stream holds the connection's buffer bound, every new stream whose first DATA
+    does not end it is answered RESOURCE_EXHAUSTED at once, and closed by RST_STREAM NO_ERROR:
+    20,000 of them leave one stream open and at most 2 × CLOSED_STREAMS_REMEMBERED closed ids
+    remembered (the bound of what a connection keeps is max_concurrent_streams streams and
+    those ids, however long the flood); the late DATA the peer sends on them is ignored."""
+    limits = Limits(max_buffered_bytes=16_384)
+    conn, called = calls_of(_preface() + _headers(1) + raw_frame(DATA, 0, 1, bytes(16_384)), limits)
+    flood = range(3, 3 + 2 * 20_000, 2)
+    conn.receive(
+        b"".join(_headers(stream_id) + raw_frame(DATA, 0, stream_id, b"x") for stream_id in flood)
+    )
+    written, _ = split_frames(conn.data_to_send())
+    assert not conn.closed and not called
+    assert list(conn.streams) == [1]
+    assert len(conn.closed_streams) <= 2 * CLOSED_STREAMS_REMEMBERED
+    resets = [(f.stream_id, f.error_code) for f in written if isinstance(f, RstStreamFrame)]
+    assert resets == [(stream_id, NO_ERROR) for stream_id in flood]
+
+    conn.receive(b"".join(raw_frame(DATA, END_STREAM, s, b"y") for s in flood[-100:]))
+    assert conn.data_to_send() == b"" and not conn.closed
 
 
 async def test_a_ping_flood_is_enhance_your_calm(raw: Peer, served: Served) -> None:

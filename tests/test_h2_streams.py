@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import struct
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
+import hpack
 import pytest
-from hyperframe.frame import GoAwayFrame, PingFrame, RstStreamFrame
+from hyperframe.frame import DataFrame, Frame, GoAwayFrame, PingFrame, RstStreamFrame, SettingsFrame
 from support.h2peer import (
     ACK,
     DATA,
@@ -21,11 +23,15 @@ from support.h2peer import (
     END_STREAM,
     GOAWAY,
     HEADERS,
+    INITIAL_WINDOW_SIZE,
+    MAX_CONCURRENT_STREAMS,
     NO_ERROR,
     PING,
+    PREFACE,
     PROTOCOL_ERROR,
     REFUSED_STREAM,
     RST_STREAM,
+    SETTINGS,
     STREAM_CLOSED,
     WINDOW_UPDATE,
     Headers,
@@ -36,9 +42,12 @@ from support.h2peer import (
     headers_frame,
     raw_frame,
     request_headers,
+    split_frames,
     stream_error,
 )
 from support.h2served import ECHO, MAX_STREAMS, WAIT, Served, serve_h2
+
+from sidecar.rls.h2.connection import DEFAULT_LIMITS, Connection, Limits
 
 CANCEL = 8
 
@@ -115,6 +124,209 @@ async def test_reset_calls_count_against_the_limit_until_they_return(
     raw.send(call(raw, 13, ECHO))
     assert await answered(raw, 13) == {b"grpc-status": b"0"}
     assert [f.stream_id for f in raw.frames if f.stream_id in ids] == []
+
+
+# --- what counts toward MAX_CONCURRENT_STREAMS (RFC 9113 §5.1.2) ---------------------------------
+#
+# Open and half-closed streams count. Here a stream is half-closed (remote) while its call is out
+# or its answer waits for window; none stays half-closed (local): a stream answered before its
+# request ends is reset with NO_ERROR (§8.1), which closes it.
+
+#: h2spec's request: `spec.CommonHeaders`, a GET of `/`, encoded once and sent on every stream.
+_H2SPEC_GET = [
+    (b":method", b"GET"),
+    (b":scheme", b"http"),
+    (b":path", b"/"),
+    (b":authority", b"127.0.0.1:8081"),
+]
+_ZERO_WINDOW = raw_frame(SETTINGS, 0, 0, struct.pack(">HL", INITIAL_WINDOW_SIZE, 0))
+_DEFAULT_WINDOW = raw_frame(SETTINGS, 0, 0, struct.pack(">HL", INITIAL_WINDOW_SIZE, 65_535))
+
+
+def _h2spec_5_1_2(advertised: int, opening: Callable[[int], bytes]) -> tuple[list[int], bytes]:
+    """h2spec's frames once its handshake is done: SETTINGS_INITIAL_WINDOW_SIZE 0 ("to prevent
+    the peer from closing the stream"), then `opening` on one stream more than `advertised`."""
+    ids = [1 + 2 * n for n in range(advertised + 1)]
+    return ids, _ZERO_WINDOW + b"".join(opening(stream_id) for stream_id in ids)
+
+
+async def _advertised(raw: Peer) -> int:
+    """The server's SETTINGS_MAX_CONCURRENT_STREAMS, read as h2spec reads it; ACKed as it does."""
+    await raw.until(lambda p: bool(p.of(SettingsFrame)))
+    raw.send(raw_frame(SETTINGS, ACK, 0))
+    advertised: int = raw.of(SettingsFrame)[0].settings[MAX_CONCURRENT_STREAMS]
+    return advertised
+
+
+def _get(stream_id: int, block: bytes) -> bytes:
+    """h2spec's HEADERS: the whole request, ending the stream."""
+    return raw_frame(HEADERS, END_HEADERS | END_STREAM, stream_id, block)
+
+
+def _sans_io(answer_at_once: bool) -> Connection:
+    """A Connection with the default limits, past the client's preface and SETTINGS; with
+    `answer_at_once`, each call is answered as soon as it is made (Echo)."""
+
+    def on_call(stream_id: int, path: str, message: bytes) -> None:
+        if answer_at_once:
+            conn.respond(stream_id, message)
+
+    conn = Connection(on_call)
+    conn.initiate()
+    conn.receive(PREFACE + raw_frame(SETTINGS, 0, 0))
+    conn.data_to_send()
+    return conn
+
+
+def _fed(conn: Connection, data: bytes) -> list[Frame]:
+    """Feed `data` in one read, resuming until all of it is read; the frames written back."""
+    conn.receive(data)
+    while conn.backlog:
+        conn.resume()
+    written, rest = split_frames(conn.data_to_send())
+    assert rest == b""
+    return written
+
+
+async def test_h2spec_5_1_2_gets_answered_at_once_leave_no_stream_open_to_refuse(
+    raw: Peer,
+) -> None:
+    """h2spec's case "http2/5.1.2: Sends HEADERS frames that causes their advertised concurrent
+    stream limit to be exceeded", frame for frame through the server: a window of 0, then one
+    GET more than the advertised limit, each HEADERS ending its stream. Each GET is answered at
+    once, trailers-only (405, UNIMPLEMENTED), a HEADERS frame that ends the stream and that no
+    window holds back, so each stream is closed before the next one opens and none is refused:
+    h2spec, which waits for a RST_STREAM, reports a failure (its case assumes an answer with
+    DATA, held by the window it set to 0: the next test)."""
+    advertised = await _advertised(raw)
+    block = raw.block(_H2SPEC_GET)  # sent on every stream, as h2spec sends it
+    ids, frames = _h2spec_5_1_2(advertised, lambda stream_id: _get(stream_id, block))
+    raw.send(frames)
+    await raw.until(lambda p: all(p.ended(stream_id) for stream_id in ids))
+
+    assert raw.of(RstStreamFrame) == []
+    assert [raw.kinds(stream_id) for stream_id in ids] == [["HeadersFrame"]] * len(ids)
+    assert {(raw.trailers(s)[b":status"], raw.trailers(s)[b"grpc-status"]) for s in ids} == {
+        (b"405", b"12")
+    }
+
+
+def test_h2spec_5_1_2_at_the_default_limit_on_the_state_machine() -> None:
+    """h2spec's 5.1.2 case against the sans-IO Connection at its default limit of 1,024: the
+    1,025 GETs are 1,025 answers and no RST_STREAM, and no stream is left open."""
+    conn, decoder = _sans_io(answer_at_once=False), hpack.Decoder()
+    block = hpack.Encoder().encode(_H2SPEC_GET)
+    ids, frames = _h2spec_5_1_2(
+        DEFAULT_LIMITS.max_concurrent_streams, lambda stream_id: _get(stream_id, block)
+    )
+    written = _fed(conn, frames)
+
+    assert [type(f).__name__ for f in written] == ["SettingsFrame"] + ["HeadersFrame"] * len(ids)
+    assert [f.stream_id for f in written[1:]] == ids
+    assert all("END_STREAM" in f.flags for f in written[1:])
+    assert {dict(decoder.decode(f.data, raw=True))[b":status"] for f in written[1:]} == {b"405"}
+    assert conn.streams == {} and not conn.closed
+
+
+async def test_answers_held_by_a_zero_window_count_and_the_stream_past_them_is_refused(
+    raw: Peer,
+) -> None:
+    """What h2spec's 5.1.2 case means to test, with gRPC calls as Envoy sends them (HEADERS,
+    then DATA with END_STREAM): under a window of 0 each answer's DATA waits after its HEADERS,
+    so its stream stays half-closed (remote) and counts; the stream past the limit gets
+    RST_STREAM REFUSED_STREAM. Once the window opens the answers end, and room comes back."""
+    advertised = await _advertised(raw)
+    ids, frames = _h2spec_5_1_2(advertised, lambda stream_id: call(raw, stream_id, ECHO))
+    raw.send(frames)
+    await stream_error(raw, ids[-1], REFUSED_STREAM)
+    await raw.until(lambda p: all(p.on(stream_id) for stream_id in ids[:-1]))
+    assert [raw.kinds(stream_id) for stream_id in ids[:-1]] == [["HeadersFrame"]] * advertised
+
+    raw.send(_DEFAULT_WINDOW)
+    for stream_id in ids[:-1]:
+        assert await answered(raw, stream_id) == {b"grpc-status": b"0"}
+    after = ids[-1] + 2
+    raw.send(call(raw, after, ECHO))
+    assert await answered(raw, after) == {b"grpc-status": b"0"}
+
+
+def test_answers_held_by_a_zero_window_at_the_default_limit_on_the_state_machine() -> None:
+    """The same on the sans-IO Connection at its default limit: 1,024 calls answered at once,
+    their DATA held by the window of 0, and the 1,025th stream refused; a SETTINGS that opens
+    the window sends every answer's DATA and trailers, and no stream is left."""
+    conn = _sans_io(answer_at_once=True)
+    block = hpack.Encoder().encode([(n, v, True) for n, v in request_headers(ECHO)])
+    ids, frames = _h2spec_5_1_2(
+        DEFAULT_LIMITS.max_concurrent_streams,
+        lambda s: (
+            raw_frame(HEADERS, END_HEADERS, s, block)
+            + raw_frame(DATA, END_STREAM, s, grpc_message(b"x"))
+        ),
+    )
+    written = _fed(conn, frames)
+    resets = [(f.stream_id, f.error_code) for f in written if isinstance(f, RstStreamFrame)]
+    assert resets == [(ids[-1], REFUSED_STREAM)]
+    assert len(conn.streams) == DEFAULT_LIMITS.max_concurrent_streams
+
+    written = _fed(conn, _DEFAULT_WINDOW)
+    assert len([f for f in written if isinstance(f, DataFrame)]) == len(ids) - 1
+    assert conn.streams == {}
+
+
+async def test_a_request_still_being_sent_holds_its_stream_until_it_ends_or_is_reset(
+    raw: Peer,
+) -> None:
+    """Streams opened by HEADERS without END_STREAM are open and count: the one past the limit
+    is refused. One the peer ends (and that is answered) and one it resets give back two
+    streams, exactly: two more open, and the next is refused again."""
+    ids = [1 + 2 * n for n in range(MAX_STREAMS)]
+    raw.send(*(headers_frame(raw, stream_id, ECHO) for stream_id in ids))
+    beyond = ids[-1] + 2
+    raw.send(headers_frame(raw, beyond, ECHO))
+    await stream_error(raw, beyond, REFUSED_STREAM)
+
+    raw.send(
+        raw_frame(DATA, END_STREAM, ids[0], grpc_message(b"done")),
+        raw_frame(RST_STREAM, 0, ids[1], struct.pack(">L", CANCEL)),
+    )
+    assert await answered(raw, ids[0]) == {b"grpc-status": b"0"}
+    more = [beyond + 2, beyond + 4]
+    raw.send(*(headers_frame(raw, stream_id, ECHO) for stream_id in [*more, beyond + 6]))
+    await raw.until(lambda p: len(p.of(RstStreamFrame)) == 2)
+
+    resets = [(f.stream_id, f.error_code) for f in raw.of(RstStreamFrame)]
+    assert resets == [(beyond, REFUSED_STREAM), (beyond + 6, REFUSED_STREAM)]
+    assert [raw.on(stream_id) for stream_id in [*ids[1:], *more]] == [[]] * (len(ids) + 1)
+
+
+def test_a_stream_answered_before_its_request_ends_is_reset_and_frees_its_slot() -> None:
+    """An answer sent before the peer's END_STREAM (here a body over the connection's buffer
+    bound: RESOURCE_EXHAUSTED) comes with RST_STREAM NO_ERROR, which closes the stream (§8.1):
+    at a limit of one stream the next is taken, and the DATA the peer had already sent on the
+    answered stream is ignored."""
+    called: list[int] = []
+    conn = Connection(
+        lambda stream_id, path, message: called.append(stream_id),
+        Limits(max_concurrent_streams=1, max_buffered_bytes=1_024),
+    )
+    block = hpack.Encoder().encode([(n, v, True) for n, v in request_headers(ECHO)])
+    opened = raw_frame(HEADERS, END_HEADERS, 1, block) + raw_frame(DATA, 0, 1, bytes(2_048))
+    written = _fed(conn, PREFACE + raw_frame(SETTINGS, 0, 0) + opened)
+    assert [type(f).__name__ for f in written] == [
+        "SettingsFrame",
+        "HeadersFrame",
+        "RstStreamFrame",
+    ]
+    answer = dict(hpack.Decoder().decode(written[1].data, raw=True))
+    assert answer[b"grpc-status"] == b"8" and "END_STREAM" in written[1].flags
+    assert written[2].error_code == NO_ERROR and conn.streams == {}
+
+    late = raw_frame(DATA, END_STREAM, 1, bytes(16))
+    then = raw_frame(HEADERS, END_HEADERS, 3, block) + raw_frame(
+        DATA, END_STREAM, 3, grpc_message(b"x")
+    )
+    assert _fed(conn, late + then) == []
+    assert called == [3] and not conn.closed
 
 
 # --- request headers (RFC 9113 §8.2, §8.3) -----------------------------------------------------

@@ -195,13 +195,8 @@ class Peer:
                 if isinstance(event, h2.events.DataReceived) and event.flow_controlled_length:
                     self.h2.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
             self.flush()
-        self._buffer += chunk
-        while len(self._buffer) >= 9:
-            frame, size = Frame.parse_frame_header(memoryview(self._buffer[:9]))
-            if len(self._buffer) < 9 + size:
-                break
-            frame.parse_body(memoryview(self._buffer[9 : 9 + size]))
-            self._buffer = self._buffer[9 + size :]
+        whole, self._buffer = split_frames(self._buffer + chunk)
+        for frame in whole:
             self._on_frame(frame)
 
     def _on_frame(self, frame: Frame) -> None:
@@ -242,6 +237,19 @@ class Peer:
 
 
 # --- helpers for tests ---------------------------------------------------------------------
+
+
+def split_frames(data: bytes) -> tuple[list[Frame], bytes]:
+    """The whole frames at the start of `data`, parsed, and the bytes after them."""
+    found, at = [], 0
+    while len(data) - at >= 9:
+        frame, size = Frame.parse_frame_header(memoryview(data[at : at + 9]))
+        if len(data) - at < 9 + size:
+            break
+        frame.parse_body(memoryview(data[at + 9 : at + 9 + size]))
+        found.append(frame)
+        at += 9 + size
+    return found, data[at:]
 
 
 def headers_frame(peer: Peer, stream_id: int, path: str, flags: int = END_HEADERS) -> bytes:

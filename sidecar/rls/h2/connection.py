@@ -73,6 +73,10 @@ class Limits:
     reads our SETTINGS.
     """
 
+    #: Streams open or half-closed (RFC 9113 §5.1.2): a stream counts while its request comes,
+    #: its call runs or its answer waits for window, and a call on a stream the peer reset
+    #: counts until it returns. None stays half-closed (local): an answer sent before the
+    #: request ends comes with RST_STREAM NO_ERROR (§8.1), which closes the stream.
     max_concurrent_streams: int = 1_024
     #: Stream receive window: larger than any RateLimitRequest, so a call needs no WINDOW_UPDATE.
     initial_window_size: int = 1 << 20
