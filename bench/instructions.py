@@ -5,11 +5,13 @@ One process holds the whole sidecar path: recorded HTTP/2 bytes (h2's client, 8 
 go into the fast transport's protocol, through the service, the limiter and the backend, and
 the answers come out into a transport that only keeps them. It runs under
 `valgrind --tool=callgrind` twice, replaying the calls once and three times; the difference over
-the extra calls is the cost of a call, start-up excluded. Backends: memory, Redis and a
+the extra calls is the cost of a call, start-up excluded. Each backend has two rows: one body
+sent again and again (its plan cached after the first call), and every body new (a user of its
+own per call, planned anew, as most of a gateway's real traffic is). Backends: memory, Redis and a
 3-master Redis Cluster (redis-servers this script starts and stops by their PIDs; their own
 CPU is not counted).
 
-    python -m bench.instructions            # memory, redis and cluster, about four minutes
+    python -m bench.instructions            # memory, redis and cluster, about eight minutes
     python -m bench.instructions --only memory
     python -m bench.instructions --build build/compiled   # the sources, then the compiled build
 
@@ -38,21 +40,26 @@ PER_READ = 8
 RULES = Path(__file__).parent / "rules"
 
 
-def _body() -> bytes:
+def _body(user: str = "u1") -> bytes:
     from envoy.service.ratelimit.v3.rls_pb2 import (  # type: ignore[import-untyped]
         RateLimitRequest,
     )
 
     request = RateLimitRequest(domain="bench")
     entry = request.descriptors.add().entries.add()
-    entry.key, entry.value = "user", "u1"
+    entry.key, entry.value = "user", user
     message: bytes = request.SerializeToString()
     return b"\x00" + len(message).to_bytes(4, "big") + message
 
 
-async def replay(url: str, rounds: int) -> None:
+async def replay(url: str, rounds: int, distinct: bool = False) -> None:
     """Record CALLS calls once with a live h2 client, then replay their bytes `rounds` times,
-    each on a new connection, waiting for every answer of a read before the next read."""
+    each on a new connection, waiting for every answer of a read before the next read.
+
+    `distinct`: every call of every pass names a user of its own, so no body is seen twice and
+    each call is planned anew (matching, counter names, a new counter), as most calls of a
+    gateway's real traffic are. The bytes of MAX_ROUNDS + 1 passes are written before any is
+    sent, whatever `rounds` is, so that writing them cancels out of the difference."""
     import h2.config
     import h2.connection
     import h2.events
@@ -112,7 +119,6 @@ async def replay(url: str, rounds: int) -> None:
         protocol.connection_made(transport)
         return transport, protocol
 
-    body = _body()
     headers = [
         (":method", "POST"),
         (":scheme", "http"),
@@ -121,6 +127,16 @@ async def replay(url: str, rounds: int) -> None:
         ("content-type", "application/grpc"),
         ("te", "trailers"),
     ]
+    if distinct:
+        passes = [_distinct_pass(headers, first * CALLS) for first in range(MAX_ROUNDS + 1)]
+        for preface, reads in passes[: rounds + 1]:
+            transport, protocol = connect()
+            await feed(transport, protocol, preface)
+            for data in reads:
+                await feed(transport, protocol, data)
+        await backend.close()
+        return
+    body = _body()
     client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
     client.initiate_connection()
     transport, protocol = connect(client)
@@ -143,10 +159,34 @@ async def replay(url: str, rounds: int) -> None:
     await backend.close()
 
 
+def _distinct_pass(headers: list[tuple[str, str]], first_user: int) -> tuple[bytes, list[bytes]]:
+    """One connection's bytes: its preface, then CALLS calls in reads of PER_READ, the users
+    numbered from `first_user`. The answers (a few bytes each) fit the connection's first flow
+    control window, so no WINDOW_UPDATE is needed."""
+    import h2.config
+    import h2.connection
+
+    client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    client.initiate_connection()
+    preface = client.data_to_send()
+    reads = []
+    user = first_user
+    for _ in range(CALLS // PER_READ):
+        for _ in range(PER_READ):
+            stream_id = client.get_next_available_stream_id()
+            client.send_headers(stream_id, headers)
+            client.send_data(stream_id, _body(f"user-{user:08d}"), end_stream=True)
+            user += 1
+        reads.append(client.data_to_send())
+    return preface, reads
+
+
 ROOT = Path(__file__).parent.parent
+#: The most rounds a replay is asked for (`per_call`: 1, then 3).
+MAX_ROUNDS = 3
 
 
-def _instructions(url: str, rounds: int, build: dict[str, str] | None) -> int:
+def _instructions(url: str, rounds: int, build: dict[str, str] | None, distinct: bool) -> int:
     """The replay's instructions, on the sources or under `build`'s environment (`environ`)."""
     out = subprocess.run(
         [
@@ -160,6 +200,7 @@ def _instructions(url: str, rounds: int, build: dict[str, str] | None) -> int:
             url,
             "--rounds",
             str(rounds),
+            *(["--distinct"] if distinct else []),
         ],
         capture_output=True,
         text=True,
@@ -176,18 +217,26 @@ def _instructions(url: str, rounds: int, build: dict[str, str] | None) -> int:
     return int(found.group(1))
 
 
-def per_call(url: str, build: dict[str, str] | None = None) -> int:
+def per_call(url: str, build: dict[str, str] | None = None, distinct: bool = False) -> int:
     """Instructions per call: (3 rounds - 1 round) / (2 × CALLS), on the sources or under
-    `build`'s environment."""
-    return (_instructions(url, 3, build) - _instructions(url, 1, build)) // (2 * CALLS)
+    `build`'s environment; `distinct`, of calls whose bodies are all new."""
+    return (
+        _instructions(url, MAX_ROUNDS, build, distinct) - _instructions(url, 1, build, distinct)
+    ) // (2 * CALLS)
 
 
-def _counts(url: str, build: dict[str, str] | None) -> str:
+def _counts(url: str, build: dict[str, str] | None, distinct: bool = False) -> str:
     """The count on the sources, and beside it on `build` when there is one."""
-    counts = f"{per_call(url):>9,}"
+    counts = f"{per_call(url, None, distinct):>9,}"
     if build is not None:
-        counts += f"  {per_call(url, build):>9,}"
+        counts += f"  {per_call(url, build, distinct):>9,}"
     return counts
+
+
+def _print_rows(name: str, url: str, build: dict[str, str] | None) -> None:
+    """The backend's two rows: one body sent again and again, then every body new."""
+    print(f"  fast transport, {name + ':':<8}           {_counts(url, build)}", flush=True)
+    print(f"  fast transport, {name + ',':<8} new bodies {_counts(url, build, True)}", flush=True)
 
 
 def main() -> int:
@@ -200,9 +249,10 @@ def main() -> int:
     )
     parser.add_argument("--replay", help=argparse.SUPPRESS)
     parser.add_argument("--rounds", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--distinct", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.replay:
-        asyncio.run(replay(args.replay, args.rounds))
+        asyncio.run(replay(args.replay, args.rounds, args.distinct))
         print(sidecar_build.name())  # which build ran, for `_instructions` to check
         return 0
     if shutil.which("valgrind") is None:
@@ -219,10 +269,10 @@ def main() -> int:
             return 1
     print(f"instructions per call (callgrind; {CALLS:,} calls, {PER_READ} per read, in-process)")
     if build is not None:
-        print(f"{'':25}{'sources':>9}  {'compiled':>9}")
+        print(f"{'':36}{'sources':>9}  {'compiled':>9}")
     for name in args.only or ("memory", "redis", "cluster"):
         if name == "memory":
-            print(f"  fast transport, memory:  {_counts('memory://', build)}", flush=True)
+            _print_rows(name, "memory://", build)
             continue
         with tempfile.TemporaryDirectory() as logs:
             if name == "redis":
@@ -232,10 +282,9 @@ def main() -> int:
                 service = start_redis_cluster(Path(logs))
                 url = service.placeholders["redis_cluster_url"]
             try:
-                counts = _counts(url, build)
+                _print_rows(name, url, build)
             finally:
                 service.stop()
-        print(f"  fast transport, {name + ':':<8} {counts}", flush=True)
     return 0
 
 
