@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import pytest
 from envoy.service.ratelimit.v3.rls_pb2 import RateLimitRequest, RateLimitResponse
+from google.protobuf.message import DecodeError
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from sidecar.errors import InvalidRequest
 from sidecar.model import (
     UNLIMITED_REMAINING,
     Code,
     Decision,
+    Descriptor,
     DescriptorStatus,
     Entry,
     Override,
@@ -195,3 +199,133 @@ def test_a_limit_name_is_a_valid_structured_field_string() -> None:
     odd = single(1, Unit.SECOND, name='a"b\\c%d é\n')
     status = DescriptorStatus(Code.OVER_LIMIT, odd, 0, 1, odd.windows[0])
     assert policy(status) == '"a\\"b\\\\c%25d %C3%A9%0A";q=1;w=1'
+
+
+_TEXT = st.text(max_size=12) | st.sampled_from(["", "user", "10.0.0.1", "é", "a|b{c}"])
+_UINT32_VALUES = st.integers(0, 4_294_967_295) | st.sampled_from(
+    [v for v in _VARINT_EDGES if v <= 4_294_967_295]
+)
+
+
+@st.composite
+def _requests(draw: st.DrawFn) -> RateLimitRequest:
+    """Random requests with every field the model reads, each present or not."""
+    message = RateLimitRequest(domain=draw(_TEXT))
+    if draw(st.booleans()):
+        message.hits_addend = draw(_UINT32_VALUES)
+    for _ in range(draw(st.integers(0, 3))):
+        descriptor = message.descriptors.add()
+        for _ in range(draw(st.integers(0, 3))):
+            descriptor.entries.add(key=draw(_TEXT), value=draw(_TEXT))
+        if draw(st.booleans()):
+            descriptor.hits_addend.value = draw(_UINT32_VALUES)
+        if draw(st.booleans()):
+            descriptor.limit.requests_per_unit = draw(_UINT32_VALUES)
+            descriptor.limit.unit = draw(st.integers(-2, 9))
+    return message
+
+
+def _by_protobuf(body: bytes) -> Request | None:
+    """What the service reads from `body` through protobuf: the model, or None when protobuf
+    refuses the bytes or `request` refuses the message."""
+    try:
+        return convert.request(RateLimitRequest.FromString(body))
+    except (DecodeError, InvalidRequest):
+        return None
+
+
+@settings(max_examples=400, deadline=None)
+@given(_requests())
+def test_a_request_read_from_its_bytes_is_the_one_protobuf_reads(message: RateLimitRequest) -> None:
+    """Every request Envoy can send, every field present or absent, is read from its bytes as
+    protobuf and `request` read it; only an override whose unit the model lacks is left to
+    them (None), so that they word the refusal."""
+    body = message.SerializeToString()
+    read = convert.request_bytes(body)
+    units_known = all(
+        not d.HasField("limit") or 1 <= d.limit.unit <= 7 for d in message.descriptors
+    )
+    assert (read is not None) == units_known
+    if read is not None:
+        assert read == convert.request(message)
+
+
+@settings(max_examples=1_000, deadline=None)
+@given(_requests(), st.data())
+def test_altered_bytes_are_read_as_protobuf_reads_them_or_left_to_it(
+    message: RateLimitRequest, data: st.DataObject
+) -> None:
+    """Bytes cut short, changed, or with fields added (unknown ones, repeated ones, other wire
+    types) are either read exactly as protobuf reads them or left to protobuf (None); never read
+    differently."""
+    body = bytearray(message.SerializeToString())
+    for _ in range(data.draw(st.integers(1, 3))):
+        edit = data.draw(st.sampled_from(["cut", "flip", "insert", "append"]))
+        at = data.draw(st.integers(0, len(body)))
+        if edit == "cut":
+            del body[at:]
+        elif edit == "flip" and at < len(body):
+            body[at] = data.draw(st.integers(0, 255))
+        elif edit == "insert":
+            body[at:at] = data.draw(st.binary(min_size=1, max_size=4))
+        else:
+            body += data.draw(
+                st.sampled_from([b"\x0a\x01x", b"\x18\x05", b"\x20\x01", b"\x12\x02\x20\x01"])
+                | st.binary(max_size=6)
+            )
+    read = convert.request_bytes(bytes(body))
+    if read is not None:
+        assert read == _by_protobuf(bytes(body))
+
+
+def test_the_usual_request_is_read_from_its_bytes() -> None:
+    """What Envoy sends for a route's descriptors (entries only, a request hits_addend) is read
+    without protobuf; a repeated domain keeps its last value, as protobuf does."""
+    message = RateLimitRequest(domain="gateway", hits_addend=1)
+    message.descriptors.add().entries.add(key="remote_address", value="10.0.0.1")
+    descriptor = message.descriptors.add()
+    descriptor.entries.add(key="app", value="shop")
+    descriptor.entries.add(key="user", value="u-1")
+    body = message.SerializeToString()
+    expected = Request(
+        "gateway",
+        (
+            Descriptor((Entry("remote_address", "10.0.0.1"),)),
+            Descriptor((Entry("app", "shop"), Entry("user", "u-1"))),
+        ),
+        1,
+    )
+    assert convert.request_bytes(body) == expected
+    assert convert.request_bytes(b"\x0a\x01x" + body) == expected
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        pytest.param(b"\x0a\x02d", id="string-past-the-end"),
+        pytest.param(b"\x0a\x02\xff\xfe", id="domain-not-utf8"),
+        pytest.param(b"\x12\x03\x0a\x01\x0a", id="entry-past-its-descriptor"),
+        pytest.param(b"\x18" + b"\xff" * 10 + b"\x01", id="varint-over-ten-bytes"),
+        pytest.param(b"\x22\x00", id="unknown-field"),
+        pytest.param(b"\x12\x02\x20\x01", id="descriptor-field-4-is_negative_hits"),
+        pytest.param(b"\x12\x04\x1a\x00\x1a\x00", id="hits_addend-twice"),
+        pytest.param(b"\x12\x04\x12\x02\x10\x08", id="override-unit-unknown"),
+        pytest.param(b"\x08\x01", id="domain-as-varint"),
+    ],
+)
+def test_what_is_not_the_usual_encoding_is_left_to_protobuf(body: bytes) -> None:
+    """Malformed bytes, unknown fields (a newer Envoy's `is_negative_hits` among them), a
+    message field sent twice and an override the model lacks are not read here (None)."""
+    assert convert.request_bytes(body) is None
+
+
+@pytest.mark.parametrize("wide", [(1 << 32) + 5, (1 << 64) - 1])
+def test_a_number_wider_than_its_field_is_left_to_protobuf(wide: int) -> None:
+    """A uint32 field sent as a wider varint (the request's or a descriptor's hits_addend) is
+    left to protobuf, which keeps the low 32 bits of one and not of the other."""
+    number = convert.varint(wide)
+    wrapped = b"\x08" + number
+    descriptor = b"\x12" + bytes((len(wrapped) + 2,)) + b"\x1a" + bytes((len(wrapped),)) + wrapped
+    assert convert.request_bytes(b"\x0a\x01d\x18" + number) is None
+    assert convert.request_bytes(b"\x0a\x01d" + descriptor) is None
+    assert convert.request_bytes(b"\x0a\x01d\x18\x05" + descriptor) is None

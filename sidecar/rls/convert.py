@@ -2,6 +2,9 @@
 
 `request` turns a parsed `RateLimitRequest` into a `model.Request`, refusing what the model
 cannot carry (an override with an unknown unit) with InvalidRequest.
+`request_bytes` reads the model straight from the wire bytes of the usual request, as Envoy
+encodes it, without building the protobuf message first; for anything else it answers None, and
+the caller parses with protobuf, which gives every encoding its exact meaning or error.
 `response_bytes` writes a `model.Decision` straight to the wire bytes of a `RateLimitResponse`:
 it is the hot path, and encoding the few fields by hand, with each limit's `current_limit`
 encoded once and reused, costs a fraction of building the protobuf message field by field.
@@ -56,6 +59,172 @@ def request(message: RateLimitRequest) -> Request:
         override = _override(descriptor.limit, index) if descriptor.HasField("limit") else None
         descriptors.append(Descriptor(entries, hits_addend, override))
     return Request(message.domain, tuple(descriptors), message.hits_addend)
+
+
+# Wire format of the fields read below (field number << 3 | wire type 0 varint, 2 length):
+#   RateLimitRequest: 1 domain (string), 2 descriptors (message, repeated), 3 hits_addend (uint32)
+#   RateLimitDescriptor: 1 entries (message, repeated), 2 limit (RateLimitOverride),
+#                        3 hits_addend (google.protobuf.UInt32Value: 1 value, uint32)
+#   Entry: 1 key (string), 2 value (string)
+#   RateLimitOverride: 1 requests_per_unit (uint32), 2 unit (enum)
+_DOMAIN, _DESCRIPTOR, _REQUEST_HITS = 0x0A, 0x12, 0x18
+_ENTRY, _LIMIT, _DESCRIPTOR_HITS = 0x0A, 0x12, 0x1A
+_KEY, _VALUE = 0x0A, 0x12
+_WRAPPED_VALUE = 0x08
+_REQUESTS_PER_UNIT, _UNIT = 0x08, 0x10
+_UINT32 = 0xFFFFFFFF
+
+
+def request_bytes(body: bytes) -> Request | None:
+    """The model of the serialized `RateLimitRequest` `body`, read from its bytes, or None.
+
+    A new body costs this instead of a protobuf parse followed by `request`, whose reads of
+    the parsed message's fields cost several times the parse (most of a gateway's bodies are
+    new: they name client addresses and users). It reads the fields Envoy sends, in any order,
+    a repeated string or number keeping its last value as protobuf does. Whatever it does not
+    read the usual way is left to protobuf (None): an unknown field (a newer Envoy's), a known
+    one of an unexpected wire type, a message field sent twice (protobuf merges the two), a
+    string that is not UTF-8, a number wider than its uint32 field (protobuf keeps the low bits
+    of some and not of others), an override whose unit the model lacks, a truncated or
+    malformed message. So the two readings never differ; a test holds them to that on random messages.
+    """
+    reader = _Reader(body)
+    end = len(body)
+    domain = ""
+    descriptors: list[Descriptor] = []
+    hits_addend = 0
+    while reader.pos < end:
+        tag = reader.varint(end)
+        if tag == _DESCRIPTOR:
+            stop = reader.length(end)
+            if stop < 0:
+                return None
+            descriptor = _descriptor(reader, stop)
+            if descriptor is None:
+                return None
+            descriptors.append(descriptor)
+        elif tag == _DOMAIN:
+            text = reader.text(end)
+            if text is None:
+                return None
+            domain = text
+        elif tag == _REQUEST_HITS:
+            number = reader.varint(end)
+            if not 0 <= number <= _UINT32:
+                return None
+            hits_addend = number
+        else:
+            return None
+    return Request(domain, tuple(descriptors), hits_addend)
+
+
+def _descriptor(reader: _Reader, end: int) -> Descriptor | None:
+    """The descriptor whose fields run from the reader's position to `end`, or None."""
+    entries: list[Entry] = []
+    hits_addend: int | None = None
+    override: Override | None = None
+    while reader.pos < end:
+        tag = reader.varint(end)
+        if tag == _ENTRY:
+            stop = reader.length(end)
+            if stop < 0:
+                return None
+            key = value = ""
+            while reader.pos < stop:
+                field = reader.varint(stop)
+                text = reader.text(stop) if field in (_KEY, _VALUE) else None
+                if text is None:
+                    return None
+                if field == _KEY:
+                    key = text
+                else:
+                    value = text
+            entries.append(Entry(key, value))
+        elif tag == _DESCRIPTOR_HITS and hits_addend is None:
+            stop = reader.length(end)
+            if stop < 0:
+                return None
+            hits_addend = 0
+            while reader.pos < stop:
+                field = reader.varint(stop)
+                number = reader.varint(stop) if field == _WRAPPED_VALUE else -1
+                if not 0 <= number <= _UINT32:
+                    return None
+                hits_addend = number
+        elif tag == _LIMIT and override is None:
+            override = _limit(reader, end)
+            if override is None:
+                return None
+        else:
+            return None
+    return Descriptor(tuple(entries), hits_addend, override)
+
+
+def _limit(reader: _Reader, end: int) -> Override | None:
+    """The override whose length-prefixed fields start at the reader's position, or None (its
+    unit unknown to the model too: `_override` words that refusal)."""
+    stop = reader.length(end)
+    if stop < 0:
+        return None
+    requests_per_unit = unit = 0
+    while reader.pos < stop:
+        field = reader.varint(stop)
+        number = reader.varint(stop) if field in (_REQUESTS_PER_UNIT, _UNIT) else -1
+        if not 0 <= number <= _UINT32:
+            return None
+        if field == _REQUESTS_PER_UNIT:
+            requests_per_unit = number
+        else:
+            unit = number
+    known = _OVERRIDE_UNITS.get(unit)
+    return None if known is None else Override(requests_per_unit, known)
+
+
+class _Reader:
+    """A position in a message's bytes. Each read returns -1 (or None) for bytes that do not
+    hold what it reads within `end`, and then the position means nothing."""
+
+    __slots__ = ("data", "pos")
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+        self.pos = 0
+
+    def varint(self, end: int) -> int:
+        """The varint at the position (at most ten bytes, as protobuf allows), or -1."""
+        data = self.data
+        pos = self.pos
+        result = 0
+        shift = 0
+        while pos < end and shift < 70:
+            byte = data[pos]
+            pos += 1
+            result |= (byte & 0x7F) << shift
+            if byte < 0x80:
+                self.pos = pos
+                return result & 0xFFFFFFFFFFFFFFFF
+            shift += 7
+        return -1
+
+    def length(self, end: int) -> int:
+        """Where the length-delimited field at the position ends (its bytes then start at the
+        position), or -1 when it would end past `end`."""
+        size = self.varint(end)
+        if size < 0 or size > end - self.pos:
+            return -1
+        return self.pos + size
+
+    def text(self, end: int) -> str | None:
+        """The UTF-8 string field at the position, or None."""
+        stop = self.length(end)
+        if stop < 0:
+            return None
+        start = self.pos
+        self.pos = stop
+        try:
+            return self.data[start:stop].decode()
+        except UnicodeDecodeError:
+            return None
 
 
 def _override(limit: RateLimitDescriptor.RateLimitOverride, index: int) -> Override:

@@ -68,11 +68,15 @@ class RateLimitService:
         return plan
 
     def _prepare(self, body: bytes) -> Plan:
-        try:
-            message = RateLimitRequest.FromString(body)
-        except DecodeError as exc:
-            raise self._refuse(f"malformed RateLimitRequest: {exc}") from exc
-        plan = self.limiter.prepare(self._convert(message))
+        request = convert.request_bytes(body)
+        if request is None:
+            # Not the usual encoding: protobuf gives it its exact meaning, or its error.
+            try:
+                message = RateLimitRequest.FromString(body)
+            except DecodeError as exc:
+                raise self._refuse(f"malformed RateLimitRequest: {exc}") from exc
+            request = self._convert(message)
+        plan = self.limiter.prepare(request)
         if len(body) <= PARSED_BODY_MAX_BYTES:
             plans = self._plans
             if len(plans) >= PARSED_CACHE_SIZE:
