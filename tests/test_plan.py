@@ -15,7 +15,7 @@ from sidecar import config
 from sidecar.limiter import Limiter
 from sidecar.model import Algorithm, Code, Descriptor, Entry, Hit, Request, Role, Unit, Window
 from sidecar.plan import prepare
-from sidecar.rls.service import RateLimitService
+from sidecar.rls.service import SEEN_BODIES, RateLimitService
 from sidecar.rules import Rules
 from sidecar.storage.memory import MemoryBackend
 from sidecar.storage.scripts import ApplyPacker, apply_command, counts
@@ -99,6 +99,44 @@ async def test_a_reload_makes_cached_plans_stale() -> None:
     after = RateLimitResponse.FromString(await service_call(service, body))
     assert after.statuses[0].current_limit.requests_per_unit == 7
     assert after.overall_code == Code.OK
+
+
+def _body(user: str) -> bytes:
+    message = RateLimitRequest(domain="d")
+    entry = message.descriptors.add().entries.add()
+    entry.key, entry.value = "user", user
+    body: bytes = message.SerializeToString()
+    return body
+
+
+def test_a_body_is_kept_on_its_second_sighting() -> None:
+    """A body seen once leaves no plan behind; seen again, its plan is kept, and every later
+    call with the same bytes reuses it."""
+    service = RateLimitService(Limiter(_rules(), MemoryBackend(), clock=Clock(1_000.0)))
+    body = _body("u")
+    first, second, third = (service._plan(body) for _ in range(3))
+    assert first is not second
+    assert third is second
+    assert service._plan(_body("u")) is second  # the same bytes in another object
+
+
+def test_bodies_seen_once_keep_no_plan() -> None:
+    """Distinct bodies (a user each, as most of a gateway's traffic) keep no plan in the cache,
+    and the hashes that remember them stay within their bound."""
+    service = RateLimitService(Limiter(_rules(), MemoryBackend(), clock=Clock(1_000.0)))
+    for number in range(SEEN_BODIES + 10):
+        service._plan(_body(f"user-{number}"))
+    assert not service._plans
+    assert len(service._seen) <= SEEN_BODIES
+
+
+def test_a_body_not_in_the_usual_encoding_is_planned_as_protobuf_reads_it() -> None:
+    """A body the direct reading leaves to protobuf (here, an unknown field after the usual
+    ones) is planned from protobuf's reading: the same descriptors, the same plan."""
+    service = RateLimitService(Limiter(_rules(), MemoryBackend(), clock=Clock(1_000.0)))
+    usual = service._plan(_body("u")).request
+    unusual = service._plan(_body("u") + b"\x22\x00").request
+    assert unusual == usual
 
 
 def test_packed_script_call_is_hiredis_packing_of_the_arguments() -> None:

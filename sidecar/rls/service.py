@@ -27,12 +27,19 @@ from sidecar.rls import convert
 from sidecar.rls.extras import Extras
 from sidecar.stats import Stats
 
-#: Prepared requests (`sidecar.plan`) are kept by their bytes: Envoy sends the same bodies again
-#: and again (same route, same client), and parsing and matching one cost more than deciding
-#: it. Bodies up to this size are kept, up to this many; the cache is emptied when full, so its
-#: memory stays bounded. A plan made under rules since replaced is made again.
+#: Prepared requests (`sidecar.plan`) are kept by their bytes: behind one route, Envoy sends
+#: the same bodies again and again (one per client, or the route's alone), and reading and
+#: matching one cost more than deciding it. But most of a gateway's bodies name a client
+#: address or a user and are seen once: keeping each of those would fill the cache with plans
+#: never used again, whose objects the cycle collector walks until the cache is emptied (the
+#: pauses of issue 30). So a body is kept on its second sighting: the first leaves only its
+#: hash in `_seen`, an int, which the collector does not track. Bodies up to this size are
+#: kept, up to this many; each of the two is emptied when full, so their memory stays bounded
+#: (at most 4,096 plans, 65,536 hashes: about 4 MiB). A plan made under rules since replaced is
+#: made again.
 PARSED_BODY_MAX_BYTES = 1_024
 PARSED_CACHE_SIZE = 4_096
+SEEN_BODIES = 65_536
 
 
 class RateLimitService:
@@ -41,6 +48,7 @@ class RateLimitService:
     def __init__(self, limiter: Limiter) -> None:
         self.limiter = limiter
         self._plans: dict[bytes, Plan] = {}
+        self._seen: set[int] = set()
         self._encode = convert.response_bytes
 
     @property
@@ -78,10 +86,18 @@ class RateLimitService:
             request = self._convert(message)
         plan = self.limiter.prepare(request)
         if len(body) <= PARSED_BODY_MAX_BYTES:
-            plans = self._plans
-            if len(plans) >= PARSED_CACHE_SIZE:
-                plans.clear()
-            plans[bytes(body)] = plan
+            seen = self._seen
+            # The hash of the bytes was worked out by the lookup in `_plan`, and kept with them.
+            known = hash(body)
+            if known in seen:
+                plans = self._plans
+                if len(plans) >= PARSED_CACHE_SIZE:
+                    plans.clear()
+                plans[bytes(body)] = plan
+            else:
+                if len(seen) >= SEEN_BODIES:
+                    seen.clear()
+                seen.add(known)
         return plan
 
     async def should_rate_limit_json(self, body: bytes) -> tuple[Code, str]:
