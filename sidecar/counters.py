@@ -45,9 +45,6 @@ def tag(window: Window) -> str:
 
 def window_hit(prefix: str, window: Window, cost: int, group: int, role: Role, now_ms: int) -> Hit:
     """The Hit that asks a backend for `cost` on `window` of the counter whose head is `prefix`."""
-    kind = tag(window)
-    if window.algorithm is Algorithm.TOKEN_BUCKET:
-        return Hit(bucket_key(prefix, kind), cost, window, group, role)
     now = now_ms // 1000
     if window.plain:
         suffix, start, end = plain_suffix(window, now, grouped=False)
@@ -56,6 +53,9 @@ def window_hit(prefix: str, window: Window, cost: int, group: int, role: Role, n
         # first hit, which also covers sidecars whose clocks run a little behind.
         ttl = window.seconds if not window.calendar else end - now + 1
         return Hit(key, cost, window, group, role, key, ttl, start * 1000, end * 1000)
+    kind = tag(window)
+    if window.algorithm is Algorithm.TOKEN_BUCKET:
+        return Hit(bucket_key(prefix, kind), cost, window, group, role)
     start, end = bounds(window, now)
     key = window_key(prefix, kind, start)
     # Borrowing and sliding windows read the previous window, so a counter lives until the end

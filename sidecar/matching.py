@@ -15,7 +15,7 @@ from sidecar.model import Entry, Limit
 from sidecar.rules import Domain, Level, Node
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(eq=True, unsafe_hash=True)
 class Match:
     """A rule that applies to a descriptor.
 
@@ -23,6 +23,7 @@ class Match:
     except where a `share_threshold` wildcard makes every matching value share the pattern's.
     `metric_key` names its statistics, as in the reference (`domain.key_value.subkey`).
     `grouped`: its counters live in the hash of its first entry (`group_counters`).
+    Immutable by convention, as `sidecar.model`'s per-body values are, for the same reason.
     """
 
     limit: Limit

@@ -88,9 +88,10 @@ class WindowHits:
 _FOREVER = 1 << 62
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(eq=True, unsafe_hash=True)
 class Counted:
-    """A descriptor the backend must decide: its position, rule, cost and windows' hits."""
+    """A descriptor the backend must decide: its position, rule, cost and windows' hits.
+    Immutable by convention, as `sidecar.model`'s per-body values are, for the same reason."""
 
     index: int
     match: Match
@@ -102,9 +103,10 @@ class Counted:
         return self.match.limit.role
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(eq=True, unsafe_hash=True)
 class Plan:
-    """What is known about a request before the backend is asked.
+    """What is known about a request before the backend is asked (immutable by convention,
+    as `sidecar.model`'s per-body values are, for the same reason).
 
     `rules` are the rules it was prepared against (a reload makes it stale). `statuses` holds
     every descriptor's answer when no backend call decides it (OK for no rule or a replaced one,
