@@ -11,8 +11,10 @@ proves it answers OK, warms it up for a second with other keys of the same space
 Per row: calls, calls/s, p50/p99/p99.9 and the slowest call, the calls not answered OK by gRPC
 status, the calls the sidecar answered by its failure mode (`redis_error` in /metrics) or refused
 as overloaded, the server's and Redis's CPU per call (/proc), the sidecar's longest GC pause
-(`ratelimit_sidecar_gc_pause_max_seconds` in /metrics, since the process started; "n/a" where
-the sidecar does not export it) and the generator's own lag (how late calls left, at p99).
+(`ratelimit_sidecar_gc_pause_max_seconds` in /metrics; where the histogram
+`ratelimit_sidecar_gc_pause_seconds` is exported too, the upper bound of the largest bucket that
+counted a pause during the row, which leaves out the pauses of start-up and warm-up; "n/a" where
+the sidecar exports neither) and the generator's own lag (how late calls left, at p99).
 The first rows are the generator's ceiling: the no-op server flat out, and at the fixed rate.
 Then the gateway table (bench/gateway.py's distinct-users mode): wrk through Envoy with its
 default 20 ms rate limit timeout, one user repeated or ten million.
@@ -27,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import re
 import signal
 import sys
 import tempfile
@@ -58,6 +61,8 @@ TEN_M = 10_000_000
 #: The seeds of the measured draws and of the warm-up's, so a row is the same calls every run.
 SEED, WARMUP_SEED = 30, 31
 GC_PAUSE = "ratelimit_sidecar_gc_pause_max_seconds"
+GC_PAUSES = "ratelimit_sidecar_gc_pause_seconds_bucket"
+_LE = re.compile(r'le="([^"]+)"')
 FAILURE_MODE = 'ratelimit_service_should_rate_limit_error{err_type="redis_error"}'
 OVERLOADED = 'ratelimit_service_should_rate_limit_error{err_type="overloaded"}'
 
@@ -178,7 +183,7 @@ def measure(
         if metrics is not None:
             result.failure_mode = int(after.get(FAILURE_MODE, 0) - before.get(FAILURE_MODE, 0))
             result.overloaded = int(after.get(OVERLOADED, 0) - before.get(OVERLOADED, 0))
-            pause = after.get(GC_PAUSE)
+            pause = _longest_pause(before, after)
             result.gc_pause_ms = None if pause is None else pause * 1000
         probe.wait_until_ok(server, port, keyspace.message(1, row.shape), 5.0)
     except BenchError as exc:
@@ -216,6 +221,20 @@ def _scrape(url: str | None) -> dict[str, float]:
         if bare != name:
             samples[bare] = max(samples.get(bare, float(value)), float(value))
     return samples
+
+
+def _longest_pause(before: Mapping[str, float], after: Mapping[str, float]) -> float | None:
+    """The longest GC pause in seconds: during the row, as the smallest histogram bound that
+    holds every pause the row added (all generations); else the gauge; None without either."""
+    added: dict[float, float] = {}
+    for name, count in after.items():
+        if name.startswith(GC_PAUSES + "{") and (bound := _LE.search(name)):
+            le = float(bound.group(1))
+            added[le] = added.get(le, 0.0) + count - before.get(name, 0.0)
+    if added:
+        total = added.get(float("inf"), 0.0)
+        return 0.0 if not total else min(le for le, count in added.items() if count >= total)
+    return after.get(GC_PAUSE)
 
 
 def _us(ticks: int, calls: int) -> float:

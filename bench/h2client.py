@@ -325,6 +325,7 @@ class _Connection(asyncio.Protocol):
         return len(entries), entries[0] if entries else None
 
     def _end(self, stream_id: int, outcome: str) -> None:
+        self.status.pop(stream_id, None)
         started = self.started.pop(stream_id, None)
         if started is not None:
             self.run.answered(started, outcome)
