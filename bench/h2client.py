@@ -171,7 +171,7 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
-        self._fail_all("connection lost")
+        self.fail_all("connection lost")
         if not self.ready.done():
             self.ready.set_exception(ConnectionError(f"connection lost before SETTINGS: {exc}"))
 
@@ -187,7 +187,7 @@ class _Connection(asyncio.Protocol):
             at += 9 + size
             self._frame(kind, flags, stream_id & frames.MAX_STREAM_ID, payload)
         self.buffer = buffer[at:]
-        self._send_queued()
+        self.pump()
         self.flush()
 
     # --- sending ---
@@ -222,7 +222,9 @@ class _Connection(asyncio.Protocol):
         self.out.append(frames.frame(frames.HEADERS, frames.END_HEADERS, stream_id, self.block))
         self.out.append(frames.frame(frames.DATA, frames.END_STREAM, stream_id, body))
 
-    def _send_queued(self) -> None:
+    def pump(self) -> None:
+        """Send what the server's limits now allow: the queue first, then (flat out) the run's
+        next bodies."""
         run = self.run
         while self.queue and self._can_send(self.queue[0][0]):
             self._send(*self.queue.popleft())
@@ -330,7 +332,8 @@ class _Connection(asyncio.Protocol):
         if started is not None:
             self.run.answered(started, outcome)
 
-    def _fail_all(self, outcome: str) -> None:
+    def fail_all(self, outcome: str) -> None:
+        """Count every call in flight or queued on this connection as `outcome`."""
         for stream_id in list(self.started):
             self._end(stream_id, outcome)
         self._fail_queue(outcome)
@@ -373,7 +376,7 @@ async def run(host: str, port: int, bodies: Sequence[bytes], pace: Pace) -> Tall
         start = time.perf_counter()
         if pace.rate is None:
             for connection in connections:
-                connection._send_queued()
+                connection.pump()
                 connection.flush()
         else:
             _Schedule(calls, connections, pace.rate, start).tick()
@@ -399,7 +402,7 @@ async def _finished(calls: _Run, connections: list[_Connection], timeout: float)
         except TimeoutError:
             if calls.next == sent and calls.done == done:  # no progress in `timeout` seconds
                 for connection in connections:
-                    connection._fail_all("unanswered")
+                    connection.fail_all("unanswered")
                 calls.tally.outcomes["unsent"] += len(calls.bodies) - calls.next
                 return
 
