@@ -286,6 +286,12 @@ def report(results: list[Measured], seconds: int) -> str:
     lines.append(table(rows))
     lines.extend(f"{result.row.label} FAILED: {result.error}" for result in results if result.error)
     for result in results:
+        if result.row.server == "noop-fast" and result.row.rate is None and result.tally:
+            lines.append(
+                f"generator ceiling: {result.tally.calls / result.tally.seconds:,.0f} calls/s flat "
+                f"out against the no-op server, {result.generator_us:.1f} µs of its own CPU per "
+                "call (on the same CPUs as the server)"
+            )
         if result.row.headline and result.tally is not None:
             lines.append(_headline(result))
     return "\n".join(lines)
