@@ -85,8 +85,9 @@ class Row:
         if self.keys is None:
             keys = "1 body"
         else:
-            size = f"{self.keys.size // 1_000_000}M" if self.keys.size >= 1e6 else "100k"
-            keys = f"{self.keys.spread.value} {size}"
+            size = self.keys.size
+            size_text = f"{size // 1_000_000}M" if size >= 1_000_000 else f"{size // 1000}k"
+            keys = f"{self.keys.spread.value} {size_text}"
         return f"{self.server} {pace} {keys} x{self.shape.value}"
 
     def indices(self, count: int, seed: int) -> list[int]:
