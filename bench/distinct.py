@@ -132,6 +132,8 @@ class Measured:
     failure_mode: int | None = None
     overloaded: int | None = None
     gc_pause_ms: float | None = None
+    #: The pause is a histogram bucket's upper bound (the row's own), not the gauge's value.
+    gc_pause_bound: bool = False
     #: This process's CPU per call while it generated the load.
     generator_us: float = 0.0
     error: str | None = None
@@ -186,6 +188,7 @@ def measure(
             result.overloaded = int(after.get(OVERLOADED, 0) - before.get(OVERLOADED, 0))
             pause = _longest_pause(before, after)
             result.gc_pause_ms = None if pause is None else pause * 1000
+            result.gc_pause_bound = any(name.startswith(GC_PAUSES) for name in after)
         probe.wait_until_ok(server, port, keyspace.message(1, row.shape), 5.0)
     except BenchError as exc:
         result.error = str(exc)
@@ -310,7 +313,9 @@ def _count(value: int | None) -> str:
 def _gc(result: Measured) -> str:
     if result.failure_mode is None:  # the no-op server has no /metrics
         return "-"
-    return "n/a" if result.gc_pause_ms is None else f"{result.gc_pause_ms:.1f}"
+    if result.gc_pause_ms is None:
+        return "n/a"
+    return f"{'<=' if result.gc_pause_bound else ''}{result.gc_pause_ms:g}"
 
 
 def _headline(result: Measured) -> str:
