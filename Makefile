@@ -82,9 +82,11 @@ test-deps:
 	@# The redis-server package starts a system redis on :6379; the tests start their own on free ports.
 
 ## Benchmarks (not tests): calls/s, latency and CPU per call, side by side, of the compiled
-## build (what the image ships; `python -m bench.run` without --build measures the sources).
+## build (what the image ships; `python -m bench.run` without --build measures the sources);
+## bench.distinct sends distinct bodies (real traffic), straight and through Envoy (~3 minutes).
 bench: venv bench-deps compiled
 	$(BIN)/python -m bench.run --build $(COMPILED)
+	$(BIN)/python -m bench.distinct --build $(COMPILED)
 	$(BIN)/python -m bench.caps
 	$(BIN)/python -m bench.quota_gateway
 	$(BIN)/python -m bench.usage

@@ -9,6 +9,12 @@ little, in both runs. The sidecar runs on Redis, as in production.
 A run only counts when every response was a 2xx, and when the sidecar answered at least one
 ShouldRateLimit call per request with the filter and none without it.
 The sidecar's CPU per request (from /proc) is judged against issue 7's target beside its row.
+
+The distinct-users mode (`measure_users`, run by bench/distinct.py) keeps one gateway with the
+filter at Envoy's default 20 ms timeout, and loads it with one user repeated and with every
+request's user drawn from ten million (wrk's Lua `request()`), at 4 and at 32 connections; it
+reports the sidecar's and Redis's CPU per request and Envoy's own counts of the filter's
+outcomes, among them the requests it let through undecided (`failure_mode_allowed`).
 """
 
 from __future__ import annotations
@@ -127,26 +133,9 @@ def measure(
     result = Result()
     started: list[Process] = []
     try:
-        upstream_port, upstream_admin = free_port(), free_port()
-        upstream_config = workdir / "upstream.yaml"
-        upstream_config.write_text(yaml.safe_dump(_upstream(upstream_port, upstream_admin)))
-        upstream = _envoy("upstream", upstream_config, workdir)
-        started.append(upstream)
-        _wait_ready(upstream, f"http://127.0.0.1:{upstream_admin}/ready", timeout)
-
-        grpc_port, http_port = free_port(), free_port()
-        filled = {
-            **placeholders,
-            "rules": str(RULES),
-            "grpc_port": str(grpc_port),
-            "http_port": str(http_port),
-            **redis.placeholders,
-        }
-        argv = [part.format_map(filled) for part in sidecar_command]
-        sidecar = start("gateway-sidecar", argv, {}, workdir)
-        started.append(sidecar)
-        _wait_ready(sidecar, f"http://127.0.0.1:{http_port}/healthcheck", timeout)
-        metrics = f"http://127.0.0.1:{http_port}/metrics"
+        upstream_port, grpc_port, sidecar, metrics = _upstream_and_sidecar(
+            redis, sidecar_command, placeholders, workdir, timeout, started
+        )
 
         for with_filter in (False, True):
             name = "gateway-rate-limited" if with_filter else "gateway-no-filter"
@@ -190,6 +179,38 @@ def measure(
         for process in reversed(started):
             process.stop()
     return result
+
+
+def _upstream_and_sidecar(
+    redis: Service,
+    sidecar_command: Sequence[str],
+    placeholders: Mapping[str, str],
+    workdir: Path,
+    timeout: float,
+    started: list[Process],
+) -> tuple[int, int, Process, str]:
+    """The upstream Envoy and the sidecar on `redis`, ready, appended to `started`: the
+    upstream's port, the sidecar's gRPC port, its process and its /metrics URL."""
+    upstream_port, upstream_admin = free_port(), free_port()
+    upstream_config = workdir / "upstream.yaml"
+    upstream_config.write_text(yaml.safe_dump(_upstream(upstream_port, upstream_admin)))
+    upstream = _envoy("upstream", upstream_config, workdir)
+    started.append(upstream)
+    _wait_ready(upstream, f"http://127.0.0.1:{upstream_admin}/ready", timeout)
+
+    grpc_port, http_port = free_port(), free_port()
+    filled = {
+        **placeholders,
+        "rules": str(RULES),
+        "grpc_port": str(grpc_port),
+        "http_port": str(http_port),
+        **redis.placeholders,
+    }
+    argv = [part.format_map(filled) for part in sidecar_command]
+    sidecar = start("gateway-sidecar", argv, {}, workdir)
+    started.append(sidecar)
+    _wait_ready(sidecar, f"http://127.0.0.1:{http_port}/healthcheck", timeout)
+    return upstream_port, grpc_port, sidecar, f"http://127.0.0.1:{http_port}/metrics"
 
 
 def report(result: Result, load: Load) -> str:
@@ -249,6 +270,179 @@ def report(result: Result, load: Load) -> str:
     return "\n".join(lines)
 
 
+# --- distinct users (bench/distinct.py) --------------------------------------------------------
+
+#: Envoy's own default for the rate limit filter's `timeout` (failure_mode_deny stays false):
+#: a call the sidecar does not answer within it is admitted undecided.
+ENVOY_DEFAULT_TIMEOUT_MS = 20
+#: Envoy's counters of the filter's outcomes, in `cluster.<route target cluster>.ratelimit.`.
+ENVOY_OUTCOMES = ("ok", "over_limit", "error", "failure_mode_allowed")
+#: wrk's Lua: every request names a user drawn uniformly from USERS (LuaJIT's math.random), so
+#: every request sends descriptors the sidecar has (almost surely) not seen.
+USERS_SCRIPT = """\
+local users = {users}
+request = function()
+  wrk.headers["x-user-id"] = "u" .. math.random(users)
+  return wrk.format()
+end
+"""
+
+
+@dataclass(frozen=True)
+class UsersLoad:
+    """A distinct-users row: wrk's connections, and how many users (None: one, repeated)."""
+
+    connections: int
+    users: int | None
+
+
+USERS_LOADS = (
+    UsersLoad(4, None),
+    UsersLoad(4, 10_000_000),
+    UsersLoad(32, None),
+    UsersLoad(32, 10_000_000),
+)
+
+
+@dataclass(frozen=True)
+class UsersResult:
+    load: UsersLoad
+    requests: int
+    requests_per_second: float
+    sidecar_us: float
+    redis_us: float
+    #: The filter's outcome counters during the measured run (ENVOY_OUTCOMES).
+    envoy: Mapping[str, int]
+
+
+def measure_users(
+    loads: Sequence[UsersLoad],
+    seconds: int,
+    redis: Service,
+    sidecar_command: Sequence[str],
+    placeholders: Mapping[str, str],
+    workdir: Path,
+    timeout: float,
+) -> list[UsersResult]:
+    """One gateway with the filter at Envoy's default 20 ms timeout, loaded by each of `loads`
+    in turn (2 s of warm-up, then `seconds`): requests, CPU per request of the sidecar and of
+    Redis, and what Envoy counted of the filter's outcomes. Raises BenchError."""
+    started: list[Process] = []
+    results = []
+    try:
+        upstream_port, grpc_port, sidecar, metrics = _upstream_and_sidecar(
+            redis, sidecar_command, placeholders, workdir, timeout, started
+        )
+        port, admin = free_port(), free_port()
+        config = workdir / "gateway-users.yaml"
+        config.write_text(
+            _bootstrap(
+                port, admin, grpc_port, upstream_port,
+                with_filter=True, timeout_ms=ENVOY_DEFAULT_TIMEOUT_MS,
+            )
+        )  # fmt: skip
+        gateway = _envoy("gateway-users", config, workdir)
+        started.append(gateway)
+        _wait_ready(gateway, f"http://127.0.0.1:{admin}/ready", timeout)
+        url = f"http://127.0.0.1:{port}{PATH}"
+        _check_once(url, expect_limits=True)
+        for load in loads:
+            script = None
+            if load.users is not None:
+                script = workdir / f"users-{load.users}.lua"
+                script.write_text(USERS_SCRIPT.format(users=load.users))
+            wrk_load = Load(seconds=seconds, connections=load.connections)
+            wrk(url, wrk_load.warmup_seconds, wrk_load, timeout, script)
+            calls_before = _sidecar_calls(metrics)
+            outcomes_before = _envoy_outcomes(admin)
+            ticks_before = sidecar.cpu_ticks(), redis.cpu_ticks()
+            measured = wrk(url, seconds, wrk_load, timeout, script)
+            sidecar_ticks = sidecar.cpu_ticks() - ticks_before[0]
+            redis_ticks = redis.cpu_ticks() - ticks_before[1]
+            outcomes_after = _envoy_outcomes(admin)
+            calls = _sidecar_calls(metrics) - calls_before
+            requests = int(measured["requests"])
+            if calls < requests:
+                raise BenchError(
+                    f"gateway-users: {requests} requests but the sidecar answered {calls} calls"
+                )
+            per_request = 1e6 / CLOCK_TICKS_PER_SECOND / max(1, requests)
+            results.append(
+                UsersResult(
+                    load=load,
+                    requests=requests,
+                    requests_per_second=float(measured["requests_per_second"]),
+                    sidecar_us=sidecar_ticks * per_request,
+                    redis_us=redis_ticks * per_request,
+                    envoy={
+                        name: outcomes_after[name] - outcomes_before[name]
+                        for name in ENVOY_OUTCOMES
+                    },
+                )
+            )
+    finally:
+        for process in reversed(started):
+            process.stop()
+    return results
+
+
+def users_report(results: Sequence[UsersResult], seconds: int, error: str | None = None) -> str:
+    """The distinct-users table: one repeated user beside ten million, per connection count."""
+    lines = [
+        "",
+        f"gateway, distinct users: wrk -t1 -d{seconds}s → Envoy (rate limit filter timeout "
+        f"{ENVOY_DEFAULT_TIMEOUT_MS} ms, Envoy's default; failure_mode_deny false) → upstream; "
+        f"sidecar on Redis; GET {PATH}, two descriptors a request",
+    ]
+    rows = [
+        [
+            "connections", "users", "requests", "requests/s", "sidecar+redis µs/request",
+            "sidecar", "redis", "ok", "over_limit", "error", "failure_mode_allowed",
+            "undecided per 100k",
+        ]
+    ]  # fmt: skip
+    for result in results:
+        envoy = result.envoy
+        rows.append(
+            [
+                str(result.load.connections),
+                "1" if result.load.users is None else f"{result.load.users:,}",
+                f"{result.requests:,}",
+                f"{result.requests_per_second:,.0f}",
+                f"{result.sidecar_us + result.redis_us:.1f}",
+                f"{result.sidecar_us:.1f}",
+                f"{result.redis_us:.1f}",
+                *(f"{envoy[name]:,}" for name in ENVOY_OUTCOMES),
+                f"{envoy['failure_mode_allowed'] * 100_000 / max(1, result.requests):.0f}",
+            ]
+        )
+    lines.append(table(rows))
+    lines.append(
+        "error: calls Envoy's filter got no decision for (timed out past 20 ms, or failed); "
+        "failure_mode_allowed (undecided): those it let through anyway, per 100,000 requests last"
+    )
+    if error:
+        lines.append(f"{NAME} distinct users FAILED: {error}")
+    return "\n".join(lines)
+
+
+def _envoy_outcomes(admin: int) -> dict[str, int]:
+    """The rate limit filter's outcome counters, summed over the route target clusters."""
+    url = f"http://127.0.0.1:{admin}/stats?filter=ratelimit"
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            text = response.read().decode()
+    except (urllib.error.URLError, OSError) as exc:
+        raise BenchError(f"GET {url}: {exc}") from exc
+    totals = dict.fromkeys(ENVOY_OUTCOMES, 0)
+    for line in text.splitlines():
+        name, _, value = line.partition(": ")
+        prefix, _, outcome = name.rpartition(".ratelimit.")
+        if prefix.startswith("cluster.") and outcome in totals:
+            totals[outcome] += int(value)
+    return totals
+
+
 # --- processes and configs ---------------------------------------------------------------------
 
 
@@ -276,8 +470,17 @@ def _wait_ready(process: Process, url: str, timeout: float) -> None:
     raise BenchError(f"{process.name}: {url} not ready after {timeout:g}s\n{process.log_tail()}")
 
 
-def _bootstrap(port: int, admin: int, sidecar: int, upstream: int, *, with_filter: bool) -> str:
-    """envoy/gateway.yaml's own command, with the bench's rules and ports."""
+def _bootstrap(
+    port: int,
+    admin: int,
+    sidecar: int,
+    upstream: int,
+    *,
+    with_filter: bool,
+    timeout_ms: int | None = None,
+) -> str:
+    """envoy/gateway.yaml's own command, with the bench's rules and ports (and the filter's
+    timeout, when given, in place of the command's)."""
     from sidecar import cli
     from sidecar.envoy_config import commands
 
@@ -288,6 +491,8 @@ def _bootstrap(port: int, admin: int, sidecar: int, upstream: int, *, with_filte
     args.admin = ("127.0.0.1", admin)
     args.sidecar = ("127.0.0.1", sidecar)
     args.upstream = ("127.0.0.1", upstream)
+    if timeout_ms is not None:
+        args.timeout_ms = timeout_ms
     return commands.generate(args, argv, with_rate_limit=with_filter)
 
 
@@ -376,13 +581,16 @@ _PERCENTILE = re.compile(r"^\s+(50|90|99)%\s+([\d.]+)(us|ms|s)\s*$", re.MULTILIN
 _MS = {"us": 0.001, "ms": 1.0, "s": 1000.0}
 
 
-def wrk(url: str, seconds: int, load: Load, timeout: float) -> dict[str, float | int]:
-    """wrk on `url` for `seconds`: requests, requests/s and p50/p90/p99 in ms (bench.quota_gateway
-    drives its gateways with it too)."""
+def wrk(
+    url: str, seconds: int, load: Load, timeout: float, script: Path | None = None
+) -> dict[str, float | int]:
+    """wrk on `url` for `seconds`, with a Lua `script` if given: requests, requests/s and
+    p50/p90/p99 in ms (bench.quota_gateway drives its gateways with it too)."""
     header_args = [arg for name, value in HEADERS.items() for arg in ("-H", f"{name}: {value}")]
     argv = [
         wrk_binary(), "-t", str(load.threads), "-c", str(load.connections), "-d", f"{seconds}s",
-        "--latency", "--timeout", "5s", *header_args, url,
+        "--latency", "--timeout", "5s", *header_args,
+        *(["--script", str(script)] if script else []), url,
     ]  # fmt: skip
     try:
         completed = subprocess.run(argv, capture_output=True, text=True, timeout=seconds + timeout)

@@ -217,6 +217,14 @@ def names() -> list[str]:
     return [scenario.name for scenario in SCENARIOS] + [FIXED_RATE, GATEWAY]
 
 
+def by_name(name: str) -> Scenario:
+    """The scenario called `name`; raises ValueError for an unknown name."""
+    try:
+        return _BY_NAME[name]
+    except KeyError:
+        raise ValueError(f"unknown scenario {name}; known: {', '.join(_BY_NAME)}") from None
+
+
 def select(only: list[str] | None) -> list[Scenario]:
     """The flat-out gRPC scenarios named in `only` (all of them when it is empty)."""
     if not only:
