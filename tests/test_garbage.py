@@ -1,4 +1,5 @@
-"""A ShouldRateLimit call leaves no garbage cycle behind, on every backend and on both builds.
+"""A ShouldRateLimit call leaves no garbage cycle behind, on every backend and on both builds,
+and neither does a connection once closed.
 
 Every object a call makes must be freed by its reference count as the call ends: what only the
 cycle collector can free piles up between its collections, and each collection is a pause of
@@ -56,6 +57,8 @@ CALLS = 512
 WARM_UP = 64
 #: Calls per read, as Envoy's requests arrive together on its connection.
 PER_READ = 8
+#: Connections opened, used and closed.
+CONNECTIONS = 32
 
 RULES = """
 domain: garbage
@@ -141,11 +144,20 @@ class Sidecar:
     async def connect(self) -> None:
         await self.fast.set_serving(True)
         protocol = _Protocol(self.fast._server)
+        self.transport = Transport()
         self.transport.protocol = protocol
         protocol.connection_made(self.transport)
         # The preface, SETTINGS, and room for every answer (as a peer reading them would give).
         room = (1 << 30).to_bytes(4, "big")
         await self.feed(PREFACE + raw_frame(SETTINGS, 0, 0) + raw_frame(WINDOW_UPDATE, 0, 0, room))
+
+    def disconnect(self) -> None:
+        """The connection is lost; the transport lets go of its protocol, as the event loop's
+        do once they have told it."""
+        transport = self.transport
+        assert transport.protocol is not None
+        transport.protocol.connection_lost(None)
+        transport.protocol = None
 
     def prepare(self, calls: int) -> list[bytes]:
         """The reads of the next `calls` calls (made ahead: the client makes no garbage)."""
@@ -211,4 +223,31 @@ async def test_calls_leave_no_garbage_cycle(sidecar: Sidecar) -> None:
     assert garbage == [], (
         f"{len(garbage)} objects in cycles after {CALLS} calls "
         f"({len(garbage) / CALLS:.1f} per call): {_kinds(garbage)}"
+    )
+
+
+async def test_a_closed_connection_leaves_no_garbage_cycle(sidecar: Sidecar) -> None:
+    """Connections that made calls and closed are freed by their reference counts: the
+    connection lets go of its protocol and of its own frame handlers as it is released."""
+    for data in sidecar.prepare(WARM_UP):
+        await sidecar.feed(data)
+    gc.collect()
+    gc.garbage.clear()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        for _ in range(CONNECTIONS):
+            sidecar.encoder = hpack.Encoder()  # a new connection's header table
+            sidecar.next_stream = 1
+            await sidecar.connect()
+            for data in sidecar.prepare(PER_READ):
+                await sidecar.feed(data)
+            sidecar.disconnect()
+        gc.collect()
+        garbage = list(gc.garbage)
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+    assert garbage == [], (
+        f"{len(garbage)} objects in cycles after {CONNECTIONS} connections closed "
+        f"({len(garbage) / CONNECTIONS:.1f} per connection): {_kinds(garbage)}"
     )
