@@ -64,11 +64,13 @@ RULES = """
 domain: garbage
 descriptors:
   - key: user
-    rate_limit: {unit: minute, requests_per_unit: 1000000}
+    rate_limit: {{unit: minute, requests_per_unit: {limit}}}
     descriptors:
       - key: ad
-        rate_limit: {unit: hour, requests_per_unit: 1000000}
+        rate_limit: {{unit: hour, requests_per_unit: {limit}}}
 """
+#: A limit no test reaches.
+UNREACHED = 1_000_000
 
 
 class Transport(asyncio.Transport):
@@ -125,8 +127,8 @@ def _reads(first_user: int, calls: int, encoder: hpack.Encoder, first_stream: in
 class Sidecar:
     """The fast transport of a sidecar on `url`'s backend, fed calls without a socket."""
 
-    def __init__(self, url: str) -> None:
-        domain = config.parse(RULES, "rules.yaml")
+    def __init__(self, url: str, limit: int = UNREACHED) -> None:
+        domain = config.parse(RULES.format(limit=limit), "rules.yaml")
         self.backend = open_backend(url, timeout_ms=1_000)
         # The limiter as `serve` builds it: the over-limit cache on (unless memory).
         limiter = Limiter(
@@ -178,10 +180,18 @@ class Sidecar:
         transport.idle = None
 
     def decided(self) -> int:
-        """Descriptors the backend has decided so far (every one is within its limit)."""
+        """Hits decided so far (each descriptor's), none failed."""
         stats = self.service.stats
         assert (stats.backend_error, stats.service_error, stats.overloaded) == (0, 0, 0)
-        return sum(rule.within_limit for rule in stats.rules.values())
+        return sum(rule.total_hits for rule in stats.rules.values())
+
+    def refused(self) -> tuple[int, int]:
+        """Hits over their limit so far, and of those the ones the over-limit cache answered."""
+        rules = self.service.stats.rules.values()
+        return (
+            sum(rule.over_limit for rule in rules),
+            sum(rule.over_limit_with_local_cache for rule in rules),
+        )
 
     async def close(self) -> None:
         await self.backend.close()
@@ -220,6 +230,7 @@ async def test_calls_leave_no_garbage_cycle(sidecar: Sidecar) -> None:
         gc.set_debug(0)
         gc.garbage.clear()
     assert sidecar.decided() - before == 2 * CALLS
+    assert sidecar.refused() == (0, 0)
     assert garbage == [], (
         f"{len(garbage)} objects in cycles after {CALLS} calls "
         f"({len(garbage) / CALLS:.1f} per call): {_kinds(garbage)}"
@@ -250,4 +261,43 @@ async def test_a_closed_connection_leaves_no_garbage_cycle(sidecar: Sidecar) -> 
     assert garbage == [], (
         f"{len(garbage)} objects in cycles after {CONNECTIONS} connections closed "
         f"({len(garbage) / CONNECTIONS:.1f} per connection): {_kinds(garbage)}"
+    )
+
+
+async def test_calls_over_their_limits_leave_no_garbage_cycle(backend_url: str) -> None:
+    """Calls answered OVER_LIMIT, on Redis and Redis Cluster mostly from the over-limit cache
+    (their hits added to the store afterwards), leave nothing for the cycle collector either."""
+    sidecar = Sidecar(backend_url, limit=2)
+    await sidecar.connect()
+    try:
+        users = PER_READ * 8
+        for _ in range(3):  # every user at its limit, then over it
+            sidecar.next_user = 0
+            for data in sidecar.prepare(users):
+                await sidecar.feed(data)
+        reads = []
+        for _ in range(CALLS // users):
+            sidecar.next_user = 0
+            reads += sidecar.prepare(users)
+        refused = sidecar.refused()
+        gc.collect()
+        gc.garbage.clear()
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        try:
+            for data in reads:
+                await sidecar.feed(data)
+            gc.collect()
+            garbage = list(gc.garbage)
+        finally:
+            gc.set_debug(0)
+            gc.garbage.clear()
+        over, from_cache = sidecar.refused()
+        assert over - refused[0] == 2 * CALLS
+        # The memory backend answers at once: the over-limit cache is only for the others.
+        assert (from_cache - refused[1] > CALLS) == (backend_url != "memory://")
+    finally:
+        await sidecar.close()
+    assert garbage == [], (
+        f"{len(garbage)} objects in cycles after {CALLS} calls over their limits "
+        f"({len(garbage) / CALLS:.1f} per call): {_kinds(garbage)}"
     )
