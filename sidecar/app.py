@@ -74,7 +74,7 @@ HEALTH_INTERVAL = 2.0
 #: free: 300,000 calls each on a user of its own (compiled, in one process, Redis) ran 934
 #: collections that collected 0 objects. What one costs is its pause, every call in flight
 #: waiting. A young collection walks at most about 700 × 10 objects: medians 0.05 and 1 ms,
-#: at most 0.7 and 5.6 ms. A full one walks all that is kept and not frozen (see `run`),
+#: at most 0.7 and 5.6 ms. A full one walks all that is kept and not frozen (`_settle`),
 #: mostly the plan cache (`sidecar.rls.service`: 4,096 plans of two descriptors are about
 #: 90,000 objects) and the memory backend's counters: 20 to 65 ms. The third threshold makes
 #: full ones ten times rarer: over 1,000,000 such calls, 23 (21 over 10 ms, up to 66 ms) at 10,
