@@ -228,6 +228,7 @@ async def raw(served: Served) -> AsyncIterator[Peer]:
 
 BOTH_LOOPS = {
     "test_batching.py",
+    "test_garbage.py",
     "test_grpc.py",
     "test_grpc_tls.py",
     "test_h2_calls.py",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import io
 import json
 from collections.abc import AsyncIterator, Sequence
@@ -313,3 +314,44 @@ async def test_metrics_show_the_memory_backends_counters_and_evictions(
             text = await response.text()
     assert "\nratelimit_sidecar_memory_counters 1\n" in text
     assert "\nratelimit_sidecar_memory_evictions 2\n" in text
+
+
+def gc_pauses(text: str) -> tuple[dict[str, float], float]:
+    """The full collections' count in `text` (/metrics) by generation, and the longest pause."""
+    counts = {}
+    longest = -1.0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "ratelimit_sidecar_gc_pause_seconds_count":
+                counts[sample.labels["generation"]] = sample.value
+            elif sample.name == "ratelimit_sidecar_gc_pause_max_seconds":
+                longest = sample.value
+    return counts, longest
+
+
+async def test_metrics_time_every_pause_of_the_cycle_collector(
+    app: App, http: aiohttp.ClientSession
+) -> None:
+    """While the app serves, each collection is timed by generation: a full collection adds
+    one to `ratelimit_sidecar_gc_pause_seconds{generation="2"}`, and
+    `ratelimit_sidecar_gc_pause_max_seconds` holds the longest pause so far."""
+    async with http.get("/metrics") as response:
+        before, _ = gc_pauses(await response.text())
+    gc.collect()
+    async with http.get("/metrics") as response:
+        text = await response.text()
+    after, longest = gc_pauses(text)
+
+    assert sorted(after) == ["0", "1", "2"]
+    assert after["2"] == before["2"] + 1
+    assert longest > 0
+    assert "# TYPE ratelimit_sidecar_gc_pause_seconds histogram" in text
+    assert "# TYPE ratelimit_sidecar_gc_pause_max_seconds gauge" in text
+
+
+async def test_a_stopped_app_times_no_more_pauses(rules: Path) -> None:
+    """The app's timing of the collector ends with the app: it leaves nothing in
+    `gc.callbacks`."""
+    async with running_app(rules) as app:
+        assert app.gc_pauses in gc.callbacks
+    assert app.gc_pauses not in gc.callbacks

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
 from support.sidecars import client, request, running_app, serve_process
 
 from sidecar.app import App
@@ -96,6 +97,41 @@ async def test_a_directory_swapped_under_a_symlink_is_reloaded(tmp_path: Path) -
         swap.replace(tmp_path / "current")
         await eventually(lambda: app.stats.config_load_success == 2)
         assert "requests_per_unit=7" in await rlconfig(app)
+
+
+async def more_full_collections(http: aiohttp.ClientSession, url: str, than: float) -> float:
+    """The count of full collections (generation 2) on a sidecar's /metrics, once above `than`."""
+    for _ in range(200):
+        async with http.get(url) as response:
+            text = await response.text()
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if (
+                    sample.name == "ratelimit_sidecar_gc_pause_seconds_count"
+                    and sample.labels["generation"] == "2"
+                    and sample.value > than
+                ):
+                    return float(sample.value)
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"no more than {than} full collections in:\n{text}")
+
+
+async def test_the_sidecar_collects_and_freezes_after_start_and_each_reload(
+    tmp_path: Path,
+) -> None:
+    """Once started, and again after each reload, the sidecar collects and freezes what it
+    keeps (`sidecar.app._settle`): /metrics counts a full collection each time."""
+    path = tmp_path / "rules.yaml"
+    path.write_text(rules(1))
+    args = ["--config", str(path), "--grpc-address", "127.0.0.1:0"]
+    args += ["--http-address", "127.0.0.1:0", "--config-poll-seconds", "0"]
+    async with serve_process(args) as served, aiohttp.ClientSession() as http:
+        url = f"http://127.0.0.1:{served.http_port}/metrics"
+        started = await more_full_collections(http, url, 0)
+        path.write_text(rules(4))
+        assert served.process.pid is not None
+        os.kill(served.process.pid, signal.SIGHUP)
+        await more_full_collections(http, url, started)
 
 
 async def test_sighup_reloads_the_rules(tmp_path: Path) -> None:

@@ -92,21 +92,7 @@ class RedisBackend:
             return
         mode = MODE_ALL_OR_NOTHING if all_or_nothing else MODE_ADD
         deadline = self._client.time() + self._timeout
-
-        def replied(reply: Any) -> None:
-            if isinstance(reply, RedisReplyError) and str(reply).startswith("NOSCRIPT"):
-                # The script cache is empty (see _run_script): EVAL, by the same deadline.
-                command = tuple(as_eval(apply_command(hits, mode, now_ms)))
-                self._client.call_packed(
-                    hiredis.pack_command(command),
-                    deadline,
-                    lambda reply: applied(
-                        self.name, self._timeout_ms, hits, mode, now_ms, reply, done
-                    ),
-                )
-                return
-            applied(self.name, self._timeout_ms, hits, mode, now_ms, reply, done)
-
+        replied = _Replied(self, hits, mode, now_ms, deadline, done)
         self._client.call_packed(self._packer.command(hits, mode, now_ms), deadline, replied)
 
     async def record(
@@ -182,6 +168,52 @@ class RedisBackend:
 
     async def close(self) -> None:
         await self._client.close()
+
+
+class _Replied:
+    """What `RedisBackend.apply_then` hands the client to call with the script call's reply: it
+    reads the reply into `done`'s outcomes, or, when the server has lost the script (NOSCRIPT,
+    see `_run_script`), sends it again as EVAL by the same deadline and reads that reply.
+
+    An object rather than a closure: compiled, a closure and its environment refer to each
+    other, so every call left a cycle of ten objects (the call's hits and the limiter's
+    `_Waiting` with them) for the collector to find (see `sidecar.limiter._Waiting`).
+    """
+
+    __slots__ = ("backend", "deadline", "done", "hits", "mode", "now_ms")
+
+    def __init__(
+        self,
+        backend: RedisBackend,
+        hits: Sequence[Hit],
+        mode: int,
+        now_ms: int,
+        deadline: float,
+        done: Applied,
+    ) -> None:
+        self.backend = backend
+        self.hits = hits
+        self.mode = mode
+        self.now_ms = now_ms
+        self.deadline = deadline
+        self.done = done
+
+    def __call__(self, reply: Any) -> None:
+        if isinstance(reply, RedisReplyError) and str(reply).startswith("NOSCRIPT"):
+            # The script cache is empty (see _run_script): EVAL, by the same deadline.
+            command = tuple(as_eval(apply_command(self.hits, self.mode, self.now_ms)))
+            self.backend._client.call_packed(
+                hiredis.pack_command(command), self.deadline, self.evaluated
+            )
+            return
+        self.evaluated(reply)
+
+    def evaluated(self, reply: Any) -> None:
+        """Read the reply of the script call (or of its EVAL after NOSCRIPT) into `done`."""
+        backend = self.backend
+        applied(
+            backend.name, backend._timeout_ms, self.hits, self.mode, self.now_ms, reply, self.done
+        )
 
 
 async def _run_script(client: PipelinedRedis, command: list[Any]) -> Reply:

@@ -94,6 +94,10 @@ class Limits:
 DEFAULT_LIMITS = Limits()
 
 
+def _no_call(stream_id: int, path: str, message: bytes) -> None:
+    """A released connection's `on_call`: it reads nothing more, so it starts no call."""
+
+
 class Connection(Streams):
     """One connection, from the client preface to GOAWAY."""
 
@@ -221,6 +225,12 @@ class Connection(Streams):
         self.budget.used -= self._stashed
         self._stashed = 0
         self._buffer = b""
+        # What refers back to this connection and its owner (the frame handlers, bound to it;
+        # `on_call`, bound to the server's protocol) goes too: a closed connection is then
+        # freed by its reference count, not left as a cycle of some thirty objects for the
+        # collector to find, or never, if it was frozen (`gc.freeze`, see sidecar.app).
+        self._handlers = {}
+        self.on_call = _no_call
 
     def resume(self) -> None:
         """Go on with the bytes a read left for later (`backlog`)."""

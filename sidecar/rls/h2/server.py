@@ -562,28 +562,8 @@ class _Protocol(asyncio.Protocol):
         if method is None:
             self.conn.respond_error(stream_id, Status.UNIMPLEMENTED, f"unknown method {path}")
             return
-        # The hot path, here rather than in a method of its own.
-        server = self.server
-        calls = server.calls
-        calls.opened()
-        answered = False
-        started = perf_counter()
-
-        def answer(result: bytes | Exception) -> None:
-            nonlocal answered
-            if answered:
-                return
-            answered = True
-            calls.answered()
-            if server.held:
-                server.calls_answered()
-            if method.observe is not None:
-                method.observe(perf_counter() - started)
-            errors = method.errors
-            if errors is not None and not isinstance(result, _AS_THEY_ARE):
-                result = errors(result)
-            self._answer(stream_id, path, result)
-
+        self.server.calls.opened()
+        answer = _Answer(self, stream_id, path, method, perf_counter())
         try:
             method.handle(message, answer)
         except Exception as exc:
@@ -616,3 +596,48 @@ class _Protocol(asyncio.Protocol):
             transport.write(out)
         if self.conn.done:
             transport.close()
+
+
+class _Answer:
+    """How one call answers: the `answer` its method's `handle` is given (see `CallbackMethod`).
+
+    The first answer counts the call as answered, times it, turns an exception into its
+    status (the method's `errors`) and queues the response on the connection; a second is
+    ignored. An object rather than a closure: compiled, a closure and its environment refer
+    to each other, so every call left a cycle of two objects, holding whatever the call held
+    until the collector came (see `sidecar.limiter._Waiting`).
+    """
+
+    __slots__ = ("answered", "method", "path", "protocol", "started", "stream_id")
+
+    def __init__(
+        self,
+        protocol: _Protocol,
+        stream_id: int,
+        path: str,
+        method: CallbackMethod,
+        started: float,
+    ) -> None:
+        self.protocol = protocol
+        self.stream_id = stream_id
+        self.path = path
+        self.method = method
+        self.started = started
+        self.answered = False
+
+    def __call__(self, result: bytes | Exception) -> None:
+        if self.answered:
+            return
+        self.answered = True
+        protocol = self.protocol
+        server = protocol.server
+        server.calls.answered()
+        if server.held:
+            server.calls_answered()
+        method = self.method
+        if method.observe is not None:
+            method.observe(perf_counter() - self.started)
+        errors = method.errors
+        if errors is not None and not isinstance(result, _AS_THEY_ARE):
+            result = errors(result)
+        protocol._answer(self.stream_id, self.path, result)
