@@ -31,15 +31,21 @@ from sidecar.stats import Stats
 #: the same bodies again and again (one per client, or the route's alone), and reading and
 #: matching one cost more than deciding it. But most of a gateway's bodies name a client
 #: address or a user and are seen once: keeping each of those would fill the cache with plans
-#: never used again, whose objects the cycle collector walks until the cache is emptied (the
-#: pauses of issue 30). So a body is kept on its second sighting: the first leaves only its
-#: hash in `_seen`, an int, which the collector does not track. Bodies up to this size are
-#: kept, up to this many; each of the two is emptied when full, so their memory stays bounded
-#: (at most 4,096 plans, 65,536 hashes: about 4 MiB). A plan made under rules since replaced is
-#: made again.
+#: never used again, whose objects (about 22 a plan) the cycle collector walks in every full
+#: collection until the cache is emptied. So a body is kept when it comes back among the
+#: last SEEN_BODIES new ones: the first sighting leaves only its hash in `_seen`, an int, which
+#: the collector does not track. Bodies up to PARSED_BODY_MAX_BYTES are kept, up to
+#: PARSED_CACHE_SIZE; each of the two is emptied when full, so their memory stays bounded.
+#: A plan made under rules since replaced is made again.
+#: Measured (`python -m bench.distinct`, compiled, Redis, 10,000 calls/s, one run of each on a
+#: quiet machine), p99 / p99.9 ms of 100,000 users drawn uniformly, one descriptor: a body
+#: kept on its second sighting among the last 65,536 into 4,096 plans 1.59 / 4.85, among the
+#: last 4,096 into 1,024 plans 1.19 / 3.90, none kept 0.97 / 3.45; for 10,000,000 Zipf users,
+#: two descriptors, the sidecar's CPU per call was 56, 58 and 62 µs: the cache earns its keep
+#: on skewed traffic, and at 1,024 plans its full collections stay short.
 PARSED_BODY_MAX_BYTES = 1_024
-PARSED_CACHE_SIZE = 4_096
-SEEN_BODIES = 65_536
+PARSED_CACHE_SIZE = 1_024
+SEEN_BODIES = 4_096
 
 
 class RateLimitService:
