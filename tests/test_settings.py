@@ -9,6 +9,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+import redis
 from support.reference_process import reference_process
 from support.sidecars import client, request
 
@@ -281,6 +282,85 @@ def test_sentinel_settings_map_onto_a_sentinel_url() -> None:
         assert isinstance(url, str)
         validate_url(url)
         open_backend(url)  # parses, connects nothing
+
+
+@pytest.mark.parametrize(
+    ("env", "backend"),
+    [
+        ({"REDIS_URL": "r:6379"}, "redis://r:6379"),
+        ({"REDIS_URL": "redis://r:6379/11"}, "redis://r:6379/11"),
+        ({"REDIS_URL": "redis://:pw@r:6379"}, "redis://:pw@r:6379"),
+        ({"REDIS_URL": "redis://u:p%40ss@r:6379/2"}, "redis://u:p%40ss@r:6379/2"),
+        ({"REDIS_URL": "redis://r:6379?db=3&password=pw"}, "redis://:pw@r:6379/3"),
+        ({"REDIS_URL": "redis://:url@r:6379", "REDIS_AUTH": "env"}, "redis://:env@r:6379"),
+        ({"REDIS_URL": "rediss://r:6380"}, "rediss://r:6380?ssl_cert_reqs=required"),
+        (
+            {"REDIS_URL": "redis://:pw@r1:7000,redis://r2:7000", "REDIS_TYPE": "cluster"},
+            "redis+cluster://:pw@r1:7000,r2:7000",
+        ),
+        (
+            {"REDIS_URL": "m,redis://:spw@s1:26379", "REDIS_TYPE": "sentinel"},
+            "redis+sentinel://s1:26379/m?sentinel_password=spw",
+        ),
+    ],
+    ids=["host-port", "uri-db", "uri-password", "uri-user", "uri-query", "auth-wins", "rediss",
+         "cluster", "sentinel"],
+)  # fmt: skip
+def test_redis_url_takes_every_form_the_references_client_takes(
+    env: dict[str, str], backend: str
+) -> None:
+    """REDIS_URL is HOST:PORT or a `redis://` URI, as the reference's Redis client (radix)
+    reads it: the URI's user, password and database (in the path, or ?username=, ?password=,
+    ?db=) apply, REDIS_AUTH winning over its credentials; on a Sentinel's address they are
+    the Sentinels'. `rediss://` means TLS."""
+    url = serve(env, "--config", "x")["backend"]
+    assert url == backend
+    validate_url(backend)
+
+
+@pytest.mark.parametrize(
+    ("written", "message"),
+    [
+        ("redis://127.0.0.1:6379/x", "REDIS_URL='redis://127.0.0.1:6379/x': database must be"),
+        ("redis://:secret@r:port", "REDIS_URL='redis://:***@r:port': bad port in 'r:port'"),
+        ("r:99999", "REDIS_URL='r:99999': bad port in 'r:99999'"),
+    ],
+    ids=["database", "port-with-password", "port"],
+)
+def test_a_redis_url_that_cannot_be_used_is_quoted_as_written(
+    written: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The message quotes REDIS_URL as the user wrote it (its password hidden), never the URL
+    it was turned into (no 'redis://redis://')."""
+    with pytest.raises(SystemExit):
+        serve({"REDIS_URL": written}, "--config", "x")
+    err = capsys.readouterr().err
+    assert message in err
+    assert "redis://redis://" not in err and "secret" not in err
+
+
+async def test_a_redis_uri_with_a_database_counts_there(tmp_path: Path, redis_url: str) -> None:
+    """`ratelimit` with REDIS_URL=redis://HOST:PORT/11 serves, and its counters are in
+    database 11 of that Redis, none in database 0."""
+    config = tmp_path / "ratelimit" / "config"
+    config.mkdir(parents=True)
+    (config / "config.yaml").write_text(RULES)
+    env = {**helm_chart_env(tmp_path, redis_url), "REDIS_URL": f"{redis_url}/11"}
+    async with reference_process(env) as sidecar, client(sidecar.started["grpc_port"]) as rls:
+        answer = await rls.should_rate_limit(request("helm", [("remote_address", "10.0.0.9")]))
+    assert answer.overall_code == Code.OK
+    host, port = redis_url.removeprefix("redis://").split(":")
+    eleven = redis.Redis(host=host, port=int(port), db=11)
+    try:
+        assert eleven.dbsize() >= 1
+        eleven.flushdb()
+    finally:
+        eleven.close()
+    zero = redis.Redis(host=host, port=int(port), db=0)
+    try:
+        assert zero.keys("rl{*") == []
+    finally:
+        zero.close()
 
 
 @pytest.mark.parametrize(
