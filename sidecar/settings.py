@@ -997,6 +997,29 @@ def applied(env: Env) -> list[str]:
     return sorted(name for name in env if name in read and env[name] != "")
 
 
+#: Variables whose values are never logged: passwords, and headers that may carry tokens.
+_SECRET = re.compile(r"AUTH|PASSWORD|TOKEN|SECRET|HEADERS")
+
+
+def shown(env: Env) -> dict[str, str]:
+    """The reference variables `applied` reads, with their values as the start-up log shows
+    them: a secret as `***`, the password of a Redis URI hidden."""
+    values = {}
+    for name in applied(env):
+        value = env[name]
+        if _SECRET.search(name):
+            value = "***"
+        elif name.endswith("_URL"):
+            value = ",".join(redact(part) for part in value.split(","))
+        values[name] = value
+    return values
+
+
+def present(env: Env) -> list[str]:
+    """The reference variables set (not empty) in `env`, whether read or not."""
+    return sorted(name for name in env if name in _BY_NAME and env[name] != "")
+
+
 def markdown() -> str:
     """README's table: every reference variable, its default there, and how the sidecar takes it."""
     lines = ["| variable | reference default | here | how |", "|---|---|---|---|"]

@@ -11,7 +11,7 @@ import aiohttp
 import pytest
 import redis
 from support.reference_process import reference_process
-from support.sidecars import client, request
+from support.sidecars import client, request, serve_process, write_rules
 
 from sidecar import cli, settings
 from sidecar.injector.urls import validate_url
@@ -131,8 +131,73 @@ async def test_ratelimit_without_redis_url_says_what_to_set(tmp_path: Path) -> N
 
 
 def serve(env: dict[str, str], *argv: str) -> dict[str, object]:
-    args = cli.parse_args(["serve", *argv], env)
+    """`serve --reference-env`'s settings from `env` and `argv`."""
+    args = cli.parse_args(["serve", "--reference-env", *argv], env)
     return vars(args)
+
+
+#: What a developer's shell may export for another project: none of it is `serve`'s business.
+OTHER_PROJECT = {
+    "REDIS_URL": "redis://cache.other-project:6379/x",
+    "HOST": "203.0.113.7",
+    "PORT": "3000",
+    "LOG_LEVEL": "loud",
+}
+
+
+def test_serve_reads_the_references_variables_only_when_asked() -> None:
+    """Without --reference-env (or RLS_REFERENCE_ENV=true), `serve` reads none of the
+    reference's variables, even ones it could not use; with it, it reads them as `ratelimit`
+    does."""
+    args = cli.parse_args(["serve", "--config", "x"], OTHER_PROJECT)
+    assert (args.backend, args.http_address, args.log_level) == (
+        "memory://", "0.0.0.0:8080", "info",
+    )  # fmt: skip
+    assert args.reference_unread == ["HOST", "LOG_LEVEL", "PORT", "REDIS_URL"]
+    env = {**OTHER_PROJECT, "LOG_LEVEL": "warn", "REDIS_URL": "cache:6379"}
+    for asked in (["--reference-env"], []):
+        environ = env if asked else {**env, "RLS_REFERENCE_ENV": "true"}
+        args = cli.parse_args(["serve", "--config", "x", *asked], environ)
+        assert (args.backend, args.http_address, args.log_level) == (
+            "redis://cache:6379", "203.0.113.7:3000", "warning",
+        )  # fmt: skip
+        assert args.reference_unread == []
+
+
+async def test_serve_started_from_a_shell_with_other_exports_serves_on_its_flags(
+    tmp_path: Path,
+) -> None:
+    """`serve` (what `make run` runs) started with a REDIS_URL it cannot use and a HOST
+    exported serves on its own addresses and memory://, and logs the names it left unread."""
+    rules = write_rules(tmp_path)
+    args = ["--config", str(rules), "--grpc-address", "127.0.0.1:0",
+            "--http-address", "127.0.0.1:0"]  # fmt: skip
+    async with serve_process(args, OTHER_PROJECT) as served, aiohttp.ClientSession() as http:
+        url = f"http://127.0.0.1:{served.http_port}/healthcheck"
+        async with http.get(url) as got:
+            assert got.status == 200
+    [unread] = [e for e in served.events() if e.get("event") == "reference_settings_not_read"]
+    assert unread["variables"] == ["HOST", "LOG_LEVEL", "PORT", "REDIS_URL"]
+    [started] = [e for e in served.events() if e.get("event") == "started"]
+    assert started["backend"] == "memory"
+
+
+def test_the_start_up_log_shows_what_was_read_with_secrets_hidden() -> None:
+    """Names and values of the reference's variables read; passwords, in AUTH variables and
+    in Redis URIs, and xDS headers (which may carry tokens) as ***."""
+    env = {
+        "REDIS_URL": "redis://user:hunter2@r:6379/1",
+        "REDIS_AUTH": "hunter3",
+        "PORT": "9090",
+        "CONFIG_GRPC_XDS_CLIENT_ADDITIONAL_HEADERS": "authorization:Bearer t0ken",
+        "UNRELATED": "x",
+    }
+    assert settings.shown(env) == {
+        "CONFIG_GRPC_XDS_CLIENT_ADDITIONAL_HEADERS": "***",
+        "PORT": "9090",
+        "REDIS_AUTH": "***",
+        "REDIS_URL": "redis://user:***@r:6379/1",
+    }
 
 
 def test_listeners_runtime_and_redis_map_onto_flags() -> None:
@@ -221,7 +286,7 @@ def test_xds_variables_map_onto_the_xds_flags() -> None:
     assert args["force_start_without_initial_config"] is True
     built = cli.serve.xds_flags.options(
         cli.parse_args(
-            ["serve"],
+            ["serve", "--reference-env"],
             {
                 "CONFIG_TYPE": "GRPC_XDS_SOTW",
                 "CONFIG_GRPC_XDS_CLIENT_ADDITIONAL_HEADERS": "X-Tenant:blue",
@@ -392,7 +457,10 @@ def test_a_reference_variable_that_cannot_be_used_stops_the_start(
 ) -> None:
     """Exit status 2 with the variable, its value and the reason, before anything listens."""
     with pytest.raises(SystemExit) as exited:
-        cli.parse_args(["serve", "--config", "x"] if "RLS_CONFIG" not in env else ["serve"], env)
+        cli.parse_args(
+            ["serve", "--reference-env", *(["--config", "x"] if "RLS_CONFIG" not in env else [])],
+            env,
+        )
     assert exited.value.code == 2
     assert message in capsys.readouterr().err
 
@@ -411,7 +479,7 @@ def test_statsd_tls_and_tracing_variables_read_as_the_reference_reads_them() -> 
     )  # fmt: skip
     for env in ({"USE_STATSD": "false"}, {"DISABLE_STATS": "true"}):
         assert cli.parse_args(["serve"], {**memory, **env}, reference_defaults=True).statsd is None
-        assert cli.parse_args(["serve", "--config", "x"], env).statsd is None
+        assert cli.parse_args(["serve", "--config", "x", "--reference-env"], env).statsd is None
     assert cli.parse_args(["serve", "--config", "x"], {}).statsd is None
 
     tls = {
@@ -420,7 +488,7 @@ def test_statsd_tls_and_tracing_variables_read_as_the_reference_reads_them() -> 
         "GRPC_SERVER_TLS_KEY": "/certs/tls.key",
         "GRPC_SERVER_TLS_CA_CERT": "/certs/ca.crt",
     }
-    files = cli.serve.tls_files(cli.parse_args(["serve", "--config", "x"], tls))
+    files = cli.serve.tls_files(cli.parse_args(["serve", "--config", "x", "--reference-env"], tls))
     assert files is not None
     assert (str(files.cert), str(files.key), files.client_ca) == (
         "/certs/tls.crt", "/certs/tls.key", None,
@@ -428,8 +496,9 @@ def test_statsd_tls_and_tracing_variables_read_as_the_reference_reads_them() -> 
     assert "GRPC_SERVER_TLS_CA_CERT" not in {v.name for v in settings.ignored(tls)}
 
     for raw, rate in (("2", 1.0), ("-0.5", 0.0), ("0.3", 0.3)):
-        args = cli.parse_args(["serve", "--config", "x"], {"TRACING_SAMPLING_RATE": raw})
-        assert args.tracing_sampling_rate == rate
+        assert (
+            serve({"TRACING_SAMPLING_RATE": raw}, "--config", "x")["tracing_sampling_rate"] == rate
+        )
 
 
 #: A rules path, which `serve` requires of any command line.

@@ -3,9 +3,10 @@
 over `app`, `config`, `rls.client`.
 
 Every flag can also come from the environment as `RLS_<FLAG>` (upper case, dashes as
-underscores; `flags.py`); a flag on the command line wins over its variable. `serve` also reads
-the reference's variables (`sidecar.settings`), beneath both. `ratelimit`, the reference's entry
-point (`reference_main`), is `serve` with the reference's defaults.
+underscores; `flags.py`); a flag on the command line wins over its variable. `ratelimit`, the
+reference's entry point (`reference_main`), is `serve` reading the reference's variables too
+(`sidecar.settings`), beneath both, with the reference's defaults; `serve` reads those only when
+asked (--reference-env), so one exported for something else changes nothing.
 """
 
 from __future__ import annotations
@@ -32,9 +33,9 @@ in memory, Redis or Redis Cluster.
 
 Every flag can also be set in the environment as RLS_<FLAG> (upper case, dashes as
 underscores: --grpc-address is RLS_GRPC_ADDRESS). A flag on the command line wins.
-`serve` also reads envoyproxy/ratelimit's variables (REDIS_URL, RUNTIME_ROOT, CONFIG_TYPE, ...),
-beneath RLS_* and flags; `ratelimit` with no arguments runs `serve` from them alone, as the
-reference's /bin/ratelimit does (README lists every variable)."""
+`ratelimit` with no arguments runs `serve` from envoyproxy/ratelimit's variables (REDIS_URL,
+RUNTIME_ROOT, CONFIG_TYPE, ...) alone, as the reference's /bin/ratelimit does (README lists
+every variable); `serve --reference-env` reads them too, beneath RLS_* and flags."""
 
 _EPILOG = """\
 examples:
@@ -70,9 +71,10 @@ def parse_args(
     environ: Mapping[str, str] | None = None,
     reference_defaults: bool = False,
 ) -> argparse.Namespace:
-    """Flags, then RLS_* variables from `environ` (default os.environ), then (for `serve`) the
-    reference's variables, then defaults; `reference_defaults` adds the reference's defaults
-    of the rules directory, of the backend and of statsd (`ratelimit`).
+    """Flags, then RLS_* variables from `environ` (default os.environ), then (for `serve` with
+    --reference-env, or `reference_defaults`) the reference's variables, then defaults;
+    `reference_defaults` (`ratelimit`) reads the reference's variables and adds its defaults
+    of the rules directory, of the backend and of statsd.
 
     Exits with status 2 and a usage message when something is missing or malformed.
     """

@@ -21,6 +21,7 @@ from sidecar.cli.flags import (
     Flags,
     address,
     at_least_a_second,
+    boolean,
     count,
     count_or_auto,
     grpc_address,
@@ -49,10 +50,12 @@ resources a control plane pushes over xDS (--xds-server; a push that is not vali
 NACKed and the rules served before stay). A bad file stops the start with 'FILE: PATH:
 message' and exit status 1; a backend URL that cannot be used exits with 2.
 
-The reference's environment variables (HOST, PORT, GRPC_PORT, GRPC_SERVER_USE_TLS,
-REDIS_URL, REDIS_TYPE, RUNTIME_ROOT, CONFIG_TYPE, CONFIG_GRPC_XDS_*, USE_STATSD, TRACING_*,
-USE_PROMETHEUS, LOG_LEVEL, ...) set these flags too, beneath RLS_* variables and the command
-line; one it does not honour is logged at start-up.
+With --reference-env (or as `ratelimit`, the reference's entry point), the reference's
+environment variables (HOST, PORT, GRPC_PORT, GRPC_SERVER_USE_TLS, REDIS_URL, REDIS_TYPE,
+RUNTIME_ROOT, CONFIG_TYPE, CONFIG_GRPC_XDS_*, USE_STATSD, TRACING_*, USE_PROMETHEUS,
+LOG_LEVEL, ...) set these flags too, beneath RLS_* variables and the command line; those read
+are logged at start-up, and one it does not honour too. Without it they are not read (a
+REDIS_URL or HOST exported for something else changes nothing), and their names are logged.
 
 SIGTERM or SIGINT: report unhealthy, refuse new calls, let calls in flight finish (5 s),
 then exit 0. To replace a sidecar (--transport fast) without failing a call, start the new
@@ -441,6 +444,14 @@ def register(commands: Any) -> Flags:
         type=address,
         metavar="HOST:PORT",
     )
+    serve.add(
+        "--reference-env",
+        "also read envoyproxy/ratelimit's environment variables (REDIS_URL, HOST, PORT, "
+        "RUNTIME_ROOT, ...; README lists them), beneath RLS_* variables and flags, as "
+        "`ratelimit` does (without its defaults for the rules, Redis and statsd)",
+        action="store_true",
+        default=False,
+    )
     xds_flags.add(serve.add)
     serve.add(
         "--dedupe-horizon",
@@ -461,17 +472,21 @@ def resolve(
     reference_defaults: bool,
 ) -> None:
     """Fill `serve`'s flags: the command line, then RLS_* variables, then the reference's
-    variables, then defaults (the reference's too with `reference_defaults`); exits with status
-    2 and a usage message when something is missing or malformed."""
+    variables (as `ratelimit`, whose `reference_defaults` adds the reference's defaults, or
+    with --reference-env), then defaults; exits with status 2 and a usage message when
+    something is missing or malformed."""
     given = frozenset(
         flag.dest
         for flag in flags.flags
         if getattr(args, flag.dest) is not None or environ.get(ENV_PREFIX + flag.dest.upper())
     )
-    try:
-        translated = settings.translate(environ, defaults=reference_defaults, given=given)
-    except settings.SettingError as exc:
-        flags.parser.error(str(exc))
+    reads_reference = reference_defaults or _asks_for_reference(args, environ)
+    translated: dict[str, str] = {}
+    if reads_reference:
+        try:
+            translated = settings.translate(environ, defaults=reference_defaults, given=given)
+        except settings.SettingError as exc:
+            flags.parser.error(str(exc))
     flags.resolve(args, {**translated, **environ})
     if not args.config and not args.xds_server:
         flags.parser.error(
@@ -486,8 +501,20 @@ def resolve(
         args.statsd = statsd_settings(args, environ)
     except StatsdError as exc:
         flags.parser.error(str(exc))
-    args.reference_applied = settings.applied(environ)
-    args.reference_ignored = settings.ignored(environ)
+    args.reference_applied = settings.shown(environ) if reads_reference else {}
+    args.reference_ignored = settings.ignored(environ) if reads_reference else []
+    args.reference_unread = [] if reads_reference else settings.present(environ)
+
+
+def _asks_for_reference(args: argparse.Namespace, environ: Mapping[str, str]) -> bool:
+    """Whether --reference-env (or RLS_REFERENCE_ENV) asks for the reference's variables; a
+    value that is not a boolean reads as no here, and `Flags.resolve` refuses it after."""
+    if args.reference_env:
+        return True
+    try:
+        return boolean(environ.get(ENV_PREFIX + "REFERENCE_ENV", "") or "false")
+    except ValueError:
+        return False
 
 
 def statsd_settings(args: argparse.Namespace, environ: Mapping[str, str]) -> StatsdSettings | None:
@@ -622,13 +649,21 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _log_reference_settings(args: argparse.Namespace) -> None:
-    """Once at start-up: which reference variables were read, and each one set to something
-    this sidecar does not do (never silently ignored)."""
+    """Once at start-up: which reference variables were read (with their values, secrets
+    hidden), and each one set to something this sidecar does not do (never silently ignored);
+    or, when they were not read, the names of those set."""
     import structlog
 
     log = structlog.get_logger("sidecar.settings")
     if args.reference_applied:
         log.info("reference_settings", read=args.reference_applied)
+    if args.reference_unread:
+        log.info(
+            "reference_settings_not_read",
+            variables=args.reference_unread,
+            why="serve reads envoyproxy/ratelimit's variables with --reference-env "
+            "(RLS_REFERENCE_ENV=true), and `ratelimit` always",
+        )
     for variable in args.reference_ignored:
         if variable.support is settings.Support.DIFFERENT:
             log.info("reference_setting_differs", variable=variable.name, here=variable.note)
