@@ -12,7 +12,9 @@ Two tables drive it:
 reads them beneath the real `RLS_*` variables and flags, which therefore win. `ignored` lists
 the variables that are set but ask for something the sidecar does not do, to be logged once at
 start-up: nothing set is silently ignored. To support another variable, add a row to `FLAGS`
-and mark it supported in `VARIABLES`.
+and mark it supported in `VARIABLES`. For that log too, `shown` gives the values of the
+variables read (secrets hidden) and `misspelled` the names set that are one typo from a
+variable; `present` names those set when they are not read (`serve` without --reference-env).
 
 Three kinds of variables the reference's libraries read, not settings.go, are honoured too:
 STATSD_PROTOCOL (lyft/gostats; a row of `FLAGS`), DOG_STATSD_MOGRIFIER_<NAME>_PATTERN, _NAME
@@ -26,6 +28,7 @@ variable the reference reads), which change together with `translate`.
 
 from __future__ import annotations
 
+import difflib
 import enum
 import ipaddress
 import os
@@ -1018,6 +1021,28 @@ def shown(env: Env) -> dict[str, str]:
 def present(env: Env) -> list[str]:
     """The reference variables set (not empty) in `env`, whether read or not."""
     return sorted(name for name in env if name in _BY_NAME and env[name] != "")
+
+
+#: How alike (difflib's ratio) a name set in the environment must be to a reference variable's
+#: to be taken for a typo of it: one letter swapped, missing or extra in a name of ten or more
+#: (RUNTIME_SUBDIRECTROY is 0.95, LOGLEVEL 0.94), not a neighbour such as HOSTNAME (0.67).
+TYPO_RATIO = 0.9
+#: Names near a reference variable's that are not typos of one: Envoy Gateway sets
+#: GRPC_SERVER_TLS_CA_CERT, which the reference does not read (see GRPC_CLIENT_TLS_CACERT).
+_NOT_TYPOS = frozenset({"GRPC_SERVER_TLS_CA_CERT"})
+
+
+def misspelled(env: Env) -> list[tuple[str, str]]:
+    """(name, the reference variable it is likely meant to be) for each name set in `env` that
+    is not a reference variable but one typo from one."""
+    found = []
+    for name in sorted(env):
+        if name in _BY_NAME or name in _NOT_TYPOS or env[name] == "":
+            continue
+        close = difflib.get_close_matches(name, _BY_NAME, n=1, cutoff=TYPO_RATIO)
+        if close:
+            found.append((name, close[0]))
+    return found
 
 
 def markdown() -> str:

@@ -200,6 +200,69 @@ def test_the_start_up_log_shows_what_was_read_with_secrets_hidden() -> None:
     }
 
 
+def test_a_name_one_typo_from_a_reference_variable_is_taken_for_it() -> None:
+    """A name set that is not the reference's but one typo from one is reported with the one
+    meant; neighbours that are not typos (HOSTNAME, Envoy Gateway's GRPC_SERVER_TLS_CA_CERT)
+    and the reference's own names are not."""
+    env = {
+        "RUNTIME_SUBDIRECTROY": "ratelimit",
+        "LOGLEVEL": "debug",
+        "REDIS_UR": "r:6379",
+        "HOSTNAME": "pod-1",
+        "GRPC_SERVER_TLS_CA_CERT": "/certs/ca.crt",
+        "RUNTIME_SUBDIRECTORY": "ratelimit",
+        "PATH": "/bin",
+    }
+    assert settings.misspelled(env) == [
+        ("LOGLEVEL", "LOG_LEVEL"),
+        ("REDIS_UR", "REDIS_URL"),
+        ("RUNTIME_SUBDIRECTROY", "RUNTIME_SUBDIRECTORY"),
+    ]
+
+
+async def test_ratelimit_warns_of_misspelled_settings_before_what_they_cause(
+    tmp_path: Path, redis_url: str
+) -> None:
+    """RUNTIME_SUBDIRECTROY and RLS_CONFG are each warned about at start, naming the variable
+    meant, before the rules directory they left at its default is found missing."""
+    env = {**helm_chart_env(tmp_path, redis_url), "RLS_CONFG": str(tmp_path)}
+    env["RUNTIME_SUBDIRECTROY"] = env.pop("RUNTIME_SUBDIRECTORY")
+    async with reference_process(env, wait=False) as sidecar:
+        assert await sidecar.process.wait() == 1
+    warned = {(e["variable"], e["did_you_mean"]) for e in sidecar.events("unknown_setting")}
+    assert warned == {
+        ("RUNTIME_SUBDIRECTROY", "RUNTIME_SUBDIRECTORY"),
+        ("RLS_CONFG", "RLS_CONFIG"),
+    }
+    assert (
+        sidecar.lines[-1]
+        == f"{tmp_path}/config: error loading config file: no such file or directory"
+    )
+
+
+async def test_a_setting_that_cannot_be_used_stops_ratelimit_with_one_line() -> None:
+    """`ratelimit` names itself, in one line naming the variable, and a typo that explains
+    it; no usage of `serve`."""
+    env = {"REDIS_UR": "r:6379", "RUNTIME_ROOT": "/nowhere"}
+    async with reference_process(env, wait=False) as sidecar:
+        assert await sidecar.process.wait() == 2
+    [line] = sidecar.lines
+    assert line.startswith("ratelimit: REDIS_URL is not set: ")
+    assert line.endswith("(REDIS_UR is set: did you mean REDIS_URL?)")
+
+
+def test_ratelimit_help_is_short_and_says_how_it_differs_from_serve(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`ratelimit --help` fits a screen and names what differs from `serve`: the variables
+    read, and its defaults for the rules, Redis and statsd."""
+    assert cli.reference_main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert len(out.splitlines()) < 30
+    for said in ("--reference-env", "/srv/runtime_data/current/config", "REDIS_URL", "USE_STATSD"):
+        assert said in out
+
+
 def test_listeners_runtime_and_redis_map_onto_flags() -> None:
     """Addresses join HOST and PORT (a Unix socket wins for gRPC; IPv6 gets brackets), the
     rules directory joins the RUNTIME_* parts, and REDIS_* make one backend URL."""

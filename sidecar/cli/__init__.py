@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 
 from sidecar import __version__
 from sidecar.cli import check, query, serve
-from sidecar.cli.flags import PROG, Flags
+from sidecar.cli.flags import PROG, Flags, unknown
 from sidecar.envoy_config.commands import register as register_envoy_config
 from sidecar.injector.commands import register as register_injector
 from sidecar.usage_command import register as register_usage
@@ -79,14 +79,46 @@ def parse_args(
     Exits with status 2 and a usage message when something is missing or malformed.
     """
     parser, env_flags = build_parser()
+    if reference_defaults:
+        # Errors then speak as `ratelimit`, which the user ran, in one line, not as `serve`.
+        for speaking in (parser, env_flags["serve"].parser):
+            speaking.prog, speaking.usage = REFERENCE_PROG, REFERENCE_USAGE
     args = parser.parse_args(argv)
     environ = os.environ if environ is None else environ
     flags = env_flags.get(args.command)
     if flags is not None and args.command == "serve":
         serve.resolve(flags, args, environ, reference_defaults)
+        known = set().union(*(command.variables() for command in env_flags.values()))
+        args.unknown_variables = unknown(environ, known)
     elif flags is not None:
         flags.resolve(args, environ)
     return args
+
+
+REFERENCE_PROG = "ratelimit"
+REFERENCE_USAGE = "ratelimit [SERVE FLAGS]   (ratelimit --help says how it differs from serve)"
+REFERENCE_HELP = f"""\
+usage: {REFERENCE_USAGE.split("   ")[0]}
+
+envoyproxy/ratelimit's /bin/ratelimit: `ratelimit-sidecar serve`, configured by the
+reference's environment variables (REDIS_URL, REDIS_AUTH, RUNTIME_ROOT, HOST, PORT, GRPC_PORT,
+CONFIG_TYPE, USE_STATSD, LOG_LEVEL, ...; README's table lists every one), beneath RLS_*
+variables and flags. Any argument is a `serve` flag (ratelimit-sidecar serve --help).
+
+How it differs from `ratelimit-sidecar serve`:
+  - it reads the reference's variables; serve reads them only with --reference-env;
+  - the rules are in RUNTIME_ROOT/RUNTIME_SUBDIRECTORY/RUNTIME_APPDIRECTORY, by default
+    /srv/runtime_data/current/config (serve has no default: --config or --xds-server);
+  - counters are in the Redis at REDIS_URL, which must be set (or RLS_BACKEND=memory://;
+    serve's default is memory://);
+  - stats go to statsd at STATSD_HOST:STATSD_PORT (localhost:8125) unless USE_STATSD=false,
+    as in the reference (serve sends them only when asked).
+Set, a reference variable it does not honour, or one a typo away from a real one, is logged
+at start-up; one whose value cannot be used stops it with exit status 2 and one line.
+
+It listens on gRPC 0.0.0.0:8081 and HTTP 0.0.0.0:8080 (/healthcheck, /json, /rlconfig,
+/metrics) unless HOST, PORT, GRPC_HOST, GRPC_PORT or GRPC_UDS say otherwise.
+"""
 
 
 def reference_main(argv: Sequence[str] | None = None) -> int:
@@ -95,6 +127,10 @@ def reference_main(argv: Sequence[str] | None = None) -> int:
     RUNTIME_APPDIRECTORY, Redis at REDIS_URL, statsd unless USE_STATSD=false); arguments, if
     any, are `serve` flags."""
     args = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in args or "--help" in args:
+        # `serve --help` is hundreds of lines, and would not say what differs here.
+        print(REFERENCE_HELP, end="")
+        return 0
     return main(["serve", *args], reference_defaults=True)
 
 

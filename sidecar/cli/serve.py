@@ -24,6 +24,7 @@ from sidecar.cli.flags import (
     boolean,
     count,
     count_or_auto,
+    fail,
     grpc_address,
     header_name,
     log_level,
@@ -473,7 +474,7 @@ def resolve(
 ) -> None:
     """Fill `serve`'s flags: the command line, then RLS_* variables, then the reference's
     variables (as `ratelimit`, whose `reference_defaults` adds the reference's defaults, or
-    with --reference-env), then defaults; exits with status 2 and a usage message when
+    with --reference-env), then defaults; exits with status 2 and one line saying what when
     something is missing or malformed."""
     given = frozenset(
         flag.dest
@@ -486,24 +487,31 @@ def resolve(
         try:
             translated = settings.translate(environ, defaults=reference_defaults, given=given)
         except settings.SettingError as exc:
-            flags.parser.error(str(exc))
+            # A typo may be why (REDIS_UR set, so REDIS_URL is not): say so on the same line.
+            typos = "; ".join(
+                f"{name} is set: did you mean {meant}?"
+                for name, meant in settings.misspelled(environ)
+            )
+            fail(flags.parser, f"{exc} ({typos})" if typos else str(exc))
     flags.resolve(args, {**translated, **environ})
     if not args.config and not args.xds_server:
-        flags.parser.error(
-            "the following arguments are required: --config (or RLS_CONFIG), or --xds-server"
+        fail(
+            flags.parser,
+            "the following arguments are required: --config (or RLS_CONFIG), or --xds-server",
         )
     if args.config and args.xds_server:
-        flags.parser.error("--config and --xds-server exclude each other: rules come from one")
+        fail(flags.parser, "--config and --xds-server exclude each other: rules come from one")
     problem = _tls_problem(args)
     if problem:
-        flags.parser.error(problem)
+        fail(flags.parser, problem)
     try:
         args.statsd = statsd_settings(args, environ)
     except StatsdError as exc:
-        flags.parser.error(str(exc))
+        fail(flags.parser, str(exc))
     args.reference_applied = settings.shown(environ) if reads_reference else {}
     args.reference_ignored = settings.ignored(environ) if reads_reference else []
     args.reference_unread = [] if reads_reference else settings.present(environ)
+    args.reference_misspelled = settings.misspelled(environ) if reads_reference else []
 
 
 def _asks_for_reference(args: argparse.Namespace, environ: Mapping[str, str]) -> bool:
@@ -657,6 +665,12 @@ def _log_reference_settings(args: argparse.Namespace) -> None:
     log = structlog.get_logger("sidecar.settings")
     if args.reference_applied:
         log.info("reference_settings", read=args.reference_applied)
+    for variable, meant in [*args.unknown_variables, *args.reference_misspelled]:
+        # A misspelled setting would otherwise pass in silence, its default serving instead.
+        if meant is None:
+            log.warning("unknown_setting", variable=variable)
+        else:
+            log.warning("unknown_setting", variable=variable, did_you_mean=meant)
     if args.reference_unread:
         log.info(
             "reference_settings_not_read",
