@@ -66,6 +66,15 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Flags]]:
     return parser, env_flags
 
 
+def command_names() -> list[str]:
+    """The commands of `ratelimit-sidecar` (`serve`, `check`, ...)."""
+    parser, _ = build_parser()
+    for action in parser._actions:  # argparse keeps its subcommands nowhere public
+        if isinstance(action, argparse._SubParsersAction):
+            return list(action.choices)
+    return []
+
+
 def parse_args(
     argv: Sequence[str] | None = None,
     environ: Mapping[str, str] | None = None,
