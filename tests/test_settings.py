@@ -168,16 +168,20 @@ async def test_serve_started_from_a_shell_with_other_exports_serves_on_its_flags
     tmp_path: Path,
 ) -> None:
     """`serve` (what `make run` runs) started with a REDIS_URL it cannot use and a HOST
-    exported serves on its own addresses and memory://, and logs the names it left unread."""
+    exported serves on its own addresses and memory://, logs the names it left unread, and
+    the names of the RLS_* variables it read."""
     rules = write_rules(tmp_path)
     args = ["--config", str(rules), "--grpc-address", "127.0.0.1:0",
             "--http-address", "127.0.0.1:0"]  # fmt: skip
-    async with serve_process(args, OTHER_PROJECT) as served, aiohttp.ClientSession() as http:
+    env = {**OTHER_PROJECT, "RLS_BACKEND": "memory://"}
+    async with serve_process(args, env) as served, aiohttp.ClientSession() as http:
         url = f"http://127.0.0.1:{served.http_port}/healthcheck"
         async with http.get(url) as got:
             assert got.status == 200
     [unread] = [e for e in served.events() if e.get("event") == "reference_settings_not_read"]
     assert unread["variables"] == ["HOST", "LOG_LEVEL", "PORT", "REDIS_URL"]
+    [read] = [e for e in served.events() if e.get("event") == "rls_settings"]
+    assert read["read"] == ["RLS_BACKEND"]
     [started] = [e for e in served.events() if e.get("event") == "started"]
     assert started["backend"] == "memory"
 

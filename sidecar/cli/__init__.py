@@ -99,6 +99,7 @@ def parse_args(
         serve.resolve(flags, args, environ, reference_defaults)
         known = set().union(*(command.variables() for command in env_flags.values()))
         args.unknown_variables = unknown(environ, known)
+        args.rls_read = sorted(name for name in flags.variables() if environ.get(name))
     elif flags is not None:
         flags.resolve(args, environ)
     return args

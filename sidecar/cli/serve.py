@@ -663,6 +663,9 @@ def _log_reference_settings(args: argparse.Namespace) -> None:
     import structlog
 
     log = structlog.get_logger("sidecar.settings")
+    if args.rls_read:
+        # Names only: values may carry passwords (RLS_BACKEND's URL).
+        log.info("rls_settings", read=args.rls_read)
     if args.reference_applied:
         log.info("reference_settings", read=args.reference_applied)
     for variable, meant in [*args.unknown_variables, *args.reference_misspelled]:
