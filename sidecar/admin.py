@@ -4,7 +4,9 @@
   429 (OVER_LIMIT) or 500 (UNKNOWN); 400 with the reason for bad JSON or an invalid request;
   413 for a body over 1 MiB; 503 when the backend has as many calls in flight as it answers
   in time (Overloaded). An error's status is `sidecar.rls.statuses`'.
-- `GET /healthcheck`: 200 `OK`, or 500 after SIGTERM or while the backend fails its ping.
+- `GET /healthcheck`: 200 `OK`, or 500 with the reason when unhealthy (`sidecar.health`: after
+  SIGTERM, while the backend fails its ping under --failure-mode deny, or while the
+  configuration makes it unusable).
 - `GET /rlconfig`: the loaded rules, one line per rule (the reference's format).
 - `GET /metrics`: Prometheus text format.
 - `POST /v1/caps/check`, `POST /v1/caps/record`: frequency caps for ad servers, in JSON (see

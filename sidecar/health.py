@@ -7,6 +7,14 @@ healthy: reporting otherwise would make Kubernetes pull every gateway pod out of
 during a Redis outage, and make an Envoy that health-checks its rate limit cluster fail the
 calls that the failure mode would have allowed. The backend's state is still logged on every
 change and kept in `backend_ok`.
+One backend failure is unhealthy under every failure mode: a backend that has not answered
+since the start because of the sidecar's own configuration (it refuses our credentials, or its
+host name does not resolve; `storage.failures.fault`). Waiting will not cure it, and Kubernetes
+then keeps the pod out of its Service: a rollout carrying a wrong REDIS_AUTH stops at its first
+pod while the old ones serve, as the reference's own health check (unhealthy until its first
+ping answers) would stop it. The failure mode still answers every call meanwhile. Once the
+backend has answered, the same failure later (a password rotated on the server) is an outage
+like any other: pulling every pod at once would turn it into the gateway's own outage.
 With `--health-requires-config` (the reference's HEALTHY_WITH_AT_LEAST_ONE_CONFIG_LOADED) it
 is also unhealthy until rules with at least one domain are loaded, and again whenever a reload
 or an xDS push leaves none.
@@ -22,6 +30,7 @@ from collections.abc import Awaitable, Callable
 import structlog
 
 from sidecar.storage import Backend
+from sidecar.storage.base import ReportsFaults
 
 #: How long a health ping may take before the backend counts as down.
 PING_TIMEOUT = 2.0
@@ -42,12 +51,18 @@ class Health:
         self.config_loaded = False
         self.draining = False
         self.backend_ok: bool | None = None  # None until the first ping
+        #: Whether the backend has answered a ping since the start.
+        self.backend_answered = False
+        #: Why the backend fails, when it is the configuration (see the module's docstring).
+        self.backend_fault: str | None = None
         self._listeners: list[Listener] = []
         self._reported: bool | None = None
 
     @property
     def healthy(self) -> bool:
         if self.draining or (self.config_required and not self.config_loaded):
+            return False
+        if self.backend_fault is not None and not self.backend_answered:
             return False
         return self.backend_ok is True or not self.backend_required
 
@@ -58,6 +73,8 @@ class Health:
             return "shutting down"
         if self.config_required and not self.config_loaded:
             return "no rules loaded"
+        if self.backend_fault is not None:
+            return f"backend unusable: {self.backend_fault}"
         return "backend unavailable"
 
     async def set_config_loaded(self, loaded: bool) -> None:
@@ -79,12 +96,21 @@ class Health:
                 ok = await self.backend.ping()
         except TimeoutError:
             ok = False
-        if ok != self.backend_ok:
-            if not ok:
-                log.warning("backend_unhealthy", backend=self.backend.name)
-            elif self.backend_ok is not None:
-                log.info("backend_healthy", backend=self.backend.name)
-            self.backend_ok = ok
+        fault = None
+        if not ok and isinstance(self.backend, ReportsFaults):
+            fault = self.backend.fault()
+        self.backend_answered = self.backend_answered or ok
+        was_ok, was_fault = self.backend_ok, self.backend_fault
+        self.backend_ok, self.backend_fault = ok, fault
+        # Once per change, with why when it is known: not on every ping of an outage.
+        if fault is not None and fault != was_fault:
+            log.error(
+                "backend_unhealthy", backend=self.backend.name, fault=fault, healthy=self.healthy
+            )
+        elif not ok and fault is None and was_ok is not False:
+            log.warning("backend_unhealthy", backend=self.backend.name)
+        elif ok and was_ok is False:
+            log.info("backend_healthy", backend=self.backend.name)
         await self._notify()
         return self.healthy
 

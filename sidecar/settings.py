@@ -12,7 +12,9 @@ Two tables drive it:
 reads them beneath the real `RLS_*` variables and flags, which therefore win. `ignored` lists
 the variables that are set but ask for something the sidecar does not do, to be logged once at
 start-up: nothing set is silently ignored. To support another variable, add a row to `FLAGS`
-and mark it supported in `VARIABLES`.
+and mark it supported in `VARIABLES`. For that log too, `shown` gives the values of the
+variables read (secrets hidden) and `misspelled` the names set that are one typo from a
+variable; `present` names those set when they are not read (`serve` without --reference-env).
 
 Three kinds of variables the reference's libraries read, not settings.go, are honoured too:
 STATSD_PROTOCOL (lyft/gostats; a row of `FLAGS`), DOG_STATSD_MOGRIFIER_<NAME>_PATTERN, _NAME
@@ -26,13 +28,17 @@ variable the reference reads), which change together with `translate`.
 
 from __future__ import annotations
 
+import difflib
 import enum
 import ipaddress
 import os
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from urllib.parse import quote, urlencode
+from urllib.parse import parse_qsl, quote, unquote, urlencode, urlsplit
+
+from sidecar.storage.urls import parse as parse_backend_url
+from sidecar.storage.urls import redact
 
 Env = Mapping[str, str]
 
@@ -502,50 +508,110 @@ def _backend_per_second(env: Env, defaults: bool) -> str | None:
     return _redis_url(env, "REDIS_PERSECOND_")
 
 
+@dataclass(frozen=True)
+class _RedisHost:
+    """One address of a REDIS_URL, as the reference's Redis client (radix v4) reads it: a
+    HOST:PORT, or a `redis://[user:password@]HOST:PORT[/db]` URI (also `?username=`,
+    `?password=`, `?db=`); `rediss://` too, here, meaning TLS."""
+
+    address: str
+    username: str = ""
+    password: str | None = None
+    db: str = ""
+    tls: bool = False
+
+
+def _redis_host(text: str) -> _RedisHost:
+    scheme, sep, _ = text.partition("://")
+    if not sep or scheme.lower() not in ("redis", "rediss"):
+        return _RedisHost(text)
+    try:
+        parts = urlsplit(text)
+    except ValueError:  # an unbalanced IPv6 bracket: judged as an address, below
+        return _RedisHost(text.partition("://")[2])
+    query = dict(parse_qsl(parts.query, keep_blank_values=True))
+    userinfo, _, address = parts.netloc.rpartition("@")
+    username, has_password, password = userinfo.partition(":")
+    return _RedisHost(
+        address,
+        username=unquote(username) or query.get("username", ""),
+        password=unquote(password) if has_password else query.get("password"),
+        db=parts.path.strip("/") or query.get("db", ""),
+        tls=scheme.lower() == "rediss",
+    )
+
+
 def _redis_url(env: Env, prefix: str) -> str:
     """A Redis URL from `prefix`'s URL, SOCKET_TYPE, TYPE, AUTH and TLS (REDIS_ or
-    REDIS_PERSECOND_); the TLS files are REDIS_TLS_*'s for both, as in the reference."""
-    url = env[prefix + "URL"].strip()
+    REDIS_PERSECOND_); the TLS files are REDIS_TLS_*'s for both, as in the reference.
+
+    The URL's addresses may be `redis://` URIs, as the reference's client takes them (their
+    credentials apply when the AUTH variable is empty, as there). The URL built is checked
+    here, so a fault is quoted as the variable was written (its password hidden), never as
+    the URL it became."""
+    written = env[prefix + "URL"].strip()
+    url = _build_redis_url(env, prefix, written)
+    try:
+        parse_backend_url(url)
+    except ValueError as exc:
+        reason = str(exc).removeprefix(f"{redact(url)!r}: ")
+        raise SettingError(f"{prefix}URL={redact(written)!r}: {reason}") from None
+    return url
+
+
+def _build_redis_url(env: Env, prefix: str, url: str) -> str:
     socket_type = env.get(prefix + "SOCKET_TYPE", "").strip().lower()
     if socket_type == "unix" or (not socket_type and url.startswith("/")):
         raise SettingError(
-            f"{prefix}SOCKET_TYPE={socket_type or 'unix'} with {prefix}URL={url!r}: Redis over a "
-            f"Unix socket is not supported; use {prefix}SOCKET_TYPE=tcp and {prefix}URL=HOST:PORT"
+            f"{prefix}SOCKET_TYPE={socket_type or 'unix'} with {prefix}URL={redact(url)!r}: Redis "
+            f"over a Unix socket is not supported; use {prefix}SOCKET_TYPE=tcp and "
+            f"{prefix}URL=HOST:PORT"
         )
     if socket_type not in ("", "tcp"):
         raise SettingError(f"{prefix}SOCKET_TYPE={socket_type!r}: expected tcp")
     redis_type = env.get(prefix + "TYPE", "").strip().lower() or "single"
     if redis_type not in ("single", "cluster", "sentinel"):
         raise SettingError(f"{prefix}TYPE={redis_type!r}: expected single, cluster or sentinel")
-    tls = boolean(prefix + "TLS", env) or False
-    kind = {"single": "", "cluster": "+cluster", "sentinel": "+sentinel"}[redis_type]
-    scheme = ("rediss" if tls else "redis") + kind
-    auth = env.get(prefix + "AUTH", "")
-    userinfo = ""
-    if auth:
-        user, sep, password = auth.partition(":")
-        userinfo = (
-            f"{quote(user, safe='')}:{quote(password, safe='')}@"
-            if sep
-            else f":{quote(auth, safe='')}@"
-        )
-    query: dict[str, str] = {}
-    path = ""
+    name = ""
     if redis_type == "sentinel":
         # The reference's form: the master's name, then the Sentinels.
         name, _, url = url.partition(",")
         if not name.strip() or not url.strip():
             raise SettingError(
-                f"{prefix}URL={env[prefix + 'URL'].strip()!r} with {prefix}TYPE=sentinel: "
+                f"{prefix}URL={redact(env[prefix + 'URL'].strip())!r} with {prefix}TYPE=sentinel: "
                 "expected MASTER_NAME,SENTINEL_HOST:PORT[,SENTINEL_HOST:PORT...]"
             )
+    hosts = [_redis_host(part.strip()) for part in url.split(",")]
+    tls = boolean(prefix + "TLS", env) or any(host.tls for host in hosts)
+    kind = {"single": "", "cluster": "+cluster", "sentinel": "+sentinel"}[redis_type]
+    scheme = ("rediss" if tls else "redis") + kind
+    # The AUTH variable wins over a URI's credentials; for Sentinels those are the Sentinels'.
+    uri_auth = next(((h.username, h.password) for h in hosts if h.password is not None), None)
+    user, password = _auth(env.get(prefix + "AUTH", ""))
+    if password is None and uri_auth is not None and redis_type != "sentinel":
+        user, password = uri_auth
+    userinfo = ""
+    if password is not None:
+        userinfo = f"{quote(user, safe='')}:{quote(password, safe='')}@"
+    query: dict[str, str] = {}
+    path = ""
+    dbs = {host.db for host in hosts if host.db}
+    if redis_type == "sentinel":
+        if dbs:
+            raise SettingError(
+                f"{prefix}URL={redact(env[prefix + 'URL'].strip())!r}: a database on a Sentinel's "
+                "address selects nothing on the master; the master's is database 0"
+            )
         path = "/" + quote(name.strip(), safe="")
-        sentinel_auth = env.get(prefix + "SENTINEL_AUTH", "")
-        if sentinel_auth:
-            user, sep, password = sentinel_auth.partition(":")
-            if sep:
-                query["sentinel_username"] = user
-            query["sentinel_password"] = password if sep else sentinel_auth
+        sentinel_user, sentinel_password = _auth(env.get(prefix + "SENTINEL_AUTH", ""))
+        if sentinel_password is None and uri_auth is not None:
+            sentinel_user, sentinel_password = uri_auth
+        if sentinel_password is not None:
+            if sentinel_user:
+                query["sentinel_username"] = sentinel_user
+            query["sentinel_password"] = sentinel_password
+    elif dbs:
+        path = "/" + ",".join(sorted(dbs))  # more than one is refused by the URL's check
     if tls:
         for variable, parameter in (
             ("REDIS_TLS_CACERT", "ssl_ca_certs"),
@@ -555,7 +621,17 @@ def _redis_url(env: Env, prefix: str) -> str:
             if env.get(variable):
                 query[parameter] = env[variable]
         query["ssl_cert_reqs"] = "required"
-    return f"{scheme}://{userinfo}{url}{path}" + (f"?{urlencode(query)}" if query else "")
+    addresses = ",".join(host.address for host in hosts)
+    return f"{scheme}://{userinfo}{addresses}{path}" + (f"?{urlencode(query)}" if query else "")
+
+
+def _auth(value: str) -> tuple[str, str | None]:
+    """`password` or `user:password` (REDIS_AUTH's forms): the user ("" for none) and the
+    password (None when `value` is empty)."""
+    if not value:
+        return "", None
+    user, sep, password = value.partition(":")
+    return (user, password) if sep else ("", value)
 
 
 @dataclass(frozen=True)
@@ -798,7 +874,7 @@ def _variables() -> tuple[Variable, ...]:
         V("BACKEND_TYPE", "redis", S, "`redis` builds `--backend` from `REDIS_*`; `memcache` is refused at start-up"),
         V("REDIS_SOCKET_TYPE", "unix", D, "`tcp`; `unix` is refused at start-up (no Redis over a Unix socket); unset, a `REDIS_URL` that is not a path is TCP", lambda value: value.strip().lower() == "tcp"),
         V("REDIS_TYPE", "SINGLE", S, "`single`: `redis://`; `cluster`: `redis+cluster://`; `sentinel`: `redis+sentinel://` (`REDIS_URL` is then `MASTER_NAME,HOST:PORT,...`, the master's name and the Sentinels)"),
-        V("REDIS_URL", "/var/run/nutcracker/ratelimit.sock", S, "the host of `--backend` (`HOST:PORT`, or `HOST:PORT,HOST:PORT` for a cluster); under `ratelimit` it must be set, unless `RLS_BACKEND` is"),
+        V("REDIS_URL", "/var/run/nutcracker/ratelimit.sock", S, "the host of `--backend`: `HOST:PORT`, or a `redis://[USER:PASSWORD@]HOST:PORT[/DB]` URI read as the reference's client reads it (also `?username=`, `?password=`, `?db=`; `REDIS_AUTH` wins over its credentials; `rediss://` is TLS, which the reference's client does not take); a list of them for a cluster; under `ratelimit` it must be set, unless `RLS_BACKEND` is"),
         V("REDIS_POOL_SIZE", "10", D, "no pool: each Redis server gets two pipelined connections, which carry every call"),
         V("REDIS_AUTH", "", S, "`password` or `user:password`, in the `--backend` URL"),
         V("REDIS_SENTINEL_AUTH", "", S, "`password` or `user:password` of the Sentinels: `?sentinel_password=` (and `sentinel_username=`); `REDIS_AUTH` stays the master's"),
@@ -922,6 +998,51 @@ def applied(env: Env) -> list[str]:
     """The reference variables set in `env` that the sidecar reads."""
     read = {name for flag in FLAGS for name in flag.reads}
     return sorted(name for name in env if name in read and env[name] != "")
+
+
+#: Variables whose values are never logged: passwords, and headers that may carry tokens.
+_SECRET = re.compile(r"AUTH|PASSWORD|TOKEN|SECRET|HEADERS")
+
+
+def shown(env: Env) -> dict[str, str]:
+    """The reference variables `applied` reads, with their values as the start-up log shows
+    them: a secret as `***`, the password of a Redis URI hidden."""
+    values = {}
+    for name in applied(env):
+        value = env[name]
+        if _SECRET.search(name):
+            value = "***"
+        elif name.endswith("_URL"):
+            value = ",".join(redact(part) for part in value.split(","))
+        values[name] = value
+    return values
+
+
+def present(env: Env) -> list[str]:
+    """The reference variables set (not empty) in `env`, whether read or not."""
+    return sorted(name for name in env if name in _BY_NAME and env[name] != "")
+
+
+#: How alike (difflib's ratio) a name set in the environment must be to a reference variable's
+#: to be taken for a typo of it: one letter swapped, missing or extra in a name of ten or more
+#: (RUNTIME_SUBDIRECTROY is 0.95, LOGLEVEL 0.94), not a neighbour such as HOSTNAME (0.67).
+TYPO_RATIO = 0.9
+#: Names near a reference variable's that are not typos of one: Envoy Gateway sets
+#: GRPC_SERVER_TLS_CA_CERT, which the reference does not read (see GRPC_CLIENT_TLS_CACERT).
+_NOT_TYPOS = frozenset({"GRPC_SERVER_TLS_CA_CERT"})
+
+
+def misspelled(env: Env) -> list[tuple[str, str]]:
+    """(name, the reference variable it is likely meant to be) for each name set in `env` that
+    is not a reference variable but one typo from one."""
+    found = []
+    for name in sorted(env):
+        if name in _BY_NAME or name in _NOT_TYPOS or env[name] == "":
+            continue
+        close = difflib.get_close_matches(name, _BY_NAME, n=1, cutoff=TYPO_RATIO)
+        if close:
+            found.append((name, close[0]))
+    return found
 
 
 def markdown() -> str:

@@ -149,12 +149,23 @@ def test_flags_win_over_variables_and_defaults_fill_the_rest() -> None:
 def test_bad_or_missing_settings_are_usage_errors(
     env: dict[str, str], message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """A variable that does not parse, or a required flag set nowhere, exits 2 naming it."""
+    """A variable that does not parse, or a required flag set nowhere, exits 2 naming it, in
+    one line under the command's name (no usage: it says nothing about a variable)."""
     with pytest.raises(SystemExit) as exited:
         cli.parse_args(["serve"], env)
 
     assert exited.value.code == 2
-    assert message in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert message in err
+    assert err.startswith("ratelimit-sidecar serve: ") and err.count("\n") == 1
+
+
+def test_an_unknown_rls_variable_is_found_with_the_one_meant() -> None:
+    """An RLS_* variable no flag of any command reads is listed for the start-up warning, with
+    the closest real one when there is one; variables of other commands are known."""
+    env = {"RLS_CONFG": "rules/", "RLS_NOTHING_LIKE_IT": "1", "RLS_ADDRESS": "x:1", "HOME": "/"}
+    args = cli.parse_args(["serve", "--config", "r"], env)
+    assert args.unknown_variables == [("RLS_CONFG", "RLS_CONFIG"), ("RLS_NOTHING_LIKE_IT", None)]
 
 
 def test_help_documents_every_command_and_flag(capsys: pytest.CaptureFixture[str]) -> None:

@@ -147,12 +147,13 @@ def test_redis_persecond_variables_make_the_per_second_backend() -> None:
         "REDIS_PERSECOND_URL": "fast:6379",
         "REDIS_PERSECOND_AUTH": "secret",
     }
-    args = cli.parse_args(["serve", "--config", "x"], env)
+    args = cli.parse_args(["serve", "--config", "x", "--reference-env"], env)
     assert (args.backend, args.backend_per_second) == (
         "redis://main:6379",
         "redis://:secret@fast:6379",
     )
     with pytest.raises(SystemExit):
         cli.parse_args(
-            ["serve", "--config", "x"], {"REDIS_URL": "main:6379", "REDIS_PERSECOND": "1"}
+            ["serve", "--config", "x", "--reference-env"],
+            {"REDIS_URL": "main:6379", "REDIS_PERSECOND": "1"},
         )

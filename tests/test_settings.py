@@ -9,8 +9,9 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+import redis
 from support.reference_process import reference_process
-from support.sidecars import client, request
+from support.sidecars import client, request, serve_process, write_rules
 
 from sidecar import cli, settings
 from sidecar.injector.urls import validate_url
@@ -130,8 +131,140 @@ async def test_ratelimit_without_redis_url_says_what_to_set(tmp_path: Path) -> N
 
 
 def serve(env: dict[str, str], *argv: str) -> dict[str, object]:
-    args = cli.parse_args(["serve", *argv], env)
+    """`serve --reference-env`'s settings from `env` and `argv`."""
+    args = cli.parse_args(["serve", "--reference-env", *argv], env)
     return vars(args)
+
+
+#: What a developer's shell may export for another project: none of it is `serve`'s business.
+OTHER_PROJECT = {
+    "REDIS_URL": "redis://cache.other-project:6379/x",
+    "HOST": "203.0.113.7",
+    "PORT": "3000",
+    "LOG_LEVEL": "loud",
+}
+
+
+def test_serve_reads_the_references_variables_only_when_asked() -> None:
+    """Without --reference-env (or RLS_REFERENCE_ENV=true), `serve` reads none of the
+    reference's variables, even ones it could not use; with it, it reads them as `ratelimit`
+    does."""
+    args = cli.parse_args(["serve", "--config", "x"], OTHER_PROJECT)
+    assert (args.backend, args.http_address, args.log_level) == (
+        "memory://", "0.0.0.0:8080", "info",
+    )  # fmt: skip
+    assert args.reference_unread == ["HOST", "LOG_LEVEL", "PORT", "REDIS_URL"]
+    env = {**OTHER_PROJECT, "LOG_LEVEL": "warn", "REDIS_URL": "cache:6379"}
+    for asked in (["--reference-env"], []):
+        environ = env if asked else {**env, "RLS_REFERENCE_ENV": "true"}
+        args = cli.parse_args(["serve", "--config", "x", *asked], environ)
+        assert (args.backend, args.http_address, args.log_level) == (
+            "redis://cache:6379", "203.0.113.7:3000", "warning",
+        )  # fmt: skip
+        assert args.reference_unread == []
+
+
+async def test_serve_started_from_a_shell_with_other_exports_serves_on_its_flags(
+    tmp_path: Path,
+) -> None:
+    """`serve` (what `make run` runs) started with a REDIS_URL it cannot use and a HOST
+    exported serves on its own addresses and memory://, logs the names it left unread, and
+    the names of the RLS_* variables it read."""
+    rules = write_rules(tmp_path)
+    args = ["--config", str(rules), "--grpc-address", "127.0.0.1:0",
+            "--http-address", "127.0.0.1:0"]  # fmt: skip
+    env = {**OTHER_PROJECT, "RLS_BACKEND": "memory://"}
+    async with serve_process(args, env) as served, aiohttp.ClientSession() as http:
+        url = f"http://127.0.0.1:{served.http_port}/healthcheck"
+        async with http.get(url) as got:
+            assert got.status == 200
+    [unread] = [e for e in served.events() if e.get("event") == "reference_settings_not_read"]
+    assert unread["variables"] == ["HOST", "LOG_LEVEL", "PORT", "REDIS_URL"]
+    [read] = [e for e in served.events() if e.get("event") == "rls_settings"]
+    assert read["read"] == ["RLS_BACKEND"]
+    [started] = [e for e in served.events() if e.get("event") == "started"]
+    assert started["backend"] == "memory"
+
+
+def test_the_start_up_log_shows_what_was_read_with_secrets_hidden() -> None:
+    """Names and values of the reference's variables read; passwords, in AUTH variables and
+    in Redis URIs, and xDS headers (which may carry tokens) as ***."""
+    env = {
+        "REDIS_URL": "redis://user:hunter2@r:6379/1",
+        "REDIS_AUTH": "hunter3",
+        "PORT": "9090",
+        "CONFIG_GRPC_XDS_CLIENT_ADDITIONAL_HEADERS": "authorization:Bearer t0ken",
+        "UNRELATED": "x",
+    }
+    assert settings.shown(env) == {
+        "CONFIG_GRPC_XDS_CLIENT_ADDITIONAL_HEADERS": "***",
+        "PORT": "9090",
+        "REDIS_AUTH": "***",
+        "REDIS_URL": "redis://user:***@r:6379/1",
+    }
+
+
+def test_a_name_one_typo_from_a_reference_variable_is_taken_for_it() -> None:
+    """A name set that is not the reference's but one typo from one is reported with the one
+    meant; neighbours that are not typos (HOSTNAME, Envoy Gateway's GRPC_SERVER_TLS_CA_CERT)
+    and the reference's own names are not."""
+    env = {
+        "RUNTIME_SUBDIRECTROY": "ratelimit",
+        "LOGLEVEL": "debug",
+        "REDIS_UR": "r:6379",
+        "HOSTNAME": "pod-1",
+        "GRPC_SERVER_TLS_CA_CERT": "/certs/ca.crt",
+        "RUNTIME_SUBDIRECTORY": "ratelimit",
+        "PATH": "/bin",
+    }
+    assert settings.misspelled(env) == [
+        ("LOGLEVEL", "LOG_LEVEL"),
+        ("REDIS_UR", "REDIS_URL"),
+        ("RUNTIME_SUBDIRECTROY", "RUNTIME_SUBDIRECTORY"),
+    ]
+
+
+async def test_ratelimit_warns_of_misspelled_settings_before_what_they_cause(
+    tmp_path: Path, redis_url: str
+) -> None:
+    """RUNTIME_SUBDIRECTROY and RLS_CONFG are each warned about at start, naming the variable
+    meant, before the rules directory they left at its default is found missing."""
+    env = {**helm_chart_env(tmp_path, redis_url), "RLS_CONFG": str(tmp_path)}
+    env["RUNTIME_SUBDIRECTROY"] = env.pop("RUNTIME_SUBDIRECTORY")
+    async with reference_process(env, wait=False) as sidecar:
+        assert await sidecar.process.wait() == 1
+    warned = {(e["variable"], e["did_you_mean"]) for e in sidecar.events("unknown_setting")}
+    assert warned == {
+        ("RUNTIME_SUBDIRECTROY", "RUNTIME_SUBDIRECTORY"),
+        ("RLS_CONFG", "RLS_CONFIG"),
+    }
+    assert (
+        sidecar.lines[-1]
+        == f"{tmp_path}/config: error loading config file: no such file or directory"
+    )
+
+
+async def test_a_setting_that_cannot_be_used_stops_ratelimit_with_one_line() -> None:
+    """`ratelimit` names itself, in one line naming the variable, and a typo that explains
+    it; no usage of `serve`."""
+    env = {"REDIS_UR": "r:6379", "RUNTIME_ROOT": "/nowhere"}
+    async with reference_process(env, wait=False) as sidecar:
+        assert await sidecar.process.wait() == 2
+    [line] = sidecar.lines
+    assert line.startswith("ratelimit: REDIS_URL is not set: ")
+    assert line.endswith("(REDIS_UR is set: did you mean REDIS_URL?)")
+
+
+def test_ratelimit_help_is_short_and_says_how_it_differs_from_serve(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`ratelimit --help` fits a screen and names what differs from `serve`: the variables
+    read, and its defaults for the rules, Redis and statsd."""
+    assert cli.reference_main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert len(out.splitlines()) < 30
+    for said in ("--reference-env", "/srv/runtime_data/current/config", "REDIS_URL", "USE_STATSD"):
+        assert said in out
 
 
 def test_listeners_runtime_and_redis_map_onto_flags() -> None:
@@ -220,7 +353,7 @@ def test_xds_variables_map_onto_the_xds_flags() -> None:
     assert args["force_start_without_initial_config"] is True
     built = cli.serve.xds_flags.options(
         cli.parse_args(
-            ["serve"],
+            ["serve", "--reference-env"],
             {
                 "CONFIG_TYPE": "GRPC_XDS_SOTW",
                 "CONFIG_GRPC_XDS_CLIENT_ADDITIONAL_HEADERS": "X-Tenant:blue",
@@ -284,6 +417,85 @@ def test_sentinel_settings_map_onto_a_sentinel_url() -> None:
 
 
 @pytest.mark.parametrize(
+    ("env", "backend"),
+    [
+        ({"REDIS_URL": "r:6379"}, "redis://r:6379"),
+        ({"REDIS_URL": "redis://r:6379/11"}, "redis://r:6379/11"),
+        ({"REDIS_URL": "redis://:pw@r:6379"}, "redis://:pw@r:6379"),
+        ({"REDIS_URL": "redis://u:p%40ss@r:6379/2"}, "redis://u:p%40ss@r:6379/2"),
+        ({"REDIS_URL": "redis://r:6379?db=3&password=pw"}, "redis://:pw@r:6379/3"),
+        ({"REDIS_URL": "redis://:url@r:6379", "REDIS_AUTH": "env"}, "redis://:env@r:6379"),
+        ({"REDIS_URL": "rediss://r:6380"}, "rediss://r:6380?ssl_cert_reqs=required"),
+        (
+            {"REDIS_URL": "redis://:pw@r1:7000,redis://r2:7000", "REDIS_TYPE": "cluster"},
+            "redis+cluster://:pw@r1:7000,r2:7000",
+        ),
+        (
+            {"REDIS_URL": "m,redis://:spw@s1:26379", "REDIS_TYPE": "sentinel"},
+            "redis+sentinel://s1:26379/m?sentinel_password=spw",
+        ),
+    ],
+    ids=["host-port", "uri-db", "uri-password", "uri-user", "uri-query", "auth-wins", "rediss",
+         "cluster", "sentinel"],
+)  # fmt: skip
+def test_redis_url_takes_every_form_the_references_client_takes(
+    env: dict[str, str], backend: str
+) -> None:
+    """REDIS_URL is HOST:PORT or a `redis://` URI, as the reference's Redis client (radix)
+    reads it: the URI's user, password and database (in the path, or ?username=, ?password=,
+    ?db=) apply, REDIS_AUTH winning over its credentials; on a Sentinel's address they are
+    the Sentinels'. `rediss://` means TLS."""
+    url = serve(env, "--config", "x")["backend"]
+    assert url == backend
+    validate_url(backend)
+
+
+@pytest.mark.parametrize(
+    ("written", "message"),
+    [
+        ("redis://127.0.0.1:6379/x", "REDIS_URL='redis://127.0.0.1:6379/x': database must be"),
+        ("redis://:secret@r:port", "REDIS_URL='redis://:***@r:port': bad port in 'r:port'"),
+        ("r:99999", "REDIS_URL='r:99999': bad port in 'r:99999'"),
+    ],
+    ids=["database", "port-with-password", "port"],
+)
+def test_a_redis_url_that_cannot_be_used_is_quoted_as_written(
+    written: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The message quotes REDIS_URL as the user wrote it (its password hidden), never the URL
+    it was turned into (no 'redis://redis://')."""
+    with pytest.raises(SystemExit):
+        serve({"REDIS_URL": written}, "--config", "x")
+    err = capsys.readouterr().err
+    assert message in err
+    assert "redis://redis://" not in err and "secret" not in err
+
+
+async def test_a_redis_uri_with_a_database_counts_there(tmp_path: Path, redis_url: str) -> None:
+    """`ratelimit` with REDIS_URL=redis://HOST:PORT/11 serves, and its counters are in
+    database 11 of that Redis, none in database 0."""
+    config = tmp_path / "ratelimit" / "config"
+    config.mkdir(parents=True)
+    (config / "config.yaml").write_text(RULES)
+    env = {**helm_chart_env(tmp_path, redis_url), "REDIS_URL": f"{redis_url}/11"}
+    async with reference_process(env) as sidecar, client(sidecar.started["grpc_port"]) as rls:
+        answer = await rls.should_rate_limit(request("helm", [("remote_address", "10.0.0.9")]))
+    assert answer.overall_code == Code.OK
+    host, port = redis_url.removeprefix("redis://").split(":")
+    eleven = redis.Redis(host=host, port=int(port), db=11)
+    try:
+        assert eleven.dbsize() >= 1
+        eleven.flushdb()
+    finally:
+        eleven.close()
+    zero = redis.Redis(host=host, port=int(port), db=0)
+    try:
+        assert zero.keys("rl{*") == []
+    finally:
+        zero.close()
+
+
+@pytest.mark.parametrize(
     ("env", "message"),
     [
         ({"BACKEND_TYPE": "memcache"}, "BACKEND_TYPE=memcache: Memcache is not supported"),
@@ -312,7 +524,10 @@ def test_a_reference_variable_that_cannot_be_used_stops_the_start(
 ) -> None:
     """Exit status 2 with the variable, its value and the reason, before anything listens."""
     with pytest.raises(SystemExit) as exited:
-        cli.parse_args(["serve", "--config", "x"] if "RLS_CONFIG" not in env else ["serve"], env)
+        cli.parse_args(
+            ["serve", "--reference-env", *(["--config", "x"] if "RLS_CONFIG" not in env else [])],
+            env,
+        )
     assert exited.value.code == 2
     assert message in capsys.readouterr().err
 
@@ -331,7 +546,7 @@ def test_statsd_tls_and_tracing_variables_read_as_the_reference_reads_them() -> 
     )  # fmt: skip
     for env in ({"USE_STATSD": "false"}, {"DISABLE_STATS": "true"}):
         assert cli.parse_args(["serve"], {**memory, **env}, reference_defaults=True).statsd is None
-        assert cli.parse_args(["serve", "--config", "x"], env).statsd is None
+        assert cli.parse_args(["serve", "--config", "x", "--reference-env"], env).statsd is None
     assert cli.parse_args(["serve", "--config", "x"], {}).statsd is None
 
     tls = {
@@ -340,7 +555,7 @@ def test_statsd_tls_and_tracing_variables_read_as_the_reference_reads_them() -> 
         "GRPC_SERVER_TLS_KEY": "/certs/tls.key",
         "GRPC_SERVER_TLS_CA_CERT": "/certs/ca.crt",
     }
-    files = cli.serve.tls_files(cli.parse_args(["serve", "--config", "x"], tls))
+    files = cli.serve.tls_files(cli.parse_args(["serve", "--config", "x", "--reference-env"], tls))
     assert files is not None
     assert (str(files.cert), str(files.key), files.client_ca) == (
         "/certs/tls.crt", "/certs/tls.key", None,
@@ -348,8 +563,9 @@ def test_statsd_tls_and_tracing_variables_read_as_the_reference_reads_them() -> 
     assert "GRPC_SERVER_TLS_CA_CERT" not in {v.name for v in settings.ignored(tls)}
 
     for raw, rate in (("2", 1.0), ("-0.5", 0.0), ("0.3", 0.3)):
-        args = cli.parse_args(["serve", "--config", "x"], {"TRACING_SAMPLING_RATE": raw})
-        assert args.tracing_sampling_rate == rate
+        assert (
+            serve({"TRACING_SAMPLING_RATE": raw}, "--config", "x")["tracing_sampling_rate"] == rate
+        )
 
 
 #: A rules path, which `serve` requires of any command line.

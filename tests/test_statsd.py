@@ -267,7 +267,7 @@ def test_the_reference_variables_turn_statsd_on_as_the_flags_do() -> None:
     """USE_STATSD=true with STATSD_HOST, STATSD_PORT, STATSD_PROTOCOL, STATS_FLUSH_INTERVAL
     and EXTRA_TAGS; USE_DOG_STATSD=true (UDP) with USE_DOG_STATSD_MOGRIFIERS; neither: off.
     Both at once is refused, as the reference refuses two sinks."""
-    base = ["serve", "--config", "r"]
+    base = ["serve", "--config", "r", "--reference-env"]
     env = {
         "USE_STATSD": "true",
         "STATSD_HOST": "stats.local",
@@ -311,7 +311,7 @@ def test_the_reference_variables_turn_statsd_on_as_the_flags_do() -> None:
 def test_bad_statsd_settings_are_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
     """A duration, tags or a mogrifier that cannot be read stop `serve` with exit status 2
     and the variable named."""
-    base = ["serve", "--config", "r", "--statsd-address", "127.0.0.1:8125"]
+    base = ["serve", "--config", "r", "--statsd-address", "127.0.0.1:8125", "--reference-env"]
     cases = {
         "expected a duration": {"STATS_FLUSH_INTERVAL": "soon"},
         "expected key:value pairs": {"EXTRA_TAGS": "novalue"},
@@ -351,7 +351,7 @@ async def test_serve_with_the_reference_variables_flushes_dogstatsd_every_interv
             "STATS_FLUSH_INTERVAL": "200ms",
         }
         args = ["--config", str(rules), "--grpc-address", "127.0.0.1:0",
-                "--http-address", "127.0.0.1:0"]  # fmt: skip
+                "--http-address", "127.0.0.1:0", "--reference-env"]  # fmt: skip
         async with serve_process(args, env) as served:
             await the_issue_example(served.grpc_port)
             async with asyncio.timeout(10):

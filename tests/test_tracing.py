@@ -139,7 +139,7 @@ def test_the_reference_variables_turn_tracing_on_as_the_flags_do() -> None:
         "TRACING_SERVICE_INSTANCE_ID": "pod-1",
         "TRACING_SAMPLING_RATE": "0.25",
     }
-    base = ["serve", "--config", "r"]
+    base = ["serve", "--config", "r", "--reference-env"]
     expected = TracingSettings("grpc", None, "rls", "edge", "pod-1", 0.25)
     assert cli.serve.tracing_settings(cli.parse_args(base, env)) == expected
     flags = [*base, "--tracing", "--tracing-protocol", "grpc", "--tracing-service-name", "rls",
@@ -162,7 +162,7 @@ async def test_serve_with_the_reference_variables_exports_over_otlp_grpc(rules: 
             "OTEL_BSP_SCHEDULE_DELAY": "100",
         }
         args = ["--config", str(rules), "--grpc-address", "127.0.0.1:0",
-                "--http-address", "127.0.0.1:0"]  # fmt: skip
+                "--http-address", "127.0.0.1:0", "--reference-env"]  # fmt: skip
         async with serve_process(args, {**os.environ, **env}) as served:
             for _ in range(3):
                 await traced_call(

@@ -9,10 +9,11 @@ command line wins over its variable.
 from __future__ import annotations
 
 import argparse
+import difflib
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 PROG = "ratelimit-sidecar"
 ENV_PREFIX = "RLS_"
@@ -68,10 +69,33 @@ class Flags:
                 try:
                     value = flag.from_env(raw)
                 except (ValueError, argparse.ArgumentTypeError) as exc:
-                    self.parser.error(f"{var}={raw!r}: {exc}")
+                    fail(self.parser, f"{var}={raw!r}: {exc}")
             if value is None and flag.required:
-                self.parser.error(f"the following arguments are required: {flag.option} (or {var})")
+                fail(self.parser, f"the following arguments are required: {flag.option} (or {var})")
             setattr(args, flag.dest, value)
+
+    def variables(self) -> set[str]:
+        """The RLS_* variables these flags read."""
+        return {ENV_PREFIX + flag.dest.upper() for flag in self.flags}
+
+
+def fail(parser: argparse.ArgumentParser, message: str) -> NoReturn:
+    """Stop on a setting that cannot be used: one line under the program's name, exit status 2.
+    (argparse's error prints the usage first, dozens of lines for `serve`, which say nothing
+    about a variable.)"""
+    parser.exit(2, f"{parser.prog}: {message}\n")
+
+
+def unknown(environ: Mapping[str, str], known: Iterable[str]) -> list[tuple[str, str | None]]:
+    """(name, the likely intended one or None) for each RLS_* variable in `environ` that no
+    flag reads."""
+    names = sorted(known)
+    found = []
+    for name in sorted(environ):
+        if name.startswith(ENV_PREFIX) and name not in names:
+            close = difflib.get_close_matches(name, names, n=1, cutoff=0.75)
+            found.append((name, close[0] if close else None))
+    return found
 
 
 def env_reader(action: argparse.Action, kind: str | None, separators: str) -> Callable[[str], Any]:

@@ -21,8 +21,10 @@ from sidecar.cli.flags import (
     Flags,
     address,
     at_least_a_second,
+    boolean,
     count,
     count_or_auto,
+    fail,
     grpc_address,
     header_name,
     log_level,
@@ -49,10 +51,12 @@ resources a control plane pushes over xDS (--xds-server; a push that is not vali
 NACKed and the rules served before stay). A bad file stops the start with 'FILE: PATH:
 message' and exit status 1; a backend URL that cannot be used exits with 2.
 
-The reference's environment variables (HOST, PORT, GRPC_PORT, GRPC_SERVER_USE_TLS,
-REDIS_URL, REDIS_TYPE, RUNTIME_ROOT, CONFIG_TYPE, CONFIG_GRPC_XDS_*, USE_STATSD, TRACING_*,
-USE_PROMETHEUS, LOG_LEVEL, ...) set these flags too, beneath RLS_* variables and the command
-line; one it does not honour is logged at start-up.
+With --reference-env (or as `ratelimit`, the reference's entry point), the reference's
+environment variables (HOST, PORT, GRPC_PORT, GRPC_SERVER_USE_TLS, REDIS_URL, REDIS_TYPE,
+RUNTIME_ROOT, CONFIG_TYPE, CONFIG_GRPC_XDS_*, USE_STATSD, TRACING_*, USE_PROMETHEUS,
+LOG_LEVEL, ...) set these flags too, beneath RLS_* variables and the command line; those read
+are logged at start-up, and one it does not honour too. Without it they are not read (a
+REDIS_URL or HOST exported for something else changes nothing), and their names are logged.
 
 SIGTERM or SIGINT: report unhealthy, refuse new calls, let calls in flight finish (5 s),
 then exit 0. To replace a sidecar (--transport fast) without failing a call, start the new
@@ -441,6 +445,14 @@ def register(commands: Any) -> Flags:
         type=address,
         metavar="HOST:PORT",
     )
+    serve.add(
+        "--reference-env",
+        "also read envoyproxy/ratelimit's environment variables (REDIS_URL, HOST, PORT, "
+        "RUNTIME_ROOT, ...; README lists them), beneath RLS_* variables and flags, as "
+        "`ratelimit` does (without its defaults for the rules, Redis and statsd)",
+        action="store_true",
+        default=False,
+    )
     xds_flags.add(serve.add)
     serve.add(
         "--dedupe-horizon",
@@ -461,33 +473,56 @@ def resolve(
     reference_defaults: bool,
 ) -> None:
     """Fill `serve`'s flags: the command line, then RLS_* variables, then the reference's
-    variables, then defaults (the reference's too with `reference_defaults`); exits with status
-    2 and a usage message when something is missing or malformed."""
+    variables (as `ratelimit`, whose `reference_defaults` adds the reference's defaults, or
+    with --reference-env), then defaults; exits with status 2 and one line saying what when
+    something is missing or malformed."""
     given = frozenset(
         flag.dest
         for flag in flags.flags
         if getattr(args, flag.dest) is not None or environ.get(ENV_PREFIX + flag.dest.upper())
     )
-    try:
-        translated = settings.translate(environ, defaults=reference_defaults, given=given)
-    except settings.SettingError as exc:
-        flags.parser.error(str(exc))
+    reads_reference = reference_defaults or _asks_for_reference(args, environ)
+    translated: dict[str, str] = {}
+    if reads_reference:
+        try:
+            translated = settings.translate(environ, defaults=reference_defaults, given=given)
+        except settings.SettingError as exc:
+            # A typo may be why (REDIS_UR set, so REDIS_URL is not): say so on the same line.
+            typos = "; ".join(
+                f"{name} is set: did you mean {meant}?"
+                for name, meant in settings.misspelled(environ)
+            )
+            fail(flags.parser, f"{exc} ({typos})" if typos else str(exc))
     flags.resolve(args, {**translated, **environ})
     if not args.config and not args.xds_server:
-        flags.parser.error(
-            "the following arguments are required: --config (or RLS_CONFIG), or --xds-server"
+        fail(
+            flags.parser,
+            "the following arguments are required: --config (or RLS_CONFIG), or --xds-server",
         )
     if args.config and args.xds_server:
-        flags.parser.error("--config and --xds-server exclude each other: rules come from one")
+        fail(flags.parser, "--config and --xds-server exclude each other: rules come from one")
     problem = _tls_problem(args)
     if problem:
-        flags.parser.error(problem)
+        fail(flags.parser, problem)
     try:
         args.statsd = statsd_settings(args, environ)
     except StatsdError as exc:
-        flags.parser.error(str(exc))
-    args.reference_applied = settings.applied(environ)
-    args.reference_ignored = settings.ignored(environ)
+        fail(flags.parser, str(exc))
+    args.reference_applied = settings.shown(environ) if reads_reference else {}
+    args.reference_ignored = settings.ignored(environ) if reads_reference else []
+    args.reference_unread = [] if reads_reference else settings.present(environ)
+    args.reference_misspelled = settings.misspelled(environ) if reads_reference else []
+
+
+def _asks_for_reference(args: argparse.Namespace, environ: Mapping[str, str]) -> bool:
+    """Whether --reference-env (or RLS_REFERENCE_ENV) asks for the reference's variables; a
+    value that is not a boolean reads as no here, and `Flags.resolve` refuses it after."""
+    if args.reference_env:
+        return True
+    try:
+        return boolean(environ.get(ENV_PREFIX + "REFERENCE_ENV", "") or "false")
+    except ValueError:
+        return False
 
 
 def statsd_settings(args: argparse.Namespace, environ: Mapping[str, str]) -> StatsdSettings | None:
@@ -622,13 +657,30 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _log_reference_settings(args: argparse.Namespace) -> None:
-    """Once at start-up: which reference variables were read, and each one set to something
-    this sidecar does not do (never silently ignored)."""
+    """Once at start-up: which reference variables were read (with their values, secrets
+    hidden), and each one set to something this sidecar does not do (never silently ignored);
+    or, when they were not read, the names of those set."""
     import structlog
 
     log = structlog.get_logger("sidecar.settings")
+    if args.rls_read:
+        # Names only: values may carry passwords (RLS_BACKEND's URL).
+        log.info("rls_settings", read=args.rls_read)
     if args.reference_applied:
         log.info("reference_settings", read=args.reference_applied)
+    for variable, meant in [*args.unknown_variables, *args.reference_misspelled]:
+        # A misspelled setting would otherwise pass in silence, its default serving instead.
+        if meant is None:
+            log.warning("unknown_setting", variable=variable)
+        else:
+            log.warning("unknown_setting", variable=variable, did_you_mean=meant)
+    if args.reference_unread:
+        log.info(
+            "reference_settings_not_read",
+            variables=args.reference_unread,
+            why="serve reads envoyproxy/ratelimit's variables with --reference-env "
+            "(RLS_REFERENCE_ENV=true), and `ratelimit` always",
+        )
     for variable in args.reference_ignored:
         if variable.support is settings.Support.DIFFERENT:
             log.info("reference_setting_differs", variable=variable.name, here=variable.note)

@@ -59,7 +59,7 @@ from sidecar.algorithms.fixed_window import groups_over
 from sidecar.callbacks import awaited
 from sidecar.errors import StorageError
 from sidecar.model import Dedupe, Hit, Outcome, Role, new
-from sidecar.storage.base import Applied, Backend
+from sidecar.storage.base import Applied, Backend, ReportsFaults
 from sidecar.storage.peers import CountsPeers
 from sidecar.usage import as_refused
 
@@ -368,6 +368,9 @@ class Aggregated:
 
     async def ping(self) -> bool:
         return await self.backend.ping()
+
+    def fault(self) -> str | None:
+        return self.backend.fault() if isinstance(self.backend, ReportsFaults) else None
 
     async def peers(self, name: bytes) -> int:
         backend = self.backend

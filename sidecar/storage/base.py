@@ -65,6 +65,16 @@ class Backend(Protocol):
 
 
 @runtime_checkable
+class ReportsFaults(Protocol):
+    """A backend that can say why it does not answer when the cause is its configuration, not an
+    outage (a refused password, a host name that does not resolve); see `sidecar.health`."""
+
+    def fault(self) -> str | None:
+        """Why the last ping failed, if waiting will not cure it; else None."""
+        ...
+
+
+@runtime_checkable
 class RunsCommands(Protocol):
     """A backend on a Redis server others share (standalone, Sentinel, Cluster), which runs a
     command there for a caller that keeps keys of its own beside the counters (the quota

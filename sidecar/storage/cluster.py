@@ -20,7 +20,7 @@ from sidecar.model import Dedupe, Hit, Outcome, Role
 from sidecar.storage import peers, urls, usage_reads
 from sidecar.storage.base import Applied
 from sidecar.storage.cluster_client import PipelinedCluster, stale_map
-from sidecar.storage.failures import failure, gather_all
+from sidecar.storage.failures import failure, fault, gather_all
 from sidecar.storage.redis_client import PipelinedRedis, RedisReplyError
 from sidecar.storage.scripts import (
     MODE_ADD,
@@ -80,6 +80,8 @@ class RedisClusterBackend:
         # Requests whose usage counts were lost since the last `usage_not_counted`, and when.
         self._usage_lost = 0
         self._usage_logged_at = -USAGE_LOG_INTERVAL
+        # What the last ping raised (None once one answers), for `fault`.
+        self._ping_error: Exception | None = None
 
     @classmethod
     def from_url(cls, url: str, timeout_ms: int = 50) -> Self:
@@ -413,9 +415,16 @@ class RedisClusterBackend:
             async with asyncio.timeout(self._timeout):
                 masters = await self._client.masters()
                 replies = await gather_all(node.execute("PING") for node in masters)
-        except Exception:  # ping never raises
+        except Exception as exc:  # ping never raises
+            self._ping_error = exc
             return False
+        self._ping_error = None
         return bool(masters) and all(reply == b"PONG" for reply in replies)
+
+    def fault(self) -> str | None:
+        """A refused password or a name that does not resolve (`failures.fault`), as far as the
+        last ping's error says."""
+        return fault(self._ping_error, self.name)
 
     async def close(self) -> None:
         tasks = list(self._tasks)

@@ -1,9 +1,12 @@
 """What a failed Redis call becomes: the StorageError or Overloaded the Backend contract allows,
-for the Redis backends (`redis.py`, `cluster.py`) and the script contract (`scripts.py`)."""
+for the Redis backends (`redis.py`, `cluster.py`) and the script contract (`scripts.py`); and
+which failures are the sidecar's configuration rather than an outage (`fault`)."""
 
 from __future__ import annotations
 
 import asyncio
+import re
+import socket
 from collections.abc import Awaitable, Iterable
 from typing import Any
 
@@ -28,6 +31,40 @@ def failure(backend: str, timeout_ms: int, exc: Exception) -> StorageError | Ove
     if isinstance(exc, TimeoutError) and not isinstance(exc, RedisError):
         return StorageError(f"{backend}: no answer within {timeout_ms} ms")
     return StorageError(f"{backend}: {type(exc).__name__}: {exc}")
+
+
+#: Error replies that refuse the credentials sent, or ask for some (Redis 6 and later, and 5).
+_REFUSED = re.compile(r"WRONGPASS|NOAUTH|invalid password|invalid username", re.IGNORECASE)
+
+
+def fault(exc: BaseException | None, server: str) -> str | None:
+    """Why `server` cannot be used, when waiting will not cure it: it refuses our credentials
+    (or wants some), or a host name does not resolve. None for anything else (an outage:
+    refused or lost connections, no answer), which a restarted server or network ends. `exc`
+    is what a connection attempt or a call raised; its causes are looked at too, and the words
+    of those that carry another's as text (the cluster's slot map, the Sentinels')."""
+    chain: list[BaseException] = []
+    while exc is not None and len(chain) < 5:  # a few wrappers deep
+        chain.append(exc)
+        exc = exc.__cause__
+    for error in chain:
+        if isinstance(error, socket.gaierror):
+            return f"{server}: the host name does not resolve ({error.strerror or error})"
+        if not isinstance(error, OSError) and _REFUSED.search(str(error)):
+            return _refused(server, str(error))
+    for error in chain:
+        text = str(error)
+        if "gaierror" in text:
+            return f"{server}: a host name does not resolve ({text})"
+        if _REFUSED.search(text):
+            return _refused(server, text)
+    return None
+
+
+def _refused(server: str, reply: str) -> str:
+    if "NOAUTH" in reply:
+        return f"{server} wants a password, and none is given (REDIS_AUTH, or the URL's): {reply}"
+    return f"{server} refuses the credentials given (REDIS_AUTH, or the URL's): {reply}"
 
 
 async def gather_all(calls: Iterable[Awaitable[Any]]) -> list[Any]:

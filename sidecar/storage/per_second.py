@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 from sidecar.algorithms.decide import Address, State
 from sidecar.model import Dedupe, Hit, Outcome, Unit
-from sidecar.storage.base import Applied, Backend
+from sidecar.storage.base import Applied, Backend, ReportsFaults
 from sidecar.storage.peers import CountsPeers
 
 
@@ -96,6 +96,11 @@ class PerSecond:
     async def ping(self) -> bool:
         main, per_second = await asyncio.gather(self.main.ping(), self.per_second.ping())
         return main and per_second
+
+    def fault(self) -> str | None:
+        """The first of the two stores' faults (`ReportsFaults`)."""
+        faults = (s.fault() for s in (self.main, self.per_second) if isinstance(s, ReportsFaults))
+        return next((found for found in faults if found), None)
 
     async def peers(self, name: bytes) -> int:
         return await self._main_peers.peers(name)

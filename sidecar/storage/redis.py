@@ -27,7 +27,7 @@ from sidecar.algorithms.decide import Address, State
 from sidecar.model import Dedupe, Hit
 from sidecar.storage import peers, urls, usage_reads
 from sidecar.storage.base import Applied
-from sidecar.storage.failures import failure, gather_all
+from sidecar.storage.failures import failure, fault, gather_all
 from sidecar.storage.redis_client import PipelinedRedis, RedisReplyError
 from sidecar.storage.scripts import (
     MODE_ADD,
@@ -61,6 +61,8 @@ class RedisBackend:
         self._timeout_ms = timeout_ms
         self._timeout = timeout_ms / 1000
         self._packer = ApplyPacker()
+        # What the last ping raised (None once one answers), for `fault`.
+        self._ping_error: Exception | None = None
 
     @classmethod
     def from_url(cls, url: str, timeout_ms: int = 50) -> Self:
@@ -162,9 +164,23 @@ class RedisBackend:
     async def ping(self) -> bool:
         try:
             async with asyncio.timeout(self._timeout):
-                return bool(await self._client.execute("PING") == b"PONG")
-        except Exception:  # ping never raises
+                answered = await self._client.execute("PING") == b"PONG"
+        except Exception as exc:  # ping never raises
+            self._ping_error = exc
             return False
+        self._ping_error = None
+        return bool(answered)
+
+    def fault(self) -> str | None:
+        """A refused password or a name that does not resolve (`failures.fault`): from the last
+        connection attempt, which the client keeps through its back-off, or the last ping's
+        reply (NOAUTH, when the server wants a password and none was given)."""
+        if self._ping_error is None:
+            return None
+        server = self.name  # behind Sentinel the address is the master's, once found
+        if self.name == "redis":
+            server = f"redis at {self._client.host}:{self._client.port}"
+        return fault(self._client.connect_error, server) or fault(self._ping_error, server)
 
     async def close(self) -> None:
         await self._client.close()

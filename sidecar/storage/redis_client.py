@@ -52,6 +52,7 @@ import functools
 import heapq
 import itertools
 import select
+import socket
 import ssl
 import time
 from collections.abc import Callable, Sequence
@@ -306,6 +307,9 @@ class PipelinedRedis:
         # The connection the current tick's calls go to; None until the tick's first call.
         self._tick: _Protocol | None = None
         self._failed_at = -RECONNECT_BACKOFF
+        #: Why the last attempt to open a connection failed; None once one opens. Kept through
+        #: the back-off, for health to say why the server is not reached (`failures.fault`).
+        self.connect_error: Exception | None = None
         self._order = itertools.count()
         # Calls of `call_packed` waiting for a connection (kept: the loop holds tasks weakly).
         self._waiting: set[asyncio.Task[None]] = set()
@@ -625,11 +629,13 @@ class PipelinedRedis:
             protocol = await self._open()
         except Exception as exc:
             self._failed_at = time.monotonic()
+            self.connect_error = exc
             raise ConnectionLost(
                 f"cannot connect to redis at {self.host}:{self.port}: {exc!r}"
             ) from exc
         finally:
             self._opening[index] = None
+        self.connect_error = None
         self._connections[index] = protocol
         return protocol
 
@@ -641,15 +647,7 @@ class PipelinedRedis:
             # Bounded by the locator's own timeouts (it may ask several servers).
             self.host, self.port = await self._locator.locate()
         async with asyncio.timeout(self._connect_timeout):
-            _, protocol = await loop.create_connection(
-                functools.partial(_Protocol, self._error_reply),
-                self.host,
-                self.port,
-                # Built at each connection: certificate files are read when they are needed (and
-                # read again after a rotation), not when the URL is parsed.
-                ssl=self._ssl() if self._ssl else None,
-                server_hostname=self.host if self._ssl else None,
-            )
+            protocol = await self._dial(loop)
             try:
                 await self._greet(protocol)
                 if self._drops != drops:
@@ -660,6 +658,32 @@ class PipelinedRedis:
                 protocol.close(ConnectionLost("connection setup failed"))
                 raise
         return protocol
+
+    async def _dial(self, loop: asyncio.AbstractEventLoop) -> _Protocol:
+        """A connection to the server's first address that takes one.
+
+        The name is resolved here, not by `create_connection`: uvloop's resolves it in a future
+        that a cancelled connect (a deadline, `close`) leaves behind, and its error is then
+        logged as "Future exception was never retrieved" (a gaierror for a name that does not
+        resolve). Awaited here, the resolution is cancelled with the connect."""
+        addresses = await loop.getaddrinfo(self.host, self.port, type=socket.SOCK_STREAM)
+        error: OSError | None = None
+        for family, _, _, _, address in addresses:
+            try:
+                _, protocol = await loop.create_connection(
+                    functools.partial(_Protocol, self._error_reply),
+                    str(address[0]),
+                    int(address[1]),
+                    family=family,
+                    # Built at each connection: certificate files are read when they are needed
+                    # (and read again after a rotation), not when the URL is parsed.
+                    ssl=self._ssl() if self._ssl else None,
+                    server_hostname=self.host if self._ssl else None,
+                )
+                return protocol
+            except OSError as exc:
+                error = exc
+        raise error or OSError(f"{self.host}:{self.port} resolves to no address")
 
     async def _greet(self, protocol: _Protocol) -> None:
         """AUTH and SELECT, before the connection carries any call."""
