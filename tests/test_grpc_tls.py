@@ -335,6 +335,7 @@ def test_the_reference_variables_set_tls_as_the_flags_do(pki: Pki) -> None:
     ignored, as the reference ignores them; flags win over variables."""
     cert, key = (str(path) for path in pki.server)
     env = {
+        "RLS_REFERENCE_ENV": "true",  # serve reads the reference's variables when asked
         "GRPC_SERVER_USE_TLS": "true",
         "GRPC_SERVER_TLS_CERT": cert,
         "GRPC_SERVER_TLS_KEY": key,
@@ -367,15 +368,19 @@ def test_a_certificate_without_a_key_is_a_usage_error(capsys: pytest.CaptureFixt
     assert caught.value.code == 2
     assert "--grpc-tls-cert needs --grpc-tls-key" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        cli.main(["serve", "--config", "r"], {"GRPC_SERVER_USE_TLS": "true"})
+        cli.main(
+            ["serve", "--config", "r"], {"RLS_REFERENCE_ENV": "true", "GRPC_SERVER_USE_TLS": "true"}
+        )
     assert "GRPC_SERVER_USE_TLS=true needs GRPC_SERVER_TLS_CERT" in capsys.readouterr().err
 
 
 async def test_serve_with_the_reference_variables_answers_over_mtls(
     rules: Path, pki: Pki, transport: str
 ) -> None:
-    """`serve` started with only the reference's variables serves mTLS on both transports."""
+    """`serve` started with only the reference's variables (and RLS_REFERENCE_ENV, which asks
+    it to read them) serves mTLS on both transports."""
     env = {
+        "RLS_REFERENCE_ENV": "true",
         "GRPC_SERVER_USE_TLS": "true",
         "GRPC_SERVER_TLS_CERT": str(pki.server[0]),
         "GRPC_SERVER_TLS_KEY": str(pki.server[1]),
