@@ -41,6 +41,7 @@ from typing import cast
 
 import grpc
 import hpack
+from hpack.hpack import encode_integer
 
 from sidecar.rls.h2 import frames
 
@@ -56,20 +57,6 @@ _HEADER = frames.HEADER
 _STATIC_NAMES = {b":authority": 1, b":method": 2, b":path": 4, b":scheme": 6}
 
 
-def _integer(value: int, prefix_bits: int, first: int = 0) -> bytes:
-    """An HPACK integer (RFC 7541 §5.1) in a `prefix_bits` prefix after the bits of `first`."""
-    limit = (1 << prefix_bits) - 1
-    if value < limit:
-        return bytes((first | value,))
-    out = bytearray((first | limit,))
-    value -= limit
-    while value >= 0x80:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
 def header_block(authority: str) -> bytes:
     """The request's header block: every field a literal without indexing (§6.2.2), the
     pseudo-headers' names by their static table index, no Huffman coding."""
@@ -81,12 +68,14 @@ def header_block(authority: str) -> bytes:
         (b"content-type", b"application/grpc"),
         (b"te", b"trailers"),
     )
-    block = b""
+    block = bytearray()
     for name, value in fields:
         index = _STATIC_NAMES.get(name)
-        block += _integer(index, 4) if index else b"\x00" + _integer(len(name), 7) + name
-        block += _integer(len(value), 7) + value
-    return block
+        block += (
+            encode_integer(index, 4) if index else b"\x00" + encode_integer(len(name), 7) + name
+        )
+        block += encode_integer(len(value), 7) + value
+    return bytes(block)
 
 
 @dataclass
