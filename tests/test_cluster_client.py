@@ -3,6 +3,7 @@
 Routing and writes are checked on the session cluster. Tests that move slots, flush a script
 cache, add users or stop a master use a cluster of this module's own, so the session cluster
 other tests share stays as they expect it; they find slot owners as they are, not as created.
+Every test runs on a Redis Cluster and on a Valkey Cluster (the `flavour` fixture).
 """
 
 from __future__ import annotations
@@ -14,10 +15,9 @@ from typing import Any
 
 import hiredis
 import pytest
-from conftest import require_binary
 from redis.crc import key_slot
 from support.callbacks import apply
-from support.servers import HOST, RedisCluster, RedisServer, ServerError, start_cluster
+from support.servers import HOST, Flavour, RedisCluster, RedisServer, ServerError, start_cluster
 
 from sidecar.errors import StorageError
 from sidecar.model import Hit, Outcome, Unit, Window
@@ -42,12 +42,13 @@ SLACK = 0.4
 
 
 @pytest.fixture(scope="module")
-def own_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisCluster]:
-    """A 3-master cluster for this module alone, stopped by PID at its end."""
-    require_binary("redis-server")
-    require_binary("redis-cli")
+def own_cluster(
+    tmp_path_factory: pytest.TempPathFactory, flavour: Flavour
+) -> Iterator[RedisCluster]:
+    """A 3-master cluster of the flavour under test for this module alone, stopped by PID at
+    its end."""
     try:
-        cluster = start_cluster(tmp_path_factory.mktemp("cluster-client"))
+        cluster = start_cluster(tmp_path_factory.mktemp("cluster-client"), flavour=flavour)
     except ServerError as exc:
         pytest.fail(str(exc))
     yield cluster
@@ -68,9 +69,9 @@ def client_of(cluster: RedisCluster, **options: Any) -> PipelinedCluster:
 
 
 @pytest.fixture
-async def shared(redis_cluster: RedisCluster, cluster_url: str) -> AsyncIterator[PipelinedCluster]:
-    """A client of the session cluster."""
-    client = client_of(redis_cluster, connect_timeout=2.0)
+async def shared(session_cluster: RedisCluster) -> AsyncIterator[PipelinedCluster]:
+    """A client of the session cluster of the flavour under test."""
+    client = client_of(session_cluster, connect_timeout=2.0)
     yield client
     await client.close()
 
@@ -192,12 +193,12 @@ def count_writes(client: PipelinedCluster) -> dict[int, int]:
 
 
 async def test_commands_go_straight_to_the_master_of_their_slot(
-    redis_cluster: RedisCluster, shared: PipelinedCluster
+    session_cluster: RedisCluster, shared: PipelinedCluster
 ) -> None:
     """Every command reaches the master serving its first key's slot (a script's first KEYS
     entry) without a redirection."""
-    keys = {node.port: key_on(redis_cluster, node, "route") for node in redis_cluster.nodes}
-    reset_stats(redis_cluster)
+    keys = {node.port: key_on(session_cluster, node, "route") for node in session_cluster.nodes}
+    reset_stats(session_cluster)
     for key in keys.values():
         assert await shared.execute("SET", key, key) == b"OK"
     # A different number of calls per master, so no mix-up can give the same counts.
@@ -211,7 +212,7 @@ async def test_commands_go_straight_to_the_master_of_their_slot(
     ]
     for key in keys.values():
         assert await shared.execute("EVAL", "return KEYS[1]", 1, key) == key
-    for count, node in enumerate(redis_cluster.nodes, start=1):
+    for count, node in enumerate(session_cluster.nodes, start=1):
         assert stat(node, "cmdstat_get") == count
         assert stat(node, "cmdstat_get", "rejected_calls") == 0
         assert stat(node, "cmdstat_eval") == 1
@@ -219,12 +220,14 @@ async def test_commands_go_straight_to_the_master_of_their_slot(
 
 
 async def test_calls_of_one_tick_leave_in_one_write_per_master(
-    redis_cluster: RedisCluster, shared: PipelinedCluster
+    session_cluster: RedisCluster, shared: PipelinedCluster
 ) -> None:
     """300 calls over three masters issued together: one write to each master, and every call
     gets its own reply."""
     keys = [
-        key_on(redis_cluster, node, f"tick{i}") for node in redis_cluster.nodes for i in range(3)
+        key_on(session_cluster, node, f"tick{i}")
+        for node in session_cluster.nodes
+        for i in range(3)
     ]
     for key in keys:
         await shared.execute("SET", key, key)
@@ -232,7 +235,7 @@ async def test_calls_of_one_tick_leave_in_one_write_per_master(
     writes = count_writes(shared)
     calls = [key for _ in range(300 // len(keys) + 1) for key in keys][:300]
     assert await asyncio.gather(*(shared.execute("GET", key) for key in calls)) == calls
-    assert writes == dict.fromkeys((node.port for node in redis_cluster.nodes), 1)
+    assert writes == dict.fromkeys((node.port for node in session_cluster.nodes), 1)
 
 
 async def test_a_command_without_a_key_is_refused() -> None:

@@ -1,5 +1,5 @@
 """The contract every backend keeps: the same requests give the same answers on memory, Redis
-and Redis Cluster (real servers, started by the fixtures)."""
+and Redis Cluster, and on Valkey and Valkey Cluster (real servers, started by the fixtures)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import asyncio
 from collections.abc import Callable
 
 import pytest
+from conftest import BACKENDS_WITH_VALKEY
 from support.callbacks import should_rate_limit
 from support.clock import Clock
 
@@ -21,6 +22,9 @@ from sidecar.model import (
     Request,
     Unit,
 )
+
+# Every scenario on Valkey 8 too: managed "Redis" is mostly Valkey now (ElastiCache, Memorystore).
+pytestmark = pytest.mark.parametrize("backend_url", BACKENDS_WITH_VALKEY, indirect=True)
 
 RULES = """
 domain: contract

@@ -11,6 +11,12 @@ data (LOADING). What each asserts is what Envoy would see:
 - from one second after the new master is available, as the test sees it from the Sentinels' or
   the cluster's view (or from the moment it repointed the address), every call is decided by the
   new master and counted there exactly: a limit of LIMIT admits exactly LIMIT of CALLS_AFTER.
+
+Every server of these tests is started by a fixture of the test's own, once with Redis and once
+with Valkey (the `flavour` fixture): a managed Valkey fails over the same ways. Two tests run on
+Redis alone (REDIS_ONLY), to keep the suite's time down where Valkey would prove nothing more:
+the Sentinel failover with the master killed (Valkey's Sentinels announce a new master as in the
+graceful case, which runs on both), and local mode (the limiter's, whatever server died).
 """
 
 from __future__ import annotations
@@ -23,11 +29,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from conftest import require_binary
 from redis.crc import key_slot
 from support import callbacks
 from support.servers import (
     HOST,
+    Flavour,
     RedisCluster,
     RedisServer,
     SentinelGroup,
@@ -133,22 +139,31 @@ async def check_limiting(backend: Backend, master: RedisServer, key: bytes) -> l
 
 @pytest.fixture
 def sentinel_group(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, flavour: Flavour
 ) -> Iterator[SentinelGroup]:
     """A master, its replica and `request.param` Sentinels of this test's own."""
-    require_binary("redis-server")
     try:
-        group = start_sentinels(tmp_path_factory.mktemp("sentinel"), request.param)
+        group = start_sentinels(tmp_path_factory.mktemp("sentinel"), request.param, flavour)
     except ServerError as exc:
         pytest.fail(str(exc))
     yield group
     group.stop()
 
 
+#: `flavour` for a test that runs on Redis alone (see the module's docstring).
+REDIS_ONLY = pytest.mark.parametrize("flavour", ["redis"], indirect=True)
+
+
 @pytest.mark.redis
 @pytest.mark.parametrize(
-    ("sentinel_group", "how"), [(1, "SENTINEL FAILOVER"), (3, "master killed")],
-    indirect=["sentinel_group"],
+    ("sentinel_group", "how", "flavour"),
+    [
+        pytest.param(1, "SENTINEL FAILOVER", "redis", id="redis-1-SENTINEL FAILOVER"),
+        pytest.param(1, "SENTINEL FAILOVER", "valkey", id="valkey-1-SENTINEL FAILOVER",
+                     marks=pytest.mark.valkey),
+        pytest.param(3, "master killed", "redis", id="redis-3-master killed"),
+    ],
+    indirect=["sentinel_group", "flavour"],
 )  # fmt: skip
 async def test_a_sentinel_failover_is_followed_within_a_second(
     sentinel_group: SentinelGroup, how: str
@@ -212,8 +227,7 @@ async def test_sentinel_and_master_credentials_are_apart(sentinel_group: Sentine
     )
     try:
         assert isinstance((await one_call(good, b"{auth}", 10)).outcome, Outcome)
-        with master.client() as client:
-            client.execute_command("AUTH", "master-secret")
+        with master.client(password="master-secret") as client:
             client.select(2)
             assert int(client.get(b"{auth}")) == 1
         failed = (await one_call(bad, b"{auth}", 10)).outcome
@@ -236,6 +250,7 @@ descriptors:
 
 @pytest.mark.redis
 @pytest.mark.parametrize("sentinel_group", [1], indirect=True)
+@REDIS_ONLY
 async def test_local_mode_decides_every_call_through_a_sentinel_failover(
     sentinel_group: SentinelGroup,
 ) -> None:
@@ -295,14 +310,14 @@ async def test_local_mode_decides_every_call_through_a_sentinel_failover(
 
 
 @pytest.fixture
-def replicated_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisCluster]:
+def replicated_cluster(
+    tmp_path_factory: pytest.TempPathFactory, flavour: Flavour
+) -> Iterator[RedisCluster]:
     """3 masters, the first with a replica; a node timeout of 1 s, so a killed master is
     replaced in a few seconds."""
-    require_binary("redis-server")
-    require_binary("redis-cli")
     workdir = tmp_path_factory.mktemp("cluster-failover")
     try:
-        cluster = start_cluster(workdir, node_timeout_ms=1000)
+        cluster = start_cluster(workdir, node_timeout_ms=1000, flavour=flavour)
     except ServerError as exc:
         pytest.fail(str(exc))
     try:
@@ -435,11 +450,10 @@ class Repointable:
 
 
 @pytest.fixture
-def replicated(tmp_path: Path) -> Iterator[tuple[RedisServer, RedisServer]]:
+def replicated(tmp_path: Path, flavour: Flavour) -> Iterator[tuple[RedisServer, RedisServer]]:
     """A master and its replica, of this test's own."""
-    require_binary("redis-server")
     try:
-        master = start_server(tmp_path / "master")
+        master = start_server(tmp_path / "master", flavour=flavour)
     except ServerError as exc:
         pytest.fail(str(exc))
     try:
@@ -488,14 +502,25 @@ async def test_a_demoted_master_behind_a_repointed_address_is_left_within_a_seco
         await proxy.close()
 
 
+@pytest.fixture
+def restartable(tmp_path: Path, flavour: Flavour) -> Iterator[RedisServer]:
+    """A server of this test's own, to stop and start again on the same port."""
+    try:
+        server = start_server(tmp_path / "restartable", flavour=flavour)
+    except ServerError as exc:
+        pytest.fail(str(exc))
+    yield server
+    server.stop()
+
+
 @pytest.mark.redis
 async def test_a_loading_server_fails_calls_in_time_and_the_connection_serves_after(
-    restartable_redis: RedisServer,
+    restartable: RedisServer,
 ) -> None:
     """A restarted server loading its data answers LOADING: those calls fail in time with
     StorageError (the failure mode), the client keeps its connection (the server is the same),
     and the calls after loading are counted on it."""
-    server = restartable_redis
+    server = restartable
     with server.client() as client:
         with client.pipeline(transaction=False) as pipe:
             for index in range(2_000):

