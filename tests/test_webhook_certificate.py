@@ -9,19 +9,25 @@ bearer token recorded. The certificates are read back with `cryptography` (the t
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import base64
 import copy
 import datetime
+import json
+import os
 import re
+import signal
 import ssl
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import jsonpatch
 import pytest
+import structlog
 from aiohttp import web
 from conftest import require_binary
 from cryptography import x509
@@ -30,7 +36,7 @@ from cryptography.hazmat.primitives.serialization import Encoding
 from cryptography.x509.oid import ExtendedKeyUsageOID
 from support.certs import write_certificate
 
-from sidecar.injector import bootstrap, certificate
+from sidecar.injector import bootstrap, certificate, commands
 from sidecar.injector.apiserver import Client, pod_image
 from sidecar.injector.bootstrap import Keeper, Target, ca_bundle_patch, parse_target
 from sidecar.injector.webhook import Certificates, tls_context
@@ -129,6 +135,8 @@ async def api(tmp_path: Path) -> AsyncIterator[ApiServer]:
 
     def answer(request: web.Request, body: Any) -> web.Response:
         path, method = request.path, request.method
+        if path == "/version":
+            return web.json_response({"major": "1", "minor": "30"})
         if path == CONFIG_PATH:
             if method == "GET":
                 return web.json_response(state.configuration)
@@ -535,3 +543,62 @@ async def test_the_webhook_injects_its_own_pods_image(api: ApiServer) -> None:
         await pod_image(api.client(), NAMESPACE, "gone")
     (_, path, auth, _, _) = api.calls[0]
     assert (path, auth) == (f"/api/v1/namespaces/{NAMESPACE}/pods/webhook-abc", f"Bearer {TOKEN}")
+
+
+async def test_the_webhook_command_trusts_itself_before_it_listens_and_injects_its_pods_image(
+    api: ApiServer, tmp_path: Path
+) -> None:
+    """`webhook --certificate-secret --ca-bundle-for` in a pod (POD_NAME, no --image): the
+    caBundle is patched before the webhook listens; a client that trusts only that caBundle
+    reaches it by the Service's name; the sidecar it injects runs its own pod's image; SIGTERM
+    stops it with status 0."""
+    image = "registry.example.com/ratelimit-sidecar:1.2.3"
+    api.pods["webhook-0"] = {"spec": {"containers": [{"name": "webhook", "image": image}]}}
+    (api.account / "namespace").write_text(NAMESPACE)
+    files = tmp_path / "files"
+    files.mkdir()
+    parser = argparse.ArgumentParser(prog="ratelimit-sidecar")
+    commands.register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(
+        [
+            "webhook",
+            f"--tls-cert={files / 'tls.crt'}",
+            f"--tls-key={files / 'tls.key'}",
+            "--address=127.0.0.1:0",
+            f"--certificate-secret={SECRET}",
+            f"--ca-bundle-for=mutating/{CONFIG}",
+        ]
+    )
+    settings = commands._settings(args, "webhook")
+    assert settings is not None
+    environ = {**api.environ, "POD_NAME": "webhook-0"}
+    with structlog.testing.capture_logs() as logs:
+        task = asyncio.create_task(commands._start(args, settings, True, environ, api.account))
+        deadline = asyncio.get_running_loop().time() + 30
+        while not any(e["event"] == "webhook_started" for e in logs):
+            assert not task.done(), task.result()
+            assert asyncio.get_running_loop().time() < deadline, logs
+            await asyncio.sleep(0.01)
+        events = [e["event"] for e in logs]
+        assert events.index("ca_bundle_patched") < events.index("webhook_started")
+        (started,) = [e for e in logs if e["event"] == "webhook_started"]
+        assert started["image"] == image
+        port = int(started["address"].rpartition(":")[2])
+        bundle = base64.b64decode(api.configuration["webhooks"][0]["clientConfig"]["caBundle"])
+        client_tls = ssl.create_default_context(cadata=bundle.decode())
+        review = (Path(__file__).parent / "admission" / "pod_create.json").read_bytes()
+        async with (
+            aiohttp.ClientSession() as session,
+            session.post(
+                f"https://127.0.0.1:{port}/mutate",
+                data=review,
+                ssl=client_tls,
+                server_hostname=f"{SERVICE}.{NAMESPACE}.svc",
+            ) as response,
+        ):
+            answer = await response.json()
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert await task == 0
+    operations = json.loads(base64.b64decode(answer["response"]["patch"]))
+    images = [op["value"]["image"] for op in operations if isinstance(op.get("value"), dict) and "image" in op["value"]]  # fmt: skip
+    assert images == [image]

@@ -202,6 +202,8 @@ class Keeper:
         raise OSError(f"Secret {self._where}: still conflicting after {MAX_ATTEMPTS} attempts")
 
     def _issue(self, authority: Pair | None) -> Stored:
+        # openssl runs in the event loop: tens of milliseconds, at the first start and then
+        # once a year, which no review in flight notices.
         workdir = self.cert_file.parent
         if authority is None or certificate.expires_within(
             authority.cert, certificate.RENEW_SECONDS

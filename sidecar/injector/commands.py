@@ -164,15 +164,19 @@ def run_webhook(args: argparse.Namespace) -> int:
 
 
 async def _start(
-    args: argparse.Namespace, settings: Settings, detect: bool, environ: Mapping[str, str]
+    args: argparse.Namespace,
+    settings: Settings,
+    detect: bool,
+    environ: Mapping[str, str],
+    account: Path = SERVICE_ACCOUNT,
 ) -> int:
     """The certificate and the image, from the API server where the flags ask; then serve."""
     keeper = None
     if args.certificate_secret:
-        client = Client.in_cluster(environ)
+        client = Client.in_cluster(environ, account)
         keeper = Keeper(
             client,
-            pod_namespace(environ),
+            pod_namespace(environ, account),
             args.certificate_secret,
             args.service,
             tuple(args.ca_bundle_for),
@@ -185,7 +189,8 @@ async def _start(
         pod = environ.get("POD_NAME")
         image = DEFAULT_IMAGE
         if pod:
-            image = await pod_image(Client.in_cluster(environ), pod_namespace(environ), pod)
+            client = Client.in_cluster(environ, account)
+            image = await pod_image(client, pod_namespace(environ, account), pod)
         settings = dataclasses.replace(settings, image=image)
     try:
         certificates = Certificates(args.tls_cert, args.tls_key)
@@ -194,7 +199,7 @@ async def _start(
         return 2
     host, port = args.address
     server = WebhookServer(settings, certificates, host, port)
-    return await _serve(server, detect, keeper)
+    return await _serve(server, detect, keeper, environ, account)
 
 
 def run_inject(args: argparse.Namespace) -> int:
@@ -216,7 +221,13 @@ def run_inject(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _serve(server: WebhookServer, detect: bool, keeper: Keeper | None = None) -> int:
+async def _serve(
+    server: WebhookServer,
+    detect: bool,
+    keeper: Keeper | None = None,
+    environ: Mapping[str, str] | None = None,
+    account: Path = SERVICE_ACCOUNT,
+) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -224,8 +235,8 @@ async def _serve(server: WebhookServer, detect: bool, keeper: Keeper | None = No
     watches: list[asyncio.Task[None]] = []
     try:
         if detect:
-            await detect_native(server)
-            watches.append(asyncio.create_task(_detect_forever(server)))
+            await detect_native(server, environ, account)
+            watches.append(asyncio.create_task(_detect_forever(server, environ, account)))
         if keeper is not None:
             watches.append(asyncio.create_task(_keep_forever(keeper)))
         await server.start()
@@ -264,10 +275,12 @@ async def detect_native(
     server.settings = dataclasses.replace(server.settings, native_sidecars=native)
 
 
-async def _detect_forever(server: WebhookServer) -> None:
+async def _detect_forever(
+    server: WebhookServer, environ: Mapping[str, str] | None, account: Path
+) -> None:
     while True:
         await asyncio.sleep(VERSION_SECONDS)
-        await detect_native(server)
+        await detect_native(server, environ, account)
 
 
 async def _keep_forever(keeper: Keeper) -> None:
