@@ -30,7 +30,7 @@ from sidecar.injector.apiserver import (
     pod_namespace,
     server_version,
 )
-from sidecar.injector.bootstrap import REFRESH_SECONDS, Keeper, parse_target
+from sidecar.injector.bootstrap import REFRESH_SECONDS, Keeper, Target, parse_target
 from sidecar.injector.manifests import inject_yaml
 from sidecar.injector.settings import (
     DEFAULT_IMAGE,
@@ -119,9 +119,8 @@ def register(subparsers: Any) -> None:
         help=f"the Service, in its namespace, the API server calls it through: its certificate's "
         f"DNS names (default: {DEFAULT_SERVICE})",
     )
-    _add_settings(webhook)
-    # None: the image of its own pod (`run_webhook`), so the manifests name the image once.
-    webhook.set_defaults(image=None)
+    # No default image: its own pod's (`_start`), so the manifests name the image once.
+    _add_settings(webhook, image_default=None)
     webhook.add_argument(
         "--log-format", default="json", choices=("json", "console"), help="default: json"
     )
@@ -294,11 +293,17 @@ async def _keep_forever(keeper: Keeper) -> None:
             log.warning("certificate_keeping_failed", error=str(exc))
 
 
-def _add_settings(parser: argparse.ArgumentParser) -> None:
+def _add_settings(
+    parser: argparse.ArgumentParser, image_default: str | None = DEFAULT_IMAGE
+) -> None:
+    shown = image_default or (
+        "the image of its own pod's webhook container, read from the API server; "
+        f"{DEFAULT_IMAGE} outside a pod"
+    )
     parser.add_argument(
         "--image",
-        default=DEFAULT_IMAGE,
-        help=f"the sidecar's container image (default: {DEFAULT_IMAGE})",
+        default=image_default,
+        help=f"the sidecar's container image (default: {shown})",
     )
     parser.add_argument(
         "--image-pull-policy",
@@ -395,7 +400,7 @@ def _native(choice: str, version: tuple[int, int] | None) -> bool:
     return choice == "true"
 
 
-def _target(text: str) -> Any:
+def _target(text: str) -> Target:
     try:
         return parse_target(text)
     except ValueError as exc:
