@@ -548,8 +548,8 @@ async def test_the_webhook_injects_its_own_pods_image(api: ApiServer) -> None:
 async def test_the_webhook_command_trusts_itself_before_it_listens_and_injects_its_pods_image(
     api: ApiServer, tmp_path: Path
 ) -> None:
-    """`webhook --certificate-secret --ca-bundle-for` in a pod (POD_NAME, no --image): the
-    caBundle is patched before the webhook listens; a client that trusts only that caBundle
+    """`webhook --certificate-secret --ca-bundle-for` in a pod (POD_NAME, no --image): a first
+    refusal (RBAC not there yet) is tried again; the caBundle is patched before it listens; a client that trusts only that caBundle
     reaches it by the Service's name; the sidecar it injects runs its own pod's image; SIGTERM
     stops it with status 0."""
     image = "registry.example.com/ratelimit-sidecar:1.2.3"
@@ -572,8 +572,11 @@ async def test_the_webhook_command_trusts_itself_before_it_listens_and_injects_i
     settings = commands._settings(args, "webhook")
     assert settings is not None
     environ = {**api.environ, "POD_NAME": "webhook-0"}
+    # Its RBAC is not there yet at the first try (a first install): it tries again.
+    api.refuse = {"GET": [403]}
     with structlog.testing.capture_logs() as logs:
-        task = asyncio.create_task(commands._start(args, settings, True, environ, api.account))
+        start = commands._start(args, settings, True, environ, api.account, retry_seconds=(0,))
+        task = asyncio.create_task(start)
         deadline = asyncio.get_running_loop().time() + 30
         while not any(e["event"] == "webhook_started" for e in logs):
             assert not task.done(), task.result()
@@ -581,6 +584,8 @@ async def test_the_webhook_command_trusts_itself_before_it_listens_and_injects_i
             await asyncio.sleep(0.01)
         events = [e["event"] for e in logs]
         assert events.index("ca_bundle_patched") < events.index("webhook_started")
+        (failed,) = [e for e in logs if e["event"] == "certificate_keeping_failed"]
+        assert "HTTP 403: refused by the test" in failed["error"]
         (started,) = [e for e in logs if e["event"] == "webhook_started"]
         assert started["image"] == image
         port = int(started["address"].rpartition(":")[2])

@@ -48,6 +48,10 @@ DEFAULT_SERVICE = "ratelimit-sidecar-webhook"
 #: How often `webhook --native-sidecars auto` reads the API server's version again (a cluster
 #: upgraded while the webhook runs gets native sidecars from then on).
 VERSION_SECONDS = 600.0
+#: Waits between tries of the first `Keeper.keep`, before giving up with status 1: on a first
+#: install the RBAC that allows it may reach the API server a moment after the webhook's pod
+#: (31 s in all, so a lasting refusal still shows as a restart, with its reason).
+START_RETRY_SECONDS = (1.0, 2.0, 4.0, 8.0, 16.0)
 
 _WEBHOOK_DESCRIPTION = """\
 Serve the mutating admission webhook: AdmissionReview v1 over HTTPS only, and GET /healthz
@@ -168,6 +172,7 @@ async def _start(
     detect: bool,
     environ: Mapping[str, str],
     account: Path = SERVICE_ACCOUNT,
+    retry_seconds: tuple[float, ...] = START_RETRY_SECONDS,
 ) -> int:
     """The certificate and the image, from the API server where the flags ask; then serve."""
     keeper = None
@@ -183,7 +188,15 @@ async def _start(
             Path(args.tls_key),
         )
         # Before listening: once it answers its readiness probe, the API server trusts it.
-        await keeper.keep()
+        for delay in retry_seconds:
+            try:
+                await keeper.keep()
+                break
+            except (OSError, ValueError) as exc:
+                log.warning("certificate_keeping_failed", error=str(exc), retry_seconds=delay)
+                await asyncio.sleep(delay)
+        else:
+            await keeper.keep()  # the last try: its error stops the start
     if args.image is None:
         pod = environ.get("POD_NAME")
         image = DEFAULT_IMAGE
