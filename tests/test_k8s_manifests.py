@@ -8,6 +8,7 @@ kubectl is installed; both must print the same objects.
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import shutil
 from pathlib import Path
@@ -15,7 +16,7 @@ from typing import Any
 
 import pytest
 import yaml
-from support.kube import K8S, assert_valid, build, by_id, find, kubectl_build
+from support.kube import CUSTOM_GROUPS, K8S, assert_valid, build, by_id, find, kubectl_build
 
 from sidecar import config
 from sidecar.cli import parse_args
@@ -31,6 +32,8 @@ ROOT = K8S.parent
 KUSTOMIZATIONS = sorted(
     p.parent.relative_to(K8S).as_posix() for p in K8S.rglob("kustomization.yaml")
 )
+#: What a user applies: the base and the overlays (the others are their parts).
+TOP_LEVEL = [name for name in KUSTOMIZATIONS if name == "base" or name.startswith("overlays/")]
 # Built with both where kubectl exists; with the Python kustomize alone where it does not.
 BUILDERS = ["python", "kubectl"] if shutil.which("kubectl") else ["python"]
 
@@ -60,9 +63,12 @@ def test_every_object_is_valid_for_the_kubernetes_api(name: str, builder: str) -
     objects = objects_of(name, builder)
     assert objects
     for obj in objects:
-        assert_valid(obj)
+        if not obj["apiVersion"].startswith(CUSTOM_GROUPS):
+            assert_valid(obj)
     if builder == "kubectl":
         assert by_id(objects) == by_id(build(K8S / name))
+        if name in TOP_LEVEL:  # these keep the order written (sortOptions: fifo)
+            assert list(by_id(objects)) == list(by_id(build(K8S / name)))
 
 
 def test_base_has_every_part() -> None:
@@ -176,7 +182,9 @@ def test_the_webhook_fails_closed_only_where_namespaces_or_pods_opted_in() -> No
     (condition,) = by_path[MUTATE]["matchConditions"]
     assert "'ratelimit-sidecar/inject'" in condition["expression"]
     assert "'true'" in condition["expression"]
-    assert "matchConditions" not in by_path[MUTATE_ENABLED]
+    # In labelled namespaces, a pod that refuses the sidecar is not sent either.
+    (condition,) = by_path[MUTATE_ENABLED]["matchConditions"]
+    assert "!= 'false'" in condition["expression"]
     assert find(objects, "Deployment", "ratelimit-sidecar-webhook")["spec"]["replicas"] >= 2
 
 
@@ -189,11 +197,16 @@ def test_the_webhook_container_args_are_the_webhook_command() -> None:
     args = parser.parse_args(webhook["args"])
     assert args.command == "webhook"
     assert args.address == ("0.0.0.0", 8443)
-    assert args.image == webhook["image"] == settings.DEFAULT_IMAGE
+    # No --image: the webhook injects its own pod's image, read through POD_NAME.
+    assert args.image is None
+    assert webhook["image"] == settings.DEFAULT_IMAGE
+    assert {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in webhook["env"]} == {
+        "POD_NAME": "metadata.name",
+        "POD_NAMESPACE": "metadata.namespace",
+    }
     assert args.native_sidecars == "auto"
-    # The token reaches the API server's /version; the account has no Role (none is shipped).
+    # The token reaches the API server: /version, its own pod, its Secret and caBundle.
     assert deployment["spec"]["template"]["spec"]["automountServiceAccountToken"] is True
-    assert not [o for o in build(K8S / "base") if o["kind"] in ("Role", "ClusterRole")]
     mount = webhook["volumeMounts"][0]["mountPath"]
     assert Path(args.tls_cert).parent == Path(args.tls_key).parent == Path(mount)
 
@@ -380,3 +393,213 @@ def ratelimit_filter(envoy: dict[str, Any]) -> dict[str, Any]:
                         typed: dict[str, Any] = http_filter["typed_config"]
                         return typed
     raise AssertionError("no envoy.filters.http.ratelimit filter in the Envoy config")
+
+
+# --- the webhook's certificate, the order of a first install, the image named once -----------
+
+
+def webhook_args(objects: list[dict[str, Any]]) -> argparse.Namespace:
+    deployment = find(objects, "Deployment", "ratelimit-sidecar-webhook")
+    parser = argparse.ArgumentParser(prog="ratelimit-sidecar")
+    register(parser.add_subparsers(dest="command"))
+    return parser.parse_args(containers(deployment)["webhook"]["args"])
+
+
+def rules_of(objects: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    """The rules of every `kind` (Role, ClusterRole) bound to the webhook's service account."""
+    bound = set()
+    for binding in objects:
+        if (
+            binding["kind"] == f"{kind}Binding"
+            and {
+                "kind": "ServiceAccount",
+                "name": "ratelimit-sidecar-webhook",
+                "namespace": "ratelimit-sidecar",
+            }
+            in binding["subjects"]
+        ):
+            assert binding["roleRef"]["kind"] == kind
+            bound.add(binding["roleRef"]["name"])
+    return [rule for o in objects if o["kind"] == kind and o["metadata"]["name"] in bound
+            for rule in o["rules"]]  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ["base", "overlays/redis-cluster"])
+def test_without_cert_manager_the_webhook_keeps_its_own_certificate(name: str) -> None:
+    """The base and the Redis Cluster overlay run the webhook with --certificate-secret: it
+    writes the certificate in a memory emptyDir where --tls-cert says, keeps it in the Secret
+    the other setups mount, and patches the caBundle of the configuration the manifests ship,
+    for the Service the configuration calls; RBAC grants exactly that, by name."""
+    objects = build(K8S / name)
+    args = webhook_args(objects)
+    deployment = find(objects, "Deployment", "ratelimit-sidecar-webhook")
+    spec = deployment["spec"]["template"]["spec"]
+    (volume,) = spec["volumes"]
+    assert volume["emptyDir"] == {"medium": "Memory", "sizeLimit": "1Mi"}
+    (mount,) = containers(deployment)["webhook"]["volumeMounts"]
+    assert mount["readOnly"] is False
+    assert Path(args.tls_cert).parent == Path(mount["mountPath"])
+    assert args.certificate_secret == "ratelimit-sidecar-webhook-tls"
+    configuration = find(objects, "MutatingWebhookConfiguration", "ratelimit-sidecar")
+    assert [str(t) for t in args.ca_bundle_for] == ["mutating/ratelimit-sidecar"]
+    service = find(objects, "Service", args.service)
+    for hook in configuration["webhooks"]:
+        assert hook["clientConfig"]["service"]["name"] == service["metadata"]["name"]
+        assert "caBundle" not in hook["clientConfig"]  # the webhook's to fill
+    assert rules_of(objects, "ClusterRole") == [
+        {
+            "apiGroups": ["admissionregistration.k8s.io"],
+            "resources": ["mutatingwebhookconfigurations"],
+            "resourceNames": ["ratelimit-sidecar"],
+            "verbs": ["get", "patch"],
+        }
+    ]
+    assert rules_of(objects, "Role") == [
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get"]},
+        {
+            "apiGroups": [""],
+            "resources": ["secrets"],
+            "resourceNames": [args.certificate_secret],
+            "verbs": ["get", "update"],
+        },
+        # RBAC cannot limit create to a name; the namespace holds only the webhook.
+        {"apiGroups": [""], "resources": ["secrets"], "verbs": ["create"]},
+    ]
+    for role in objects:
+        if role["kind"] == "Role":
+            assert role["metadata"]["namespace"] == "ratelimit-sidecar"
+
+
+# The fields of cert-manager.io/v1 this overlay uses, each where cert-manager's CRDs have it
+# (kubernetes-validate has no schema for custom resources).
+CERTIFICATE_FIELDS = {
+    "secretName", "dnsNames", "commonName", "isCA", "duration", "renewBefore", "privateKey",
+    "usages", "issuerRef",
+}  # fmt: skip
+ISSUER_FIELDS = {"selfSigned", "ca"}
+USAGES = {"server auth", "digital signature", "key encipherment", "client auth"}
+
+
+def test_the_cert_manager_overlay_issues_the_secret_the_webhook_mounts() -> None:
+    """overlays/cert-manager: a self-signed Issuer signs a CA, the CA Issuer signs a certificate
+    for the webhook Service's .svc name into the Secret the Deployment mounts, and cainjector is
+    told to fill the configuration's caBundle from that Certificate; the webhook keeps no
+    certificate of its own there, and needs no ClusterRole."""
+    objects = build(K8S / "overlays/cert-manager")
+    certificates = {o["metadata"]["name"]: o for o in objects if o["kind"] == "Certificate"}
+    issuers = {o["metadata"]["name"]: o for o in objects if o["kind"] == "Issuer"}
+    for obj in [*certificates.values(), *issuers.values()]:
+        assert obj["apiVersion"] == "cert-manager.io/v1"
+        assert obj["metadata"]["namespace"] == "ratelimit-sidecar"
+    for cert in certificates.values():
+        assert set(cert["spec"]) <= CERTIFICATE_FIELDS
+        assert set(cert["spec"].get("usages", [])) <= USAGES
+        assert cert["spec"]["privateKey"]["algorithm"] in ("RSA", "ECDSA", "Ed25519")
+    for issuer in issuers.values():
+        assert len(issuer["spec"]) == 1 and set(issuer["spec"]) <= ISSUER_FIELDS
+
+    deployment = find(objects, "Deployment", "ratelimit-sidecar-webhook")
+    (volume,) = deployment["spec"]["template"]["spec"]["volumes"]
+    serving = certificates["ratelimit-sidecar-webhook"]["spec"]
+    assert serving["secretName"] == volume["secret"]["secretName"]
+    service = find(objects, "Service", "ratelimit-sidecar-webhook")
+    assert (
+        f"{service['metadata']['name']}.{service['metadata']['namespace']}.svc"
+        in (serving["dnsNames"])
+    )
+    assert "server auth" in serving["usages"]
+    assert serving.get("isCA", False) is False
+    ca_issuer = issuers[serving["issuerRef"]["name"]]["spec"]
+    assert serving["issuerRef"]["kind"] == "Issuer"
+    (ca,) = [c["spec"] for c in certificates.values() if c["spec"]["secretName"] == ca_issuer["ca"]["secretName"]]  # fmt: skip
+    assert ca["isCA"] is True
+    assert issuers[ca["issuerRef"]["name"]]["spec"] == {"selfSigned": {}}
+
+    configuration = find(objects, "MutatingWebhookConfiguration", "ratelimit-sidecar")
+    assert configuration["metadata"]["annotations"] == {
+        "cert-manager.io/inject-ca-from": "ratelimit-sidecar/ratelimit-sidecar-webhook"
+    }
+    args = webhook_args(objects)
+    assert args.certificate_secret is None and args.ca_bundle_for == []
+    assert not rules_of(objects, "ClusterRole")
+    # Installed in the order that lets it start: namespace, then the Certificate the pods wait
+    # for, and the webhook configuration before any pod it is called for.
+    ids = list(by_id(objects))
+    assert ids.index("Namespace ratelimit-sidecar") < ids.index(
+        "Certificate ratelimit-sidecar/ratelimit-sidecar-webhook"
+    )
+
+
+@pytest.mark.parametrize("builder", BUILDERS)
+@pytest.mark.parametrize("name", TOP_LEVEL)
+def test_a_first_install_creates_the_webhook_configuration_before_the_pods_it_is_for(
+    name: str, builder: str
+) -> None:
+    """One `kubectl apply -k` creates objects in the order built: every namespace before what
+    goes in it, and the webhook configuration before every workload it would be called for (so
+    their pods wait for the webhook instead of starting without the sidecar); the webhook's own
+    namespace is never sent to it, so the webhook never waits for itself."""
+    objects = objects_of(name, builder)
+    ids = list(by_id(objects))
+    configuration = ids.index("MutatingWebhookConfiguration ratelimit-sidecar")
+    namespaces = {o["metadata"]["name"]: ids.index(_id) for _id, o in by_id(objects).items()
+                  if o["kind"] == "Namespace"}  # fmt: skip
+    for position, obj in enumerate(objects):
+        namespace = obj["metadata"].get("namespace")
+        if namespace:
+            assert namespaces[namespace] < position, ids[position]
+        if obj["kind"] in patch.WORKLOAD_KINDS and namespace != "ratelimit-sidecar":
+            assert configuration < position, f"{ids[position]} comes before the configuration"
+    hooks = find(objects, "MutatingWebhookConfiguration", "ratelimit-sidecar")["webhooks"]
+    for hook in hooks:
+        excluded = hook["namespaceSelector"]["matchExpressions"][-1]
+        assert excluded["key"] == "kubernetes.io/metadata.name"
+        assert "ratelimit-sidecar" in excluded["values"]
+
+
+def test_the_manifests_name_the_image_once() -> None:
+    """The image appears once in k8s/ (the webhook container's `image`), and nothing passes it
+    as --image: the webhook injects its own pod's image."""
+    image = settings.DEFAULT_IMAGE
+    found = [
+        (path.relative_to(K8S).as_posix(), line.strip())
+        for path in sorted(K8S.rglob("*.yaml"))
+        for line in path.read_text().splitlines()
+        if image in line and not line.lstrip().startswith("#")
+    ]
+    assert found == [("base/webhook/deployment.yaml", f"image: {image}")]
+    for name in TOP_LEVEL:
+        assert webhook_args(build(K8S / name)).image is None
+
+
+@pytest.mark.parametrize("builder", BUILDERS)
+@pytest.mark.parametrize("name", TOP_LEVEL)
+def test_one_images_entry_changes_every_image(name: str, builder: str, tmp_path: Path) -> None:
+    """A kustomization on top of any top-level one, with one `images:` entry, leaves the old
+    image nowhere in what it builds: the webhook runs the new one, and so injects it."""
+    overlay = tmp_path / "overlay"
+    overlay.mkdir()
+    (overlay / "kustomization.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "kustomize.config.k8s.io/v1beta1",
+                "kind": "Kustomization",
+                # kustomize takes only relative paths to other kustomizations.
+                "resources": [os.path.relpath(K8S / name, overlay)],
+                "images": [
+                    {
+                        "name": "ratelimit-sidecar",
+                        "newName": "registry.example.com:5000/team/ratelimit-sidecar",
+                        "newTag": "1.2.3",
+                    }
+                ],
+            }
+        )
+    )
+    objects = kubectl_build(overlay) if builder == "kubectl" else build(overlay)
+    text = yaml.safe_dump_all(objects)
+    assert settings.DEFAULT_IMAGE not in text
+    deployment = find(objects, "Deployment", "ratelimit-sidecar-webhook")
+    assert containers(deployment)["webhook"]["image"] == (
+        "registry.example.com:5000/team/ratelimit-sidecar:1.2.3"
+    )

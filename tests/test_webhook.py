@@ -658,3 +658,31 @@ def started_port(process: subprocess.Popen[bytes]) -> tuple[int, bytes]:
             if event.get("event") == "webhook_started":
                 return int(event["address"].rpartition(":")[2]), log
     raise AssertionError(f"the webhook did not start (exit status {process.poll()}): {log!r}")
+
+
+def test_ca_bundle_for_without_a_certificate_secret_is_refused(tmp_path: Path) -> None:
+    """--ca-bundle-for without --certificate-secret has no CA to put anywhere: status 2."""
+    cert_file, key_file = write_certificate(tmp_path)
+    argv = [sys.executable, "-c", SHIM, "webhook", "--tls-cert", str(cert_file)]
+    argv += ["--tls-key", str(key_file), "--ca-bundle-for", "mutating/ratelimit-sidecar"]
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+    assert result.returncode == 2
+    assert result.stderr == (
+        "ratelimit-sidecar webhook: --ca-bundle-for needs --certificate-secret "
+        "(the CA comes from it)\n"
+    )
+
+
+def test_a_webhook_that_cannot_reach_its_api_server_for_its_certificate_exits_1(
+    tmp_path: Path,
+) -> None:
+    """--certificate-secret outside a pod: no API server to keep the certificate with, so the
+    start stops with status 1 and the reason, before listening."""
+    argv = [sys.executable, "-c", SHIM, "webhook", "--tls-cert", str(tmp_path / "tls.crt")]
+    argv += ["--tls-key", str(tmp_path / "tls.key"), "--certificate-secret", "s"]
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("KUBERNETES_")}
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=30, env=environ)
+    assert result.returncode == 1
+    assert result.stderr == (
+        "ratelimit-sidecar webhook: not in a Kubernetes pod: KUBERNETES_SERVICE_HOST is not set\n"
+    )

@@ -22,7 +22,15 @@ import structlog
 
 from sidecar import logs
 from sidecar.errors import InjectionError
-from sidecar.injector.apiserver import SERVICE_ACCOUNT, parse_version, server_version
+from sidecar.injector.apiserver import (
+    SERVICE_ACCOUNT,
+    Client,
+    parse_version,
+    pod_image,
+    pod_namespace,
+    server_version,
+)
+from sidecar.injector.bootstrap import REFRESH_SECONDS, Keeper, Target, parse_target
 from sidecar.injector.manifests import inject_yaml
 from sidecar.injector.settings import (
     DEFAULT_IMAGE,
@@ -35,9 +43,15 @@ from sidecar.injector.webhook import Certificates, WebhookServer
 
 PROG = "ratelimit-sidecar"
 DEFAULT_WEBHOOK_ADDRESS = "0.0.0.0:8443"
+#: The Service the manifests put in front of the webhook (k8s/base/webhook/service.yaml).
+DEFAULT_SERVICE = "ratelimit-sidecar-webhook"
 #: How often `webhook --native-sidecars auto` reads the API server's version again (a cluster
 #: upgraded while the webhook runs gets native sidecars from then on).
 VERSION_SECONDS = 600.0
+#: Waits between tries of the first `Keeper.keep`, before giving up with status 1: on a first
+#: install the RBAC that allows it may reach the API server a moment after the webhook's pod
+#: (31 s in all, so a lasting refusal still shows as a restart, with its reason).
+START_RETRY_SECONDS = (1.0, 2.0, 4.0, 8.0, 16.0)
 
 _WEBHOOK_DESCRIPTION = """\
 Serve the mutating admission webhook: AdmissionReview v1 over HTTPS only, and GET /healthz
@@ -47,6 +61,11 @@ pod but those annotated "false". Pods on the host's network and in kube-system o
 are never injected. A bad ratelimit-sidecar/* annotation is refused with a message saying
 which and why.
 The certificate files are read again when they change (a renewed Secret).
+With --certificate-secret, the webhook makes its own certificate (a CA and a serving
+certificate for --service's DNS names) when that Secret of its namespace has none, keeps it
+there for its other replicas, writes it to --tls-cert and --tls-key, and puts the CA in the
+caBundle of every --ca-bundle-for configuration before it listens; then checks both every
+10 minutes. Without --image, it injects the image of its own pod's `webhook` container.
 With --native-sidecars auto (the default) and no --kube-version, the webhook reads its API
 server's version at start and every 10 minutes, and injects native sidecars from 1.29 on;
 when it cannot read it, ordinary containers (they work on every version).
@@ -82,7 +101,30 @@ def register(subparsers: Any) -> None:
         metavar="HOST:PORT",
         help=f"HTTPS listen address (default: {DEFAULT_WEBHOOK_ADDRESS})",
     )
-    _add_settings(webhook)
+    webhook.add_argument(
+        "--certificate-secret",
+        metavar="NAME",
+        help="make and keep its own certificate in this Secret of its namespace, written to "
+        "--tls-cert and --tls-key (for clusters without cert-manager; see k8s/README.md)",
+    )
+    webhook.add_argument(
+        "--ca-bundle-for",
+        action="append",
+        type=_target,
+        default=[],
+        metavar="mutating/NAME",
+        help="a webhook configuration (mutating/NAME or validating/NAME) whose entries calling "
+        "--service get the CA of --certificate-secret as their caBundle (repeatable)",
+    )
+    webhook.add_argument(
+        "--service",
+        default=DEFAULT_SERVICE,
+        metavar="NAME",
+        help=f"the Service, in its namespace, the API server calls it through: its certificate's "
+        f"DNS names (default: {DEFAULT_SERVICE})",
+    )
+    # No default image: its own pod's (`_start`), so the manifests name the image once.
+    _add_settings(webhook, image_default=None)
     webhook.add_argument(
         "--log-format", default="json", choices=("json", "console"), help="default: json"
     )
@@ -107,10 +149,61 @@ def run_webhook(args: argparse.Namespace) -> int:
     settings = _settings(args, "webhook")
     if settings is None:
         return 2
+    if args.ca_bundle_for and not args.certificate_secret:
+        print(
+            f"{PROG} webhook: --ca-bundle-for needs --certificate-secret (the CA comes from it)",
+            file=sys.stderr,
+        )
+        return 2
     detect = args.native_sidecars == "auto" and args.kube_version is None
     if detect:
         # Until the API server says otherwise: ordinary containers work on every version.
         settings = dataclasses.replace(settings, native_sidecars=False)
+    try:
+        return asyncio.run(_start(args, settings, detect, os.environ))
+    except (OSError, ValueError) as exc:
+        print(f"{PROG} webhook: {exc}", file=sys.stderr)
+        return 1
+
+
+async def _start(
+    args: argparse.Namespace,
+    settings: Settings,
+    detect: bool,
+    environ: Mapping[str, str],
+    account: Path = SERVICE_ACCOUNT,
+    retry_seconds: tuple[float, ...] = START_RETRY_SECONDS,
+) -> int:
+    """The certificate and the image, from the API server where the flags ask; then serve."""
+    keeper = None
+    if args.certificate_secret:
+        client = Client.in_cluster(environ, account)
+        keeper = Keeper(
+            client,
+            pod_namespace(environ, account),
+            args.certificate_secret,
+            args.service,
+            tuple(args.ca_bundle_for),
+            Path(args.tls_cert),
+            Path(args.tls_key),
+        )
+        # Before listening: once it answers its readiness probe, the API server trusts it.
+        for delay in retry_seconds:
+            try:
+                await keeper.keep()
+                break
+            except (OSError, ValueError) as exc:
+                log.warning("certificate_keeping_failed", error=str(exc), retry_seconds=delay)
+                await asyncio.sleep(delay)
+        else:
+            await keeper.keep()  # the last try: its error stops the start
+    if args.image is None:
+        pod = environ.get("POD_NAME")
+        image = DEFAULT_IMAGE
+        if pod:
+            client = Client.in_cluster(environ, account)
+            image = await pod_image(client, pod_namespace(environ, account), pod)
+        settings = dataclasses.replace(settings, image=image)
     try:
         certificates = Certificates(args.tls_cert, args.tls_key)
     except (OSError, ssl.SSLError) as exc:
@@ -118,11 +211,7 @@ def run_webhook(args: argparse.Namespace) -> int:
         return 2
     host, port = args.address
     server = WebhookServer(settings, certificates, host, port)
-    try:
-        return asyncio.run(_serve(server, detect))
-    except OSError as exc:
-        print(f"{PROG} webhook: {exc}", file=sys.stderr)
-        return 1
+    return await _serve(server, detect, keeper, environ, account)
 
 
 def run_inject(args: argparse.Namespace) -> int:
@@ -144,21 +233,29 @@ def run_inject(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _serve(server: WebhookServer, detect: bool) -> int:
+async def _serve(
+    server: WebhookServer,
+    detect: bool,
+    keeper: Keeper | None = None,
+    environ: Mapping[str, str] | None = None,
+    account: Path = SERVICE_ACCOUNT,
+) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    watch = None
+    watches: list[asyncio.Task[None]] = []
     try:
         if detect:
-            await detect_native(server)
-            watch = asyncio.create_task(_detect_forever(server))
+            await detect_native(server, environ, account)
+            watches.append(asyncio.create_task(_detect_forever(server, environ, account)))
+        if keeper is not None:
+            watches.append(asyncio.create_task(_keep_forever(keeper)))
         await server.start()
         await stop.wait()
         log.info("webhook_stopping")
     finally:
-        if watch is not None:
+        for watch in watches:
             watch.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await watch
@@ -190,17 +287,36 @@ async def detect_native(
     server.settings = dataclasses.replace(server.settings, native_sidecars=native)
 
 
-async def _detect_forever(server: WebhookServer) -> None:
+async def _detect_forever(
+    server: WebhookServer, environ: Mapping[str, str] | None, account: Path
+) -> None:
     while True:
         await asyncio.sleep(VERSION_SECONDS)
-        await detect_native(server)
+        await detect_native(server, environ, account)
 
 
-def _add_settings(parser: argparse.ArgumentParser) -> None:
+async def _keep_forever(keeper: Keeper) -> None:
+    """Renew the certificate near its end and put back a caBundle someone removed; a failure
+    is logged and tried again at the next round, the webhook serving what it has meanwhile."""
+    while True:
+        await asyncio.sleep(REFRESH_SECONDS)
+        try:
+            await keeper.keep()
+        except (OSError, ValueError) as exc:
+            log.warning("certificate_keeping_failed", error=str(exc))
+
+
+def _add_settings(
+    parser: argparse.ArgumentParser, image_default: str | None = DEFAULT_IMAGE
+) -> None:
+    shown = image_default or (
+        "the image of its own pod's webhook container, read from the API server; "
+        f"{DEFAULT_IMAGE} outside a pod"
+    )
     parser.add_argument(
         "--image",
-        default=DEFAULT_IMAGE,
-        help=f"the sidecar's container image (default: {DEFAULT_IMAGE})",
+        default=image_default,
+        help=f"the sidecar's container image (default: {shown})",
     )
     parser.add_argument(
         "--image-pull-policy",
@@ -271,7 +387,7 @@ def _add_settings(parser: argparse.ArgumentParser) -> None:
 def _settings(args: argparse.Namespace, command: str) -> Settings | None:
     try:
         return Settings(
-            image=args.image,
+            image=args.image or DEFAULT_IMAGE,
             image_pull_policy=args.image_pull_policy,
             default_backend=args.default_backend,
             rules_configmap=args.default_rules_configmap,
@@ -295,6 +411,13 @@ def _native(choice: str, version: tuple[int, int] | None) -> bool:
     if choice == "auto":
         return version is None or version >= NATIVE_SINCE
     return choice == "true"
+
+
+def _target(text: str) -> Target:
+    try:
+        return parse_target(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _kube_version(text: str) -> tuple[int, int]:

@@ -5,6 +5,8 @@
 and newest Kubernetes the manifests target. `build` is a small kustomize that understands
 exactly the fields our kustomizations use and refuses any other, so it never silently builds
 something kustomize would build differently; `kubectl_build` runs the real one when present.
+It keeps the objects in the order written (kustomize's ``sortOptions: {order: fifo}``, which
+every top-level kustomization here asks for), and applies ``images:`` entries to containers.
 """
 
 from __future__ import annotations
@@ -27,7 +29,11 @@ VERSIONS = ("1.28", kubernetes_validate.latest_version())
 #: A pod with a native sidecar needs Kubernetes 1.29 (SidecarContainers, on by default there).
 NATIVE_VERSIONS = ("1.29", kubernetes_validate.latest_version())
 
-_KUSTOMIZATION_FIELDS = {"apiVersion", "kind", "resources", "patches"}
+_KUSTOMIZATION_FIELDS = {"apiVersion", "kind", "resources", "patches", "sortOptions", "images"}
+_IMAGE_FIELDS = {"name", "newName", "newTag"}
+#: Custom resources (cert-manager's) have no schema in kubernetes-validate: their tests check
+#: them field by field instead (tests/test_k8s_manifests.py).
+CUSTOM_GROUPS = ("cert-manager.io/",)
 _TARGET_FIELDS = {"group", "version", "kind", "name", "namespace"}
 
 
@@ -74,6 +80,8 @@ def build(directory: Path) -> list[dict[str, Any]]:
             f"{directory}: kustomization fields {sorted(unknown)} are not understood by "
             "tests/support/kube.py: extend `build`, or keep to resources and patches"
         )
+    if kustomization.get("sortOptions", {"order": "fifo"}) != {"order": "fifo"}:
+        raise ValueError(f"{directory}: only sortOptions {{order: fifo}} is understood")
     objects: list[dict[str, Any]] = []
     for entry in kustomization.get("resources", []):
         path = (directory / entry).resolve()
@@ -87,6 +95,8 @@ def build(directory: Path) -> list[dict[str, Any]]:
             objects += [doc for doc in yaml.safe_load_all(path.read_text()) if doc is not None]
     for entry in kustomization.get("patches", []):
         objects = _patch(directory, objects, entry)
+    for entry in kustomization.get("images", []):
+        objects = [_image(directory, obj, entry) for obj in objects]
     ids = [_id(obj) for obj in objects]
     duplicates = {i for i in ids if ids.count(i) > 1}
     if duplicates:
@@ -132,6 +142,24 @@ def _patch(
     if not matched:
         raise ValueError(f"{directory}: no resource matches patch target {json.dumps(target)}")
     return result
+
+
+def _image(directory: Path, obj: dict[str, Any], entry: dict[str, str]) -> dict[str, Any]:
+    """kustomize's images transformer, for containers and init containers of pod specs: an
+    image named ``entry["name"]`` (with any tag) gets ``newName`` and ``newTag``."""
+    if not set(entry) <= _IMAGE_FIELDS or "name" not in entry:
+        raise ValueError(f"{directory}: only images entries with {sorted(_IMAGE_FIELDS)}: {entry}")
+    spec = pod_spec_of(obj)
+    for container in (spec or {}).get("initContainers", []) + (spec or {}).get("containers", []):
+        image: str = container["image"]
+        colon = image.rfind(":")
+        # A colon after the last slash starts the tag; one before it is a registry's port.
+        name, tag = (image[:colon], image[colon + 1 :]) if colon > image.rfind("/") else (image, "")
+        if name == entry["name"]:
+            name = entry.get("newName", name)
+            tag = entry.get("newTag", tag)
+            container["image"] = f"{name}:{tag}" if tag else name
+    return obj
 
 
 def _matches(obj: dict[str, Any], target: dict[str, str]) -> bool:
