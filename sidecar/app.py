@@ -75,8 +75,9 @@ HEALTH_INTERVAL = 2.0
 #: collections that collected 0 objects. What one costs is its pause, every call in flight
 #: waiting. A young collection walks at most about 700 × 10 objects: medians 0.05 and 1 ms,
 #: at most 0.7 and 5.6 ms. A full one walks all that is kept and not frozen (`_settle`),
-#: mostly the plan cache (`sidecar.rls.service`: 4,096 plans of two descriptors are about
-#: 90,000 objects) and the memory backend's counters: 20 to 65 ms. The third threshold makes
+#: mostly the plan cache (`sidecar.rls.service`; when it held 4,096 plans, of two descriptors
+#: each, about 90,000 objects: 20 to 65 ms; it holds 1,024 now) and the memory backend's
+#: counters. The third threshold makes
 #: full ones ten times rarer: over 1,000,000 such calls, 23 (21 over 10 ms, up to 66 ms) at 10,
 #: 2 (5 ms each) at 100, none at 1,000; 100 still collects, every few hundred thousand new
 #: users, what other libraries may leave in cycles. The first two stay as they are: young
@@ -772,7 +773,7 @@ def _settle() -> None:
     replace them (loading and dropping rules leaves nothing to collect), and as a closed
     connection is (`Connection.release`); only what would end in a cycle after this is never
     collected. The collection costs a full collection's pause once per change of rules (20 to
-    40 ms with a full plan cache, compiled).
+    40 ms with 4,096 plans cached, compiled; the cache holds at most 1,024 now).
     """
     gc.collect()
     gc.freeze()
