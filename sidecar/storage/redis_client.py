@@ -50,6 +50,7 @@ import asyncio
 import collections
 import functools
 import heapq
+import ipaddress
 import itertools
 import select
 import socket
@@ -665,15 +666,29 @@ class PipelinedRedis:
         The name is resolved here, not by `create_connection`: uvloop's resolves it in a future
         that a cancelled connect (a deadline, `close`) leaves behind, and its error is then
         logged as "Future exception was never retrieved" (a gaierror for a name that does not
-        resolve). Awaited here, the resolution is cancelled with the connect."""
-        addresses = await loop.getaddrinfo(self.host, self.port, type=socket.SOCK_STREAM)
+        resolve). Awaited here, the resolution is cancelled with the connect. An address that is
+        already an IP is not resolved: asyncio's loop would ask a thread of its executor (80 µs,
+        and milliseconds on a busy machine), where `create_connection` takes it as it is."""
+        addresses: list[tuple[int, str, int]]
+        try:
+            ip = ipaddress.ip_address(self.host)
+        except ValueError:
+            addresses = [
+                (int(family), str(address[0]), int(address[1]))
+                for family, _, _, _, address in await loop.getaddrinfo(
+                    self.host, self.port, type=socket.SOCK_STREAM
+                )
+            ]
+        else:
+            version = socket.AF_INET6 if ip.version == 6 else socket.AF_INET
+            addresses = [(int(version), self.host, self.port)]
         error: OSError | None = None
-        for family, _, _, _, address in addresses:
+        for family, host, port in addresses:
             try:
                 _, protocol = await loop.create_connection(
                     functools.partial(_Protocol, self._error_reply),
-                    str(address[0]),
-                    int(address[1]),
+                    host,
+                    port,
                     family=family,
                     # Built at each connection: certificate files are read when they are needed
                     # (and read again after a rotation), not when the URL is parsed.
