@@ -7,6 +7,8 @@ Two tables drive it:
   honours it (`Support`) and how, in words. README's table of settings is `markdown()` of it.
 - `FLAGS`: each `serve` flag that reference variables can set, the variables it reads and the
   converter that makes the flag's value (in its `RLS_<FLAG>` form) from them.
+- `JUDGED`: booleans no flag takes (the sidecar already does what they ask), read only so that
+  a value the reference would refuse is refused here too.
 
 `translate` applies `FLAGS` to an environment and returns `RLS_*` variables; the command line
 reads them beneath the real `RLS_*` variables and flags, which therefore win. `ignored` lists
@@ -824,6 +826,13 @@ FLAGS: tuple[Flag, ...] = (
 )
 
 
+#: Booleans no flag takes, read only to be judged: whichever value is set, the sidecar already
+#: does what one of them asks (each one's note in `VARIABLES` says which), but a value the
+#: reference refuses at start-up (`yes`, `on`) stops the start here too, so a typo in a value is
+#: never taken for a setting.
+JUDGED: tuple[str, ...] = ("REDIS_CLOSE_CONNECTION_ON_READONLY_ERROR",)
+
+
 def _variables() -> tuple[Variable, ...]:
     S, D, U = Support.SUPPORTED, Support.DIFFERENT, Support.UNSUPPORTED
     V = Variable
@@ -889,6 +898,7 @@ def _variables() -> tuple[Variable, ...]:
         V("REDIS_POOL_ON_EMPTY_BEHAVIOR", "WAIT", D, "calls never wait for a connection; each has a deadline (`--redis-timeout-ms`)"),
         V("REDIS_HEALTH_CHECK_ACTIVE_CONNECTION", "false", D, "health pings the backend every 2 s; see Health below", _false),
         V("REDIS_TIMEOUT", "10s", S, "`--redis-timeout-ms`: the deadline of one backend call; unset, 50 ms"),
+        V("REDIS_CLOSE_CONNECTION_ON_READONLY_ERROR", "false", D, "`true` or `false` (anything else stops the start): either way a READONLY reply (a master demoted by a failover) drops that server's connections and the next call dials again, on every topology, as the reference does with `true` (its PR #1191); with `false` the reference keeps them until it restarts", _truthy),
         V("REDIS_STARTUP_INITIAL_INTERVAL", "1s", D, "the sidecar starts without waiting for Redis and reconnects on its own"),
         V("REDIS_STARTUP_MAX_INTERVAL", "30s", D, "as `REDIS_STARTUP_INITIAL_INTERVAL`"),
         V("REDIS_STARTUP_MAX_ELAPSED_TIME", "0", D, "as `REDIS_STARTUP_INITIAL_INTERVAL`"),
@@ -970,6 +980,8 @@ def translate(
     their reference variables are neither read nor judged. Raises SettingError, naming the
     variable, for a value that cannot be used.
     """
+    for name in JUDGED:
+        boolean(name, env)
     translated = {}
     for flag in FLAGS:
         if flag.dest in given:
@@ -996,7 +1008,7 @@ def ignored(env: Env) -> list[Variable]:
 
 def applied(env: Env) -> list[str]:
     """The reference variables set in `env` that the sidecar reads."""
-    read = {name for flag in FLAGS for name in flag.reads}
+    read = {name for flag in FLAGS for name in flag.reads}.union(JUDGED)
     return sorted(name for name in env if name in read and env[name] != "")
 
 
