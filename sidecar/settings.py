@@ -244,6 +244,12 @@ def _config(env: Env, defaults: bool) -> str | None:
     return os.path.join(root, subdirectory, appdirectory)
 
 
+def rules_directory(env: Env) -> str | None:
+    """The rules directory `ratelimit` loads from `env` (the reference's defaults included);
+    None when CONFIG_TYPE says the rules come over xDS."""
+    return _config(env, True)
+
+
 def _xds_server(env: Env, defaults: bool) -> str | None:
     if _config_type(env) != "GRPC_XDS_SOTW":
         return None
