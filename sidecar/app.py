@@ -241,6 +241,7 @@ class App:
         #: The cycle collector's pauses, timed from the end of `start` to `stop`.
         self.gc_pauses = metrics.GcPauses()
         self.registry = metrics.registry(self.stats, self.latency, self.gc_pauses)
+        self.registry.register(metrics.LimitsCollector(lambda: self.rules))
         self._backend = backend
         self._clock = clock
         self.grpc_port = 0
