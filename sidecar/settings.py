@@ -724,6 +724,11 @@ FLAGS: tuple[Flag, ...] = (
     ),
     Flag("merge_domain_config", ("MERGE_DOMAIN_CONFIG",), _flag("MERGE_DOMAIN_CONFIG")),
     Flag(
+        "calendar_months",
+        ("USE_CALENDAR_MONTH_RATE_LIMIT",),
+        _flag("USE_CALENDAR_MONTH_RATE_LIMIT"),
+    ),
+    Flag(
         "health_requires_config",
         ("HEALTHY_WITH_AT_LEAST_ONE_CONFIG_LOADED",),
         _flag("HEALTHY_WITH_AT_LEAST_ONE_CONFIG_LOADED"),
@@ -940,6 +945,7 @@ def _variables() -> tuple[Variable, ...]:
         V("LOCAL_CACHE_SIZE_IN_BYTES", "0", D, f"`--over-limit-cache ENTRIES`, at {CACHE_ENTRY_BYTES} bytes an entry (0 turns it off); unset, 100,000 entries, where the reference's cache is off"),
         V("NEAR_LIMIT_RATIO", "0.8", U, "`near_limit` always counts hits above 80% of a limit", lambda value: value.strip() in ("0.8", ".8", "0.80")),
         V("CACHE_KEY_PREFIX", "", U, "counter keys have their own format (they start with `rl{`), so they never collide with the reference's; give another Redis database (`/N` in `RLS_BACKEND`) to keep two sets apart"),
+        V("USE_CALENDAR_MONTH_RATE_LIMIT", "false", S, "`--calendar-months`: a rule's fixed window of one `unit: month`, with no `calendar` or `timezone` of its own, counts the UTC calendar month (its TTL and reset run to the month's end), as `calendar: true` makes it; months of other algorithms or of a `unit_multiplier` (the reference has neither), and a month in a request's `limit` override, stay 30 days from the epoch"),
         V("STOP_CACHE_KEY_INCREMENT_WHEN_OVERLIMIT", "false", D, "`--rejected-hits skip`: a request answered OVER_LIMIT adds nothing to any of its counters (the reference still adds to those that would not exceed)", _false),
         V("SHADOW_MODE", "false", S, "`--shadow-mode`"),
         V("QUOTA_MODE", "false", U, "per-rule `quota_mode` is supported; the global switch is not", _false),

@@ -245,6 +245,26 @@ async def test_rlconfig_lists_one_line_per_rule(rules: Path, http: aiohttp.Clien
     assert text.splitlines()[0].startswith("test.user: ")
 
 
+async def test_rlconfig_shows_calendar_months_when_the_app_counts_them(tmp_path: Path) -> None:
+    """Options.calendar_months (--calendar-months, USE_CALENDAR_MONTH_RATE_LIMIT) reaches the
+    rules the app loads, at start and on reload: a month rule is a UTC calendar window."""
+    rules = write_rules(
+        tmp_path,
+        "domain: d\ndescriptors:\n  - key: k\n    rate_limit: {unit: month, requests_per_unit: 5}\n",
+    )
+    for calendar_months, shown in ((True, " calendar timezone=UTC"), (False, "")):
+        async with (
+            running_app(rules, calendar_months=calendar_months) as app,
+            aiohttp.ClientSession(f"http://127.0.0.1:{app.http_port}") as session,
+        ):
+            assert app.reload()
+            async with session.get("/rlconfig") as response:
+                text = await response.text()
+        assert text == (
+            f"d.k: unit=MONTH requests_per_unit=5{shown}, shadow_mode: false, quota_mode: false\n"
+        )
+
+
 async def test_metrics_count_per_rule_with_the_reference_names_and_labels(
     app: App, http: aiohttp.ClientSession
 ) -> None:

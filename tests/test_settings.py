@@ -56,8 +56,8 @@ TRACING_SERVICE_INSTANCE_ID TRACING_EXPORTER_PROTOCOL TRACING_SAMPLING_RATE
 """.split()  # noqa: SIM905 (a block of names reads like the source it is checked against)
 
 #: Variables the reference's settings.go read after that snapshot, from its merged PRs:
-#: #1191 (REDIS_CLOSE_CONNECTION_ON_READONLY_ERROR).
-LATER_VARIABLES = ["REDIS_CLOSE_CONNECTION_ON_READONLY_ERROR"]
+#: #1191 (REDIS_CLOSE_CONNECTION_ON_READONLY_ERROR), #1206 (USE_CALENDAR_MONTH_RATE_LIMIT).
+LATER_VARIABLES = ["REDIS_CLOSE_CONNECTION_ON_READONLY_ERROR", "USE_CALENDAR_MONTH_RATE_LIMIT"]
 
 RULES = """\
 domain: helm
@@ -552,6 +552,20 @@ def test_close_connection_on_readonly_is_accepted_true_or_false() -> None:
     differs = {"REDIS_CLOSE_CONNECTION_ON_READONLY_ERROR": "false"}
     assert [v.name for v in settings.ignored(differs)] == list(differs)
     assert settings.ignored({"REDIS_CLOSE_CONNECTION_ON_READONLY_ERROR": "true"}) == []
+
+
+def test_calendar_months_come_from_use_calendar_month_rate_limit() -> None:
+    """USE_CALENDAR_MONTH_RATE_LIMIT=true sets --calendar-months (false by default, as in the
+    reference), under `serve --reference-env` and `ratelimit`; a value that is not a boolean
+    stops the start."""
+    assert serve({}, *CONFIG)["calendar_months"] is False
+    assert serve({"USE_CALENDAR_MONTH_RATE_LIMIT": "false"}, *CONFIG)["calendar_months"] is False
+    assert serve({"USE_CALENDAR_MONTH_RATE_LIMIT": "true"}, *CONFIG)["calendar_months"] is True
+    env = {"USE_CALENDAR_MONTH_RATE_LIMIT": "1", "RLS_BACKEND": "memory://"}
+    assert cli.parse_args(["serve"], env, reference_defaults=True).calendar_months is True
+    assert cli.parse_args(["serve", *CONFIG], env).calendar_months is False  # not asked
+    with pytest.raises(SystemExit):
+        serve({"USE_CALENDAR_MONTH_RATE_LIMIT": "calendar"}, *CONFIG)
 
 
 def test_statsd_tls_and_tracing_variables_read_as_the_reference_reads_them() -> None:
