@@ -46,9 +46,11 @@ COPY --from=build /opt/ratelimit-sidecar /opt/ratelimit-sidecar
 # The example rules (make run's), which a bare `docker run IMAGE` serves on memory://.
 COPY envoy/rules /etc/ratelimit-sidecar/rules
 # /bin/ratelimit is where a Deployment written for envoyproxy/ratelimit (Envoy Gateway's
-# envoy-ratelimit, Helm charts) runs it: `serve` from the reference's environment variables.
+# envoy-ratelimit, Helm charts) runs it: `serve` from the reference's environment variables;
+# /bin/ratelimit_config_check beside it checks a rules directory as the reference's does.
 RUN python -m compileall -q /opt/ratelimit-sidecar/lib \
  && ln -s /opt/ratelimit-sidecar/bin/ratelimit /bin/ratelimit \
+ && ln -s /opt/ratelimit-sidecar/bin/ratelimit_config_check /bin/ratelimit_config_check \
  && groupadd --system --gid 65532 ratelimit \
  && useradd --system --uid 65532 --gid 65532 --no-create-home --shell /usr/sbin/nologin ratelimit
 USER 65532:65532

@@ -176,6 +176,9 @@ class Options:
     #: Files declaring one domain add their descriptors to it (the reference's
     #: MERGE_DOMAIN_CONFIG; rules over xDS take theirs from `xds`).
     merge_domain_config: bool = False
+    #: A rule's `unit: month` with no `calendar` is the UTC calendar month (the reference's
+    #: USE_CALENDAR_MONTH_RATE_LIMIT; `config.parse`), in files and over xDS (`xds` has its own).
+    calendar_months: bool = False
     #: Another listener for Prometheus (HOST:PORT, at `metrics_path`), as the reference's
     #: USE_PROMETHEUS/PROMETHEUS_ADDR; /metrics on the HTTP port stays.
     metrics_address: str | None = None
@@ -241,6 +244,7 @@ class App:
         #: The cycle collector's pauses, timed from the end of `start` to `stop`.
         self.gc_pauses = metrics.GcPauses()
         self.registry = metrics.registry(self.stats, self.latency, self.gc_pauses)
+        self.registry.register(metrics.LimitsCollector(lambda: self.rules))
         self._backend = backend
         self._clock = clock
         self.grpc_port = 0
@@ -546,7 +550,11 @@ class App:
 
     def _load_rules(self) -> Rules:
         try:
-            rules = config.load(self.options.config, self.options.merge_domain_config)
+            rules = config.load(
+                self.options.config,
+                self.options.merge_domain_config,
+                self.options.calendar_months,
+            )
         except ConfigError:
             self.stats.config_load_error += 1
             raise
@@ -576,7 +584,11 @@ class App:
             log.info("config_reload_skipped", reason="rules come from xDS")
             return False
         try:
-            rules = config.load(self.options.config, self.options.merge_domain_config)
+            rules = config.load(
+                self.options.config,
+                self.options.merge_domain_config,
+                self.options.calendar_months,
+            )
         except ConfigError as exc:
             self._reject_rules(exc)
             return False

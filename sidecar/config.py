@@ -95,13 +95,13 @@ _UNITS = {unit.name.lower(): unit for unit in Unit}
 _UNIT_LIST = ", ".join(u.name.lower() for u in sorted(Unit, key=lambda u: u.seconds))
 
 
-def load(paths: Sequence[str | Path], merge: bool = False) -> Rules:
+def load(paths: Sequence[str | Path], merge: bool = False, calendar_months: bool = False) -> Rules:
     """Load every rules file named by `paths` (files, or directories of `*.yaml` / `*.yml`).
 
     Raises ConfigError on the first bad file, or when two files declare the same domain (unless
-    `merge`: see `gather`).
+    `merge`: see `gather`). `calendar_months`: see `parse`.
     """
-    return gather((parse(_read(file), str(file)) for file in _files(paths)), merge)
+    return gather((parse(_read(file), str(file), calendar_months) for file in _files(paths)), merge)
 
 
 def _read(file: Path) -> str:
@@ -195,12 +195,20 @@ def _files(paths: Sequence[str | Path]) -> list[Path]:
     return files
 
 
-def parse(text: str, source: str) -> Domain:
+def parse(text: str, source: str, calendar_months: bool = False) -> Domain:
     """Parse one rules file's text; `source` names it in errors and warnings.
 
     The YAML is read as the reference's decoder (go-yaml v2) reads it: the first document only,
     a key repeated in one map keeps its last value (see `_Loader`), and a number or boolean
     written where text belongs (`value: 010`, `value: on`) is that text.
+
+    `calendar_months` (the reference's USE_CALENDAR_MONTH_RATE_LIMIT): a fixed window of one
+    `unit: month` that says nothing of calendars (no `calendar`, no `timezone`) is the UTC
+    calendar month, a calendar window as `calendar: true` makes it, so one mechanism counts
+    both; without it such a month is 30 days from the epoch, as the reference's default.
+    A month of another algorithm, or of several months, stays 30-day blocks (calendar windows
+    are one fixed window), and so does a month in a request's `limit` override, which no rule
+    declares.
     """
     loader = _Loader(text)
     try:
@@ -224,13 +232,13 @@ def parse(text: str, source: str) -> Domain:
                 "first (one domain per file: move it to a file of its own)",
             )
         )
-    return _Parser(source, notes).root(document)
+    return _Parser(source, notes, calendar_months).root(document)
 
 
-def parse_mapping(document: object, source: str) -> Domain:
+def parse_mapping(document: object, source: str, calendar_months: bool = False) -> Domain:
     """Parse one domain's rules already decoded from their format (as `parse` does once YAML
     has decoded a file): rules pushed over xDS take this way, through the same checks."""
-    return _Parser(source).root(document)
+    return _Parser(source, calendar_months=calendar_months).root(document)
 
 
 class _Map(dict[Any, Any]):
@@ -337,9 +345,12 @@ def _yaml_problem(exc: yaml.YAMLError) -> str:
 class _Parser:
     """Walks one YAML document, keeping the file name for errors and the warnings found."""
 
-    def __init__(self, source: str, warnings: Sequence[ConfigWarning] = ()) -> None:
+    def __init__(
+        self, source: str, warnings: Sequence[ConfigWarning] = (), calendar_months: bool = False
+    ) -> None:
         self.source = source
         self.warnings = list(warnings)
+        self.calendar_months = calendar_months
         # While parsing a group_counters tree: each window code in it, with the kind of window
         # that has it and where it was declared (two kinds must never share a code).
         self.codes: dict[str, tuple[tuple[object, ...], Window]] | None = None
@@ -671,7 +682,9 @@ class _Parser:
         algorithm = self.algorithm(raw, path)
         multiplier = self.count(raw, "unit_multiplier", path, 1, default=1)
         borrow = self.count(raw, "borrow", path, 0, default=0)
-        calendar = self.flag(raw, "calendar", path)
+        calendar = self.flag(raw, "calendar", path) or self.calendar_month(
+            raw, unit, algorithm, multiplier
+        )
         burst = self.token_bucket(raw, path, algorithm, requests)
         self.check_borrow(borrow, path, algorithm, requests)
         timezone, week_start = self.calendar(raw, path, calendar, algorithm, unit, multiplier)
@@ -690,6 +703,21 @@ class _Parser:
         if self.codes is not None:
             self.check_code(window, path)
         return window, False, replaces
+
+    def calendar_month(
+        self, raw: dict[Any, Any], unit: Unit, algorithm: Algorithm, multiplier: int
+    ) -> bool:
+        """Whether `calendar_months` makes this window the UTC calendar month (see `parse`):
+        one month, fixed, saying nothing of calendars, so a file valid without the setting is
+        valid with it and means the same but for the month's bounds."""
+        return (
+            self.calendar_months
+            and unit is Unit.MONTH
+            and algorithm is Algorithm.FIXED_WINDOW
+            and multiplier == 1
+            and "calendar" not in raw
+            and "timezone" not in raw
+        )
 
     def unit(self, text: str, path: str) -> Unit:
         unit = _UNITS.get(text.lower())

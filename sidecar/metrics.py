@@ -22,6 +22,9 @@ the reference keep working:
   `ratelimit_service_rate_limit_domain_not_found{domain}`.
 - the cycle collector's pauses (ours): the histogram `ratelimit_sidecar_gc_pause_seconds{generation}`
   and the gauge `ratelimit_sidecar_gc_pause_max_seconds`, the longest since start (`GcPauses`).
+- each rule's configured limit (ours; the reference has no such stat, its PR #1138 proposing
+  one was closed): the gauge `ratelimit_sidecar_rate_limit_requests_per_unit{domain, key1[,
+  key2], unit}`, read from the rules served when scraped (`LimitsCollector`).
 
 Counters are exposed under exactly these names, without the `_total` suffix prometheus_client
 would add, because that is what the reference's exporter serves (`render`).
@@ -33,7 +36,7 @@ import bisect
 import gc
 import math
 from collections import defaultdict
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from time import perf_counter
 from typing import Any
 
@@ -41,6 +44,7 @@ from prometheus_client import CollectorRegistry, Metric
 from prometheus_client.core import HistogramMetricFamily
 from prometheus_client.registry import Collector
 
+from sidecar.rules import Rules
 from sidecar.stats import RuleStats, Stats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -178,6 +182,55 @@ def _counter(
     for labels, value in samples:
         metric.add_sample(name, labels, float(value))
     return metric
+
+
+class LimitsCollector(Collector):
+    """Each rule's configured limit, `ratelimit_sidecar_rate_limit_requests_per_unit`, so a
+    dashboard can draw a rule's `total_hits` against it: read from the rules served (`rules()`,
+    whatever reloads and xDS pushes made them) when Prometheus scrapes, so a decision pays
+    nothing for it, and its series are as many as the rules' windows.
+
+    Labels: the rule's `domain`, `key1[, key2]`, as the per-rule counters have them (its rule
+    key split on '.'); `unit` (second ... year); `unit_multiplier` where it is not 1; and
+    `window`, the window's place in `rate_limits`, for a rule with several. Unlimited rules
+    have no limit and no series. Rules whose keys fold into the same labels (those deeper than
+    the third level, as the counters fold) are one series, with the smallest of their limits:
+    the one a dashboard sees reached first.
+    """
+
+    NAME = "ratelimit_sidecar_rate_limit_requests_per_unit"
+
+    def __init__(self, rules: Callable[[], Rules]) -> None:
+        self.rules = rules
+
+    def collect(self) -> Iterator[Metric]:
+        smallest: dict[tuple[tuple[str, str], ...], int] = {}
+        for domain in self.rules().domains.values():
+            for limit in domain.limits():
+                if limit.unlimited:
+                    continue
+                keys = _rule_labels(limit.rule_key)
+                base = dict(zip(("domain", "key1", "key2"), keys, strict=False))
+                several = len(limit.windows) > 1
+                for index, window in enumerate(limit.windows):
+                    labels = {**base, "unit": window.unit.name.lower()}
+                    if window.unit_multiplier != 1:
+                        labels["unit_multiplier"] = str(window.unit_multiplier)
+                    if several:
+                        labels["window"] = str(index)
+                    series = tuple(labels.items())
+                    known = smallest.get(series)
+                    if known is None or window.requests_per_unit < known:
+                        smallest[series] = window.requests_per_unit
+        gauge = Metric(
+            self.NAME,
+            "The requests_per_unit each rule is configured with, per window (window: its place "
+            "in rate_limits), from the rules served now.",
+            "gauge",
+        )
+        for series, value in smallest.items():
+            gauge.add_sample(self.NAME, dict(series), float(value))
+        yield gauge
 
 
 class MemoryCollector(Collector):

@@ -7,6 +7,8 @@ Two tables drive it:
   honours it (`Support`) and how, in words. README's table of settings is `markdown()` of it.
 - `FLAGS`: each `serve` flag that reference variables can set, the variables it reads and the
   converter that makes the flag's value (in its `RLS_<FLAG>` form) from them.
+- `JUDGED`: booleans no flag takes (the sidecar already does what they ask), read only so that
+  a value the reference would refuse is refused here too.
 
 `translate` applies `FLAGS` to an environment and returns `RLS_*` variables; the command line
 reads them beneath the real `RLS_*` variables and flags, which therefore win. `ignored` lists
@@ -240,6 +242,12 @@ def _config(env: Env, defaults: bool) -> str | None:
     subdirectory = env.get("RUNTIME_SUBDIRECTORY", "")
     appdirectory = env.get("RUNTIME_APPDIRECTORY") or RUNTIME_APPDIRECTORY
     return os.path.join(root, subdirectory, appdirectory)
+
+
+def rules_directory(env: Env) -> str | None:
+    """The rules directory `ratelimit` loads from `env` (the reference's defaults included);
+    None when CONFIG_TYPE says the rules come over xDS."""
+    return _config(env, True)
 
 
 def _xds_server(env: Env, defaults: bool) -> str | None:
@@ -716,6 +724,11 @@ FLAGS: tuple[Flag, ...] = (
     ),
     Flag("merge_domain_config", ("MERGE_DOMAIN_CONFIG",), _flag("MERGE_DOMAIN_CONFIG")),
     Flag(
+        "calendar_months",
+        ("USE_CALENDAR_MONTH_RATE_LIMIT",),
+        _flag("USE_CALENDAR_MONTH_RATE_LIMIT"),
+    ),
+    Flag(
         "health_requires_config",
         ("HEALTHY_WITH_AT_LEAST_ONE_CONFIG_LOADED",),
         _flag("HEALTHY_WITH_AT_LEAST_ONE_CONFIG_LOADED"),
@@ -824,6 +837,13 @@ FLAGS: tuple[Flag, ...] = (
 )
 
 
+#: Booleans no flag takes, read only to be judged: whichever value is set, the sidecar already
+#: does what one of them asks (each one's note in `VARIABLES` says which), but a value the
+#: reference refuses at start-up (`yes`, `on`) stops the start here too, so a typo in a value is
+#: never taken for a setting.
+JUDGED: tuple[str, ...] = ("REDIS_CLOSE_CONNECTION_ON_READONLY_ERROR",)
+
+
 def _variables() -> tuple[Variable, ...]:
     S, D, U = Support.SUPPORTED, Support.DIFFERENT, Support.UNSUPPORTED
     V = Variable
@@ -889,6 +909,7 @@ def _variables() -> tuple[Variable, ...]:
         V("REDIS_POOL_ON_EMPTY_BEHAVIOR", "WAIT", D, "calls never wait for a connection; each has a deadline (`--redis-timeout-ms`)"),
         V("REDIS_HEALTH_CHECK_ACTIVE_CONNECTION", "false", D, "health pings the backend every 2 s; see Health below", _false),
         V("REDIS_TIMEOUT", "10s", S, "`--redis-timeout-ms`: the deadline of one backend call; unset, 50 ms"),
+        V("REDIS_CLOSE_CONNECTION_ON_READONLY_ERROR", "false", D, "`true` or `false` (anything else stops the start): either way a READONLY reply (a master demoted by a failover) drops that server's connections and the next call dials again, on every topology, as the reference does with `true` (its PR #1191); with `false` the reference keeps them until it restarts", _truthy),
         V("REDIS_STARTUP_INITIAL_INTERVAL", "1s", D, "the sidecar starts without waiting for Redis and reconnects on its own"),
         V("REDIS_STARTUP_MAX_INTERVAL", "30s", D, "as `REDIS_STARTUP_INITIAL_INTERVAL`"),
         V("REDIS_STARTUP_MAX_ELAPSED_TIME", "0", D, "as `REDIS_STARTUP_INITIAL_INTERVAL`"),
@@ -924,6 +945,7 @@ def _variables() -> tuple[Variable, ...]:
         V("LOCAL_CACHE_SIZE_IN_BYTES", "0", D, f"`--over-limit-cache ENTRIES`, at {CACHE_ENTRY_BYTES} bytes an entry (0 turns it off); unset, 100,000 entries, where the reference's cache is off"),
         V("NEAR_LIMIT_RATIO", "0.8", U, "`near_limit` always counts hits above 80% of a limit", lambda value: value.strip() in ("0.8", ".8", "0.80")),
         V("CACHE_KEY_PREFIX", "", U, "counter keys have their own format (they start with `rl{`), so they never collide with the reference's; give another Redis database (`/N` in `RLS_BACKEND`) to keep two sets apart"),
+        V("USE_CALENDAR_MONTH_RATE_LIMIT", "false", S, "`--calendar-months`: a rule's fixed window of one `unit: month`, with no `calendar` or `timezone` of its own, counts the UTC calendar month (its TTL and reset run to the month's end), as `calendar: true` makes it; months of other algorithms or of a `unit_multiplier` (the reference has neither), and a month in a request's `limit` override, stay 30 days from the epoch"),
         V("STOP_CACHE_KEY_INCREMENT_WHEN_OVERLIMIT", "false", D, "`--rejected-hits skip`: a request answered OVER_LIMIT adds nothing to any of its counters (the reference still adds to those that would not exceed)", _false),
         V("SHADOW_MODE", "false", S, "`--shadow-mode`"),
         V("QUOTA_MODE", "false", U, "per-rule `quota_mode` is supported; the global switch is not", _false),
@@ -970,6 +992,8 @@ def translate(
     their reference variables are neither read nor judged. Raises SettingError, naming the
     variable, for a value that cannot be used.
     """
+    for name in JUDGED:
+        boolean(name, env)
     translated = {}
     for flag in FLAGS:
         if flag.dest in given:
@@ -996,7 +1020,7 @@ def ignored(env: Env) -> list[Variable]:
 
 def applied(env: Env) -> list[str]:
     """The reference variables set in `env` that the sidecar reads."""
-    read = {name for flag in FLAGS for name in flag.reads}
+    read = {name for flag in FLAGS for name in flag.reads}.union(JUDGED)
     return sorted(name for name in env if name in read and env[name] != "")
 
 

@@ -245,6 +245,26 @@ async def test_rlconfig_lists_one_line_per_rule(rules: Path, http: aiohttp.Clien
     assert text.splitlines()[0].startswith("test.user: ")
 
 
+async def test_rlconfig_shows_calendar_months_when_the_app_counts_them(tmp_path: Path) -> None:
+    """Options.calendar_months (--calendar-months, USE_CALENDAR_MONTH_RATE_LIMIT) reaches the
+    rules the app loads, at start and on reload: a month rule is a UTC calendar window."""
+    rules = write_rules(
+        tmp_path,
+        "domain: d\ndescriptors:\n  - key: k\n    rate_limit: {unit: month, requests_per_unit: 5}\n",
+    )
+    for calendar_months, shown in ((True, " calendar timezone=UTC"), (False, "")):
+        async with (
+            running_app(rules, calendar_months=calendar_months) as app,
+            aiohttp.ClientSession(f"http://127.0.0.1:{app.http_port}") as session,
+        ):
+            assert app.reload()
+            async with session.get("/rlconfig") as response:
+                text = await response.text()
+        assert text == (
+            f"d.k: unit=MONTH requests_per_unit=5{shown}, shadow_mode: false, quota_mode: false\n"
+        )
+
+
 async def test_metrics_count_per_rule_with_the_reference_names_and_labels(
     app: App, http: aiohttp.ClientSession
 ) -> None:
@@ -296,6 +316,73 @@ async def test_metrics_count_per_rule_with_the_reference_names_and_labels(
     # Named exactly as the reference's exporter names them: no `_total` suffix added.
     assert "# TYPE ratelimit_service_rate_limit_total_hits counter" in text
     assert "ratelimit_service_rate_limit_total_hits_total" not in text
+
+
+LIMITS = """\
+domain: shop
+descriptors:
+  - key: user
+    rate_limit: {unit: minute, requests_per_unit: 3}
+  - key: app
+    descriptors:
+      - key: path
+        rate_limits:
+          - {unit: second, requests_per_unit: 10}
+          - {unit: minute, unit_multiplier: 5, requests_per_unit: 100, algorithm: sliding_window}
+  - key: org
+    descriptors:
+      - key: team
+        descriptors:
+          - key: a
+            rate_limit: {unit: hour, requests_per_unit: 50}
+          - key: b
+            rate_limit: {unit: hour, requests_per_unit: 20}
+  - key: free
+    rate_limit: {unlimited: true}
+"""
+
+
+def limit_samples(text: str) -> dict[tuple[tuple[str, str], ...], float]:
+    """`ratelimit_sidecar_rate_limit_requests_per_unit`'s samples in `text`, by their labels."""
+    return {
+        tuple(sorted(sample.labels.items())): sample.value
+        for family in text_string_to_metric_families(text)
+        if family.name == "ratelimit_sidecar_rate_limit_requests_per_unit"
+        for sample in family.samples
+    }
+
+
+async def test_metrics_show_each_rules_configured_limit_from_the_rules_served(
+    tmp_path: Path,
+) -> None:
+    """A gauge per rule window holds its requests_per_unit, labelled as the rule's counters are
+    and with its unit (its multiplier, and its place in rate_limits, where they apply); rules
+    folded into one series by depth show the smallest limit; an unlimited rule has none; after
+    a reload the gauge shows the new rules, before any call."""
+    rules = write_rules(tmp_path, LIMITS)
+    async with (
+        running_app(rules) as app,
+        aiohttp.ClientSession(f"http://127.0.0.1:{app.http_port}") as session,
+    ):
+        async with session.get("/metrics") as response:
+            text = await response.text()
+        assert "# TYPE ratelimit_sidecar_rate_limit_requests_per_unit gauge" in text
+        shop = (("domain", "shop"),)
+        assert limit_samples(text) == {
+            (*shop, ("key1", "user"), ("unit", "minute")): 3,
+            (*shop, ("key1", "app"), ("key2", "path"), ("unit", "second"), ("window", "0")): 10,
+            (
+                *shop, ("key1", "app"), ("key2", "path"), ("unit", "minute"),
+                ("unit_multiplier", "5"), ("window", "1"),
+            ): 100,
+            (*shop, ("key1", "org"), ("key2", "team"), ("unit", "hour")): 20,
+        }  # fmt: skip
+
+        rules.write_text(LIMITS.replace("requests_per_unit: 3}", "requests_per_unit: 7}"))
+        assert app.reload()
+        async with session.get("/metrics") as response:
+            text = await response.text()
+        assert limit_samples(text)[(*shop, ("key1", "user"), ("unit", "minute"))] == 7
 
 
 async def test_metrics_show_the_memory_backends_counters_and_evictions(

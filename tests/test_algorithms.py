@@ -7,11 +7,15 @@ from collections.abc import Callable
 from datetime import datetime
 from zoneinfo import ZoneInfo
 
+import pytest
 from support.callbacks import should_rate_limit
 from support.clock import Clock
 
-from sidecar.limiter import Limiter
+from sidecar import config
+from sidecar.limiter import Limiter, Settings
 from sidecar.model import Code, Decision, Descriptor, Entry, Request, Unit
+from sidecar.rules import Rules
+from sidecar.storage.memory import MemoryBackend
 
 RULES = """
 domain: algo
@@ -254,3 +258,45 @@ async def test_calendar_week_starts_on_the_configured_day(
     assert await admitted(limiter, d("week=w"), 2) == 1
     clock.now = at(2026, 11, 22, 0, 0, 0, zone=utc)  # Sunday: a new week
     assert await admitted(limiter, d("week=w"), 2) == 1
+
+
+MONTHLY = """
+domain: algo
+descriptors:
+  - key: plan
+    rate_limit: {unit: month, requests_per_unit: 2}
+"""
+UTC = ZoneInfo("UTC")
+
+
+@pytest.mark.parametrize("calendar_months", [True, False], ids=["calendar", "30-days"])
+async def test_a_month_is_the_calendar_month_only_with_calendar_months(
+    calendar_months: bool,
+) -> None:
+    """`unit: month`, 2 a month, on the memory backend: with calendar_months (the reference's
+    USE_CALENDAR_MONTH_RATE_LIMIT) the month filled on 10 November resets at 1 December 00:00
+    UTC, and its reset says so; without, it is the reference's 30-day block from the epoch,
+    which runs to 3 December 00:00 UTC, and refuses until then."""
+    domain = config.parse(MONTHLY, "rules.yaml", calendar_months=calendar_months)
+    clock = Clock(at(2026, 11, 10, 12, 0, 0, zone=UTC))
+    limiter = Limiter(
+        Rules({domain.name: domain}), MemoryBackend(), settings=Settings(), clock=clock
+    )
+    plan = d("plan=p")
+    assert await admitted(limiter, plan, 2) == 2
+    refused = (await ask(limiter, plan)).statuses[0]
+    resets = at(2026, 12, 1, zone=UTC) if calendar_months else at(2026, 12, 3, zone=UTC)
+    assert (refused.code, refused.duration_until_reset) == (
+        Code.OVER_LIMIT,
+        round(resets - clock.now),
+    )
+
+    clock.now = at(2026, 11, 30, 23, 59, 59, zone=UTC)
+    assert await admitted(limiter, plan, 1) == 0
+    clock.now = at(2026, 12, 1, zone=UTC)
+    if not calendar_months:
+        assert await admitted(limiter, plan, 1) == 0
+        clock.now = at(2026, 12, 2, 23, 59, 59, zone=UTC)
+        assert await admitted(limiter, plan, 1) == 0
+        clock.now = at(2026, 12, 3, zone=UTC)
+    assert await admitted(limiter, plan, 3) == 2

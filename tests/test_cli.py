@@ -84,6 +84,79 @@ def test_check_refuses_a_directory_without_rules(
     assert "no rules files" in capsys.readouterr().err
 
 
+#: Runs the `ratelimit_config_check` console script's entry point from the installed package's
+#: metadata, as its generated script does (so the registration in pyproject.toml is tested too).
+CONFIG_CHECK = (
+    "import sys\n"
+    "from importlib.metadata import entry_points\n"
+    "sys.exit(entry_points(group='console_scripts')['ratelimit_config_check'].load()())\n"
+)
+
+
+#: A domain with one rule on `key`.
+ONE_RULE = "domain: test\ndescriptors:\n  - key: {key}\n    rate_limit: {{unit: minute, requests_per_unit: 3}}\n"
+
+
+def config_check(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """`ratelimit_config_check ARGV` in a process of its own, with only `env` beside PATH."""
+    return subprocess.run(
+        [sys.executable, "-c", CONFIG_CHECK, *argv],
+        env={"PATH": "/usr/bin:/bin", **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_ratelimit_config_check_takes_the_references_flags(tmp_path: Path) -> None:
+    """`ratelimit_config_check -config_dir DIR` (or `--config_dir=DIR`, Go's flag syntax) exits
+    0 on a directory whose rules load, printing `check`'s summary, and 1 on one whose rules do
+    not, with the error naming file, path and fix; an unknown flag is status 2."""
+    good, bad = tmp_path / "good", tmp_path / "bad"
+    good.mkdir()
+    bad.mkdir()
+    write_rules(good, ONE_RULE.format(key="user"), "a.yaml")
+    bad_file = write_rules(bad, BAD_RULES, "a.yaml")
+
+    for argv in (["-config_dir", str(good)], [f"--config_dir={good}"]):
+        ran = config_check(*argv)
+        assert (ran.returncode, ran.stderr) == (0, "")
+        assert ran.stdout == f"{good / 'a.yaml'}: domain 'test': 1 rate limits\n"
+
+    ran = config_check("-config_dir", str(bad))
+    assert ran.returncode == 1
+    assert ran.stderr == (
+        f"{bad_file}: descriptors[0]: config error, unknown key 'ratelimit' (did you mean 'rate_limit'?)\n"
+    )
+    assert config_check("-config_dir", str(tmp_path / "missing")).returncode == 1
+    assert config_check("-config", str(good)).returncode == 2
+
+
+def test_ratelimit_config_check_defaults_to_the_references_rules_directory(
+    tmp_path: Path,
+) -> None:
+    """Without -config_dir it checks RUNTIME_ROOT/RUNTIME_SUBDIRECTORY/RUNTIME_APPDIRECTORY, the
+    directory `ratelimit` loads; a domain in two files passes with -merge_domain_configs or
+    MERGE_DOMAIN_CONFIG=true, as the flag's default, and fails without."""
+    rules = tmp_path / "ratelimit" / "config"
+    rules.mkdir(parents=True)
+    write_rules(rules, ONE_RULE.format(key="user"), "a.yaml")
+    write_rules(rules, ONE_RULE.format(key="ip"), "b.yaml")
+    env = {"RUNTIME_ROOT": str(tmp_path), "RUNTIME_SUBDIRECTORY": "ratelimit"}
+
+    ran = config_check(env=env)
+    assert ran.returncode == 1
+    assert "duplicate domain 'test'" in ran.stderr
+    assert config_check("-merge_domain_configs", env=env).returncode == 0
+    assert config_check("-merge_domain_configs=true", env=env).returncode == 0
+    assert config_check(env={**env, "MERGE_DOMAIN_CONFIG": "true"}).returncode == 0
+    merged = {**env, "MERGE_DOMAIN_CONFIG": "true"}
+    assert config_check("-merge_domain_configs=false", env=merged).returncode == 1
+    refused = config_check(env={**env, "MERGE_DOMAIN_CONFIG": "maybe"})
+    assert refused.returncode == 2
+    assert "MERGE_DOMAIN_CONFIG='maybe': expected true or false" in refused.stderr
+
+
 def test_serve_flags_come_from_rls_variables() -> None:
     """Each flag has an RLS_<FLAG> variable; RLS_CONFIG holds several paths split on ':' or ','."""
     env = {

@@ -531,3 +531,53 @@ descriptors:
     assert not ip.limit.approximate
     assert Rules({"d": domain}).dump()[0].endswith(", approximate: true")
     assert tag(client.limit.windows[0]) == tag(Window(100, Unit.SECOND))
+
+
+MONTHS = """
+domain: months
+descriptors:
+  - key: plain
+    rate_limit: {unit: month, requests_per_unit: 10}
+  - key: upper
+    rate_limit: {unit: MONTH, requests_per_unit: 10}
+  - key: said_no
+    rate_limit: {unit: month, requests_per_unit: 10, calendar: false}
+  - key: zoned
+    rate_limit: {unit: month, requests_per_unit: 10, calendar: true, timezone: Asia/Tokyo}
+  - key: bucket
+    rate_limit: {unit: month, requests_per_unit: 10, algorithm: token_bucket}
+  - key: sliding
+    rate_limit: {unit: month, requests_per_unit: 10, algorithm: sliding_window}
+  - key: quarter
+    rate_limit: {unit: month, requests_per_unit: 10, unit_multiplier: 3}
+  - key: daily
+    rate_limit: {unit: day, requests_per_unit: 10}
+  - key: both
+    rate_limits:
+      - {unit: month, requests_per_unit: 10}
+      - {unit: hour, requests_per_unit: 1}
+"""
+
+
+def test_calendar_months_makes_a_plain_month_the_utc_calendar_month() -> None:
+    """With calendar_months (USE_CALENDAR_MONTH_RATE_LIMIT) a fixed window of one month that
+    says nothing of calendars is a UTC calendar window, as `calendar: true` writes it; one that
+    says (calendar: false, or a zone), other algorithms, several months and other units keep
+    their windows; without it nothing changes."""
+
+    def windows(calendar_months: bool) -> dict[str, list[Window]]:
+        domain = config.parse(MONTHS, "months.yaml", calendar_months=calendar_months)
+        return {limit.rule_key: list(limit.windows) for limit in domain.limits()}
+
+    without, with_ = windows(False), windows(True)
+    calendar = {"months.plain", "months.upper", "months.both"}
+    for key, found in with_.items():
+        month = found[0]
+        if key in calendar:
+            assert (month.calendar, month.timezone) == (True, "UTC"), key
+            assert month == Window(10, Unit.MONTH, calendar=True), key
+            assert found[1:] == without[key][1:], key
+        else:
+            assert found == without[key], key
+    assert [w.calendar for w in without["months.plain"]] == [False]
+    assert with_["months.zoned"][0].timezone == "Asia/Tokyo"

@@ -55,6 +55,10 @@ MERGE_DOMAIN_CONFIG TRACING_ENABLED TRACING_SERVICE_NAME TRACING_SERVICE_NAMESPA
 TRACING_SERVICE_INSTANCE_ID TRACING_EXPORTER_PROTOCOL TRACING_SAMPLING_RATE
 """.split()  # noqa: SIM905 (a block of names reads like the source it is checked against)
 
+#: Variables the reference's settings.go read after that snapshot, from its merged PRs:
+#: #1191 (REDIS_CLOSE_CONNECTION_ON_READONLY_ERROR), #1206 (USE_CALENDAR_MONTH_RATE_LIMIT).
+LATER_VARIABLES = ["REDIS_CLOSE_CONNECTION_ON_READONLY_ERROR", "USE_CALENDAR_MONTH_RATE_LIMIT"]
+
 RULES = """\
 domain: helm
 descriptors:
@@ -514,10 +518,12 @@ async def test_a_redis_uri_with_a_database_counts_there(tmp_path: Path, redis_ur
         ({"GRPC_SERVER_USE_TLS": "yes"}, "GRPC_SERVER_USE_TLS='yes': expected true or false"),
         ({"TRACING_EXPORTER_PROTOCOL": "zipkin"}, "TRACING_EXPORTER_PROTOCOL='zipkin': expected"),
         ({"TRACING_SAMPLING_RATE": "half"}, "TRACING_SAMPLING_RATE='half': expected a number"),
+        ({"REDIS_CLOSE_CONNECTION_ON_READONLY_ERROR": "yes"},
+         "REDIS_CLOSE_CONNECTION_ON_READONLY_ERROR='yes': expected true or false"),
     ],
     ids=["memcache", "sentinel", "unix", "bad-bool", "bad-duration", "bad-port", "config-type",
          "log-level", "both-sources", "statsd-protocol", "statsd-port", "flush-interval",
-         "extra-tags", "use-tls", "tracing-protocol", "sampling-rate"],
+         "extra-tags", "use-tls", "tracing-protocol", "sampling-rate", "close-on-readonly"],
 )  # fmt: skip
 def test_a_reference_variable_that_cannot_be_used_stops_the_start(
     env: dict[str, str], message: str, capsys: pytest.CaptureFixture[str]
@@ -530,6 +536,36 @@ def test_a_reference_variable_that_cannot_be_used_stops_the_start(
         )
     assert exited.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_close_connection_on_readonly_is_accepted_true_or_false() -> None:
+    """REDIS_CLOSE_CONNECTION_ON_READONLY_ERROR (the reference's PR #1191) starts the sidecar
+    whether true or false, under `serve --reference-env` and `ratelimit`, and is shown among
+    the variables read; true is what the sidecar does on every topology, so only false is
+    reported as done differently."""
+    for value in ("true", "false", "TRUE", "0", "1", "f"):
+        env = {"REDIS_CLOSE_CONNECTION_ON_READONLY_ERROR": value, "REDIS_URL": "r:6379"}
+        assert serve(env, *CONFIG)["backend"] == "redis://r:6379"
+        reference = cli.parse_args(["serve"], env, reference_defaults=True)
+        assert reference.backend == "redis://r:6379"
+        assert reference.reference_applied["REDIS_CLOSE_CONNECTION_ON_READONLY_ERROR"] == value
+    differs = {"REDIS_CLOSE_CONNECTION_ON_READONLY_ERROR": "false"}
+    assert [v.name for v in settings.ignored(differs)] == list(differs)
+    assert settings.ignored({"REDIS_CLOSE_CONNECTION_ON_READONLY_ERROR": "true"}) == []
+
+
+def test_calendar_months_come_from_use_calendar_month_rate_limit() -> None:
+    """USE_CALENDAR_MONTH_RATE_LIMIT=true sets --calendar-months (false by default, as in the
+    reference), under `serve --reference-env` and `ratelimit`; a value that is not a boolean
+    stops the start."""
+    assert serve({}, *CONFIG)["calendar_months"] is False
+    assert serve({"USE_CALENDAR_MONTH_RATE_LIMIT": "false"}, *CONFIG)["calendar_months"] is False
+    assert serve({"USE_CALENDAR_MONTH_RATE_LIMIT": "true"}, *CONFIG)["calendar_months"] is True
+    env = {"USE_CALENDAR_MONTH_RATE_LIMIT": "1", "RLS_BACKEND": "memory://"}
+    assert cli.parse_args(["serve"], env, reference_defaults=True).calendar_months is True
+    assert cli.parse_args(["serve", *CONFIG], env).calendar_months is False  # not asked
+    with pytest.raises(SystemExit):
+        serve({"USE_CALENDAR_MONTH_RATE_LIMIT": "calendar"}, *CONFIG)
 
 
 def test_statsd_tls_and_tracing_variables_read_as_the_reference_reads_them() -> None:
@@ -657,7 +693,9 @@ def test_set_variables_the_sidecar_does_not_honour_are_listed_for_the_log() -> N
 def test_every_reference_variable_is_in_the_table_and_in_readme() -> None:
     """The table covers exactly the variables the reference reads, and README shows it as
     `settings.markdown()` renders it (regenerate README's table from it after a change)."""
-    assert sorted(v.name for v in settings.VARIABLES) == sorted(REFERENCE_VARIABLES)
+    assert sorted(v.name for v in settings.VARIABLES) == sorted(
+        REFERENCE_VARIABLES + LATER_VARIABLES
+    )
     read = {name for flag in settings.FLAGS for name in flag.reads}
     supported = {v.name for v in settings.VARIABLES if v.support is settings.Support.SUPPORTED}
     # A supported variable is read by some flag, except the ones that only qualify another.

@@ -7,6 +7,8 @@ underscores; `flags.py`); a flag on the command line wins over its variable. `ra
 reference's entry point (`reference_main`), is `serve` reading the reference's variables too
 (`sidecar.settings`), beneath both, with the reference's defaults; `serve` reads those only when
 asked (--reference-env), so one exported for something else changes nothing.
+`ratelimit_config_check` (`config_check.py`), the reference's offline checker, is `check`
+under its flags.
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ Every flag can also be set in the environment as RLS_<FLAG> (upper case, dashes 
 underscores: --grpc-address is RLS_GRPC_ADDRESS). A flag on the command line wins.
 `ratelimit` with no arguments runs `serve` from envoyproxy/ratelimit's variables (REDIS_URL,
 RUNTIME_ROOT, CONFIG_TYPE, ...) alone, as the reference's /bin/ratelimit does (README lists
-every variable); `serve --reference-env` reads them too, beneath RLS_* and flags."""
+every variable); `serve --reference-env` reads them too, beneath RLS_* and flags.
+`ratelimit_config_check [-config_dir DIR]` is `check` under the reference's checker's flags."""
 
 _EPILOG = """\
 examples:

@@ -426,6 +426,15 @@ def register(commands: Any) -> Flags:
         default=False,
     )
     serve.add(
+        "--calendar-months",
+        "a rule's fixed window of one month, with no calendar or timezone, counts the UTC "
+        "calendar month, its reset at the month's end, as calendar: true makes it (the "
+        "reference's USE_CALENDAR_MONTH_RATE_LIMIT). Without it such a month is 30 days from "
+        "the epoch, as in the reference",
+        action="store_true",
+        default=False,
+    )
+    serve.add(
         "--health-requires-config",
         "report unhealthy until rules with at least one domain are loaded",
         action="store_true",
@@ -630,6 +639,7 @@ def run(args: argparse.Namespace) -> int:
         xds=xds_flags.options(args),
         health_requires_config=args.health_requires_config,
         merge_domain_config=args.merge_domain_config,
+        calendar_months=args.calendar_months,
         metrics_address=args.metrics_address,
         metrics_path=args.metrics_path,
         debug_address=args.debug_address,

@@ -76,6 +76,8 @@ class XdsOptions:
     force_start: bool = False
     #: Resources declaring one domain add their descriptors to it (MERGE_DOMAIN_CONFIG).
     merge_domain_config: bool = False
+    #: A rule's `unit: month` is the UTC calendar month (USE_CALENDAR_MONTH_RATE_LIMIT).
+    calendar_months: bool = False
 
 
 def backoff_delay(
@@ -206,7 +208,11 @@ class XdsClient:
                 raise ConfigError(
                     "xds", "", f"a response of type {response.type_url!r}, not {convert.TYPE_URL!r}"
                 )
-            rules = convert.rules(response.resources, self.options.merge_domain_config)
+            rules = convert.rules(
+                response.resources,
+                self.options.merge_domain_config,
+                self.options.calendar_months,
+            )
         except ConfigError as exc:
             self._on_error(exc, version)
             return self._request(

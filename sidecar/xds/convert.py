@@ -24,14 +24,17 @@ TYPE_URL = "type.googleapis.com/ratelimit.config.ratelimit.v3.RateLimitConfig"
 _FLAGS = ("shadow_mode", "detailed_metric", "quota_mode")
 
 
-def rules(resources: Sequence[any_pb2.Any], merge: bool = False) -> Rules:
+def rules(
+    resources: Sequence[any_pb2.Any], merge: bool = False, calendar_months: bool = False
+) -> Rules:
     """The rules of a whole state-of-the-world response; raises ConfigError for the first
     resource that is not a RateLimitConfig, does not decode, or holds rules a file could not.
-    `merge`: resources declaring one domain add up, as files do (`config.gather`)."""
-    return config.gather((domain(resource) for resource in resources), merge)
+    `merge`: resources declaring one domain add up, as files do (`config.gather`);
+    `calendar_months`: months are calendar months, as in files (`config.parse`)."""
+    return config.gather((domain(resource, calendar_months) for resource in resources), merge)
 
 
-def domain(resource: any_pb2.Any) -> Domain:
+def domain(resource: any_pb2.Any, calendar_months: bool = False) -> Domain:
     """One resource's domain; raises ConfigError naming the resource."""
     if resource.type_url != TYPE_URL:
         raise ConfigError(
@@ -40,7 +43,7 @@ def domain(resource: any_pb2.Any) -> Domain:
     message = rls_conf_pb2.RateLimitConfig()
     if not resource.Unpack(message):
         raise ConfigError("xds", "", "a RateLimitConfig resource that does not decode")
-    return config.parse_mapping(document(message), source(message))
+    return config.parse_mapping(document(message), source(message), calendar_months)
 
 
 def source(message: rls_conf_pb2.RateLimitConfig) -> str:

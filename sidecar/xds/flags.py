@@ -158,4 +158,5 @@ def options(args: argparse.Namespace) -> XdsOptions | None:
         max_message_bytes=args.xds_max_message_bytes,
         force_start=args.force_start_without_initial_config,
         merge_domain_config=args.merge_domain_config,
+        calendar_months=args.calendar_months,
     )
