@@ -18,9 +18,10 @@ makes no cycle either.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import hpack
@@ -205,6 +206,23 @@ async def sidecar(backend_url: str) -> AsyncIterator[Sidecar]:
     await running.close()
 
 
+@contextlib.contextmanager
+def _cycles() -> Iterator[list[Any]]:
+    """What the cycle collector finds in cycles made inside the block (`gc.DEBUG_SAVEALL` keeps
+    it in `gc.garbage`): the list is filled as the block ends."""
+    found: list[Any] = []
+    gc.collect()
+    gc.garbage.clear()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        yield found
+        gc.collect()
+        found.extend(gc.garbage)
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+
+
 def _kinds(objects: list[Any]) -> str:
     """The types of `objects`, most frequent first."""
     counts = Counter(type(each).__qualname__ for each in objects)
@@ -218,17 +236,9 @@ async def test_calls_leave_no_garbage_cycle(sidecar: Sidecar) -> None:
         await sidecar.feed(data)
     reads = sidecar.prepare(CALLS)
     before = sidecar.decided()
-    gc.collect()
-    gc.garbage.clear()
-    gc.set_debug(gc.DEBUG_SAVEALL)
-    try:
+    with _cycles() as garbage:
         for data in reads:
             await sidecar.feed(data)
-        gc.collect()
-        garbage = list(gc.garbage)
-    finally:
-        gc.set_debug(0)
-        gc.garbage.clear()
     assert sidecar.decided() - before == 2 * CALLS
     assert sidecar.refused() == (0, 0)
     assert garbage == [], (
@@ -242,10 +252,7 @@ async def test_a_closed_connection_leaves_no_garbage_cycle(sidecar: Sidecar) -> 
     connection lets go of its protocol and of its own frame handlers as it is released."""
     for data in sidecar.prepare(WARM_UP):
         await sidecar.feed(data)
-    gc.collect()
-    gc.garbage.clear()
-    gc.set_debug(gc.DEBUG_SAVEALL)
-    try:
+    with _cycles() as garbage:
         for _ in range(CONNECTIONS):
             sidecar.encoder = hpack.Encoder()  # a new connection's header table
             sidecar.next_stream = 1
@@ -253,11 +260,6 @@ async def test_a_closed_connection_leaves_no_garbage_cycle(sidecar: Sidecar) -> 
             for data in sidecar.prepare(PER_READ):
                 await sidecar.feed(data)
             sidecar.disconnect()
-        gc.collect()
-        garbage = list(gc.garbage)
-    finally:
-        gc.set_debug(0)
-        gc.garbage.clear()
     assert garbage == [], (
         f"{len(garbage)} objects in cycles after {CONNECTIONS} connections closed "
         f"({len(garbage) / CONNECTIONS:.1f} per connection): {_kinds(garbage)}"
@@ -280,17 +282,9 @@ async def test_calls_over_their_limits_leave_no_garbage_cycle(backend_url: str) 
             sidecar.next_user = 0
             reads += sidecar.prepare(users)
         refused = sidecar.refused()
-        gc.collect()
-        gc.garbage.clear()
-        gc.set_debug(gc.DEBUG_SAVEALL)
-        try:
+        with _cycles() as garbage:
             for data in reads:
                 await sidecar.feed(data)
-            gc.collect()
-            garbage = list(gc.garbage)
-        finally:
-            gc.set_debug(0)
-            gc.garbage.clear()
         over, from_cache = sidecar.refused()
         assert over - refused[0] == 2 * CALLS
         # The memory backend answers at once: the over-limit cache is only for the others.
