@@ -12,7 +12,7 @@ import asyncio
 import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sidecar import logs, settings, statsd
 from sidecar.cli.flags import (
@@ -36,6 +36,9 @@ from sidecar.rls.tls import TlsFiles
 from sidecar.statsd import StatsdError, StatsdSettings
 from sidecar.tracing import TracingSettings
 from sidecar.xds import flags as xds_flags
+
+if TYPE_CHECKING:
+    from sidecar.options import Options
 
 TRANSPORT_CHOICES = ("fast", "grpcio")
 LOOP_CHOICES = ("auto", "uvloop", "asyncio")
@@ -600,15 +603,11 @@ def tls_files(args: argparse.Namespace) -> TlsFiles | None:
     )
 
 
-def run(args: argparse.Namespace) -> int:
-    """Serve until SIGTERM or SIGINT; the exit status."""
-    from sidecar.app import App, InvalidOption, Options
+def serve_options(args: argparse.Namespace) -> Options:
+    """The `Options` of a resolved `serve` command line (`resolve`)."""
+    from sidecar.options import Options
 
-    logs.configure(args.log_level, args.log_format)
-    _log_reference_settings(args)
-    if args.workers > 1:
-        return _serve_workers(args)
-    options = Options(
+    return Options(
         config=args.config or [],
         backend=args.backend,
         backend_per_second=args.backend_per_second,
@@ -647,6 +646,17 @@ def run(args: argparse.Namespace) -> int:
         statsd=args.statsd,
         tracing=tracing_settings(args),
     )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Serve until SIGTERM or SIGINT; the exit status."""
+    from sidecar.app import App, InvalidOption
+
+    logs.configure(args.log_level, args.log_format)
+    _log_reference_settings(args)
+    if args.workers > 1:
+        return _serve_workers(args)
+    options = serve_options(args)
     try:
         loop_factory = event_loop_factory(args.loop)
     except InvalidOption as exc:
