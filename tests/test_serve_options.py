@@ -1,15 +1,17 @@
 """What `serve` starts with: the `Options` a command line, its RLS_* variables and the reference's
-variables make."""
+variables make, and the command line a worker of `serve --workers N` is given."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from sidecar import cli
+from sidecar import cli, settings
 from sidecar.cli import serve
+from sidecar.cli.serve_flags import SERVE_FLAGS
 from sidecar.options import Options
 from sidecar.rls.tls import TlsFiles
 from sidecar.statsd import StatsdSettings
@@ -168,3 +170,45 @@ def test_a_command_line_and_its_variables_make_these_options(
     args = cli.parse_args(["serve", *argv], env)
 
     assert serve.serve_options(args) == Options(**expected)
+
+
+@pytest.mark.parametrize(("argv", "env"), [case[1:3] for case in CASES],
+                         ids=[case[0] for case in CASES])  # fmt: skip
+def test_a_worker_is_given_a_command_line_that_makes_the_same_options(
+    argv: list[str], env: dict[str, str]
+) -> None:
+    """`serve --workers 2` gives each worker flags, not variables, that make its parent's
+    options, but for the addresses (the parent's supervisor sets them) and the local divisor,
+    split between the workers."""
+    parent = cli.parse_args(["serve", "--workers", "2", *argv], env)
+    worker_argv = serve.worker_flags(parent)
+    assert "--workers" not in worker_argv and "--grpc-address" not in worker_argv
+    worker = cli.parse_args(["serve", *worker_argv], {})
+
+    options = serve.serve_options(parent)
+    divisor = options.local_divisor
+    assert serve.serve_options(worker) == Options(
+        **{
+            **vars(options),
+            "grpc_address": "0.0.0.0:8081",
+            "http_address": "0.0.0.0:8080",
+            "local_divisor": divisor * 2 if divisor is not None else None,
+        }
+    )
+    assert (worker.log_level, worker.log_format, worker.loop) == (
+        parent.log_level,
+        parent.log_format,
+        parent.loop,
+    )
+
+
+def test_every_option_is_filled_by_a_declared_flag_and_every_reference_variable_sets_one() -> None:
+    """Each `Options` field is filled by the flags declared to fill it, no declaration names a
+    field `Options` lacks, and every flag the reference's variables set is a declared one."""
+    fields = {field.name for field in dataclasses.fields(Options)}
+    declared = {flag.field for flag in SERVE_FLAGS if flag.field is not None}
+    assert declared == fields
+    names = {flag.dest for flag in SERVE_FLAGS}
+    assert {flag.dest for flag in settings.FLAGS} <= names
+    variables = [flag.variable for flag in SERVE_FLAGS if not flag.hidden]
+    assert len(set(variables)) == len(variables)
