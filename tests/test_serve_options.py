@@ -212,3 +212,15 @@ def test_every_option_is_filled_by_a_declared_flag_and_every_reference_variable_
     assert {flag.dest for flag in settings.FLAGS} <= names
     variables = [flag.variable for flag in SERVE_FLAGS if not flag.hidden]
     assert len(set(variables)) == len(variables)
+
+
+def test_a_flag_left_unset_fills_its_field_with_the_options_default() -> None:
+    """`Options`' defaults (what tests and embedders get) are the flags' defaults."""
+    defaults = {
+        field.name: field.default
+        for field in dataclasses.fields(Options)
+        if field.default is not dataclasses.MISSING
+    }
+    for flag in SERVE_FLAGS:
+        if flag.field in defaults and flag.field not in serve.BUILT:
+            assert flag.to_option(flag.default) == defaults[flag.field], flag.option

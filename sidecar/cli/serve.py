@@ -214,21 +214,21 @@ def tls_files(args: argparse.Namespace) -> TlsFiles | None:
 
 def serve_options(args: argparse.Namespace) -> Options:
     """The `Options` of a resolved `serve` command line (`resolve`): each field from the flag
-    declared to fill it (`SERVE_FLAGS`), or from the several that make it (`_BUILT`)."""
+    declared to fill it (`SERVE_FLAGS`), or from the several that make it (`BUILT`)."""
     from sidecar.options import Options
 
     values = {
         flag.field: flag.to_option(getattr(args, flag.dest))
         for flag in SERVE_FLAGS
-        if flag.field is not None and flag.field not in _BUILT
+        if flag.field is not None and flag.field not in BUILT
     }
-    for field, build in _BUILT.items():
+    for field, build in BUILT.items():
         values[field] = build(args)
     return Options(**values)
 
 
 #: The `Options` fields several flags fill together, and what makes each from them.
-_BUILT: dict[str, Callable[[argparse.Namespace], Any]] = {
+BUILT: dict[str, Callable[[argparse.Namespace], Any]] = {
     "tls": lambda args: tls_files(args),
     "statsd": lambda args: args.statsd,  # made, and checked, by `resolve`
     "tracing": lambda args: tracing_settings(args),
