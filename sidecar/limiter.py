@@ -22,7 +22,7 @@ import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol, TypeVar
+from typing import Any, Final, Literal, Protocol, TypeVar
 
 import structlog
 
@@ -54,11 +54,12 @@ log = structlog.get_logger("sidecar.limiter")
 
 #: Distinct windows whose local share `--failure-mode local` keeps (the rules' windows, so a few
 #: hundred at most; past this the shares are worked out afresh, which only costs time).
-LOCAL_WINDOWS = 4096
+LOCAL_WINDOWS: Final = 4096
 
 #: The codes every call writes. On Python 3.11 an enum member read through its class
 #: (`Code.OK`) is a Python-level descriptor call, a dozen times the cost of a global's read.
-_OK, _OVER_LIMIT = Code.OK, Code.OVER_LIMIT
+_OK: Final = Code.OK
+_OVER_LIMIT: Final = Code.OVER_LIMIT
 
 
 @dataclass(frozen=True, slots=True)

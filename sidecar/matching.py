@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Final
 
 from sidecar.model import Entry, Limit
 from sidecar.rules import Domain, Level, Node
@@ -113,7 +114,7 @@ def entry_label(entry: Entry) -> str:
     return f"{entry.key}_{sanitize(entry.value)}" if entry.value else entry.key
 
 
-_STAT_UNSAFE = str.maketrans({".": "_", ":": "_", "|": "_"})
+_STAT_UNSAFE: Final = str.maketrans({".": "_", ":": "_", "|": "_"})
 
 
 def sanitize(value: str) -> str:

@@ -38,7 +38,7 @@ import math
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
 from time import perf_counter
-from typing import Any
+from typing import Any, Final
 
 from prometheus_client import CollectorRegistry, Metric
 from prometheus_client.core import HistogramMetricFamily
@@ -47,9 +47,9 @@ from prometheus_client.registry import Collector
 from sidecar.rules import Rules
 from sidecar.stats import RuleStats, Stats
 
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+CONTENT_TYPE: Final = "text/plain; version=0.0.4; charset=utf-8"
 
-_RULE_STATS = {
+_RULE_STATS: Final = {
     "total_hits": "Hits on the rule: the hits_addend of every descriptor it limited.",
     "over_limit": "Hits on the rule beyond its limit.",
     "near_limit": "Hits on the rule above 80% of its limit (NEAR_LIMIT_RATIO) but within it.",
@@ -57,7 +57,7 @@ _RULE_STATS = {
     "shadow_mode": "Hits over the rule's limit answered OK because the rule is in shadow_mode.",
     "over_limit_with_local_cache": "Hits over the rule's limit answered from the over-limit cache.",
 }
-_METHOD = {"grpc_method": "ShouldRateLimit"}
+_METHOD: Final = {"grpc_method": "ShouldRateLimit"}
 
 
 class Latency:

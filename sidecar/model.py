@@ -18,10 +18,10 @@ import dataclasses
 import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, Final, NamedTuple
 
 #: `limit_remaining` reported for an `unlimited` rule (the reference's MaxUint32).
-UNLIMITED_REMAINING = 4_294_967_295
+UNLIMITED_REMAINING: Final = 4_294_967_295
 
 
 class Unit(enum.IntEnum):
@@ -41,7 +41,7 @@ class Unit(enum.IntEnum):
         return _UNIT_SECONDS[self]
 
 
-_UNIT_SECONDS = {
+_UNIT_SECONDS: Final = {
     Unit.SECOND: 1,
     Unit.MINUTE: 60,
     Unit.HOUR: 3_600,
@@ -148,14 +148,13 @@ class Window:
     #: The reference's algorithm: a fixed window that does not borrow (it counts rejected hits).
     #: Worked out once (see `_derived`), as `Limit.role` is.
     plain: bool = field(init=False, repr=False, compare=False)
+    #: Length of an epoch-aligned window (calendar windows vary and are computed from the
+    #: date). Worked out once, as `plain` is: naming every new counter reads it.
+    seconds: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         _derived(self, "plain", self.algorithm is Algorithm.FIXED_WINDOW and self.borrow == 0)
-
-    @property
-    def seconds(self) -> int:
-        """Length of an epoch-aligned window (calendar windows vary and are computed from the date)."""
-        return self.unit.seconds * self.unit_multiplier
+        _derived(self, "seconds", self.unit.seconds * self.unit_multiplier)
 
     @property
     def capacity(self) -> int:
@@ -335,4 +334,4 @@ class Decision(NamedTuple):
 #: `new(Outcome, (over, remaining, reset_ms, applied, left_before))`. A NamedTuple's own
 #: `__new__` is a Python function (it fills in the defaults) that costs twice as much: the hot
 #: path, which builds a few per call, uses this instead.
-new = tuple.__new__
+new: Final = tuple.__new__

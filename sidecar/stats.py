@@ -11,11 +11,12 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import Final
 
 from sidecar.errors import InvalidRequest, Overloaded
 
 #: Share of a limit above which hits count as near the limit (the reference's NEAR_LIMIT_RATIO).
-NEAR_LIMIT_RATIO = 0.8
+NEAR_LIMIT_RATIO: Final = 0.8
 
 
 @dataclass(slots=True)
