@@ -97,22 +97,29 @@ class WindowHits:
 _FOREVER: Final = 1 << 62
 
 
-@dataclass(eq=True, unsafe_hash=True)
+@dataclass(init=False, eq=True, unsafe_hash=True)
 class Counted:
     """A descriptor the backend must decide: its position, rule, cost and windows' hits.
-    Immutable by convention, as `sidecar.model`'s per-body values are, for the same reason."""
+    Immutable by convention, as `sidecar.model`'s per-body values are, for the same reasons
+    (its `__init__` written out too)."""
 
     index: int
     match: Match
     cost: int
     windows: WindowHits
 
+    def __init__(self, index: int, match: Match, cost: int, windows: WindowHits) -> None:
+        self.index = index
+        self.match = match
+        self.cost = cost
+        self.windows = windows
+
     @property
     def role(self) -> Role:
         return self.match.limit.role
 
 
-@dataclass(eq=True, unsafe_hash=True)
+@dataclass(init=False, eq=True, unsafe_hash=True)
 class Plan:
     """What is known about a request before the backend is asked (immutable by convention,
     as `sidecar.model`'s per-body values are, for the same reason).
@@ -135,6 +142,27 @@ class Plan:
     #: What the request counts in its domain's usage (`sidecar.usage`); None: nothing. A plan
     #: that counts usage is never straight: its usage hits follow its counters' hits.
     usage: Tally | None = None
+
+    def __init__(
+        self,
+        rules: Rules,
+        request: Request,
+        known_domain: bool,
+        statuses: tuple[DescriptorStatus, ...],
+        counted: tuple[Counted, ...],
+        blocking_only: bool,
+        positions: tuple[tuple[Counted, int], ...] = (),
+        usage: Tally | None = None,
+    ) -> None:
+        # Written out, not generated, for a native constructor (see `sidecar.model`).
+        self.rules = rules
+        self.request = request
+        self.known_domain = known_domain
+        self.statuses = statuses
+        self.counted = counted
+        self.blocking_only = blocking_only
+        self.positions = positions
+        self.usage = usage
 
     @property
     def straight(self) -> bool:
