@@ -1,5 +1,6 @@
-"""A request prepared once: validated, matched to its rules, its counters named, so that every
-later call with the same body only asks the backend and reads the answer.
+"""A request prepared once: validated, judged by its domain's allow and deny lists
+(`sidecar.lists`), matched to its rules, its counters named, so that every later call with the
+same body only asks the backend and reads the answer (or, for a listed request, nothing).
 
 Envoy sends the same few bodies again and again (one per route and client), and matching,
 naming keys and building hits cost more than the rest of a decision. `prepare` does that work
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 
 from sidecar.counters import field_hit, window_hit
 from sidecar.errors import InvalidRequest
+from sidecar.lists import Listed
 from sidecar.matching import Match, entry_label, match
 from sidecar.model import (
     UNLIMITED_REMAINING,
@@ -39,6 +41,8 @@ MAX_VALUE_LENGTH = 8_192
 
 OK = DescriptorStatus(Code.OK)
 UNLIMITED = DescriptorStatus(Code.OK, limit_remaining=UNLIMITED_REMAINING)
+#: A descriptor a deny list refused: no rule, no limit, no counter (`sidecar.lists`).
+DENIED = DescriptorStatus(Code.OVER_LIMIT)
 
 
 class WindowHits:
@@ -126,6 +130,9 @@ class Plan:
     #: What the request counts in its domain's usage (`sidecar.usage`); None: nothing. A plan
     #: that counts usage is never straight: its usage hits follow its counters' hits.
     usage: Tally | None = None
+    #: What an allow or deny list decided (`sidecar.lists`); then nothing is counted, not even
+    #: usage, and `statuses` is the answer. None: no list names the request.
+    listed: Listed | None = None
 
     @property
     def straight(self) -> bool:
@@ -143,6 +150,14 @@ def prepare(rules: Rules, request: Request) -> Plan:
     domain = rules.domains.get(request.domain)
     if domain is None:
         return Plan(rules, request, False, (OK,) * len(descriptors), (), True)
+
+    if domain.lists is not None:
+        listed = domain.lists.judge(descriptors)
+        if listed is not None:
+            statuses = [OK] * len(descriptors)
+            if listed.denied:
+                statuses[listed.index] = DENIED
+            return Plan(rules, request, True, tuple(statuses), (), True, listed=listed)
 
     default_hits = request.hits_addend or 1
     matches: list[Match | None] = [
