@@ -3,9 +3,9 @@
 prepare (once per request body and rules, `sidecar.plan`): validate, judge it by the allow and
 deny lists (a listed request is answered and counted in stats, and touches no counter), match
 each descriptor to a rule, drop replaced and unlimited rules, name the counters → decide (every
-call): one
-`backend.apply_then` for all remaining counters → per-descriptor statuses → `overall_code` (shadow
-and quota modes) → stats. The clock is injected; nothing here knows about protobuf, gRPC or Redis.
+call): one `backend.apply_then` for all remaining counters → per-descriptor statuses →
+`overall_code` (shadow and quota modes) → stats. The clock is injected; nothing here knows
+about protobuf, gRPC or Redis.
 
 `decide_then` is the decision, through callbacks (`_begin` before the store is waiting,
 `_finish` after; `sidecar.callbacks.awaited` for a coroutine). A straight plan

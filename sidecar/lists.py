@@ -34,10 +34,10 @@ blocked: the safer mistake. Global shadow mode answers a denied request OK, as i
 Cost: a CIDR list is a hash set of network numbers per prefix length present in it, so a lookup
 masks the address once per distinct prefix length (at most 33 for IPv4, 129 for IPv6) and asks
 a set: O(prefix length), whatever the length of the list. Memory: each entry is one integer in
-one set, about 90 bytes an IPv4 entry and 100 an IPv6 entry (a 100,000-entry list about 9 MB;
-`bench/lists.py` measures it); a file holds at most MAX_ENTRIES entries. An exact list is a
-frozenset of its values. The lookup is made when a request body is planned (`sidecar.plan`),
-so a body sent again pays it once.
+one set, 86 bytes an entry on average (`bench/lists.py`: a 100,000-entry list, three quarters
+IPv4, keeps 8.6 MB), so a file of at most MAX_ENTRIES entries keeps about 100 MB at most. An
+exact list is a frozenset of its values. The lookup is made when a request body is planned
+(`sidecar.plan`), so a body sent again pays it once.
 
 `parse` (pure) reads the rules' declaration; `read` is the one function here that touches disk.
 """
