@@ -17,6 +17,8 @@ the reference keep working:
   backend failed (`--failure-mode local`; ours, not the reference's).
 - `ratelimit_service_total_requests{grpc_method="ShouldRateLimit"}` and the call latency
   histogram `ratelimit_service_response_time_seconds{grpc_method="ShouldRateLimit"}`.
+- `ratelimit_service_rate_limit_denied_by_list{domain, key1}` and `..._allowed_by_list` (ours):
+  requests an allow or deny list decided (`sidecar.lists`), by the list's domain and key.
 - `ratelimit_service_config_load_success`, `ratelimit_service_config_load_error`,
   `ratelimit_service_global_shadow_mode` and
   `ratelimit_service_rate_limit_domain_not_found{domain}`.
@@ -140,6 +142,7 @@ class StatsCollector(Collector):
             "Descriptors sent for a domain no rules file declares.",
             [({"domain": domain}, count) for domain, count in stats.domain_not_found.items()],
         )
+        yield from _list_metrics(stats)
         if self.latency is not None:
             histogram = HistogramMetricFamily(
                 "ratelimit_service_response_time_seconds",
@@ -165,6 +168,24 @@ def _rule_metrics(rules: Iterable[tuple[str, RuleStats]]) -> Iterator[Metric]:
             names = ("domain", "key1", "key2")[: len(labels)]
             samples.append((dict(zip(names, labels, strict=True)), totals[index]))
         yield _counter(f"ratelimit_service_rate_limit_{name}", documentation, samples)
+
+
+def _list_metrics(stats: Stats) -> Iterator[Metric]:
+    """Requests each list decided, denied and allowed, labelled as rules are (`domain.key`
+    gives {domain, key1}); a list seen in either has both series."""
+    seen = sorted({*stats.denied_by_list, *stats.allowed_by_list})
+    for name, counts, documentation in (
+        ("denied", stats.denied_by_list, "Requests answered OVER_LIMIT by a deny list."),
+        ("allowed", stats.allowed_by_list, "Requests answered OK by an allow list, uncounted."),
+    ):
+        yield _counter(
+            f"ratelimit_service_rate_limit_{name}_by_list",
+            documentation,
+            [
+                (dict(zip(("domain", "key1"), _rule_labels(key), strict=False)), counts.get(key, 0))
+                for key in seen
+            ],
+        )
 
 
 def _rule_labels(metric_key: str) -> tuple[str, ...]:

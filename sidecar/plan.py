@@ -1,5 +1,6 @@
-"""A request prepared once: validated, matched to its rules, its counters named, so that every
-later call with the same body only asks the backend and reads the answer.
+"""A request prepared once: validated, judged by its domain's allow and deny lists
+(`sidecar.lists`), matched to its rules, its counters named, so that every later call with the
+same body only asks the backend and reads the answer (or, for a listed request, nothing).
 
 Envoy sends the same few bodies again and again (one per route and client), and matching,
 naming keys and building hits cost more than the rest of a decision. `prepare` does that work
@@ -15,6 +16,7 @@ from typing import Final
 
 from sidecar.counters import field_hit, window_hit
 from sidecar.errors import InvalidRequest
+from sidecar.lists import Listed
 from sidecar.matching import Match, entry_label, match
 from sidecar.model import (
     UNLIMITED_REMAINING,
@@ -45,6 +47,8 @@ _TOKEN_BUCKET: Final = Algorithm.TOKEN_BUCKET
 
 OK: Final = DescriptorStatus(Code.OK)
 UNLIMITED: Final = DescriptorStatus(Code.OK, limit_remaining=UNLIMITED_REMAINING)
+#: A descriptor a deny list refused: no rule, no limit, no counter (`sidecar.lists`).
+DENIED: Final = DescriptorStatus(Code.OVER_LIMIT)
 
 
 class WindowHits:
@@ -142,6 +146,9 @@ class Plan:
     #: What the request counts in its domain's usage (`sidecar.usage`); None: nothing. A plan
     #: that counts usage is never straight: its usage hits follow its counters' hits.
     usage: Tally | None = None
+    #: What an allow or deny list decided (`sidecar.lists`); then nothing is counted, not even
+    #: usage, and `statuses` is the answer. None: no list names the request.
+    listed: Listed | None = None
 
     def __init__(
         self,
@@ -153,6 +160,7 @@ class Plan:
         blocking_only: bool,
         positions: tuple[tuple[Counted, int], ...] = (),
         usage: Tally | None = None,
+        listed: Listed | None = None,
     ) -> None:
         # Written out, not generated, for a native constructor (see `sidecar.model`).
         self.rules = rules
@@ -163,6 +171,7 @@ class Plan:
         self.blocking_only = blocking_only
         self.positions = positions
         self.usage = usage
+        self.listed = listed
 
     @property
     def straight(self) -> bool:
@@ -180,6 +189,14 @@ def prepare(rules: Rules, request: Request) -> Plan:
     domain = rules.domains.get(request.domain)
     if domain is None:
         return Plan(rules, request, False, (OK,) * len(descriptors), (), True)
+
+    if domain.lists is not None:
+        listed = domain.lists.judge(descriptors)
+        if listed is not None:
+            statuses = [OK] * len(descriptors)
+            if listed.denied:
+                statuses[listed.index] = DENIED
+            return Plan(rules, request, True, tuple(statuses), (), True, listed=listed)
 
     default_hits = request.hits_addend or 1
     matches: list[Match | None] = [
