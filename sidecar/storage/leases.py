@@ -366,13 +366,13 @@ class Leased:
         for count in due.values():
             if count.asking:
                 continue
+            if count.waiters and count.exhausted:
+                self._serve(count)  # nothing more to ask for: they are refused
+                continue
             waiting = sum(request.hits[p].hits for request, p in count.waiters)
             want = 0
-            if (
-                not count.exhausted
-                and count.end_ms > now_ms
-                and (count.waiters or count.due(self.lead_ms))
-            ):
+            # Hits that came within the window wait for a block even if it has ended since.
+            if count.waiters or (count.end_ms > now_ms and count.due(self.lead_ms)):
                 count.asked(now_ms, self.lead_ms)  # the demand measured first: it sizes the ask
                 want = count.want(self.lease_ms, waiting)
             elif count.returning:
