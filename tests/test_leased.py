@@ -220,6 +220,21 @@ async def test_a_lease_is_never_used_past_its_window(redis_url: str) -> None:
         await a.close()
 
 
+async def test_a_hit_waiting_when_its_window_ends_still_gets_its_answer(redis_url: str) -> None:
+    """A hit that came within its window and waits for a block gets the block's answer even when
+    the renewal goes out after the window ended (it is not left waiting)."""
+    clock = Clock()
+    a = leased(redis_url, clock)
+    try:
+        now = clock.ms
+        waiting = asyncio.ensure_future(apply(a, [hit(LEASED, now)], False, now))
+        clock.now += 60  # the window ends before the event loop sends the renewal
+        (outcome,) = await asyncio.wait_for(waiting, 5)
+        assert not outcome.over
+    finally:
+        await a.close()
+
+
 async def test_a_restarted_redis_lends_nothing_more_of_the_window_it_forgot(
     restartable_redis: Any,
 ) -> None:
