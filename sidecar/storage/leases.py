@@ -14,8 +14,9 @@ renewal takes every lease due then, and every block going back, in one `lease.lu
 hash slot (`LeaseStore`). So a steady stream of requests never waits on the store: only a
 window's first hit, and a hit arriving while its lease holds nothing, wait for a block. Every
 quarter of `lease_ms` a tick gives back the blocks of counters idle for `lease_ms` and forgets
-the leases of windows that ended (what they held is counted in `expired_units`: it is the
-window's under-admission).
+the leases that hold nothing or whose window ended (what they held is counted in
+`expired_units`: it is the window's under-admission); it visits only those, the leases being
+kept in the order of their last hit.
 
 Faults: a renewal that fails leaves the leases as they were: what they hold is still spent,
 until their windows end; a hit that has to wait fails with StorageError, so `--failure-mode`
@@ -38,6 +39,7 @@ import asyncio
 import contextlib
 import hashlib
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from importlib.resources import files
 from typing import Any, Protocol
@@ -218,7 +220,8 @@ class Leased:
         self.lead_ms = lease_ms // 4
         self.max_counts = max_counts
         self._clock = clock
-        self._counts: dict[bytes, _Counter] = {}
+        #: In the order of their last hit (`tick` visits the idle ones only).
+        self._counts: OrderedDict[bytes, _Counter] = OrderedDict()
         self._due: dict[bytes, _Counter] = {}
         self._renewing = False
         #: `close` has begun: no block is asked for any more (what comes is given back).
@@ -257,9 +260,12 @@ class Leased:
                     continue  # decided by the store, as without leases
                 if count is not None:
                     self.expired_units += count.held  # a new window: the old lease ended
+                    del counts[hit.key]
                 window_ms = hit.end_ms - hit.start_ms
                 first = lease.first_want(hit.window.requests_per_unit, window_ms, self.lease_ms)
                 count = counts[hit.key] = _Counter(hit, first, now_ms)
+            else:
+                counts.move_to_end(hit.key)
             count.hit = hit  # the latest: a calendar window's ttl counts down
             request.leased.append((position, count))
             verdict = count.judge(hit.hits, now_ms)
@@ -449,12 +455,19 @@ class Leased:
 
     def tick(self, now_ms: int) -> None:
         """Give back the blocks of idle counters; forget the leases of ended windows."""
-        for key, count in list(self._counts.items()):
-            if count.end_ms <= now_ms:
-                if not count.asking and not count.waiters:
-                    self.expired_units += count.held
-                    del self._counts[key]
-            elif count.idle(now_ms, self.lease_ms):
+        # The leases are kept in the order of their last hit: only the idle ones are visited.
+        idle = []
+        for key, count in self._counts.items():
+            if now_ms - count.last_hit_ms < self.lease_ms:
+                break
+            idle.append((key, count))
+        for key, count in idle:
+            if count.asking or count.waiters or count.returning:
+                continue
+            if count.end_ms <= now_ms or not count.held:
+                self.expired_units += count.held if count.end_ms <= now_ms else 0
+                del self._counts[key]  # its window ended, or it holds nothing: forgotten
+            else:
                 count.returning += count.give_back()
                 self._renew_soon(count)
 
