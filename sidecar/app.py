@@ -535,7 +535,7 @@ class App:
             )
         leased = Leased(
             backend,
-            leases_store(store, self.options.redis_timeout_ms),
+            leases_store(store, self.options.redis_timeout_ms, lease_ms),
             lease_ms,
             clock=self._clock,
         )

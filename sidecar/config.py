@@ -673,7 +673,8 @@ class _Parser:
         approximate: bool,
     ) -> Limit:
         """`limit` with every window leased (see `sidecar.algorithms.lease`): fixed windows
-        whose budget is a count of units a store can hand out, each counter at its own key."""
+        and token buckets, whose budget is a count of units a store can hand out, each counter
+        at its own key."""
         here = f"{path}.leased"
         if limit is None or limit.unlimited:
             raise self.error(
@@ -698,19 +699,18 @@ class _Parser:
         many = "rate_limits" in item
         for index, window in enumerate(limit.windows):
             where = f"rate_limits[{index}]" if many else "rate_limit"
-            if window.algorithm is not Algorithm.FIXED_WINDOW:
+            if window.algorithm is Algorithm.SLIDING_WINDOW:
                 raise self.error(
                     here,
-                    f"leased needs fixed windows, but {where} has algorithm "
-                    f"{window.algorithm.value}: only a fixed window has a budget that ends "
-                    "with its window, which a lease can hand out and never use past it (remove "
-                    "'leased', or use algorithm: fixed_window)",
+                    f"leased needs fixed windows or token buckets, but {where} has algorithm "
+                    "sliding_window, whose budget depends on the previous window's count "
+                    "(remove 'leased', or use algorithm: fixed_window)",
                 )
             if window.borrow:
                 raise self.error(
                     here,
                     f"leased needs windows that do not borrow, but {where} has borrow: "
-                    f"{window.borrow}, whose budget depends on the previous window's count "
+                    f"{window.borrow}, which admits past the budget a lease hands out "
                     "(remove 'leased' or 'borrow')",
                 )
             windows.append(dataclasses.replace(window, leased=True))

@@ -191,14 +191,13 @@ ERRORS = {
     ),
     # Leases (`leased`): fixed windows that do not borrow, each counter at its own key.
     "leased_sliding_window.yaml": (
-        "descriptors[0].leased: leased needs fixed windows, but rate_limits[1] has algorithm "
-        "sliding_window: only a fixed window has a budget that ends with its window, which a "
-        "lease can hand out and never use past it (remove 'leased', or use algorithm: "
-        "fixed_window)"
+        "descriptors[0].leased: leased needs fixed windows or token buckets, but rate_limits[1] "
+        "has algorithm sliding_window, whose budget depends on the previous window's count "
+        "(remove 'leased', or use algorithm: fixed_window)"
     ),
     "leased_borrow.yaml": (
         "descriptors[0].leased: leased needs windows that do not borrow, but rate_limit has "
-        "borrow: 300, whose budget depends on the previous window's count (remove 'leased' or "
+        "borrow: 300, which admits past the budget a lease hands out (remove 'leased' or "
         "'borrow')"
     ),
     "leased_unlimited.yaml": (

@@ -5,6 +5,7 @@ agreeing with `settle` on a real Redis."""
 
 from __future__ import annotations
 
+import math
 import random
 import time
 import uuid
@@ -241,11 +242,15 @@ def test_busy_holders_admit_the_whole_limit_in_shares_close_to_their_demands(
 
 
 def run_script(
-    connection: redis.Redis, asks: list[tuple[bytes, int, int, int, int, int]]
+    connection: redis.Redis,
+    asks: list[tuple[bytes, int, int, int, int, int, int]],
+    now_ms: int = 0,
+    lease_ms: int = 1_000,
 ) -> list[int]:
-    args: list[object] = [CLOCK_MARGIN_MS]
-    for _, limit, start, ttl, returned, want in asks:
-        args += [limit, start, ttl, returned, want]
+    """`lease.lua` on `asks`: (key, kind, p1, p2, p3, returned, want) each."""
+    args: list[object] = [CLOCK_MARGIN_MS, now_ms, lease_ms]
+    for ask in asks:
+        args += ask[1:]
     return list(connection.eval(SCRIPT, len(asks), *(a[0] for a in asks), *args))
 
 
@@ -272,7 +277,7 @@ def test_the_script_settles_as_settle_does(
     with redis.Redis.from_url(redis_url) as connection:
         for counter, returned, want in calls:
             key = prefix + bytes([48 + counter])
-            reply = run_script(connection, [(key, limit, start, 60, returned, want)])
+            reply = run_script(connection, [(key, 0, limit, start, 60, returned, want)])
             taken[counter], block = lease.settle(limit, taken[counter], returned, want)
             assert reply == [block, limit - taken[counter]]
             stored = connection.get(key)
@@ -293,8 +298,8 @@ def test_a_restarted_server_lends_nothing_more_of_a_window_that_started_before_i
         assert run_script(
             connection,
             [
-                (b"lease-restart|old", 10, before, 60, 0, 4),
-                (b"lease-restart|new", 10, after, 60, 0, 4),
+                (b"lease-restart|old", 0, 10, before, 60, 0, 4),
+                (b"lease-restart|new", 0, 10, after, 60, 0, 4),
             ],
         ) == [0, 0, 4, 6]
         assert connection.get(b"lease-restart|old") == b"10"
@@ -308,5 +313,62 @@ def test_a_return_to_a_counter_the_server_does_not_have_is_ignored(
     """Giving back to a counter the server lost writes nothing (no negative count)."""
     with redis.Redis.from_url(redis_url) as connection:
         start = int(time.time() * 1000) + CLOCK_MARGIN_MS
-        assert run_script(connection, [(b"lease-gone", 10, start, 60, returned, 0)]) == [0, 10]
+        assert run_script(connection, [(b"lease-gone", 0, 10, start, 60, returned, 0)]) == [0, 10]
         assert connection.get(b"lease-gone") is None
+
+
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 400), st.integers(0, 5), st.integers(0, 30)),
+        min_size=1,
+        max_size=30,
+    ),
+    st.integers(1, 50),
+    st.integers(1, 60),
+)
+def test_the_script_settles_a_token_bucket_as_settle_bucket_does(
+    redis_url: str, calls: list[tuple[int, int, int]], rate: int, capacity: int
+) -> None:
+    """Random returns and asks on a token bucket of `rate` a second, at random moments: the
+    script grants what `settle_bucket` grants, and leaves the bucket where it does (decide.lua's
+    format, so exact and leased sidecars share it)."""
+    key = f"lease-bucket-{uuid.uuid4().hex}".encode()
+    now = int(time.time() * 1000) + 10_000  # long after the server started: nothing forgotten
+    state = None
+    with redis.Redis.from_url(redis_url) as connection:
+        for elapsed, returned, want in calls:
+            now += elapsed
+            reply = run_script(
+                connection, [(key, 1, rate, 1000, capacity, returned, want)], now_ms=now
+            )
+            after, block = lease.settle_bucket(state, now, rate, 1000, capacity, returned, want)
+            if block or returned or state is None:
+                state = after
+            assert reply == [block, math.floor(after.tokens)]
+            stored = connection.get(key)
+            if stored is not None:
+                tokens, stamp, _ = stored.split()
+                assert (float(tokens), int(float(stamp))) == (state.tokens, state.stamp_ms)
+
+
+def test_a_restarted_server_takes_a_bucket_it_forgot_as_empty_for_a_lease(redis_url: str) -> None:
+    """A bucket the server does not have, asked for less than a lease after the server started,
+    is empty (holders may still spend the tokens the server forgot it gave), not full."""
+    with redis.Redis.from_url(redis_url) as connection:
+        uptime_ms = int(connection.info("server")["uptime_in_seconds"]) * 1000
+        now = int(time.time() * 1000)
+        assert run_script(
+            connection,
+            [(b"lease-bucket-forgot", 1, 10, 1000, 10, 0, 5)],
+            now_ms=now,
+            lease_ms=uptime_ms + 60_000,
+        ) == [0, 0]
+        connection.delete(b"lease-bucket-forgot")
+        later = now + 10_000  # a lease and the margin after the server started: full
+        assert run_script(
+            connection, [(b"lease-bucket-forgot", 1, 10, 1000, 10, 0, 5)], now_ms=later
+        ) == [5, 5]
+        connection.delete(b"lease-bucket-forgot")

@@ -24,7 +24,18 @@ from sidecar import cli, config
 from sidecar.app import App, InvalidOption, Options
 from sidecar.counters import window_hit
 from sidecar.limiter import Limiter, Settings
-from sidecar.model import Code, Decision, Descriptor, Entry, Hit, Request, Role, Unit, Window
+from sidecar.model import (
+    Algorithm,
+    Code,
+    Decision,
+    Descriptor,
+    Entry,
+    Hit,
+    Request,
+    Role,
+    Unit,
+    Window,
+)
 from sidecar.rules import Rules
 from sidecar.storage.backends import open_backend
 from sidecar.storage.leases import Leased, RedisLeases, store_for
@@ -72,7 +83,7 @@ def commands(url: str) -> int:
 
 def leased(url: str, clock: Clock, lease_ms: int = LEASE_MS) -> Leased:
     backend = open_backend(url, timeout_ms=TIMEOUT_MS)
-    return Leased(backend, store_for(backend, TIMEOUT_MS), lease_ms, clock=clock)
+    return Leased(backend, store_for(backend, TIMEOUT_MS, lease_ms), lease_ms, clock=clock)
 
 
 async def test_leased_hits_are_judged_on_the_lease_with_no_store_call_until_it_runs_low(
@@ -231,6 +242,46 @@ async def test_a_hit_waiting_when_its_window_ends_still_gets_its_answer(redis_ur
         clock.now += 60  # the window ends before the event loop sends the renewal
         (outcome,) = await asyncio.wait_for(waiting, 5)
         assert not outcome.over
+    finally:
+        await a.close()
+
+
+async def test_a_leased_token_bucket_admits_its_tokens_and_no_more(redis_url: str) -> None:
+    """A leased token bucket of 10 a second: a burst at one instant admits its 10 tokens, and
+    half a second later the 5 refilled, as the bucket does exactly; Redis keeps the bucket in
+    decide.lua's format, so exact sidecars share it."""
+    clock = Clock()
+    a = leased(redis_url, clock)
+    bucket = Window(10, Unit.SECOND, algorithm=Algorithm.TOKEN_BUCKET, leased=True)
+    try:
+        now = clock.ms
+        burst = [(await apply(a, [hit(bucket, now)], False, now))[0].over for _ in range(15)]
+        assert burst == [False] * 10 + [True] * 5
+        clock.now += 0.5
+        later = clock.ms
+        refilled = [(await apply(a, [hit(bucket, later)], False, later))[0].over for _ in range(8)]
+        assert refilled == [False] * 5 + [True] * 3
+        with redis.Redis.from_url(redis_url) as connection:
+            stored_bucket = connection.get(hit(bucket, now).key) or b""
+        tokens, stamp, _ = stored_bucket.split()
+        assert (float(tokens), int(float(stamp))) == (0.0, later)
+    finally:
+        await a.close()
+
+
+async def test_a_bucket_lease_is_spent_within_its_term_then_given_back(redis_url: str) -> None:
+    """Tokens a sidecar took are spent within lease_ms of its ask: what it holds then goes back
+    to the bucket with its next call, and the hit waits for a block of the new term."""
+    clock = Clock()
+    a = leased(redis_url, clock)
+    bucket = Window(10, Unit.SECOND, algorithm=Algorithm.TOKEN_BUCKET, leased=True)
+    try:
+        now = clock.ms
+        await apply(a, [hit(bucket, now)], False, now)  # a block of 7 (two thirds of 10): 6 held
+        clock.now += LEASE_MS / 1000
+        (outcome,) = await apply(a, [hit(bucket, clock.ms)], False, clock.ms)
+        assert not outcome.over
+        assert a.returned_units == 6 and a.waited_hits == 2
     finally:
         await a.close()
 

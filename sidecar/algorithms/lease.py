@@ -1,7 +1,7 @@
-"""Leases: a fixed window's budget handed out in blocks to the sidecars that share it, so that
-each decides its requests in memory and asks the store only when its block runs low
-(`leased: true` rules under `--lease-ms`; `sidecar.storage.leases` does the I/O, `lua/lease.lua`
-is the store's side). Pure: no I/O, every time is an argument.
+"""Leases: a fixed window's budget (or a token bucket's tokens) handed out in blocks to the
+sidecars that share it, so that each decides its requests in memory and asks the store only
+when its block runs low (`leased: true` rules under `--lease-ms`; `sidecar.storage.leases` does
+the I/O, `lua/lease.lua` is the store's side). Pure: no I/O, every time is an argument.
 
 The store keeps one number per counter, `taken`: the budget of the window handed out so far
 (spent, or held by some sidecar). A holder's call returns what it gives back and asks for a
@@ -18,8 +18,8 @@ and adds it to `taken`. Rules, each tested in `tests/test_lease.py`:
   spends nothing (unlike a plain window, whose counter counts rejected hits too).
 - Sized by demand: a holder asks for what covers its demand over the next `lease_ms` (its
   rate of hits, measured between its calls over at least `lead_ms`; before it has one, the
-  rule's average pace over `lease_ms`), less what it holds. A block is at most two thirds of what is left, so blocks shrink as the budget runs
-  low, down to single units: the last requests of a window are decided one unit at a time, as
+  rule's average pace over `lease_ms`), less what it holds. A block is at most two thirds of
+  what is left, so blocks shrink as the budget runs low, down to single units: the last requests of a window are decided one unit at a time, as
   exactly as a store call per request would. Taking a fixed part of what is left also keeps
   the calls per window near ``S + log3(limit) + S`` for `S` holders under any demand above the
   limit (a first block each, the shrinking ones, and an answer each that the window is spent);
@@ -35,19 +35,30 @@ and adds it to `taken`. Rules, each tested in `tests/test_lease.py`:
 - Exhausted: an answer that leaves nothing (``limit - taken == 0``) tells the holder the window
   is spent; it refuses the rest of the window without asking again.
 
+Token buckets (`settle_bucket`) are leased the same way, their tokens for the budget: a block is
+at most two thirds of the whole tokens the bucket holds after what comes back, and a holder may
+spend it for `lease_ms` from when it asked (its term); what it holds then goes back. A bucket
+never gives a token twice, so a leased bucket admits no more than its tokens; a token may be
+spent up to `lease_ms` after it left the bucket, so over a span `t` a bucket admits at most
+``capacity + rate × (t + lease_ms)``. An answer that leaves no whole token makes the holder
+refuse until the next token is due (``period / rate``), then ask again.
+
 Under-admission bound: at the end of a window the budget not admitted is what holders still
 hold, plus what dead holders held, plus what came back after the others saw the window spent.
 A holder whose demand holds holds at most one block's worth of demand (``rate × lease_ms``,
-and two thirds of what was left when it took it), and a busy holder spends that before the window
-ends unless its block came in its last `lease_ms`; so a window whose demand stays above the
-limit under-admits at most ``sum over holders of min(rate × lease_ms, its last block)`` plus
-what the holders that died or went idle held (each at most its largest block plus what it held when it asked). Tested on random
-holders, demands, deaths and returns.
+and two thirds of what was left when it took it), and a busy holder spends that before the
+window ends unless its block came in its last `lease_ms`; so a window whose demand stays above
+the limit under-admits at most ``sum over holders of min(rate × lease_ms, its last block)``
+plus what the holders that died or went idle held (each at most its largest block plus what
+it held when it asked). Tested on random holders, demands, deaths and returns.
 """
 
 from __future__ import annotations
 
 import math
+
+from sidecar.algorithms import token_bucket
+from sidecar.algorithms.token_bucket import Bucket
 
 
 def grant(limit: int, taken: int, want: int) -> int:
@@ -64,6 +75,29 @@ def settle(limit: int, taken: int, returned: int, want: int) -> tuple[int, int]:
     taken = max(0, taken - returned)
     block = grant(limit, taken, want)
     return taken + block, block
+
+
+def settle_bucket(
+    state: Bucket | None,
+    now_ms: int,
+    rate: int,
+    period_ms: int,
+    capacity: int,
+    returned: int,
+    want: int,
+    forgotten: bool = False,
+) -> tuple[Bucket, int]:
+    """One holder's call on a token bucket: (the bucket after it, the block granted). `state`
+    None is a full bucket, or an empty one when the store may have `forgotten` it (it restarted
+    less than a lease ago). Returned tokens go back first (up to the capacity); the block is at
+    most two thirds of the whole tokens then in it."""
+    if state is None and forgotten:
+        bucket = Bucket(0.0, now_ms, 0.0)
+    else:
+        bucket = token_bucket.refill(state, now_ms, rate, period_ms, capacity)
+    tokens = min(float(capacity), bucket.tokens + returned)
+    block = grant(math.floor(tokens), 0, want)
+    return Bucket(tokens - block, now_ms, bucket.drawn), block
 
 
 #: What `Lease.judge` answers.
@@ -86,6 +120,7 @@ class Lease:
         "left",
         "limit",
         "rate",
+        "retry_ms",
         "since_ms",
         "spent",
         "taken",
@@ -101,6 +136,7 @@ class Lease:
         self.spent = 0
         self.left = limit  # what the store had left at its last answer
         self.exhausted = False
+        self.retry_ms = end_ms  # when an exhausted lease may ask again (a bucket refills)
         self.asking = False
         self.rate = 0.0  # hits per ms, measured between blocks
         self.wanted = 0  # hits asked for since `since_ms` (admitted or not)
@@ -114,6 +150,8 @@ class Lease:
         self.wanted += cost
         if cost > self.limit:
             return OVER
+        if self.exhausted and now_ms >= self.retry_ms:
+            self.exhausted = False
         if max(cost, 1) <= self.held:
             self.held -= cost
             self.spent += cost

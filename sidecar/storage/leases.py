@@ -1,6 +1,7 @@
 """Leased windows: `leased: true` rules decided in this process from blocks of their windows'
-budgets taken from the store (`--lease-ms`), so that a busy counter costs the store a few calls
-per window per sidecar instead of one per request, and never admits past its limit.
+budgets (a token bucket's: of its tokens) taken from the store (`--lease-ms`), so that a busy
+counter costs the store a few calls per window per sidecar instead of one per request, and
+never admits past its limit.
 
 `Leased` wraps a backend, as `Aggregated` does. A hit of a leased window is judged on this
 sidecar's `Lease` of its counter (`sidecar.algorithms.lease`, which states the rules): admitted
@@ -23,7 +24,12 @@ until their windows end; a hit that has to wait fails with StorageError, so `--f
 answers its request as any other while the store is down. `close` (SIGTERM) gives every block
 back in one call per hash slot before closing the store. A store that restarted forgot what it
 had handed out: `lease.lua` then grants nothing more for the windows that started before it did
-(see its header), which costs the rest of each such window, never an over-admission.
+(see its header), which costs the rest of each such window, never an over-admission; a bucket
+it forgot is empty, not full, until a lease after its start.
+
+A token bucket's lease has no window: it may spend what it took for `lease_ms` from its ask (its
+term), then gives back what it holds with its next call; once the bucket has no whole token
+left, it refuses until the next token is due (`period / rate`), then asks again.
 
 Bounds: one lease per counter hit in its current window, at most `max_counts` (a hit past that
 is decided by the store, as without leases), each about 250 bytes (its slots, key and dict
@@ -38,6 +44,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
@@ -52,8 +59,9 @@ from redis.crc import key_slot
 from sidecar.algorithms import lease
 from sidecar.algorithms.decide import Address, State
 from sidecar.algorithms.fixed_window import groups_over
+from sidecar.algorithms.token_bucket import Bucket
 from sidecar.errors import Overloaded, StorageError
-from sidecar.model import Dedupe, Hit, Outcome, Role, new
+from sidecar.model import Algorithm, Dedupe, Hit, Outcome, Role, new
 from sidecar.storage.base import Applied, Backend, ReportsFaults, RunsCommands
 from sidecar.storage.peers import CountsPeers
 from sidecar.usage import as_refused
@@ -71,18 +79,31 @@ CALL_COUNTERS = 1_000
 CLOCK_MARGIN_MS = 1_000
 
 
+#: An Ask's `kind`, as `lua/lease.lua` numbers them.
+WINDOW = 0
+BUCKET = 1
+
+
 class Ask:
-    """One counter's part of a store call: give back `returned`, ask for `want` (`lease.settle`)."""
+    """One counter's part of a store call: give back `returned`, ask for `want`. A window's
+    (`lease.settle`): its limit, start (Unix ms) and the ttl of a new counter (s); a bucket's
+    (`lease.settle_bucket`): its rate, period (ms) and capacity."""
 
-    __slots__ = ("key", "limit", "returned", "start_ms", "ttl", "want")
+    __slots__ = ("key", "kind", "p1", "p2", "p3", "returned", "want")
 
-    def __init__(
-        self, key: bytes, limit: int, start_ms: int, ttl: int, returned: int, want: int
-    ) -> None:
-        self.key = key
-        self.limit = limit
-        self.start_ms = start_ms
-        self.ttl = ttl
+    def __init__(self, hit: Hit, returned: int, want: int) -> None:
+        window = hit.window
+        self.key = hit.key
+        if window.algorithm is Algorithm.TOKEN_BUCKET:
+            self.kind = BUCKET
+            self.p1, self.p2, self.p3 = (
+                window.requests_per_unit,
+                window.seconds * 1000,
+                window.capacity,
+            )
+        else:
+            self.kind = WINDOW
+            self.p1, self.p2, self.p3 = window.requests_per_unit, hit.start_ms, hit.ttl
         self.returned = returned
         self.want = want
 
@@ -96,10 +117,13 @@ class LeaseStore(Protocol):
 class RedisLeases:
     """`lua/lease.lua` on the store's Redis, one call per hash slot (per server, standalone)."""
 
-    def __init__(self, client: RunsCommands, timeout_ms: int, by_slot: bool, name: str) -> None:
+    def __init__(
+        self, client: RunsCommands, timeout_ms: int, by_slot: bool, name: str, lease_ms: int
+    ) -> None:
         self._client = client
         self._timeout = timeout_ms / 1000
         self._by_slot = by_slot
+        self._lease_ms = lease_ms
         self.name = name
         #: Store calls made (`lease.lua` runs), for /metrics and the benchmarks.
         self.calls = 0
@@ -116,7 +140,9 @@ class RedisLeases:
         ]
         try:
             async with asyncio.timeout(self._timeout):
-                replies = await asyncio.gather(*(self._call([asks[i] for i in c]) for c in calls))
+                replies = await asyncio.gather(
+                    *(self._call([asks[i] for i in c], now_ms) for c in calls)
+                )
         except (Overloaded, StorageError):
             raise
         except Exception as exc:  # every failure of the client is the store's StorageError
@@ -127,10 +153,11 @@ class RedisLeases:
                 answers[index] = (int(reply[2 * n]), int(reply[2 * n + 1]))
         return answers
 
-    async def _call(self, asks: Sequence[Ask]) -> Any:
-        args: list[Any] = [len(asks), *(ask.key for ask in asks), CLOCK_MARGIN_MS]
+    async def _call(self, asks: Sequence[Ask], now_ms: int) -> Any:
+        args: list[Any] = [len(asks), *(ask.key for ask in asks)]
+        args += (CLOCK_MARGIN_MS, now_ms, self._lease_ms)
         for ask in asks:
-            args += (ask.limit, ask.start_ms, ask.ttl, ask.returned, ask.want)
+            args += (ask.kind, ask.p1, ask.p2, ask.p3, ask.returned, ask.want)
         self.calls += 1
         try:
             return await self._client.execute("EVALSHA", SHA, *args)
@@ -147,37 +174,61 @@ class MemoryLeases:
 
     def __init__(self, max_counts: int = MAX_COUNTS) -> None:
         self._taken: dict[bytes, tuple[int, int]] = {}  # key -> (taken, expires at, ms)
+        self._buckets: dict[bytes, Bucket] = {}
         self._max_counts = max_counts
         self.calls = 0
 
     async def settle(self, asks: Sequence[Ask], now_ms: int) -> list[tuple[int, int]]:
         self.calls += 1
-        answers = []
-        for ask in asks:
-            taken, expires_ms = self._taken.get(ask.key, (0, now_ms + ask.ttl * 1000))
-            if expires_ms <= now_ms:
-                taken, expires_ms = 0, now_ms + ask.ttl * 1000
-            taken, block = lease.settle(ask.limit, taken, ask.returned, ask.want)
-            if ask.key in self._taken or len(self._taken) < self._max_counts:
-                self._taken[ask.key] = (taken, expires_ms)
-            else:  # full: refuse the block rather than lend what would be forgotten
-                taken -= block
-                block = 0
-            answers.append((block, ask.limit - taken))
-        if len(self._taken) >= self._max_counts:
+        if len(self._taken) + len(self._buckets) >= self._max_counts:
             for key in [k for k, (_, e) in self._taken.items() if e <= now_ms]:
                 del self._taken[key]
-        return answers
+            self._buckets.clear()  # a bucket forgotten is a full one: only ever less kept
+        return [
+            self._bucket(ask, now_ms) if ask.kind == BUCKET else self._window(ask, now_ms)
+            for ask in asks
+        ]
+
+    def _window(self, ask: Ask, now_ms: int) -> tuple[int, int]:
+        limit, ttl = ask.p1, ask.p3
+        taken, expires_ms = self._taken.get(ask.key, (0, now_ms + ttl * 1000))
+        if expires_ms <= now_ms:
+            taken, expires_ms = 0, now_ms + ttl * 1000
+        taken, block = lease.settle(limit, taken, ask.returned, ask.want)
+        if ask.key in self._taken or len(self._taken) < self._max_counts:
+            self._taken[ask.key] = (taken, expires_ms)
+        else:  # full: refuse the block rather than lend what would be forgotten
+            taken -= block
+            block = 0
+        return block, limit - taken
+
+    def _bucket(self, ask: Ask, now_ms: int) -> tuple[int, int]:
+        state = self._buckets.get(ask.key)
+        after, block = lease.settle_bucket(
+            state, now_ms, ask.p1, ask.p2, ask.p3, ask.returned, ask.want
+        )
+        if block or ask.returned or state is None:
+            self._buckets[ask.key] = after
+        return block, math.floor(after.tokens)
 
 
 class _Counter(lease.Lease):
     """A Lease with the hit that last reached it (key, window, ttl) and the hits waiting for its
     next block: (request, position) pairs, in arrival order."""
 
-    __slots__ = ("hit", "returning", "waiters")
+    __slots__ = ("bucket", "hit", "returning", "waiters")
 
-    def __init__(self, hit: Hit, first_want: int, now_ms: int) -> None:
-        super().__init__(hit.window.requests_per_unit, hit.end_ms, first_want, now_ms)
+    def __init__(self, hit: Hit, lease_ms: int, now_ms: int) -> None:
+        window = hit.window
+        self.bucket = window.algorithm is Algorithm.TOKEN_BUCKET
+        if self.bucket:
+            # A bucket's lease ends `lease_ms` after it asked; its pace is its refill rate.
+            limit, end_ms, window_ms = window.capacity, now_ms + lease_ms, window.seconds * 1000
+            first = min(limit, lease.first_want(window.requests_per_unit, window_ms, lease_ms))
+        else:
+            limit, end_ms = window.requests_per_unit, hit.end_ms
+            first = lease.first_want(limit, hit.end_ms - hit.start_ms, lease_ms)
+        super().__init__(limit, end_ms, first, now_ms)
         self.hit = hit
         self.returning = 0
         self.waiters: list[tuple[_Request, int]] = []
@@ -255,17 +306,17 @@ class Leased:
             if not hit.window.leased:
                 continue
             count = counts.get(hit.key)
-            if count is None or count.end_ms != hit.end_ms:
+            if count is None or count.hit.end_ms != hit.end_ms:
                 if count is None and len(counts) >= self.max_counts:
                     continue  # decided by the store, as without leases
                 if count is not None:
                     self.expired_units += count.held  # a new window: the old lease ended
                     del counts[hit.key]
-                window_ms = hit.end_ms - hit.start_ms
-                first = lease.first_want(hit.window.requests_per_unit, window_ms, self.lease_ms)
-                count = counts[hit.key] = _Counter(hit, first, now_ms)
+                count = counts[hit.key] = _Counter(hit, self.lease_ms, now_ms)
             else:
                 counts.move_to_end(hit.key)
+                if count.bucket and now_ms >= count.end_ms:
+                    self._end_term(count, now_ms)
             count.hit = hit  # the latest: a calendar window's ttl counts down
             request.leased.append((position, count))
             verdict = count.judge(hit.hits, now_ms)
@@ -350,6 +401,13 @@ class Leased:
 
     # --- renewals -----------------------------------------------------------------------------
 
+    def _end_term(self, count: _Counter, now_ms: int) -> None:
+        """A bucket's lease ran its term: what it holds goes back with its next call."""
+        count.returning += count.give_back()
+        count.end_ms = now_ms + self.lease_ms  # the next block's term starts when it is asked
+        if count.returning:
+            self._renew_soon(count)
+
     def _renew_soon(self, count: _Counter) -> None:
         if self._closing:
             return
@@ -385,8 +443,7 @@ class Leased:
                 count.asking = True
             else:
                 continue
-            hit = count.hit
-            asks.append(Ask(hit.key, count.limit, hit.start_ms, hit.ttl, count.returning, want))
+            asks.append(Ask(count.hit, count.returning, want))
             counts.append(count)
         if not asks:
             return
@@ -417,6 +474,12 @@ class Leased:
             self.returned_units += ask.returned
             count.returning -= ask.returned
             count.granted(block, left)
+            if count.bucket and ask.want:
+                count.end_ms = now_ms + self.lease_ms  # its term: from when it asked
+                if count.exhausted:  # no whole token left: ask again once the next is due
+                    window = count.hit.window
+                    token_ms = -(-window.seconds * 1000 // window.requests_per_unit)
+                    count.retry_ms = now_ms + token_ms
             self._serve(count)
             if count.returning:
                 self._renew_soon(count)  # given back while this call was in flight
@@ -464,8 +527,9 @@ class Leased:
         for key, count in idle:
             if count.asking or count.waiters or count.returning:
                 continue
-            if count.end_ms <= now_ms or not count.held:
-                self.expired_units += count.held if count.end_ms <= now_ms else 0
+            ended = 0 < count.hit.end_ms <= now_ms  # a bucket's lease has no window
+            if ended or not count.held:
+                self.expired_units += count.held if ended else 0
                 del self._counts[key]  # its window ended, or it holds nothing: forgotten
             else:
                 count.returning += count.give_back()
@@ -523,9 +587,8 @@ class Leased:
         for count in self._counts.values():
             returned = count.give_back() + count.returning
             count.returning = 0
-            if returned and count.end_ms > now_ms:
-                hit = count.hit
-                asks.append(Ask(hit.key, count.limit, hit.start_ms, hit.ttl, returned, 0))
+            if returned:
+                asks.append(Ask(count.hit, returned, 0))
         if not asks:
             return
         try:
@@ -543,7 +606,7 @@ def _outcome(verdict: int, hit: Hit, count: _Counter, now_ms: int) -> Outcome:
     return new(Outcome, (True, remaining, hit.end_ms - now_ms, False, remaining))
 
 
-def store_for(backend: Backend, timeout_ms: int) -> LeaseStore:
+def store_for(backend: Backend, timeout_ms: int, lease_ms: int) -> LeaseStore:
     """Where `backend`'s windows keep their `taken` counts: its Redis (one call per hash slot
     on a cluster), or this process for memory://. Raises ValueError for any other store."""
     from sidecar.storage.cluster import RedisClusterBackend
@@ -553,7 +616,7 @@ def store_for(backend: Backend, timeout_ms: int) -> LeaseStore:
         return MemoryLeases()
     if isinstance(backend, RunsCommands):
         cluster = isinstance(backend, RedisClusterBackend)
-        return RedisLeases(backend, timeout_ms, cluster, backend.name)
+        return RedisLeases(backend, timeout_ms, cluster, backend.name, lease_ms)
     raise ValueError(
         f"--lease-ms needs redis://, redis+cluster://, redis+sentinel:// or memory://, "
         f"not {backend.name}"
