@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from sidecar.algorithms import lease
 from sidecar.algorithms.lease import ADMITTED, OVER, WAIT, Lease, grant
-from sidecar.storage.leases import CLOCK_MARGIN_MS, SCRIPT
+from sidecar.storage.leases import CLOCK_MARGIN_MS, LATE_MS, SCRIPT
 
 
 def test_a_block_is_the_want_or_two_thirds_of_what_is_left_down_to_single_units() -> None:
@@ -277,7 +277,11 @@ def test_the_script_settles_as_settle_does(
     with redis.Redis.from_url(redis_url) as connection:
         for counter, returned, want in calls:
             key = prefix + bytes([48 + counter])
-            reply = run_script(connection, [(key, 0, limit, start, 60, returned, want)])
+            reply = run_script(
+                connection,
+                [(key, 0, limit, start, start + 60_000, returned, want)],
+                now_ms=start - 60_000,
+            )
             taken[counter], block = lease.settle(limit, taken[counter], returned, want)
             assert reply == [block, limit - taken[counter]]
             stored = connection.get(key)
@@ -298,12 +302,32 @@ def test_a_restarted_server_lends_nothing_more_of_a_window_that_started_before_i
         assert run_script(
             connection,
             [
-                (b"lease-restart|old", 0, 10, before, 60, 0, 4),
-                (b"lease-restart|new", 0, 10, after, 60, 0, 4),
+                (b"lease-restart|old", 0, 10, before, now + 60_000, 0, 4),
+                (b"lease-restart|new", 0, 10, after, after + 60_000, 0, 4),
             ],
+            now_ms=now,
         ) == [0, 0, 4, 6]
         assert connection.get(b"lease-restart|old") == b"10"
         connection.delete(b"lease-restart|old", b"lease-restart|new")
+
+
+def test_a_renewal_that_finds_no_counter_long_after_its_window_grants_nothing(
+    redis_url: str,
+) -> None:
+    """A window's counter lives LATE_MS past its window; a renewal that reaches the server later
+    than that (queued behind others) and finds none takes the window as spent, since its counter
+    may have expired with blocks still held: it grants nothing, where counting afresh would
+    admit the limit twice."""
+    with redis.Redis.from_url(redis_url) as connection:
+        now = int(time.time() * 1000)
+        start = now + CLOCK_MARGIN_MS  # after the server started: not a restart
+        ends = now - LATE_MS - CLOCK_MARGIN_MS  # Redis' clock is past its end and LATE_MS
+        ask = (b"lease-late", 0, 10, start, ends, 0, 4)
+        assert run_script(connection, [ask], now_ms=now) == [0, 0]
+        fresh = (b"lease-late", 0, 10, start, now + 60_000, 0, 4)
+        assert run_script(connection, [fresh], now_ms=now) == [4, 6]
+        assert 60_000 < connection.pttl(b"lease-late") <= 60_000 + LATE_MS
+        connection.delete(b"lease-late")
 
 
 @pytest.mark.parametrize("returned", [0, 3])
@@ -313,7 +337,8 @@ def test_a_return_to_a_counter_the_server_does_not_have_is_ignored(
     """Giving back to a counter the server lost writes nothing (no negative count)."""
     with redis.Redis.from_url(redis_url) as connection:
         start = int(time.time() * 1000) + CLOCK_MARGIN_MS
-        assert run_script(connection, [(b"lease-gone", 0, 10, start, 60, returned, 0)]) == [0, 10]
+        ask = (b"lease-gone", 0, 10, start, start + 60_000, returned, 0)
+        assert run_script(connection, [ask], now_ms=start) == [0, 10]
         assert connection.get(b"lease-gone") is None
 
 

@@ -79,6 +79,8 @@ CALL_COUNTERS = 1_000
 CLOCK_MARGIN_MS = 1_000
 
 
+#: How long a window's counter outlives its window (`lua/lease.lua` says why): keep them equal.
+LATE_MS = 10_000
 #: An Ask's `kind`, as `lua/lease.lua` numbers them.
 WINDOW = 0
 BUCKET = 1
@@ -86,7 +88,7 @@ BUCKET = 1
 
 class Ask:
     """One counter's part of a store call: give back `returned`, ask for `want`. A window's
-    (`lease.settle`): its limit, start (Unix ms) and the ttl of a new counter (s); a bucket's
+    (`lease.settle`): its limit, start and end (Unix ms); a bucket's
     (`lease.settle_bucket`): its rate, period (ms) and capacity."""
 
     __slots__ = ("key", "kind", "p1", "p2", "p3", "returned", "want")
@@ -103,7 +105,7 @@ class Ask:
             )
         else:
             self.kind = WINDOW
-            self.p1, self.p2, self.p3 = window.requests_per_unit, hit.start_ms, hit.ttl
+            self.p1, self.p2, self.p3 = window.requests_per_unit, hit.start_ms, hit.end_ms
         self.returned = returned
         self.want = want
 
@@ -170,7 +172,7 @@ class RedisLeases:
 
 class MemoryLeases:
     """The `taken` counts in this process (memory://: one sidecar, for tests and single use);
-    a count is forgotten when its window's ttl has passed, at most `max_counts` kept."""
+    a count is forgotten LATE_MS after its window, at most `max_counts` kept."""
 
     def __init__(self, max_counts: int = MAX_COUNTS) -> None:
         self._taken: dict[bytes, tuple[int, int]] = {}  # key -> (taken, expires at, ms)
@@ -190,10 +192,10 @@ class MemoryLeases:
         ]
 
     def _window(self, ask: Ask, now_ms: int) -> tuple[int, int]:
-        limit, ttl = ask.p1, ask.p3
-        taken, expires_ms = self._taken.get(ask.key, (0, now_ms + ttl * 1000))
-        if expires_ms <= now_ms:
-            taken, expires_ms = 0, now_ms + ttl * 1000
+        limit, expires_ms = ask.p1, ask.p3 + LATE_MS
+        taken, expires_ms = self._taken.get(ask.key, (0, expires_ms))
+        if expires_ms <= now_ms:  # too late: the count may have been forgotten, so spent
+            taken = limit
         taken, block = lease.settle(limit, taken, ask.returned, ask.want)
         if ask.key in self._taken or len(self._taken) < self._max_counts:
             self._taken[ask.key] = (taken, expires_ms)

@@ -11,13 +11,17 @@
 -- ARGV[3]     lease, milliseconds: how long a sidecar may hold the tokens it took
 -- ARGV[4 + 6(i-1) ...] for counter i, six values:
 --   kind       0 a fixed window, 1 a token bucket
---   p1 p2 p3   window: its requests_per_unit, its start (Unix ms), seconds a new counter lives;
+--   p1 p2 p3   window: its requests_per_unit, its start and its end (Unix ms);
 --              bucket: its rate, period ms, capacity
 --   returned   units given back (taken off first; ignored when a window's counter is gone)
 --   want       units asked for (0: only give back)
 --
 -- Returns 2 integers per counter: the block granted, and what is left after it (a window's
 -- limit - taken; a bucket's whole tokens).
+--
+-- A window's counter lives until LATE_MS after its window ends, so a renewal that reaches the
+-- server late (queued behind others) still finds it; one that finds no counter that late takes
+-- the window as spent, since its counter may have expired.
 --
 -- A block is at most two thirds of what is left, rounded up. A server that restarted forgot
 -- what it had handed out, while holders still spend their blocks: a window it does not have
@@ -31,14 +35,25 @@ local now = tonumber(ARGV[2])
 local lease = tonumber(ARGV[3])
 local started = nil
 local out = {}
+-- sidecar/storage/leases.py LATE_MS: keep them equal.
+local late = 10000
+
+local server_now = nil
+
+local function server_now_ms()
+  if server_now == nil then
+    local time = redis.call('TIME')
+    server_now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
+  end
+  return server_now
+end
 
 local function server_started_ms()
   if started == nil then
     local info = redis.call('INFO', 'server')
     local uptime = tonumber(string.match(info, 'uptime_in_seconds:(%d+)'))
-    local time = redis.call('TIME')
     -- Rounded late: uptime counts whole seconds, and a later start refuses more, never less.
-    started = (tonumber(time[1]) - uptime) * 1000
+    started = (math.floor(server_now_ms() / 1000) - uptime) * 1000
   end
   return started
 end
@@ -59,7 +74,7 @@ for i = 1, #KEYS do
   local key = KEYS[i]
   local v = redis.call('GET', key)
   if kind == 0 then
-    local limit, start, ttl = p1, p2, p3
+    local limit, start, ends = p1, p2, p3
     local taken
     if v then
       taken = tonumber(v)
@@ -67,7 +82,7 @@ for i = 1, #KEYS do
         taken = taken - returned
         if taken < 0 then taken = 0 end
       end
-    elseif start < server_started_ms() + margin then
+    elseif start < server_started_ms() + margin or server_now_ms() >= ends + late - margin then
       taken = limit
     else
       taken = 0
@@ -75,7 +90,8 @@ for i = 1, #KEYS do
     local block = block_of(limit - taken, want)
     taken = taken + block
     if not v then
-      if taken > 0 then redis.call('SET', key, taken, 'EX', ttl) end
+      local px = ends + late - now
+      if taken > 0 and px > 0 then redis.call('SET', key, taken, 'PX', px) end
     elseif v ~= tostring(taken) then
       redis.call('SET', key, taken, 'KEEPTTL')
     end
