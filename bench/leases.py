@@ -103,7 +103,7 @@ def rules(mode: str, key: str, limit: int) -> Rules:
 def backend(mode: str, url: str, lease_ms: int, interval_ms: int) -> Backend:
     store = open_backend(url, timeout_ms=TIMEOUT_MS)
     if mode == "leased":
-        leased = Leased(store, store_for(store, TIMEOUT_MS), lease_ms)
+        leased = Leased(store, store_for(store, TIMEOUT_MS, lease_ms), lease_ms)
         leased.start()
         return leased
     if mode == "approximate":

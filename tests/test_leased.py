@@ -211,6 +211,41 @@ async def test_a_failing_store_leaves_what_the_lease_holds_then_the_failure_mode
         await a.close()
 
 
+async def test_a_return_whose_answer_was_lost_is_not_sent_again(restartable_redis: Any) -> None:
+    """A block given back in a call that times out (Redis frozen) may still be taken back when
+    Redis wakes: it is not sent again, so it is never taken back twice (which would lend it
+    twice); Redis holds exactly what the sidecar spent and holds."""
+    server = restartable_redis
+    clock = Clock()
+    a = leased(server.url, clock)
+    window = Window(600, Unit.MINUTE, leased=True)
+    key = hit(window, clock.ms).key
+    try:
+        await apply(a, [hit(window, clock.ms)], False, clock.ms)  # a block of 10: 9 held
+        clock.now += LEASE_MS / 1000
+        server.pause()
+        try:
+            a.tick(clock.ms)  # idle: the 9 go back, in a call that times out
+            for _ in range(100):
+                if a.failed_renewals:
+                    break
+                await asyncio.sleep(0.02)
+            assert a.lost_units == 9
+        finally:
+            server.resume()
+        for _ in range(100):  # Redis runs the late call: the 9 are back
+            if stored(server.url, key) == 1:
+                break
+            await asyncio.sleep(0.02)
+        assert stored(server.url, key) == 1
+        (outcome,) = await apply(a, [hit(window, clock.ms)], False, clock.ms)
+        assert not outcome.over
+        (count,) = a._counts.values()
+        assert stored(server.url, key) == count.spent + count.held == 2 + count.held
+    finally:
+        await a.close()
+
+
 async def test_a_lease_is_never_used_past_its_window(redis_url: str) -> None:
     """What a lease holds at the end of its window is not spent in the next: the next window's
     first hit waits for a block of its own; the next tick forgets the old lease and counts what

@@ -20,7 +20,8 @@ the leases that hold nothing or whose window ended (what they held is counted in
 kept in the order of their last hit.
 
 Faults: a renewal that fails leaves the leases as they were: what they hold is still spent,
-until their windows end; a hit that has to wait fails with StorageError, so `--failure-mode`
+until their windows end; what it gave back is not sent again (the store may have taken it back
+before the call failed: sent twice, it would be lent twice), and counts in `lost_units`; a hit that has to wait fails with StorageError, so `--failure-mode`
 answers its request as any other while the store is down. `close` (SIGTERM) gives every block
 back in one call per hash slot before closing the store. A store that restarted forgot what it
 had handed out: `lease.lua` then grants nothing more for the windows that started before it did
@@ -289,6 +290,7 @@ class Leased:
         self.granted_units = 0
         self.returned_units = 0
         self.expired_units = 0
+        self.lost_units = 0
 
     def __len__(self) -> int:
         return len(self._counts)
@@ -460,8 +462,12 @@ class Leased:
         except Exception as exc:  # StorageError, Overloaded (or a bug): the leases stay as they are
             self.failed_renewals += 1
             log.warning("lease_renewal_failed", backend=self.name, error=str(exc))
-            for count in counts:
+            for ask, count in zip(asks, counts, strict=True):
                 count.failed()
+                # Not sent again: the store may have taken them back before the call failed,
+                # and a return counted twice would lend them twice. Lost, they under-admit.
+                count.returning -= ask.returned
+                self.lost_units += ask.returned
                 waiters, count.waiters = count.waiters, []
                 for request, _ in waiters:
                     if not request.failed:
@@ -641,6 +647,7 @@ class LeaseCollector(Collector):
             ("granted_units", "Units of budget the store lent.", a.granted_units),
             ("returned_units", "Units given back (idle counters, stops).", a.returned_units),
             ("expired_units", "Units held when their window ended (unspent).", a.expired_units),
+            ("lost_units", "Units whose return failed, not sent again (unspent).", a.lost_units),
         ):
             yield CounterMetricFamily(f"ratelimit_sidecar_lease_{name}", text, value=value)
         yield GaugeMetricFamily(
