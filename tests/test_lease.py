@@ -16,7 +16,7 @@ import redis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sidecar.algorithms import lease
+from sidecar.algorithms import lease, token_bucket
 from sidecar.algorithms.lease import ADMITTED, OVER, WAIT, Lease, grant
 from sidecar.storage.leases import CLOCK_MARGIN_MS, LATE_MS, SCRIPT
 
@@ -397,3 +397,35 @@ def test_a_restarted_server_takes_a_bucket_it_forgot_as_empty_for_a_lease(redis_
             connection, [(b"lease-bucket-forgot", 1, 10, 1000, 10, 0, 5)], now_ms=later
         ) == [5, 5]
         connection.delete(b"lease-bucket-forgot")
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 2_000), st.integers(0, 100), st.integers(0, 1)),
+        max_size=60,
+    ),
+    st.integers(1, 100),
+    st.integers(1, 200),
+)
+def test_a_leased_bucket_never_gives_more_tokens_than_it_has(
+    calls: list[tuple[int, int, int]], rate: int, capacity: int
+) -> None:
+    """Whatever the asks, the moments and the returns (at most what is held): no block is more
+    than the bucket's whole tokens, the bucket never goes below zero, and over any run it gives
+    out at most its capacity, plus its refill, plus what came back."""
+    state = None
+    now = 0
+    held = given_out = returned_all = 0
+    for elapsed, want, give_back in calls:
+        now += elapsed
+        returned = held if give_back else 0
+        before = token_bucket.refill(state, now, rate, 1000, capacity)
+        after, block = lease.settle_bucket(state, now, rate, 1000, capacity, returned, want)
+        assert 0 <= block <= math.floor(min(capacity, before.tokens + returned))
+        assert after.tokens >= 0
+        state = after
+        held += block - returned
+        given_out += block
+        returned_all += returned
+        assert given_out <= capacity + rate * now / 1000 + returned_all
