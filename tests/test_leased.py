@@ -266,6 +266,22 @@ async def test_a_lease_is_never_used_past_its_window(redis_url: str) -> None:
         await a.close()
 
 
+async def test_a_hit_costing_more_than_the_lease_holds_asks_for_its_cost(redis_url: str) -> None:
+    """A hit of 20 (hits_addend) on a lease holding 9 waits for a block of at least its cost,
+    and is admitted from it."""
+    clock = Clock()
+    a = leased(redis_url, clock)
+    window = Window(600, Unit.MINUTE, leased=True)
+    try:
+        now = clock.ms
+        await apply(a, [hit(window, now)], False, now)  # a block of 10: 9 held
+        (outcome,) = await asyncio.wait_for(apply(a, [hit(window, now, cost=20)], False, now), 5)
+        assert not outcome.over
+        assert stored(redis_url, hit(window, now).key) == 30
+    finally:
+        await a.close()
+
+
 async def test_a_hit_waiting_when_its_window_ends_still_gets_its_answer(redis_url: str) -> None:
     """A hit that came within its window and waits for a block gets the block's answer even when
     the renewal goes out after the window ended (it is not left waiting)."""

@@ -331,7 +331,8 @@ class Leased:
             else:
                 self.local_hits += 1
                 request.outcomes[position] = _outcome(verdict, hit, count, now_ms)
-            if count.due(self.lead_ms):
+            # A waiting hit asks whatever its lease holds (it may hold less than the hit's cost).
+            if verdict == lease.WAIT or count.due(self.lead_ms):
                 self._renew_soon(count)
         if request.waiting == 0:
             self._leased_answered(request)
