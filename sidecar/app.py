@@ -55,6 +55,8 @@ from sidecar.statsd import StatsdError, StatsdReporter, StatsdSettings
 from sidecar.storage import Backend, peers
 from sidecar.storage.aggregation import Aggregated, AggregationCollector
 from sidecar.storage.backends import open_backend
+from sidecar.storage.leases import LeaseCollector, Leased
+from sidecar.storage.leases import store_for as leases_store
 from sidecar.storage.memory import MemoryBackend
 from sidecar.storage.per_second import PerSecond
 from sidecar.tracing import Tracing, TracingError, TracingSettings
@@ -131,6 +133,9 @@ class Options:
     #: Decide `approximate` rules locally and sync their counts every this many ms
     #: (`sidecar.storage.aggregation`); None: off, every hit is decided by the store.
     sync_interval_ms: int | None = None
+    #: Decide `leased` rules from leases covering this many ms of demand
+    #: (`sidecar.storage.leases`); None: off, every hit is decided by the store.
+    lease_ms: int | None = None
     shadow_mode: bool = False
     #: Entries of the over-limit cache (0: off).
     over_limit_cache: int = 100_000
@@ -336,6 +341,12 @@ class App:
             except ValueError as exc:
                 await self.stop()
                 raise InvalidOption(str(exc)) from exc
+        if options.lease_ms is not None:
+            try:
+                self._backend = self._leased(self._backend, store, options.lease_ms)
+            except ValueError as exc:
+                await self.stop()
+                raise InvalidOption(str(exc)) from exc
         backend = self._backend
         if isinstance(backend, MemoryBackend):
             self.registry.register(metrics.MemoryCollector(backend))
@@ -467,6 +478,7 @@ class App:
             failure_mode=options.failure_mode,
             rejected_hits=options.rejected_hits,
             sync_interval_ms=options.sync_interval_ms,
+            lease_ms=options.lease_ms,
             shadow_mode=options.shadow_mode,
             pid=os.getpid(),
         )
@@ -516,6 +528,23 @@ class App:
         aggregated.start()
         self.registry.register(AggregationCollector(aggregated))
         return aggregated
+
+    def _leased(self, backend: Backend, store: Backend, lease_ms: int) -> Leased:
+        """`backend` with `leased` rules decided from leases of `store`'s windows."""
+        if self.options.rejected_hits == "skip":
+            raise ValueError(
+                "--lease-ms with --rejected-hits skip: a request cannot be all or nothing "
+                "across leases and a store (use one of them)"
+            )
+        leased = Leased(
+            backend,
+            leases_store(store, self.options.redis_timeout_ms, lease_ms),
+            lease_ms,
+            clock=self._clock,
+        )
+        leased.start()
+        self.registry.register(LeaseCollector(leased))
+        return leased
 
     def _rls_server(
         self, service: RateLimitService, frequency_service: FrequencyService

@@ -48,6 +48,7 @@ _DESCRIPTOR_KEYS = (
     "share_threshold",
     "group_counters",
     "approximate",
+    "leased",
     "metadata",
 )
 _RATE_LIMIT_KEYS = (
@@ -79,7 +80,7 @@ _REFERENCE_KEYS = frozenset(
         *(
             key
             for key in _DESCRIPTOR_KEYS
-            if key not in ("rate_limits", "group_counters", "approximate")
+            if key not in ("rate_limits", "group_counters", "approximate", "leased")
         ),
     )
 )
@@ -519,6 +520,7 @@ class _Parser:
                 "share_threshold",
                 "group_counters",
                 "approximate",
+                "leased",
             )
         }
         wildcard = value is not None and "*" in value
@@ -559,6 +561,8 @@ class _Parser:
         limit = self.limit(item, path, rule_key, flags["shadow_mode"], flags["quota_mode"])
         if flags["approximate"]:
             limit = self.approximate(limit, item, path, rule_key)
+        if flags["leased"]:
+            limit = self.leased(limit, item, path, rule_key, flags["approximate"])
         if metadata and limit is not None:
             limit = dataclasses.replace(limit, metadata=metadata)
         children = self.level(item.get("descriptors"), f"{path}.descriptors", rule_key, depth + 1)
@@ -693,6 +697,58 @@ class _Parser:
                     "(remove 'approximate' or 'borrow')",
                 )
             windows.append(dataclasses.replace(window, approximate=True))
+        return dataclasses.replace(limit, windows=tuple(windows))
+
+    def leased(
+        self,
+        limit: Limit | None,
+        item: dict[Any, Any],
+        path: str,
+        rule_key: str,
+        approximate: bool,
+    ) -> Limit:
+        """`limit` with every window leased (see `sidecar.algorithms.lease`): fixed windows
+        and token buckets, whose budget is a count of units a store can hand out, each counter
+        at its own key."""
+        here = f"{path}.leased"
+        if limit is None or limit.unlimited:
+            raise self.error(
+                here,
+                f"leased applies to a rate limit, but '{rule_key}' has "
+                f"{'an unlimited one' if limit is not None else 'none'} (remove 'leased')",
+            )
+        if approximate:
+            raise self.error(
+                here,
+                f"leased and approximate are two ways to decide '{rule_key}' locally; a window "
+                "takes one (remove one of them)",
+            )
+        if self.codes is not None:
+            raise self.error(
+                here,
+                f"leased needs counters at their own keys, but '{rule_key}' is under "
+                "group_counters, whose counters share a hash (remove 'leased' or "
+                "'group_counters')",
+            )
+        windows = []
+        many = "rate_limits" in item
+        for index, window in enumerate(limit.windows):
+            where = f"rate_limits[{index}]" if many else "rate_limit"
+            if window.algorithm is Algorithm.SLIDING_WINDOW:
+                raise self.error(
+                    here,
+                    f"leased needs fixed windows or token buckets, but {where} has algorithm "
+                    "sliding_window, whose budget depends on the previous window's count "
+                    "(remove 'leased', or use algorithm: fixed_window)",
+                )
+            if window.borrow:
+                raise self.error(
+                    here,
+                    f"leased needs windows that do not borrow, but {where} has borrow: "
+                    f"{window.borrow}, which admits past the budget a lease hands out "
+                    "(remove 'leased' or 'borrow')",
+                )
+            windows.append(dataclasses.replace(window, leased=True))
         return dataclasses.replace(limit, windows=tuple(windows))
 
     def window(self, raw: object, path: str) -> tuple[Window, bool, tuple[str, ...]]:

@@ -155,7 +155,9 @@ class Window:
     weeks starting on `week_start` (0 Monday … 6 Sunday). `approximate` (a plain fixed window's,
     from its rule's `approximate: true`) lets a sidecar syncing its counters periodically decide
     it on its local view (`sidecar.algorithms.approximate`); without `--sync-interval-ms` it is
-    decided as any other.
+    decided as any other. `leased` (a plain fixed window's, from its rule's `leased: true`) lets
+    a sidecar decide it from a lease of its budget (`sidecar.algorithms.lease`) under
+    `--lease-ms`; without it, it is decided as any other.
     """
 
     requests_per_unit: int
@@ -169,6 +171,7 @@ class Window:
     week_start: int = 0
     name: str = ""
     approximate: bool = False
+    leased: bool = False
     #: The reference's algorithm: a fixed window that does not borrow (it counts rejected hits).
     #: Worked out once (see `_derived`), as `Limit.role` is.
     plain: bool = field(init=False, repr=False, compare=False)
@@ -223,6 +226,10 @@ class Limit:
     @property
     def approximate(self) -> bool:
         return any(w.approximate for w in self.windows)
+
+    @property
+    def leased(self) -> bool:
+        return any(w.leased for w in self.windows)
 
     @property
     def names(self) -> tuple[str, ...]:

@@ -149,6 +149,8 @@ def describe(limit: Limit) -> str:
         line += f", replaces: {','.join(limit.replaces)}"
     if limit.approximate:
         line += ", approximate: true"
+    if limit.leased:
+        line += ", leased: true"
     return line
 
 

@@ -189,6 +189,31 @@ ERRORS = {
     "approximate_not_a_flag.yaml": (
         "descriptors[0].approximate: approximate must be true or false, got 'yes'"
     ),
+    # Leases (`leased`): fixed windows that do not borrow, each counter at its own key.
+    "leased_sliding_window.yaml": (
+        "descriptors[0].leased: leased needs fixed windows or token buckets, but rate_limits[1] "
+        "has algorithm sliding_window, whose budget depends on the previous window's count "
+        "(remove 'leased', or use algorithm: fixed_window)"
+    ),
+    "leased_borrow.yaml": (
+        "descriptors[0].leased: leased needs windows that do not borrow, but rate_limit has "
+        "borrow: 300, which admits past the budget a lease hands out (remove 'leased' or "
+        "'borrow')"
+    ),
+    "leased_unlimited.yaml": (
+        "descriptors[0].leased: leased applies to a rate limit, but 'api.client_internal' has "
+        "an unlimited one (remove 'leased')"
+    ),
+    "leased_and_approximate.yaml": (
+        "descriptors[0].leased: leased and approximate are two ways to decide 'api.client' "
+        "locally; a window takes one (remove one of them)"
+    ),
+    "leased_group_counters.yaml": (
+        "descriptors[0].descriptors[0].leased: leased needs counters at their own keys, but "
+        "'ads.user.ad' is under group_counters, whose counters share a hash (remove 'leased' or "
+        "'group_counters')"
+    ),
+    "leased_not_a_flag.yaml": "descriptors[0].leased: leased must be true or false, got 'yes'",
     "usage_not_a_list.yaml": "usage: usage must be a list of maps like {by: [app]} (or remove 'usage')",
     "usage_not_a_map.yaml": "usage[0]: a usage dimension is a map like {by: [app]}, got 'app'",
     "usage_empty_by.yaml": "usage[0].by: by must be a list of distinct descriptor keys, like [app, interface]",
@@ -581,3 +606,29 @@ def test_calendar_months_makes_a_plain_month_the_utc_calendar_month() -> None:
             assert found == without[key], key
     assert [w.calendar for w in without["months.plain"]] == [False]
     assert with_["months.zoned"][0].timezone == "Asia/Tokyo"
+
+
+def test_leased_marks_every_window_of_its_limit() -> None:
+    """`leased: true` on a descriptor makes each window of its limit leased, calendar ones too,
+    is shown by `/rlconfig`, and leaves the counters' keys as they were, so leased and exact
+    sidecars share one counter."""
+    domain = config.parse(
+        """
+domain: d
+descriptors:
+  - key: client
+    leased: true
+    rate_limits:
+      - {unit: second, requests_per_unit: 100}
+      - {unit: day, requests_per_unit: 9000, calendar: true}
+  - key: ip
+    rate_limit: {unit: second, requests_per_unit: 100}
+""",
+        "rules.yaml",
+    )
+    client, ip = domain.root.nodes()
+    assert client.limit is not None and ip.limit is not None
+    assert client.limit.leased and all(w.leased for w in client.limit.windows)
+    assert not ip.limit.leased and not client.limit.approximate
+    assert Rules({"d": domain}).dump()[0].endswith(", leased: true")
+    assert tag(client.limit.windows[0]) == tag(Window(100, Unit.SECOND))

@@ -216,6 +216,15 @@ def register(commands: Any) -> Flags:
         metavar="N",
     )
     serve.add(
+        "--lease-ms",
+        "decide the rules marked 'leased: true' from leases of their windows' budgets, each "
+        "covering about N ms of this sidecar's demand, renewed ahead of need: a few store "
+        "calls per window and never past a limit (README, Leases); not with --rejected-hits "
+        "skip. Unset: every hit is decided by the store",
+        type=count(4),
+        metavar="N",
+    )
+    serve.add(
         "--shadow-mode",
         "global shadow mode: count as usual but answer OK where the answer would be OVER_LIMIT",
         action="store_true",
@@ -619,6 +628,7 @@ def run(args: argparse.Namespace) -> int:
         local_divisor=None if args.local_divisor == "auto" else args.local_divisor,
         rejected_hits=args.rejected_hits,
         sync_interval_ms=args.sync_interval_ms,
+        lease_ms=args.lease_ms,
         shadow_mode=args.shadow_mode,
         over_limit_cache=args.over_limit_cache,
         response_limit_name=args.response_limit_name,
