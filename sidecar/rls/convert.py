@@ -204,6 +204,11 @@ class _Reader:
         """The varint at the position (at most ten bytes, as protobuf allows), or -1."""
         data = self.data
         pos = self.pos
+        if pos < end:
+            byte = data[pos]
+            if byte < 0x80:  # one byte: every tag, most lengths and counts
+                self.pos = pos + 1
+                return byte
         result = 0
         shift = 0
         while pos < end and shift < 70:
@@ -212,7 +217,9 @@ class _Reader:
             result |= (byte & 0x7F) << shift
             if byte < 0x80:
                 self.pos = pos
-                return result & 0xFFFFFFFFFFFFFFFF
+                # Nine bytes or fewer hold at most 63 bits: only a tenth can pass 64, and the
+                # mask is arithmetic on a long integer, dearer than on a small one.
+                return result if shift < 63 else result & 0xFFFFFFFFFFFFFFFF
             shift += 7
         return -1
 

@@ -253,6 +253,13 @@ class Connection(Streams):
         unpack = frames.HEADER.unpack_from
         max_size = frames.DEFAULT_MAX_FRAME_SIZE
         most_calls = self.limits.max_calls_per_read
+        # Typed, so that the compiled build works on them as small integers rather than through
+        # the generic number protocol (unpack gives objects of unknown type).
+        high: int
+        low: int
+        kind: int
+        flags: int
+        stream_id: int
         while end - pos >= frames.HEADER_SIZE and self._started < most_calls:
             high, low, kind, flags, stream_id = unpack(data, pos)
             size = high << 16 | low
