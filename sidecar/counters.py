@@ -49,15 +49,22 @@ def tag(window: Window) -> str:
     return text + "b" if window.borrow else text
 
 
+#: Seconds a plain window's counter outlives its window, at least (see `window_hit`).
+LATE_SECONDS: Final = 1
+
+
 def window_hit(prefix: str, window: Window, cost: int, group: int, role: Role, now_ms: int) -> Hit:
     """The Hit that asks a backend for `cost` on `window` of the counter whose head is `prefix`."""
     now = now_ms // 1000
     if window.plain:
         suffix, start, end = plain_suffix(window, now, grouped=False)
         key = named(prefix, suffix)
-        # A counter is needed until its window ends: the reference keeps it one unit from its
-        # first hit, which also covers sidecars whose clocks run a little behind.
-        ttl = window.seconds if not window.calendar else end - now + 1
+        # A counter is needed until its window ends, and a little longer: a call that reaches
+        # the store late (queued behind others, or sent by a sidecar whose clock runs behind)
+        # must still find it, not start it afresh and admit what the window already refused.
+        # So it lives at least LATE_SECONDS past its window's end, whenever its first hit came
+        # (the reference keeps it one unit from its latest hit).
+        ttl = window.seconds + LATE_SECONDS if not window.calendar else end - now + LATE_SECONDS
         return Hit(key, cost, window, group, role, key, ttl, start * 1000, end * 1000)
     kind = tag(window)
     if window.algorithm is _TOKEN_BUCKET:
