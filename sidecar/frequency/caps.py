@@ -15,13 +15,23 @@ rule, or only `unlimited` or shadow rules) is allowed with `remaining` 429496729
 `reset_seconds` 0, as Envoy's service reports an unlimited rule. Every counter of one user
 shares the user's hash slot, so a check costs one backend call however many ads it holds.
 
+Events: a record carries an event, `impression` unless it says otherwise, and a check asks about
+one event. An impression counts on the caps above; any other event `E` counts on the caps of
+``[(user, U), (ad, A), (event, E)]`` and ``[(user, U), (campaign, C), (event, E)]``, rules one
+level deeper (`key: event` below `ad` or `campaign`), so clicks and views have caps of their own
+and Envoy's ShouldRateLimit with those three entries shares them. An event no `event`
+descriptor of the domain matches is refused (InvalidRequest), as is an event named on a domain
+that declares none.
+
 `record` counts each impression once. An impression is a fact: its hits are added to every
 window of its cap set even past the limit. Its id is remembered per user for the dedupe horizon
 `H`, in buckets of `H` seconds: an id is looked up in the current and the previous bucket and
 added to the current one, which is kept until its successor ends (plus a margin for skewed
 clocks). So a repeat within `H` is always refused, and an id is forgotten between `H` and `2H`
 after it was recorded. Ids are stored whole, never hashed: a collision would drop a real
-impression. The look-up, the id and the hits go in one atomic call per user.
+impression. Ids are per event: an impression and a click may share the ad server's id (the id
+of an event other than an impression is stored behind its event's name and a control
+character, which no id holds). The look-up, the id and the hits go in one atomic call per user.
 
 Limits: at most 100 ads per check and 1,000 impressions per record; ids are 1 to 128 bytes of
 printable text. `replaces` between caps is not applied here.
@@ -46,6 +56,10 @@ from sidecar.storage.keys import dedupe_key, field_head
 USER_KEY = "user"
 AD_KEY = "ad"
 CAMPAIGN_KEY = "campaign"
+EVENT_KEY = "event"
+#: The event a record or a check is about unless it names another: counted by the caps on
+#: `ad` and `campaign` themselves.
+IMPRESSION = "impression"
 
 MAX_ADS = 100
 MAX_IMPRESSIONS = 1_000
@@ -84,6 +98,7 @@ class Impression:
     user: str
     ad: str
     campaign: str | None = None
+    event: str = IMPRESSION
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,20 +126,26 @@ class FrequencyCaps:
         self.backend = backend
         self.dedupe_horizon = dedupe_horizon
         self._clock = clock
-        # (id of the user's rule node, key, value) -> the caps below it; the rules (and so the
-        # nodes) live as long as this object.
-        self._templates: dict[tuple[int, str, str], Template | None] = {}
+        # (id of the user's rule node, key, value, event) -> the caps below it; the rules (and
+        # so the nodes) live as long as this object.
+        self._templates: dict[tuple[int, str, str, str], Template | None] = {}
+        # (domain, event) -> whether the domain's rules declare the event.
+        self._events: dict[tuple[str, str], bool] = {}
 
     def set_rules(self, rules: Rules) -> None:
         """Serve new rules from the next call on (a config reload)."""
         self.rules = rules
         self._templates = {}
+        self._events = {}
 
-    async def check(self, domain: str, user: str, ads: Sequence[Candidate]) -> list[Verdict]:
-        """A verdict per candidate, in order; raises InvalidRequest, UnknownDomain or
-        StorageError."""
+    async def check(
+        self, domain: str, user: str, ads: Sequence[Candidate], event: str = IMPRESSION
+    ) -> list[Verdict]:
+        """A verdict per candidate, in order, for `event`; raises InvalidRequest, UnknownDomain
+        or StorageError."""
         rules = self._domain(domain)
         _check_value("user", user)
+        self._check_event(rules, "event", event)
         if len(ads) > MAX_ADS:
             raise InvalidRequest(f"too many ads: {len(ads)} (at most {MAX_ADS} per check)")
         for index, candidate in enumerate(ads):
@@ -147,7 +168,7 @@ class FrequencyCaps:
                 return None
             known = (key, value)
             if known not in caps:
-                found = template(node, key, value)
+                found = template(node, key, value, event)
                 caps[known] = None if found is None else check.add(found)
             return caps[known]
 
@@ -156,18 +177,24 @@ class FrequencyCaps:
             check.judge(await self.backend.read(check.addresses, now_ms))
         return [Verdict(c.ad, *verdict(*pair)) for c, pair in zip(ads, pairs, strict=True)]
 
-    def _template(self, node: Node, key: str, value: str) -> Template | None:
-        """The caps of `[(user, *), (key, value)]` under the user's rule `node`: the rule
-        `match` finds for that descriptor, and its entries after the user, as counters name
-        them. Kept across checks (ads come back again and again), in bounded memory."""
-        known = (id(node), key, value)
+    def _template(self, node: Node, key: str, value: str, event: str) -> Template | None:
+        """The caps of `[(user, *), (key, value)]` (and `(event, E)` after it for an event but
+        an impression) under the user's rule `node`: the rule `match` finds for that
+        descriptor, and its entries after the user, as counters name them. Kept across checks
+        (ads come back again and again), in bounded memory."""
+        known = (id(node), key, value, event)
         if known in self._templates:
             return self._templates[known]
         entry = Entry(key, value)
         leaf = lookup(node.children, entry)
+        parts = [(USER_KEY, ""), (key, "" if leaf is None else counter_value(leaf, entry))]
+        if leaf is not None and event != IMPRESSION:
+            happened = Entry(EVENT_KEY, event)
+            leaf = lookup(leaf.children, happened)
+            if leaf is not None:
+                parts.append((EVENT_KEY, counter_value(leaf, happened)))
         template = None
         if leaf is not None and leaf.limit is not None and not leaf.limit.unlimited:
-            parts = [(USER_KEY, ""), (key, counter_value(leaf, entry))]
             template = Template(leaf.limit, node.group_counters, field_head(parts))
         if len(self._templates) >= TEMPLATE_CACHE_SIZE:
             self._templates.clear()
@@ -190,6 +217,7 @@ class FrequencyCaps:
             _check_value(f"impressions[{index}].ad", impression.ad)
             if impression.campaign is not None:
                 _check_value(f"impressions[{index}].campaign", impression.campaign)
+            self._check_event(rules, f"impressions[{index}].event", impression.event)
             by_user.setdefault(impression.user, []).append(index)
         if not impressions:
             return []
@@ -204,17 +232,21 @@ class FrequencyCaps:
             user_entry = Entry(USER_KEY, user)
             for group, index in enumerate(indices):
                 impression = impressions[index]
+                event = impression.event
                 for key, value in ((AD_KEY, impression.ad), (CAMPAIGN_KEY, impression.campaign)):
                     if value is None:
                         continue
-                    found = match(rules, (user_entry, Entry(key, value)))
+                    entries = [user_entry, Entry(key, value)]
+                    if event != IMPRESSION:
+                        entries.append(Entry(EVENT_KEY, event))
+                    found = match(rules, entries)
                     if found is not None and not found.limit.unlimited:
                         hits += descriptor_hits(domain, found, 1, group, now_ms)
             first = (USER_KEY, user)
             dedupe = Dedupe(
                 dedupe_key(domain, first, bucket),
                 dedupe_key(domain, first, bucket - 1),
-                tuple(impressions[index].id for index in indices),
+                tuple(_stored_id(impressions[index]) for index in indices),
                 ttl_ms,
             )
             batches.append((hits, dedupe))
@@ -225,6 +257,33 @@ class FrequencyCaps:
             for index, duplicate in zip(indices, duplicates, strict=True):
                 results[index] = Recorded(impressions[index].id, not duplicate)
         return [result for result in results if result is not None]
+
+    def _check_event(self, rules: Domain, name: str, event: object) -> None:
+        """Refuse an event the domain's rules do not declare: an impression always is; any
+        other must match a `key: event` descriptor below a user's `ad` or `campaign`."""
+        if event == IMPRESSION:
+            return
+        _check_value(name, event)
+        assert isinstance(event, str)
+        known = (rules.name, event)
+        declared = self._events.get(known)
+        if declared is None:
+            entry = Entry(EVENT_KEY, event)
+            user = rules.root.keys[USER_KEY]
+            declared = any(
+                lookup(node.children, entry) is not None
+                for node in user.children.nodes()
+                if node.key in (AD_KEY, CAMPAIGN_KEY)
+            )
+            if len(self._events) >= TEMPLATE_CACHE_SIZE:
+                self._events.clear()
+            self._events[known] = declared
+        if not declared:
+            raise InvalidRequest(
+                f"{name}: event '{event}' is not declared by the rules of domain '{rules.name}' "
+                f"(declare it with 'key: {EVENT_KEY}' below 'key: {AD_KEY}', or send "
+                f"'{IMPRESSION}')"
+            )
 
     def _domain(self, name: str) -> Domain:
         domain = self.rules.domains.get(name)
@@ -237,6 +296,15 @@ class FrequencyCaps:
                 f"'key: {AD_KEY}' below it)"
             )
         return domain
+
+
+def _stored_id(impression: Impression) -> str:
+    """The id as its dedupe hash keeps it: an impression's whole, another event's behind the
+    event's name and a unit separator (ids are printable, so none holds one): a click and an
+    impression sharing an id are two events, and no impression's id can pose as a click's."""
+    if impression.event == IMPRESSION:
+        return impression.id
+    return f"{impression.event}\x1f{impression.id}"
 
 
 def _declares(level: Level, key: str) -> bool:

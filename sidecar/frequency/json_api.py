@@ -1,12 +1,13 @@
 """The frequency-cap calls in JSON, as the HTTP port speaks them: bodies in, answers out.
 
     POST /v1/caps/check   {"domain": "ads", "user": "u1",
-                           "ads": [{"ad": "a1", "campaign": "c1"}, {"ad": "a2"}]}
+                           "ads": [{"ad": "a1", "campaign": "c1"}, {"ad": "a2"}],
+                           "event": "click"}   (optional: "impression" when absent)
                        -> {"ads": [{"ad": "a1", "allowed": true, "remaining": 4,
                                     "reset_seconds": 5120}, ...]}
     POST /v1/caps/record  {"domain": "ads",
                            "impressions": [{"id": "imp-1", "user": "u1", "ad": "a1",
-                                            "campaign": "c1"}]}
+                                            "campaign": "c1", "event": "view"}]}
                        -> {"results": [{"id": "imp-1", "counted": true}]}
                           (a repeat: {"id": "imp-1", "counted": false, "duplicate": true})
 
@@ -23,16 +24,17 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from sidecar.errors import InvalidRequest
-from sidecar.frequency.caps import Candidate, Impression, Recorded, Verdict
+from sidecar.frequency.caps import IMPRESSION, Candidate, Impression, Recorded, Verdict
 
-_CHECK_KEYS = ("domain", "user", "ads")
+_CHECK_KEYS = ("domain", "user", "ads", "event")
 _AD_KEYS = ("ad", "campaign")
 _RECORD_KEYS = ("domain", "impressions")
-_IMPRESSION_KEYS = ("id", "user", "ad", "campaign")
+_IMPRESSION_KEYS = ("id", "user", "ad", "campaign", "event")
 
 
-def check_request(body: bytes) -> tuple[str, str, list[Candidate]]:
-    """(domain, user, candidates) from a check body."""
+def check_request(body: bytes) -> tuple[str, str, list[Candidate], str]:
+    """The arguments of `FrequencyCaps.check` from a check body, in its order: domain, user,
+    candidates, event."""
     document = _object(_parse(body), "body", _CHECK_KEYS)
     ads = _list(document, "ads")
     candidates = []
@@ -42,7 +44,8 @@ def check_request(body: bytes) -> tuple[str, str, list[Candidate]]:
         candidates.append(
             Candidate(_string(ad, "ad", where), _optional_string(ad, "campaign", where))
         )
-    return _string(document, "domain"), _string(document, "user"), candidates
+    event = _optional_string(document, "event", "") or IMPRESSION
+    return _string(document, "domain"), _string(document, "user"), candidates, event
 
 
 def check_response(verdicts: Sequence[Verdict]) -> dict[str, Any]:
@@ -72,6 +75,7 @@ def record_request(body: bytes) -> tuple[str, list[Impression]]:
                 _string(fields, "user", where),
                 _string(fields, "ad", where),
                 _optional_string(fields, "campaign", where),
+                _optional_string(fields, "event", where) or IMPRESSION,
             )
         )
     return _string(document, "domain"), impressions
@@ -135,5 +139,6 @@ def _optional_string(document: Mapping[str, Any], key: str, where: str) -> str |
         return None
     value = _string(document, key, where)
     if not value:
-        raise InvalidRequest(f"{where}.{key} must not be empty (leave it out for none)")
+        name = f"{where}.{key}" if where else key
+        raise InvalidRequest(f"{name} must not be empty (leave it out for none)")
     return value

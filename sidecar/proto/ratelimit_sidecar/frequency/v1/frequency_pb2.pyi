@@ -15,14 +15,16 @@ class AdCandidate(_message.Message):
     def __init__(self, ad: _Optional[str] = ..., campaign: _Optional[str] = ...) -> None: ...
 
 class CheckAdsRequest(_message.Message):
-    __slots__ = ("domain", "user", "ads")
+    __slots__ = ("domain", "user", "ads", "event")
     DOMAIN_FIELD_NUMBER: _ClassVar[int]
     USER_FIELD_NUMBER: _ClassVar[int]
     ADS_FIELD_NUMBER: _ClassVar[int]
+    EVENT_FIELD_NUMBER: _ClassVar[int]
     domain: str
     user: str
     ads: _containers.RepeatedCompositeFieldContainer[AdCandidate]
-    def __init__(self, domain: _Optional[str] = ..., user: _Optional[str] = ..., ads: _Optional[_Iterable[_Union[AdCandidate, _Mapping]]] = ...) -> None: ...
+    event: str
+    def __init__(self, domain: _Optional[str] = ..., user: _Optional[str] = ..., ads: _Optional[_Iterable[_Union[AdCandidate, _Mapping]]] = ..., event: _Optional[str] = ...) -> None: ...
 
 class AdVerdict(_message.Message):
     __slots__ = ("ad", "allowed", "remaining", "reset_seconds")
@@ -43,16 +45,18 @@ class CheckAdsResponse(_message.Message):
     def __init__(self, ads: _Optional[_Iterable[_Union[AdVerdict, _Mapping]]] = ...) -> None: ...
 
 class Impression(_message.Message):
-    __slots__ = ("id", "user", "ad", "campaign")
+    __slots__ = ("id", "user", "ad", "campaign", "event")
     ID_FIELD_NUMBER: _ClassVar[int]
     USER_FIELD_NUMBER: _ClassVar[int]
     AD_FIELD_NUMBER: _ClassVar[int]
     CAMPAIGN_FIELD_NUMBER: _ClassVar[int]
+    EVENT_FIELD_NUMBER: _ClassVar[int]
     id: str
     user: str
     ad: str
     campaign: str
-    def __init__(self, id: _Optional[str] = ..., user: _Optional[str] = ..., ad: _Optional[str] = ..., campaign: _Optional[str] = ...) -> None: ...
+    event: str
+    def __init__(self, id: _Optional[str] = ..., user: _Optional[str] = ..., ad: _Optional[str] = ..., campaign: _Optional[str] = ..., event: _Optional[str] = ...) -> None: ...
 
 class RecordImpressionsRequest(_message.Message):
     __slots__ = ("domain", "impressions")
