@@ -20,6 +20,7 @@ import dataclasses
 import difflib
 import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from datetime import UTC, date, datetime
 from pathlib import Path
 from typing import Any
 
@@ -63,7 +64,10 @@ _RATE_LIMIT_KEYS = (
     "calendar",
     "timezone",
     "week_start",
+    "ends",
 )
+#: Windows anchored on events (`sidecar.algorithms.anchored`), read by `_Parser.anchored`.
+_ANCHORED = {a.value: a for a in (Algorithm.FIRST_EVENT, Algorithm.COOLDOWN, Algorithm.LIFETIME)}
 _ALGORITHMS = {a.value: a for a in Algorithm}
 _WEEK_STARTS = {"monday": 0, "sunday": 6}
 _REPLACES_KEYS = ("name",)
@@ -677,6 +681,17 @@ class _Parser:
                     "should not specify rate limit unit when unlimited (remove 'unit' or 'unlimited')",
                 )
             return Window(0, Unit.SECOND, name=name), True, replaces
+        named = raw.get("algorithm")
+        anchored = _ANCHORED.get(named) if isinstance(named, str) else None
+        if anchored is not None:
+            window = self.anchored(raw, path, anchored, unit_text, name)
+            if self.codes is not None:
+                self.check_code(window, path)
+            return window, False, replaces
+        if "ends" in raw:
+            raise self.error(
+                f"{path}.ends", "ends applies to lifetime caps (add 'algorithm: lifetime')"
+            )
         unit = self.unit(unit_text, path)
         requests = self.count(raw, "requests_per_unit", path, 0, default=0)
         algorithm = self.algorithm(raw, path)
@@ -703,6 +718,68 @@ class _Parser:
         if self.codes is not None:
             self.check_code(window, path)
         return window, False, replaces
+
+    def anchored(
+        self, raw: dict[Any, Any], path: str, algorithm: Algorithm, unit_text: str, name: str
+    ) -> Window:
+        """A window anchored on events: `first_event` and `cooldown` take an interval (`unit`,
+        `unit_multiplier`), `lifetime` a flight end (`ends`), an interval (its TTL) or both. A
+        cooldown admits one event per interval, so it takes no other requests_per_unit."""
+        kind = algorithm.value
+        for key in ("burst", "borrow", "calendar", "timezone", "week_start"):
+            if key in raw:
+                raise self.error(f"{path}.{key}", f"{key} does not apply to {kind} (remove it)")
+        ends = self.ends(raw.get("ends"), f"{path}.ends") if "ends" in raw else 0
+        if "ends" in raw and algorithm is not Algorithm.LIFETIME:
+            raise self.error(
+                f"{path}.ends", f"ends applies to lifetime caps, not {kind} (remove it)"
+            )
+        if not unit_text and not ends:
+            if algorithm is Algorithm.LIFETIME:
+                raise self.error(
+                    path,
+                    "a lifetime cap needs an end: give ends (the flight's end), as in "
+                    "{algorithm: lifetime, requests_per_unit: 3, ends: 2026-12-31T00:00:00Z}, "
+                    "or a TTL from the first event with unit and unit_multiplier",
+                )
+            raise self.error(
+                path,
+                f"a {kind} window needs an interval: give unit and unit_multiplier, as in "
+                f"{{algorithm: {kind}, unit: minute, unit_multiplier: 10}}",
+            )
+        unit = self.unit(unit_text, path) if unit_text else Unit.YEAR
+        multiplier = self.count(raw, "unit_multiplier", path, 1, default=1) if unit_text else 0
+        if algorithm is Algorithm.COOLDOWN:
+            requests = self.count(raw, "requests_per_unit", path, 1, default=1)
+            if requests != 1:
+                raise self.error(
+                    f"{path}.requests_per_unit",
+                    "a cooldown admits one event per interval (remove requests_per_unit, or use "
+                    "algorithm: first_event for several per window)",
+                )
+        else:
+            requests = self.count(raw, "requests_per_unit", path, 0, default=0)
+        return Window(requests, unit, algorithm, multiplier, name=name, ends=ends)
+
+    def ends(self, raw: object, path: str) -> int:
+        """A lifetime's end as Unix seconds: a YAML timestamp or date (UTC unless it says), an
+        ISO 8601 string, or a number of Unix seconds."""
+        value: object = raw
+        if isinstance(raw, str):
+            try:
+                value = datetime.fromisoformat(raw)
+            except ValueError:
+                value = None
+        if isinstance(value, datetime):
+            aware = value if value.tzinfo is not None else value.replace(tzinfo=UTC)
+            return int(aware.timestamp())
+        if isinstance(value, date):
+            return int(datetime(value.year, value.month, value.day, tzinfo=UTC).timestamp())
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+        raise self.error(
+            path, f"ends must be a date and time, like 2026-12-31T00:00:00Z, got {raw!r}"
+        )
 
     def calendar_month(
         self, raw: dict[Any, Any], unit: Unit, algorithm: Algorithm, multiplier: int

@@ -120,6 +120,10 @@ class Algorithm(enum.Enum):
     FIXED_WINDOW = "fixed_window"
     TOKEN_BUCKET = "token_bucket"
     SLIDING_WINDOW = "sliding_window"
+    #: Windows anchored on events, not on the clock (`sidecar.algorithms.anchored`).
+    FIRST_EVENT = "first_event"
+    COOLDOWN = "cooldown"
+    LIFETIME = "lifetime"
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,7 +135,8 @@ class Window:
     weeks starting on `week_start` (0 Monday … 6 Sunday). `approximate` (a plain fixed window's,
     from its rule's `approximate: true`) lets a sidecar syncing its counters periodically decide
     it on its local view (`sidecar.algorithms.approximate`); without `--sync-interval-ms` it is
-    decided as any other.
+    decided as any other. `ends` (Unix seconds) is a lifetime window's end, its flight's; a
+    lifetime window without an interval (a TTL) has `unit_multiplier` 0, so `seconds` 0.
     """
 
     requests_per_unit: int
@@ -145,6 +150,7 @@ class Window:
     week_start: int = 0
     name: str = ""
     approximate: bool = False
+    ends: int = 0
     #: The reference's algorithm: a fixed window that does not borrow (it counts rejected hits).
     #: Worked out once (see `_derived`), as `Limit.role` is.
     plain: bool = field(init=False, repr=False, compare=False)

@@ -157,6 +157,8 @@ def _describe_window(window: Window) -> str:
         text += f" burst={window.burst}"
     if window.borrow:
         text += f" borrow={window.borrow}"
+    if window.ends:
+        text += f" ends={window.ends}"
     if window.calendar:
         text += f" calendar timezone={window.timezone}"
         if window.unit is Unit.WEEK:

@@ -177,3 +177,161 @@ async def test_an_event_the_rules_do_not_declare_is_refused_and_counts_nothing(
         await sidecar.record(Impression("i3", "u1", "a1", event=""))
     assert (await sidecar.check("u1", Candidate("a1"), event="click"))[0].remaining == 1
     assert (await sidecar.record(Impression("i1", "u1", "a1", event="click")))[0].counted
+
+
+# --- Cooldowns ---------------------------------------------------------------------------------
+
+COOLDOWNS = """
+domain: ads
+descriptors:
+  - key: user
+    group_counters: true
+    descriptors:
+      - key: ad
+        rate_limits:
+          - {unit: day, requests_per_unit: 5}
+          - {algorithm: cooldown, unit: minute, unit_multiplier: 10}
+      - key: campaign
+        rate_limit: {algorithm: cooldown, unit: minute, unit_multiplier: 30}
+"""
+
+
+@pytest.mark.parametrize("grouped", [True, False], ids=["grouped", "own keys"])
+async def test_the_second_impression_inside_a_cooldown_is_refused_until_it_has_run(
+    make_sidecar: Callable[[str], Sidecar], clock: Clock, grouped: bool
+) -> None:
+    """10 minutes between two impressions of an ad: one allowed (remaining 1: the cooldown
+    admits one), refused 4 minutes after it with 360 s to go, allowed again at 10 minutes
+    while the daily cap goes on counting; the same check judges both."""
+    rules = COOLDOWNS if grouped else COOLDOWNS.replace("    group_counters: true\n", "")
+    sidecar = make_sidecar(rules)
+    start = clock.now
+    assert await sidecar.check("u1", Candidate("a1")) == [Verdict("a1", True, 1, 600)]
+    await sidecar.record(Impression("i1", "u1", "a1"))
+
+    clock.now = start + 240
+    assert await sidecar.check("u1", Candidate("a1"), Candidate("a2")) == [
+        Verdict("a1", False, 0, 360),
+        Verdict("a2", True, 1, 600),
+    ]
+    clock.now = start + 599.5
+    assert (await sidecar.check("u1", Candidate("a1")))[0] == Verdict("a1", False, 0, 1)
+    clock.now = start + 600
+    assert await sidecar.check("u1", Candidate("a1")) == [Verdict("a1", True, 1, 600)]
+    await sidecar.record(Impression("i2", "u1", "a1"))
+    day = Request("ads", (Descriptor((Entry("user", "u1"), Entry("ad", "a1")), 0),))
+    decision = await should_rate_limit(sidecar.limiter, day)
+    assert decision.overall_code is Code.OVER_LIMIT  # Envoy's path sees the cooldown too
+
+
+async def test_an_impression_recorded_inside_a_cooldown_restarts_it(
+    make_sidecar: Callable[[str], Sidecar], clock: Clock
+) -> None:
+    """Impressions are facts: one served inside the cooldown (a race between two auctions)
+    counts, and the cooldown runs from it, the latest; its id recorded again changes nothing."""
+    sidecar = make_sidecar(COOLDOWNS)
+    start = clock.now
+    await sidecar.record(Impression("i1", "u1", "a1"))
+    clock.now = start + 300
+    assert [r.counted for r in await sidecar.record(Impression("i2", "u1", "a1"))] == [True]
+    clock.now = start + 420
+    assert [r.counted for r in await sidecar.record(Impression("i2", "u1", "a1"))] == [False]
+    clock.now = start + 700
+    assert await sidecar.check("u1", Candidate("a1")) == [Verdict("a1", False, 0, 200)]
+    clock.now = start + 900
+    assert await sidecar.check("u1", Candidate("a1")) == [Verdict("a1", True, 1, 600)]
+
+
+async def test_a_campaign_cooldown_refuses_its_other_ads(
+    make_sidecar: Callable[[str], Sidecar], clock: Clock
+) -> None:
+    """A campaign's 30-minute cooldown: after one impression of the campaign, another of its
+    ads is refused with the campaign's time to go, an ad of no campaign is not."""
+    sidecar = make_sidecar(COOLDOWNS)
+    start = clock.now
+    await sidecar.record(Impression("i1", "u1", "a1", "c1"))
+    clock.now = start + 1_000
+    assert await sidecar.check("u1", Candidate("a2", "c1"), Candidate("a2")) == [
+        Verdict("a2", False, 0, 800),
+        Verdict("a2", True, 1, 600),
+    ]
+
+
+# --- Windows from the first event, lifetime caps -------------------------------------------------
+
+ANCHORED = """
+domain: ads
+descriptors:
+  - key: user
+    group_counters: true
+    descriptors:
+      - key: ad
+        rate_limit: {algorithm: first_event, unit: hour, unit_multiplier: 24, requests_per_unit: 2}
+      - key: ad
+        value: onboarding
+        rate_limit: {algorithm: lifetime, requests_per_unit: 3, ends: ENDS}
+      - key: ad
+        value: trial
+        rate_limit: {algorithm: lifetime, requests_per_unit: 1, unit: day, unit_multiplier: 90}
+"""
+
+
+def anchored_rules(ends: float) -> str:
+    return ANCHORED.replace("ENDS", str(int(ends)))
+
+
+async def test_a_window_from_the_first_event_resets_24_hours_after_it(
+    make_sidecar: Callable[[str], Sidecar], clock: Clock
+) -> None:
+    """2 per 24 hours from the first impression: before any, the window would be 24 h; the
+    first impression at 17:00 opens it, a second at 23:00 fills it, and it refuses until 17:00
+    the next day, whatever the clock's midnight; then the next impression opens a new one."""
+    sidecar = make_sidecar(anchored_rules(clock.now + 400 * DAY))
+    start = clock.now
+    assert await sidecar.check("u1", Candidate("a1")) == [Verdict("a1", True, 2, DAY)]
+    await sidecar.record(Impression("i1", "u1", "a1"))
+    clock.now = start + 6 * 3600
+    assert await sidecar.check("u1", Candidate("a1")) == [Verdict("a1", True, 1, 18 * 3600)]
+    await sidecar.record(Impression("i2", "u1", "a1"), Impression("i2", "u1", "a1"))
+    clock.now = start + DAY - 1
+    assert await sidecar.check("u1", Candidate("a1")) == [Verdict("a1", False, 0, 1)]
+    clock.now = start + DAY
+    assert await sidecar.check("u1", Candidate("a1")) == [Verdict("a1", True, 2, DAY)]
+    await sidecar.record(Impression("i3", "u1", "a1"))
+    clock.now = start + DAY + 60
+    assert await sidecar.check("u1", Candidate("a1")) == [Verdict("a1", True, 1, DAY - 60)]
+
+
+async def test_a_lifetime_cap_counts_until_its_flight_ends(
+    make_sidecar: Callable[[str], Sidecar], clock: Clock
+) -> None:
+    """3 impressions of the onboarding ad, ever, for a flight ending in 10 days: the third is
+    the last allowed, the cap refuses for the rest of the flight (reset: the flight's end);
+    past its end the state is gone and the cap limits nothing."""
+    ends = clock.now + 10 * DAY
+    sidecar = make_sidecar(anchored_rules(ends))
+    flight = int(ends - clock.now)
+    await sidecar.record(*[Impression(f"i{n}", "u1", "onboarding") for n in range(3)])
+    assert await sidecar.check("u1", Candidate("onboarding")) == [
+        Verdict("onboarding", False, 0, flight)
+    ]
+    clock.now += 9 * DAY
+    assert (await sidecar.check("u1", Candidate("onboarding")))[0].allowed is False
+    clock.now = ends
+    assert await sidecar.check("u1", Candidate("onboarding")) == [Verdict("onboarding", True, 3, 0)]
+    await sidecar.record(Impression("late", "u1", "onboarding"))
+    assert await sidecar.check("u1", Candidate("onboarding")) == [Verdict("onboarding", True, 3, 0)]
+
+
+async def test_a_lifetime_cap_with_a_ttl_ends_that_long_after_the_first_impression(
+    make_sidecar: Callable[[str], Sidecar], clock: Clock
+) -> None:
+    """1 impression of the trial ad per 90 days from the first: refused for 90 days, then
+    forgotten."""
+    sidecar = make_sidecar(anchored_rules(clock.now + 400 * DAY))
+    start = clock.now
+    await sidecar.record(Impression("t1", "u2", "trial"))
+    clock.now = start + 89 * DAY
+    assert await sidecar.check("u2", Candidate("trial")) == [Verdict("trial", False, 0, DAY)]
+    clock.now = start + 90 * DAY
+    assert await sidecar.check("u2", Candidate("trial")) == [Verdict("trial", True, 1, 90 * DAY)]

@@ -260,6 +260,9 @@ PARITY_WINDOWS = (
     Window(6, Unit.DAY, calendar=True, timezone="America/New_York"),
     Window(5, Unit.DAY, calendar=True, timezone="America/New_York", borrow=2),
     Window(9, Unit.MONTH, calendar=True, timezone="Asia/Shanghai", borrow=4),
+    Window(2, Unit.HOUR, Algorithm.FIRST_EVENT),
+    Window(1, Unit.MINUTE, Algorithm.COOLDOWN, unit_multiplier=45),
+    Window(3, Unit.YEAR, Algorithm.LIFETIME, unit_multiplier=0, ends=1_772_950_000),
 )
 
 # Just before Shanghai's February and New York's 23-hour day.
