@@ -50,7 +50,10 @@ _DESCRIPTOR_KEYS = (
     "group_counters",
     "approximate",
     "metadata",
+    "identifiers",
 )
+#: At most this many identifier kinds under one `identifiers` (a request names no more).
+MAX_IDENTIFIERS = 8
 _RATE_LIMIT_KEYS = (
     "unit",
     "requests_per_unit",
@@ -83,7 +86,7 @@ _REFERENCE_KEYS = frozenset(
         *(
             key
             for key in _DESCRIPTOR_KEYS
-            if key not in ("rate_limits", "group_counters", "approximate")
+            if key not in ("rate_limits", "group_counters", "approximate", "identifiers")
         ),
     )
 )
@@ -358,6 +361,9 @@ class _Parser:
         # While parsing a group_counters tree: each window code in it, with the kind of window
         # that has it and where it was declared (two kinds must never share a code).
         self.codes: dict[str, tuple[tuple[object, ...], Window]] | None = None
+        # While parsing the tree of a descriptor with `identifiers`: its rule key (its caps are
+        # summed across identifiers, which only plain fixed windows allow).
+        self.summed: str | None = None
 
     def error(self, path: str, message: str) -> ConfigError:
         return ConfigError(self.source, path, message)
@@ -523,8 +529,11 @@ class _Parser:
         if metadata is not None and not isinstance(metadata, dict):
             raise self.error(f"{path}.metadata", "metadata must be a map")
 
+        identifiers = self.identifiers(item, path, key, value, depth)
         if grouped:
             self.codes = {}
+        if identifiers:
+            self.summed = rule_key
         limit = self.limit(item, path, rule_key, flags["shadow_mode"], flags["quota_mode"])
         if flags["approximate"]:
             limit = self.approximate(limit, item, path, rule_key)
@@ -533,6 +542,7 @@ class _Parser:
         children = self.level(item.get("descriptors"), f"{path}.descriptors", rule_key, depth + 1)
         if grouped:
             self.codes = None
+        self.summed = None if identifiers else self.summed
         node = Node(
             key=key,
             value=value,
@@ -545,8 +555,38 @@ class _Parser:
             share_threshold=flags["share_threshold"],
             group_counters=grouped,
             metadata=metadata,
+            identifiers=identifiers,
         )
         level.add(node)
+
+    def identifiers(
+        self, item: dict[Any, Any], path: str, key: str, value: str | None, depth: int
+    ) -> tuple[str, ...]:
+        """The identifier kinds a first-level, key-only descriptor counts across (a person
+        reaching the ad server as a user, a device, a cookie); empty when it declares none."""
+        raw = item.get("identifiers")
+        if raw is None:
+            return ()
+        here = f"{path}.identifiers"
+        if depth > 0 or value is not None:
+            raise self.error(
+                here,
+                "identifiers applies to a first-level, key-only descriptor (like 'key: person' "
+                "with 'key: ad' below it)",
+            )
+        if (
+            not isinstance(raw, list)
+            or not 0 < len(raw) <= MAX_IDENTIFIERS
+            or not all(isinstance(kind, str) and kind for kind in raw)
+            or len(set(raw)) != len(raw)
+            or key in raw
+        ):
+            raise self.error(
+                here,
+                f"identifiers must be a list of 1 to {MAX_IDENTIFIERS} distinct identifier "
+                f"kinds other than '{key}', like [user, device, cookie]",
+            )
+        return tuple(raw)
 
     def scalar(self, raw: object, path: str, text: str | None = None) -> str:
         """A key, value or name: a string as it is; a number, boolean or date as `text`, the
@@ -687,6 +727,7 @@ class _Parser:
             window = self.anchored(raw, path, anchored, unit_text, name)
             if self.codes is not None:
                 self.check_code(window, path)
+            self.check_summed(window, path)
             return window, False, replaces
         if "ends" in raw:
             raise self.error(
@@ -717,6 +758,7 @@ class _Parser:
         )
         if self.codes is not None:
             self.check_code(window, path)
+        self.check_summed(window, path)
         return window, False, replaces
 
     def anchored(
@@ -779,6 +821,20 @@ class _Parser:
             return value
         raise self.error(
             path, f"ends must be a date and time, like 2026-12-31T00:00:00Z, got {raw!r}"
+        )
+
+    def check_summed(self, window: Window, path: str) -> None:
+        """Caps counted across identifiers are judged on the sum of their counters under each
+        identifier, which only a plain fixed window's count allows."""
+        if self.summed is None or window.plain:
+            return
+        what = "borrow" if window.borrow else "algorithm"
+        found = f"borrow: {window.borrow}" if window.borrow else window.algorithm.value
+        raise self.error(
+            f"{path}.{what}",
+            f"caps under '{self.summed}' are counted across identifiers, summed from fixed "
+            f"windows only, but found {found} (count it per identifier, under the identifier's "
+            "own key, or use a fixed window)",
         )
 
     def calendar_month(

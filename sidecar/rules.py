@@ -89,6 +89,9 @@ class Node:
     #: millions of users below it) one hash would grow without bound and be hot on one node.
     group_counters: bool = False
     metadata: Mapping[str, Any] | None = None
+    #: The identifier kinds a frequency cap on this first-level descriptor counts across (a
+    #: person, a household: `sidecar.frequency.caps`); empty for any other descriptor.
+    identifiers: tuple[str, ...] = ()
 
 
 @dataclass(slots=True)

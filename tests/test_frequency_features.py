@@ -335,3 +335,187 @@ async def test_a_lifetime_cap_with_a_ttl_ends_that_long_after_the_first_impressi
     assert await sidecar.check("u2", Candidate("trial")) == [Verdict("trial", False, 0, DAY)]
     clock.now = start + 90 * DAY
     assert await sidecar.check("u2", Candidate("trial")) == [Verdict("trial", True, 1, 90 * DAY)]
+
+
+# --- Identities: caps counted across a person's identifiers --------------------------------------
+
+PERSONS = """
+domain: ads
+descriptors:
+  - key: user
+    group_counters: true
+    descriptors:
+      - key: ad
+        rate_limit: {unit: day, requests_per_unit: 5}
+  - key: device
+    group_counters: true
+    descriptors:
+      - key: ad
+        rate_limit: {unit: day, requests_per_unit: 4}
+  - key: person
+    identifiers: [user, device, cookie]
+    group_counters: true
+    descriptors:
+      - key: ad
+        rate_limit: {unit: day, requests_per_unit: 3}
+        descriptors:
+          - key: event
+            value: click
+            rate_limit: {unit: day, requests_per_unit: 1}
+      - key: campaign
+        rate_limit: {unit: day, requests_per_unit: 6}
+"""
+
+#: One person as the ad server knows them: a login, a phone, a browser cookie.
+P = (("user", "u1"), ("device", "d1"), ("cookie", "c1"))
+#: Another person.
+Q = (("user", "u2"), ("device", "d2"), ("cookie", "c2"))
+
+
+def seen(id_: str, ad: str, *identities: tuple[str, str], event: str = "impression") -> Impression:
+    """An impression named by `identities` alone (no `user` field)."""
+    return Impression(id_, "", ad, event=event, identities=identities)
+
+
+async def check_as(
+    sidecar: Sidecar, identities: tuple[tuple[str, str], ...], *ads: Candidate, event: str = ""
+) -> list[Verdict]:
+    return await sidecar.caps.check("ads", "", ads, event or "impression", identities)
+
+
+class ReadCounter:
+    """Counts a backend's reads: a check is one read, one round trip per hash slot."""
+
+    def __init__(self, sidecar: Sidecar) -> None:
+        self.reads = 0
+        backend = sidecar.caps.backend
+        read = backend.read
+
+        async def counted(*args: object, **kwargs: object) -> object:
+            self.reads += 1
+            return await read(*args, **kwargs)  # type: ignore[arg-type]
+
+        backend.read = counted  # type: ignore[method-assign]
+
+
+@pytest.mark.parametrize("grouped", [True, False], ids=["grouped", "own keys"])
+async def test_impressions_under_two_identifiers_of_a_person_count_against_their_cap(
+    make_sidecar: Callable[[str], Sidecar], clock: Clock, grouped: bool
+) -> None:
+    """3 a day per person: an impression seen as P's cookie and one as P's phone leave P 1,
+    and a check naming all of P's identifiers answers it in one read; Q, who shares nothing
+    with P, still has 3; a third impression under P's login fills the cap."""
+    rules = PERSONS if grouped else PERSONS.replace("    group_counters: true\n", "")
+    sidecar = make_sidecar(rules)
+    reads = ReadCounter(sidecar)
+    reset = DAY - int(clock.now) % DAY
+    await sidecar.record(seen("i1", "a1", ("cookie", "c1")), seen("i2", "a1", ("device", "d1")))
+
+    assert await check_as(sidecar, P, Candidate("a1")) == [Verdict("a1", True, 1, reset)]
+    assert reads.reads == 1
+    assert await check_as(sidecar, Q, Candidate("a1")) == [Verdict("a1", True, 3, reset)]
+    # The phone's own cap (4 a day) counted its one impression: 3 left, the person has 1.
+    assert await check_as(sidecar, (("device", "d1"),), Candidate("a1")) == [
+        Verdict("a1", True, 2, reset)
+    ]
+
+    await sidecar.record(Impression("i3", "u1", "a1", identities=(("cookie", "c1"),)))
+    assert await check_as(sidecar, P, Candidate("a1"), Candidate("a2")) == [
+        Verdict("a1", False, 0, reset),
+        Verdict("a2", True, 3, reset),
+    ]
+    assert (await check_as(sidecar, Q, Candidate("a1")))[0].allowed is True
+
+
+async def test_identifiers_linked_later_merge_their_counts(
+    make_sidecar: Callable[[str], Sidecar], clock: Clock
+) -> None:
+    """Two impressions seen as a cookie and as a phone not yet known to be one person: each
+    alone counts 1; once a login links them, a check naming all three sums both, with no
+    write on linking; a check naming one of them sees only its own again."""
+    sidecar = make_sidecar(PERSONS)
+    reset = DAY - int(clock.now) % DAY
+    await sidecar.record(seen("i1", "a1", ("cookie", "c9")), seen("i2", "a1", ("device", "d9")))
+    for alone in (("cookie", "c9"), ("device", "d9")):
+        assert (await check_as(sidecar, (alone,), Candidate("a1")))[0].remaining == 2
+    linked = (("user", "u9"), ("device", "d9"), ("cookie", "c9"))
+    assert await check_as(sidecar, linked, Candidate("a1")) == [Verdict("a1", True, 1, reset)]
+    assert (await check_as(sidecar, (("cookie", "c9"),), Candidate("a1")))[0].remaining == 2
+
+
+async def test_a_record_across_identifiers_counts_each_part_once(
+    make_sidecar: Callable[[str], Sidecar],
+) -> None:
+    """Recorded again, an impression is a duplicate; recorded first under the login alone and
+    then under the login and the phone (a retry that learned more), only the phone's part is
+    new: the person's cap counts it once, the phone's own cap once."""
+    sidecar = make_sidecar(PERSONS)
+    both = (("user", "u1"), ("device", "d1"))
+    first = await sidecar.record(Impression("i1", "u1", "a1"))
+    retry = await sidecar.record(Impression("i1", "", "a1", identities=both))
+    again = await sidecar.record(Impression("i1", "", "a1", identities=both))
+    assert [r.counted for r in first + retry + again] == [True, True, False]
+    assert (await check_as(sidecar, P, Candidate("a1")))[0].remaining == 2
+    assert (await check_as(sidecar, (("device", "d1"),), Candidate("a1")))[0].remaining == 3
+
+
+async def test_events_count_across_a_persons_identifiers(
+    make_sidecar: Callable[[str], Sidecar], clock: Clock
+) -> None:
+    """One click a day per person: a click on the phone refuses clicks for the person, named
+    by all identifiers, while impressions are untouched; the campaign cap counts across too."""
+    sidecar = make_sidecar(PERSONS)
+    reset = DAY - int(clock.now) % DAY
+    await sidecar.record(seen("k1", "a1", ("device", "d1"), event="click"))
+    assert await check_as(sidecar, P, Candidate("a1"), event="click") == [
+        Verdict("a1", False, 0, reset)
+    ]
+    assert (await check_as(sidecar, P, Candidate("a1")))[0].remaining == 3
+    await sidecar.record(
+        *[Impression(f"c{n}", "", f"b{n}", "camp", identities=(P[n % 3],)) for n in range(6)]
+    )
+    assert await check_as(sidecar, P, Candidate("b9", "camp")) == [Verdict("b9", False, 0, reset)]
+    assert (await check_as(sidecar, Q, Candidate("b9", "camp")))[0].allowed is True
+
+
+@pytest.mark.parametrize(
+    ("identities", "message"),
+    [
+        (
+            (("email", "x@y"),),
+            r"^impressions\[1\]\.identities\.email: unknown identifier kind 'email' \(the rules "
+            r"declare: cookie, device, user\)$",
+        ),
+        (
+            (("cookie", ""),),
+            r"^impressions\[1\]\.identities\.cookie must be a non-empty string$",
+        ),
+        (
+            (("cookie", "c" * 8_193),),
+            r"^impressions\[1\]\.identities\.cookie is too long",
+        ),
+        (
+            tuple((f"k{n}", "v") for n in range(9)),
+            r"^impressions\[1\]\.identities: too many identifiers: 10 \(at most 8\)$",
+        ),
+        (
+            (("user", "u1"),),
+            r"^impressions\[1\]\.identities\.user: identifier kind 'user' named twice$",
+        ),
+    ],
+)
+async def test_bad_identifiers_are_refused_and_count_nothing(
+    make_sidecar: Callable[[str], Sidecar],
+    identities: tuple[tuple[str, str], ...],
+    message: str,
+) -> None:
+    """An unknown identifier kind, an empty or overlong value, too many identifiers or one
+    named twice refuse the whole record, naming the field; a check is refused alike."""
+    sidecar = make_sidecar(PERSONS)
+    with pytest.raises(InvalidRequest, match=message):
+        await sidecar.record(
+            Impression("i1", "u1", "a1"), Impression("i2", "u1", "a1", identities=identities)
+        )
+    with pytest.raises(InvalidRequest, match=message.replace(r"impressions\[1\]\.", "")):
+        await sidecar.caps.check("ads", "u1", [Candidate("a1")], "impression", identities)
+    assert (await check_as(sidecar, P, Candidate("a1")))[0].remaining == 3

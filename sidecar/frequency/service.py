@@ -4,7 +4,7 @@ response bytes out, over the use case in `sidecar.frequency`.
 Like `service.py`, nothing here knows the transport. The proto is the project's own
 (`proto/ratelimit_sidecar/frequency/v1/frequency.proto`, stubs in `sidecar.proto`); its package
 keeps its names apart from Envoy's in the protobuf registry. An empty `campaign` means none,
-an empty `event` an impression.
+an empty `event` an impression; `identities` may stand beside `user` or for it (empty).
 A call that cannot be answered raises InvalidRequest (INVALID_ARGUMENT), UnknownDomain
 (NOT_FOUND) or StorageError (UNAVAILABLE: the ad server decides what to serve without caps).
 """
@@ -34,7 +34,11 @@ class FrequencyService:
         request = _parse(pb.CheckAdsRequest, body)
         candidates = [Candidate(ad.ad, ad.campaign or None) for ad in request.ads]
         verdicts = await self.caps.check(
-            request.domain, request.user, candidates, request.event or IMPRESSION
+            request.domain,
+            request.user,
+            candidates,
+            request.event or IMPRESSION,
+            list(request.identities.items()),
         )
         response = pb.CheckAdsResponse(
             ads=[
@@ -52,7 +56,14 @@ class FrequencyService:
     async def record_impressions(self, body: bytes) -> bytes:
         request = _parse(pb.RecordImpressionsRequest, body)
         impressions = [
-            Impression(i.id, i.user, i.ad, i.campaign or None, i.event or IMPRESSION)
+            Impression(
+                i.id,
+                i.user,
+                i.ad,
+                i.campaign or None,
+                i.event or IMPRESSION,
+                list(i.identities.items()),
+            )
             for i in request.impressions
         ]
         results = await self.caps.record(request.domain, impressions)
