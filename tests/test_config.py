@@ -222,6 +222,20 @@ ERRORS = {
         "descriptors[0].descriptors[0].rate_limit.ends: ends applies to lifetime caps (add "
         "'algorithm: lifetime')"
     ),
+    # Caps counted across a person's identifiers (frequency caps).
+    "identifiers_nested.yaml": (
+        "descriptors[0].descriptors[0].identifiers: identifiers applies to a first-level, "
+        "key-only descriptor (like 'key: person' with 'key: ad' below it)"
+    ),
+    "identifiers_own_key.yaml": (
+        "descriptors[0].identifiers: identifiers must be a list of 1 to 8 distinct identifier "
+        "kinds other than 'person', like [user, device, cookie]"
+    ),
+    "identifiers_cooldown.yaml": (
+        "descriptors[0].descriptors[0].rate_limits[1].algorithm: caps under 'ads.person' are "
+        "counted across identifiers, summed from fixed windows only, but found cooldown (count "
+        "it per identifier, under the identifier's own key, or use a fixed window)"
+    ),
     "first_event_borrow.yaml": (
         "descriptors[0].descriptors[0].rate_limit.borrow: borrow does not apply to first_event "
         "(remove it)"
