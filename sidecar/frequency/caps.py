@@ -334,7 +334,8 @@ class FrequencyCaps:
             check_value(f"{where}ad", impression.ad)
             if impression.campaign is not None:
                 check_value(f"{where}campaign", impression.campaign)
-            self._check_event(rules, kinds, f"{where}event", impression.event)
+            if impression.event != IMPRESSION:
+                self._check_event(rules, kinds, f"{where}event", impression.event)
         if not impressions:
             return []
 
@@ -345,15 +346,14 @@ class FrequencyCaps:
         for index, impression in enumerate(impressions):
             placed = False
             for first in named[index]:
-                hits, indices = slots.get(first) or ([], [])
-                more = self._hits(
-                    rules, kinds, first, named[index], impression, len(indices), now_ms
-                )
+                slot = slots.get(first)
+                group = 0 if slot is None else len(slot[1])
+                more = self._hits(rules, kinds, first, named[index], impression, group, now_ms)
                 if more:
-                    if first not in slots:
-                        slots[first] = (hits, indices)
-                    hits += more
-                    indices.append(index)
+                    if slot is None:
+                        slot = slots[first] = ([], [])
+                    slot[0].extend(more)
+                    slot[1].append(index)
                     placed = True
             if not placed:
                 # Counted on nothing: its id is still remembered, under the first identifier.
@@ -376,18 +376,21 @@ class FrequencyCaps:
         kind, value = first
         event = impression.event
         # The scopes this identifier is the primary of: the first of their kinds named.
-        kinds_named = [k for k, _ in named]
-        primary_of = [
-            scope
-            for scope in kinds.scopes
-            if next((k for k in scope.identifiers if k in kinds_named), None) == kind
-        ]
+        primary_of = []
+        if kinds.scopes:
+            kinds_named = [k for k, _ in named]
+            primary_of = [
+                scope
+                for scope in kinds.scopes
+                if next((k for k in scope.identifiers if k in kinds_named), None) == kind
+            ]
         hits: list[Hit] = []
+        own = Entry(kind, value) if kind in kinds.trees else None
         for key, named_value in ((AD_KEY, impression.ad), (CAMPAIGN_KEY, impression.campaign)):
             if named_value is None:
                 continue
-            if kind in kinds.trees:
-                entries = [Entry(kind, value), Entry(key, named_value)]
+            if own is not None:
+                entries = [own, Entry(key, named_value)]
                 if event != IMPRESSION:
                     entries.append(Entry(EVENT_KEY, event))
                 found = match(rules, entries)
