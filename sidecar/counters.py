@@ -171,9 +171,6 @@ def field_hit(
     if window.algorithm is Algorithm.TOKEN_BUCKET:
         field = counter_field(head, window_code, BUCKET_FIELD_END)
         return Hit(key, cost, window, group, role, key, 0, field=field, previous_field=field)
-    if window.algorithm in _ANCHORED:
-        field = counter_field(head, window_code, ANCHORED_FIELD_END)
-        return Hit(key, cost, window, group, role, key, 0, field=field, previous_field=field)
     now = now_ms // 1000
     if window.plain:
         suffix, start, end = plain_suffix(window, now, grouped=True)
@@ -191,6 +188,10 @@ def field_hit(
             field,
             field,
         )
+    # (Looked up once a window is known not to be plain: an enum member hashes in Python.)
+    if window.algorithm in _ANCHORED:
+        field = counter_field(head, window_code, ANCHORED_FIELD_END)
+        return Hit(key, cost, window, group, role, key, 0, field=field, previous_field=field)
     start, end = bounds(window, now)
     next_end = bounds(window, end)[1]
     return Hit(

@@ -51,13 +51,11 @@ _FIXED_WINDOW = Algorithm.FIXED_WINDOW
 
 def code(window: Window) -> int:
     algorithm = window.algorithm
+    if algorithm is _FIXED_WINDOW:  # nearly every window: asked first
+        return BORROWING if window.borrow else PLAIN
     if algorithm is _TOKEN_BUCKET:
         return BUCKET
-    if algorithm is _SLIDING_WINDOW:
-        return SLIDING
-    if algorithm is not _FIXED_WINDOW:
-        return ANCHORED
-    return BORROWING if window.borrow else PLAIN
+    return SLIDING if algorithm is _SLIDING_WINDOW else ANCHORED
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,16 +165,15 @@ def _judge(
     cost = hit.hits
     algorithm = code(window)
     here = address(hit.key, hit.field)
-    if algorithm == ANCHORED:
+    if algorithm >= BUCKET:  # a state, not a count (one comparison for the usual window)
         stored = value(here)
-        span = anchored.take(
-            stored if isinstance(stored, Span) else None, now_ms, cost, window, force
-        )
-        if span.state is not None:
-            seen[here] = span.state
-        return _Judged(span.over, span.before, span.after, span.state)
-    if algorithm == BUCKET:
-        stored = value(here)
+        if algorithm == ANCHORED:
+            span = anchored.take(
+                stored if isinstance(stored, Span) else None, now_ms, cost, window, force
+            )
+            if span.state is not None:
+                seen[here] = span.state
+            return _Judged(span.over, span.before, span.after, span.state)
         rate, period_ms = window.requests_per_unit, window.seconds * 1000
         capacity = window.capacity
         bucket = token_bucket.refill(

@@ -55,6 +55,7 @@ from sidecar.frequency.identities import (
     CAMPAIGN_KEY,
     USER_KEY,
     Layout,
+    Scope,
     check_unicode,
     check_value,
     layout,
@@ -327,80 +328,59 @@ class FrequencyCaps:
                 f"too many impressions: {len(impressions)} (at most {MAX_IMPRESSIONS} per record)"
             )
         named: list[Identifiers] = []
+        # Per identifier, in the order first named: the impressions naming it.
+        by_first: dict[tuple[str, str], list[int]] = {}
         for index, impression in enumerate(impressions):
             where = f"impressions[{index}]."
             _check_id(f"{where}id", impression.id)
-            named.append(kinds.named(impression.user, impression.identities, where))
+            identifiers = kinds.named(impression.user, impression.identities, where)
+            named.append(identifiers)
             check_value(f"{where}ad", impression.ad)
             if impression.campaign is not None:
                 check_value(f"{where}campaign", impression.campaign)
             if impression.event != IMPRESSION:
                 self._check_event(rules, kinds, f"{where}event", impression.event)
+            for first in identifiers:
+                by_first.setdefault(first, []).append(index)
         if not impressions:
             return []
 
         now_ms = int(self._clock() * 1000)
-        # Per identifier, in the order first named: its hits and the impressions they count
-        # (an impression's hits there carry its position among them as their group).
+        # Per identifier: its hits and the impressions whose ids it keeps, each impression's
+        # hits carrying its position among them as their group. The first identifier an
+        # impression names keeps its id in any case; another only when it counts something.
         slots: dict[tuple[str, str], tuple[list[Hit], list[int]]] = {}
-        for index, impression in enumerate(impressions):
-            placed = False
-            for first in named[index]:
-                slot = slots.get(first)
-                group = 0 if slot is None else len(slot[1])
-                more = self._hits(rules, kinds, first, named[index], impression, group, now_ms)
-                if more:
-                    if slot is None:
-                        slot = slots[first] = ([], [])
-                    slot[0].extend(more)
-                    slot[1].append(index)
-                    placed = True
-            if not placed:
-                # Counted on nothing: its id is still remembered, under the first identifier.
-                slots.setdefault(named[index][0], ([], []))[1].append(index)
-        return await self._count(rules.name, slots, impressions, now_ms)
-
-    def _hits(
-        self,
-        rules: Domain,
-        kinds: Layout,
-        first: tuple[str, str],
-        named: Identifiers,
-        impression: Impression,
-        group: int,
-        now_ms: int,
-    ) -> list[Hit]:
-        """The hits `impression` adds under the identifier `first`: its own caps, as Envoy's
-        ShouldRateLimit with that first entry would add them, and the caps of each scope whose
-        primary identifier it is."""
-        kind, value = first
-        event = impression.event
-        # The scopes this identifier is the primary of: the first of their kinds named.
-        primary_of = []
-        if kinds.scopes:
-            kinds_named = [k for k, _ in named]
-            primary_of = [
-                scope
-                for scope in kinds.scopes
-                if next((k for k in scope.identifiers if k in kinds_named), None) == kind
-            ]
-        hits: list[Hit] = []
-        own = Entry(kind, value) if kind in kinds.trees else None
-        for key, named_value in ((AD_KEY, impression.ad), (CAMPAIGN_KEY, impression.campaign)):
-            if named_value is None:
-                continue
-            if own is not None:
-                entries = [own, Entry(key, named_value)]
-                if event != IMPRESSION:
-                    entries.append(Entry(EVENT_KEY, event))
-                found = match(rules, entries)
-                if found is not None and not found.limit.unlimited:
-                    hits += descriptor_hits(rules.name, found, 1, group, now_ms)
-            for scope in primary_of:
-                template = self._template(scope.node, key, named_value, event)
-                if template is not None:
-                    hits += _template_hits(rules, first, template, group, now_ms)
-        return hits
+        for first, indices in by_first.items():
+            kind = first[0]
+            first_entry = Entry(*first)
+            own = kind in kinds.trees
+            hits: list[Hit] = []
+            kept: list[int] = []
+            for index in indices:
+                impression = impressions[index]
+                event = impression.event
+                group = len(kept)
+                before = len(hits)
+                for key, value in ((AD_KEY, impression.ad), (CAMPAIGN_KEY, impression.campaign)):
+                    if value is None:
+                        continue
+                    if own:
+                        entries = [first_entry, Entry(key, value)]
+                        if event != IMPRESSION:
+                            entries.append(Entry(EVENT_KEY, event))
+                        found = match(rules, entries)
+                        if found is not None and not found.limit.unlimited:
+                            hits += descriptor_hits(domain, found, 1, group, now_ms)
+                    if kinds.scopes:
+                        for scope in _primary_of(kinds, kind, named[index]):
+                            template = self._template(scope.node, key, value, event)
+                            if template is not None:
+                                hits += _template_hits(rules, first, template, group, now_ms)
+                if len(hits) > before or named[index][0] == first:
+                    kept.append(index)
+            if kept:
+                slots[first] = (hits, kept)
+        return await self._count(domain, slots, impressions, now_ms)
 
     async def _count(
         self,
@@ -420,18 +400,24 @@ class FrequencyCaps:
                 Dedupe(
                     dedupe_key(domain, first, bucket),
                     dedupe_key(domain, first, bucket - 1),
-                    tuple(_stored_id(impressions[index]) for index in indices),
+                    tuple(
+                        impressions[index].id
+                        if impressions[index].event == IMPRESSION
+                        else _stored_id(impressions[index])
+                        for index in indices
+                    ),
                     ttl_ms,
                 ),
             )
             for first, (hits, indices) in slots.items()
         ]
         answers = await self.backend.record(batches, now_ms)
-        seen = [True] * len(impressions)
+        results: list[Recorded | None] = [None] * len(impressions)
         for (_, indices), duplicates in zip(slots.values(), answers, strict=True):
             for index, duplicate in zip(indices, duplicates, strict=True):
-                seen[index] = seen[index] and duplicate
-        return [Recorded(i.id, not dup) for i, dup in zip(impressions, seen, strict=True)]
+                if not duplicate or results[index] is None:
+                    results[index] = Recorded(impressions[index].id, not duplicate)
+        return [result for result in results if result is not None]
 
     def _check_event(self, rules: Domain, kinds: Layout, name: str, event: object) -> None:
         """Refuse an event the domain's rules do not declare: an impression always is; any
@@ -475,6 +461,17 @@ class FrequencyCaps:
         return domain, kinds
 
 
+def _primary_of(kinds: Layout, kind: str, named: Identifiers) -> list[Scope]:
+    """The scopes whose primary identifier, among those `named`, is of `kind`: the first of
+    their `identifiers` named."""
+    names = [k for k, _ in named]
+    return [
+        scope
+        for scope in kinds.scopes
+        if next((k for k in scope.identifiers if k in names), None) == kind
+    ]
+
+
 def _template_hits(
     rules: Domain, first: tuple[str, str], template: Template, group: int, now_ms: int
 ) -> list[Hit]:
@@ -494,11 +491,9 @@ def _template_hits(
 
 
 def _stored_id(impression: Impression) -> str:
-    """The id as its dedupe hash keeps it: an impression's whole, another event's behind the
-    event's name and a unit separator (ids are printable, so none holds one): a click and an
+    """The id of an event other than an impression as its dedupe hash keeps it (an
+    impression's is kept whole): behind the event's name and a unit separator (ids are printable, so none holds one): a click and an
     impression sharing an id are two events, and no impression's id can pose as a click's."""
-    if impression.event == IMPRESSION:
-        return impression.id
     return f"{impression.event}\x1f{impression.id}"
 
 
