@@ -47,6 +47,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from sidecar.algorithms.decide import State
 from sidecar.counters import field_hit, window_hit
 from sidecar.errors import InvalidRequest, UnknownDomain
 from sidecar.frequency.checks import Cap, Check, Sum, Template, verdict, verdict_of
@@ -240,11 +241,21 @@ class FrequencyCaps:
         found: dict[tuple[int, str, str], Cap | Sum | None] = {}
 
         def cap(position: int, node: Node, key: str, value: str) -> Cap | None:
+            """The caps of `[(first, *), (key, value)]` below `node`, under one identifier."""
             template = self._template(node, key, value, event)
             return None if template is None else checks[position].add(template)
 
+        def summed(node: Node, members: list[int], key: str, value: str) -> Sum | None:
+            """A scope's caps, under each identifier it names."""
+            parts = [(member, cap(member, node, key, value)) for member in members]
+            first = parts[0][1]
+            if first is None:
+                return None
+            return Sum(first.role, [(member, part) for member, part in parts if part is not None])
+
         def caps_of(candidate: Candidate) -> list[Cap | Sum]:
-            held: list[Cap | Sum] = []
+            """Every cap of the candidate, each named once however many ads share it."""
+            held: list[Cap | Sum | None] = []
             for key, value in ((AD_KEY, candidate.ad), (CAMPAIGN_KEY, candidate.campaign)):
                 if value is None:
                     continue
@@ -252,43 +263,27 @@ class FrequencyCaps:
                     known = (position, key, value)
                     if known not in found:
                         found[known] = cap(position, node, key, value)
+                    held.append(found[known])
                 for number, (node, members) in enumerate(scopes):
                     known = (-1 - number, key, value)
                     if known not in found:
-                        parts = [(member, cap(member, node, key, value)) for member in members]
-                        found[known] = (
-                            None
-                            if parts[0][1] is None
-                            else Sum(parts[0][1].role, [(m, c) for m, c in parts if c])
-                        )
-                held += [
-                    c
-                    for known in [(p, key, value) for p, _ in own]
-                    + [(-1 - n, key, value) for n in range(len(scopes))]
-                    if (c := found[known]) is not None
-                ]
-            return held
+                        found[known] = summed(node, members, key, value)
+                    held.append(found[known])
+            return [each for each in held if each is not None]
 
         held = [caps_of(candidate) for candidate in ads]
         addresses = [where for check in checks for where in check.addresses]
         values = await self.backend.read(addresses, now_ms) if addresses else []
-        split: list[Sequence[object]] = []
-        start = 0
+        split: list[Sequence[State | None]] = []
         for check in checks:
-            part = values[start : start + len(check.addresses)]
-            start += len(check.addresses)
-            split.append(part)
+            split.append(values[: len(check.addresses)])
+            values = values[len(check.addresses) :]
             if check.addresses:
-                check.judge(part)
-        for summed in found.values():
-            if isinstance(summed, Sum):
-                summed.judge(split)  # type: ignore[arg-type]
-        return [
-            Verdict(c.ad, *verdict_of(caps))
-            if caps
-            else Verdict(c.ad, True, UNLIMITED_REMAINING, 0)
-            for c, caps in zip(ads, held, strict=True)
-        ]
+                check.judge(split[-1])
+        for each in found.values():
+            if isinstance(each, Sum):
+                each.judge(split)
+        return [Verdict(c.ad, *verdict_of(caps)) for c, caps in zip(ads, held, strict=True)]
 
     def _template(self, node: Node, key: str, value: str, event: str) -> Template | None:
         """The caps of `[(first, *), (key, value)]` (and `(event, E)` after it for an event but

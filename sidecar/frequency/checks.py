@@ -6,7 +6,8 @@ call (`Backend.read`) and judges them in Python, exactly as the script's read-on
 Plain fixed windows, nearly every cap, are named once per window kind (`plain_suffix`) and judged
 by `fixed_window.judge` straight from their count; any other window becomes a Hit judged by
 `decide`. What a descriptor below the user needs, whoever the user is, is a `Template`, which
-callers keep from one check to the next.
+callers keep from one check to the next. A check naming several identifiers makes a Check per
+identifier, and a cap counted across them is a `Sum` of that cap in each.
 """
 
 from __future__ import annotations
