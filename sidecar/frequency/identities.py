@@ -70,8 +70,9 @@ class Layout:
     def named(
         self, user: str, identities: Sequence[tuple[str, str]], where: str
     ) -> list[tuple[str, str]]:
-        """The identifiers a call names, `user` first, then in the order the rules declare
-        their kinds; raises InvalidRequest naming the field at fault (`where` its prefix)."""
+        """The identifiers a call names (`user` and `identities`), in the order the rules
+        declare their kinds (a gRPC map has no order of its own); raises InvalidRequest naming
+        the field at fault (`where` its prefix)."""
         if not identities:
             check_value(f"{where}user", user)
             if USER_KEY not in self.kinds:
