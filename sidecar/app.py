@@ -314,6 +314,9 @@ class App:
                 with contextlib.suppress(OSError, ConfigError):
                     config_marks = config.fingerprint(options.config)
                 rules = self._load_rules()
+                # The list files the rules read, known once they are loaded (`sidecar.lists`).
+                with contextlib.suppress(OSError):
+                    config_marks += config.fingerprint((), rules)
         except BaseException:
             await self.stop()  # the tracer's export thread, the xDS client
             raise
@@ -667,12 +670,12 @@ class App:
     async def _watch_config(
         self, marks: tuple[tuple[str, int, int, int], ...], interval: float
     ) -> None:
-        """Reload when the rules files change (polling their stat: no inotify needed, and a
-        Kubernetes ConfigMap's symlink swap shows as a change)."""
+        """Reload when the rules files, or the list files they read, change (polling their
+        stat: no inotify needed, and a Kubernetes ConfigMap's symlink swap shows as a change)."""
         while True:
             await asyncio.sleep(interval)
             try:
-                current = config.fingerprint(self.options.config)
+                current = config.fingerprint(self.options.config, self.rules)
             except (OSError, ConfigError):
                 continue  # mid-swap, or a path gone: look again next time
             if current != marks:

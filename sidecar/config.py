@@ -26,7 +26,7 @@ from typing import Any
 
 import yaml
 
-from sidecar import usage
+from sidecar import lists, usage
 from sidecar.algorithms.windows import check_zone, is_calendar_unit
 from sidecar.counters import code, kind
 from sidecar.errors import ConfigError
@@ -35,7 +35,7 @@ from sidecar.rules import ConfigWarning, Domain, Level, Node, Rules, yaml_bool
 
 MAX_REQUESTS_PER_UNIT = 4_294_967_295
 
-_ROOT_KEYS = ("domain", "descriptors", "usage")
+_ROOT_KEYS = ("domain", "descriptors", "usage", "lists")
 _DESCRIPTOR_KEYS = (
     "key",
     "value",
@@ -81,7 +81,7 @@ _REPLACES_KEYS = ("name",)
 _LIMIT_FIELDS = ("unit", "requests_per_unit", "unlimited", "name", "replaces")
 _REFERENCE_KEYS = frozenset(
     (
-        *(key for key in _ROOT_KEYS if key != "usage"),
+        *(key for key in _ROOT_KEYS if key not in ("usage", "lists")),
         *_LIMIT_FIELDS,
         *(
             key
@@ -106,9 +106,16 @@ def load(paths: Sequence[str | Path], merge: bool = False, calendar_months: bool
     """Load every rules file named by `paths` (files, or directories of `*.yaml` / `*.yml`).
 
     Raises ConfigError on the first bad file, or when two files declare the same domain (unless
-    `merge`: see `gather`). `calendar_months`: see `parse`.
+    `merge`: see `gather`). `calendar_months`: see `parse`. The allow and deny lists the files
+    name (`sidecar.lists`) are read too: a bad list is a bad load.
     """
-    return gather((parse(_read(file), str(file), calendar_months) for file in _files(paths)), merge)
+    rules = gather(
+        (parse(_read(file), str(file), calendar_months) for file in _files(paths)), merge
+    )
+    for domain in rules.domains.values():
+        if domain.list_files:
+            domain.lists = lists.read(domain.name, domain.list_files)
+    return rules
 
 
 def _read(file: Path) -> str:
@@ -156,6 +163,13 @@ def _merge(first: Domain, second: Domain) -> Domain:
                 f"{first.source}; merge the two descriptors)",
             )
         root.add(node)
+    if first.list_files and second.list_files:
+        raise ConfigError(
+            second.source,
+            "lists",
+            f"lists of domain '{first.name}' are declared in {first.source} already "
+            "(declare them in one file)",
+        )
     if first.usage is not None and second.usage is not None:
         raise ConfigError(
             second.source,
@@ -169,11 +183,16 @@ def _merge(first: Domain, second: Domain) -> Domain:
         root,
         first.warnings + second.warnings,
         first.usage or second.usage,
+        first.list_files or second.list_files,
     )
 
 
-def fingerprint(paths: Sequence[str | Path]) -> tuple[tuple[str, int, int, int], ...]:
-    """What `load` would read, as (name, inode, size, mtime) of every rules file.
+def fingerprint(
+    paths: Sequence[str | Path], rules: Rules | None = None
+) -> tuple[tuple[str, int, int, int], ...]:
+    """What `load` would read, as (name, inode, size, mtime) of every rules file, then of every
+    list file `rules` (loaded from them) read: which list files a load reads is known once the
+    rules are parsed, and polling must not parse them.
 
     Cheap enough to poll: a change of any file, a file added or removed, or a directory swapped
     under a symlink (how Kubernetes updates a mounted ConfigMap) changes it. Raises OSError when
@@ -183,6 +202,10 @@ def fingerprint(paths: Sequence[str | Path]) -> tuple[tuple[str, int, int, int],
     for file in _files(paths):
         stat = file.stat()  # follows symlinks: a swapped target changes inode and mtime
         marks.append((str(file), stat.st_ino, stat.st_size, stat.st_mtime_ns))
+    for domain in rules.domains.values() if rules is not None else ():
+        for declared in domain.list_files:
+            stat = declared.path.stat()
+            marks.append((str(declared.path), stat.st_ino, stat.st_size, stat.st_mtime_ns))
     return tuple(marks)
 
 
@@ -244,8 +267,18 @@ def parse(text: str, source: str, calendar_months: bool = False) -> Domain:
 
 def parse_mapping(document: object, source: str, calendar_months: bool = False) -> Domain:
     """Parse one domain's rules already decoded from their format (as `parse` does once YAML
-    has decoded a file): rules pushed over xDS take this way, through the same checks."""
-    return _Parser(source, calendar_months=calendar_months).root(document)
+    has decoded a file): rules pushed over xDS take this way, through the same checks. Allow
+    and deny lists are files on the sidecar's disk, read with rules files: rules that come
+    this way may not name them."""
+    domain = _Parser(source, calendar_months=calendar_months).root(document)
+    if domain.list_files:
+        raise ConfigError(
+            source,
+            "lists",
+            "lists are files the sidecar reads with its rules files: declare them in a rules "
+            "file (--config), not over xDS",
+        )
+    return domain
 
 
 class _Map(dict[Any, Any]):
@@ -388,12 +421,14 @@ class _Parser:
         counted = (
             None if document.get("usage") is None else usage.parse(document["usage"], self.source)
         )
+        named = () if document.get("lists") is None else lists.parse(document["lists"], self.source)
         return Domain(
             name=domain,
             source=self.source,
             root=root,
             warnings=tuple(self.warnings),
             usage=counted,
+            list_files=named,
         )
 
     def check_keys(

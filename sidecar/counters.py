@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 from functools import lru_cache
+from typing import Final
 
 from sidecar.algorithms.windows import FIELD_GRACE, bounds
 from sidecar.model import Algorithm, Hit, Role, Unit, Window
@@ -28,13 +29,17 @@ from sidecar.storage.keys import (
     window_suffix,
 )
 
+#: Enum members read through their class cost a Python-level descriptor call each on
+#: Python 3.11; as finals they are static reads.
+_TOKEN_BUCKET: Final = Algorithm.TOKEN_BUCKET
+_SLIDING_WINDOW: Final = Algorithm.SLIDING_WINDOW
 #: Windows anchored on events (`sidecar.algorithms.anchored`), and their letter in keys and fields.
 _ANCHORED = {Algorithm.FIRST_EVENT: "f", Algorithm.COOLDOWN: "k", Algorithm.LIFETIME: "l"}
 
 
 def tag(window: Window) -> str:
     """The window kind's part of a counter key (see `storage.keys`)."""
-    if window.algorithm is Algorithm.TOKEN_BUCKET:
+    if window.algorithm is _TOKEN_BUCKET:
         return f"{window.seconds}t{window.requests_per_unit}/{window.capacity}"
     letter = _ANCHORED.get(window.algorithm)
     if letter is not None:
@@ -49,7 +54,7 @@ def tag(window: Window) -> str:
             text += f"~{window.week_start}"
     else:
         text = str(window.seconds)
-    if window.algorithm is Algorithm.SLIDING_WINDOW:
+    if window.algorithm is _SLIDING_WINDOW:
         return text + "s"
     return text + "b" if window.borrow else text
 
@@ -65,7 +70,7 @@ def window_hit(prefix: str, window: Window, cost: int, group: int, role: Role, n
         ttl = window.seconds if not window.calendar else end - now + 1
         return Hit(key, cost, window, group, role, key, ttl, start * 1000, end * 1000)
     kind = tag(window)
-    if window.algorithm is Algorithm.TOKEN_BUCKET or window.algorithm in _ANCHORED:
+    if window.algorithm is _TOKEN_BUCKET or window.algorithm in _ANCHORED:
         return Hit(bucket_key(prefix, kind), cost, window, group, role)
     start, end = bounds(window, now)
     key = window_key(prefix, kind, start)
@@ -86,7 +91,7 @@ def window_hit(prefix: str, window: Window, cost: int, group: int, role: Role, n
     )
 
 
-_UNIT_CODES = {
+_UNIT_CODES: Final = {
     Unit.SECOND: "s",
     Unit.MINUTE: "m",
     Unit.HOUR: "h",
@@ -128,9 +133,9 @@ def code(window: Window) -> str:
             text += str(window.week_start)
     else:
         text = unit if window.unit_multiplier == 1 else f"{window.unit_multiplier}{unit}"
-    if window.algorithm is Algorithm.TOKEN_BUCKET:
+    if window.algorithm is _TOKEN_BUCKET:
         return f"t{text}{window.requests_per_unit}/{window.capacity}"
-    if window.algorithm is Algorithm.SLIDING_WINDOW:
+    if window.algorithm is _SLIDING_WINDOW:
         return text + "~"
     return text + "+" if window.borrow else text
 
@@ -151,9 +156,7 @@ def kind(window: Window) -> tuple[object, ...]:
         window.calendar,
         window.timezone if window.calendar else "",
         window.week_start if window.calendar else 0,
-        (window.requests_per_unit, window.capacity)
-        if window.algorithm is Algorithm.TOKEN_BUCKET
-        else (),
+        (window.requests_per_unit, window.capacity) if window.algorithm is _TOKEN_BUCKET else (),
         window.ends,
     )
 
@@ -168,7 +171,7 @@ def field_hit(
     from it. The hash must live until the keep-until plus `FIELD_GRACE`.
     """
     window_code = code(window)
-    if window.algorithm is Algorithm.TOKEN_BUCKET:
+    if window.algorithm is _TOKEN_BUCKET:
         field = counter_field(head, window_code, BUCKET_FIELD_END)
         return Hit(key, cost, window, group, role, key, 0, field=field, previous_field=field)
     now = now_ms // 1000

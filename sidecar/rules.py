@@ -15,6 +15,7 @@ from sidecar.errors import ConfigError
 from sidecar.model import Algorithm, Limit, Unit, Window
 
 if TYPE_CHECKING:
+    from sidecar.lists import ListFile, Lists
     from sidecar.usage import Usage
 
 
@@ -104,6 +105,10 @@ class Domain:
     warnings: tuple[ConfigWarning, ...] = ()
     #: What the domain counts per day (`usage` in its file; `sidecar.usage`), None: nothing.
     usage: Usage | None = None
+    #: The allow and deny lists its file names (`lists`; `sidecar.lists`), and what they hold
+    #: once `config.load` has read them (None: no lists).
+    list_files: tuple[ListFile, ...] = ()
+    lists: Lists | None = None
 
     def limits(self) -> Iterable[Limit]:
         """Every limit of the domain, depth first in declaration order."""
