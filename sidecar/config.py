@@ -20,6 +20,7 @@ import dataclasses
 import difflib
 import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from datetime import UTC, date, datetime
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +51,10 @@ _DESCRIPTOR_KEYS = (
     "approximate",
     "leased",
     "metadata",
+    "identifiers",
 )
+#: At most this many identifier kinds under one `identifiers` (a request names no more).
+MAX_IDENTIFIERS = 8
 _RATE_LIMIT_KEYS = (
     "unit",
     "requests_per_unit",
@@ -64,7 +68,10 @@ _RATE_LIMIT_KEYS = (
     "calendar",
     "timezone",
     "week_start",
+    "ends",
 )
+#: Windows anchored on events (`sidecar.algorithms.anchored`), read by `_Parser.anchored`.
+_ANCHORED = {a.value: a for a in (Algorithm.FIRST_EVENT, Algorithm.COOLDOWN, Algorithm.LIFETIME)}
 _ALGORITHMS = {a.value: a for a in Algorithm}
 _WEEK_STARTS = {"monday": 0, "sunday": 6}
 _REPLACES_KEYS = ("name",)
@@ -80,7 +87,7 @@ _REFERENCE_KEYS = frozenset(
         *(
             key
             for key in _DESCRIPTOR_KEYS
-            if key not in ("rate_limits", "group_counters", "approximate", "leased")
+            if key not in ("rate_limits", "group_counters", "approximate", "leased", "identifiers")
         ),
     )
 )
@@ -388,6 +395,9 @@ class _Parser:
         # While parsing a group_counters tree: each window code in it, with the kind of window
         # that has it and where it was declared (two kinds must never share a code).
         self.codes: dict[str, tuple[tuple[object, ...], Window]] | None = None
+        # While parsing the tree of a descriptor with `identifiers`: its rule key (its caps are
+        # summed across identifiers, which only plain fixed windows allow).
+        self.summed: str | None = None
 
     def error(self, path: str, message: str) -> ConfigError:
         return ConfigError(self.source, path, message)
@@ -556,8 +566,11 @@ class _Parser:
         if metadata is not None and not isinstance(metadata, dict):
             raise self.error(f"{path}.metadata", "metadata must be a map")
 
+        identifiers = self.identifiers(item, path, key, value, depth)
         if grouped:
             self.codes = {}
+        if identifiers:
+            self.summed = rule_key
         limit = self.limit(item, path, rule_key, flags["shadow_mode"], flags["quota_mode"])
         if flags["approximate"]:
             limit = self.approximate(limit, item, path, rule_key)
@@ -568,6 +581,7 @@ class _Parser:
         children = self.level(item.get("descriptors"), f"{path}.descriptors", rule_key, depth + 1)
         if grouped:
             self.codes = None
+        self.summed = None if identifiers else self.summed
         node = Node(
             key=key,
             value=value,
@@ -580,8 +594,38 @@ class _Parser:
             share_threshold=flags["share_threshold"],
             group_counters=grouped,
             metadata=metadata,
+            identifiers=identifiers,
         )
         level.add(node)
+
+    def identifiers(
+        self, item: dict[Any, Any], path: str, key: str, value: str | None, depth: int
+    ) -> tuple[str, ...]:
+        """The identifier kinds a first-level, key-only descriptor counts across (a person
+        reaching the ad server as a user, a device, a cookie); empty when it declares none."""
+        raw = item.get("identifiers")
+        if raw is None:
+            return ()
+        here = f"{path}.identifiers"
+        if depth > 0 or value is not None:
+            raise self.error(
+                here,
+                "identifiers applies to a first-level, key-only descriptor (like 'key: person' "
+                "with 'key: ad' below it)",
+            )
+        if (
+            not isinstance(raw, list)
+            or not 0 < len(raw) <= MAX_IDENTIFIERS
+            or not all(isinstance(kind, str) and kind for kind in raw)
+            or len(set(raw)) != len(raw)
+            or key in raw
+        ):
+            raise self.error(
+                here,
+                f"identifiers must be a list of 1 to {MAX_IDENTIFIERS} distinct identifier "
+                f"kinds other than '{key}', like [user, device, cookie]",
+            )
+        return tuple(raw)
 
     def scalar(self, raw: object, path: str, text: str | None = None) -> str:
         """A key, value or name: a string as it is; a number, boolean or date as `text`, the
@@ -768,6 +812,18 @@ class _Parser:
                     "should not specify rate limit unit when unlimited (remove 'unit' or 'unlimited')",
                 )
             return Window(0, Unit.SECOND, name=name), True, replaces
+        named = raw.get("algorithm")
+        anchored = _ANCHORED.get(named) if isinstance(named, str) else None
+        if anchored is not None:
+            window = self.anchored(raw, path, anchored, unit_text, name)
+            if self.codes is not None:
+                self.check_code(window, path)
+            self.check_summed(window, path)
+            return window, False, replaces
+        if "ends" in raw:
+            raise self.error(
+                f"{path}.ends", "ends applies to lifetime caps (add 'algorithm: lifetime')"
+            )
         unit = self.unit(unit_text, path)
         requests = self.count(raw, "requests_per_unit", path, 0, default=0)
         algorithm = self.algorithm(raw, path)
@@ -793,7 +849,84 @@ class _Parser:
         )
         if self.codes is not None:
             self.check_code(window, path)
+        self.check_summed(window, path)
         return window, False, replaces
+
+    def anchored(
+        self, raw: dict[Any, Any], path: str, algorithm: Algorithm, unit_text: str, name: str
+    ) -> Window:
+        """A window anchored on events: `first_event` and `cooldown` take an interval (`unit`,
+        `unit_multiplier`), `lifetime` a flight end (`ends`), an interval (its TTL) or both. A
+        cooldown admits one event per interval, so it takes no other requests_per_unit."""
+        kind = algorithm.value
+        for key in ("burst", "borrow", "calendar", "timezone", "week_start"):
+            if key in raw:
+                raise self.error(f"{path}.{key}", f"{key} does not apply to {kind} (remove it)")
+        ends = self.ends(raw.get("ends"), f"{path}.ends") if "ends" in raw else 0
+        if "ends" in raw and algorithm is not Algorithm.LIFETIME:
+            raise self.error(
+                f"{path}.ends", f"ends applies to lifetime caps, not {kind} (remove it)"
+            )
+        if not unit_text and not ends:
+            if algorithm is Algorithm.LIFETIME:
+                raise self.error(
+                    path,
+                    "a lifetime cap needs an end: give ends (the flight's end), as in "
+                    "{algorithm: lifetime, requests_per_unit: 3, ends: 2026-12-31T00:00:00Z}, "
+                    "or a TTL from the first event with unit and unit_multiplier",
+                )
+            raise self.error(
+                path,
+                f"a {kind} window needs an interval: give unit and unit_multiplier, as in "
+                f"{{algorithm: {kind}, unit: minute, unit_multiplier: 10}}",
+            )
+        unit = self.unit(unit_text, path) if unit_text else Unit.YEAR
+        multiplier = self.count(raw, "unit_multiplier", path, 1, default=1) if unit_text else 0
+        if algorithm is Algorithm.COOLDOWN:
+            requests = self.count(raw, "requests_per_unit", path, 1, default=1)
+            if requests != 1:
+                raise self.error(
+                    f"{path}.requests_per_unit",
+                    "a cooldown admits one event per interval (remove requests_per_unit, or use "
+                    "algorithm: first_event for several per window)",
+                )
+        else:
+            requests = self.count(raw, "requests_per_unit", path, 0, default=0)
+        return Window(requests, unit, algorithm, multiplier, name=name, ends=ends)
+
+    def ends(self, raw: object, path: str) -> int:
+        """A lifetime's end as Unix seconds: a YAML timestamp or date (UTC unless it says), an
+        ISO 8601 string, or a number of Unix seconds."""
+        value: object = raw
+        if isinstance(raw, str):
+            try:
+                value = datetime.fromisoformat(raw)
+            except ValueError:
+                value = None
+        if isinstance(value, datetime):
+            aware = value if value.tzinfo is not None else value.replace(tzinfo=UTC)
+            return int(aware.timestamp())
+        if isinstance(value, date):
+            return int(datetime(value.year, value.month, value.day, tzinfo=UTC).timestamp())
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+        raise self.error(
+            path, f"ends must be a date and time, like 2026-12-31T00:00:00Z, got {raw!r}"
+        )
+
+    def check_summed(self, window: Window, path: str) -> None:
+        """Caps counted across identifiers are judged on the sum of their counters under each
+        identifier, which only a plain fixed window's count allows."""
+        if self.summed is None or window.plain:
+            return
+        what = "borrow" if window.borrow else "algorithm"
+        found = f"borrow: {window.borrow}" if window.borrow else window.algorithm.value
+        raise self.error(
+            f"{path}.{what}",
+            f"caps under '{self.summed}' are counted across identifiers, summed from fixed "
+            f"windows only, but found {found} (count it per identifier, under the identifier's "
+            "own key, or use a fixed window)",
+        )
 
     def calendar_month(
         self, raw: dict[Any, Any], unit: Unit, algorithm: Algorithm, multiplier: int

@@ -144,6 +144,10 @@ class Algorithm(enum.Enum):
     FIXED_WINDOW = "fixed_window"
     TOKEN_BUCKET = "token_bucket"
     SLIDING_WINDOW = "sliding_window"
+    #: Windows anchored on events, not on the clock (`sidecar.algorithms.anchored`).
+    FIRST_EVENT = "first_event"
+    COOLDOWN = "cooldown"
+    LIFETIME = "lifetime"
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,7 +161,9 @@ class Window:
     it on its local view (`sidecar.algorithms.approximate`); without `--sync-interval-ms` it is
     decided as any other. `leased` (a plain fixed window's, from its rule's `leased: true`) lets
     a sidecar decide it from a lease of its budget (`sidecar.algorithms.lease`) under
-    `--lease-ms`; without it, it is decided as any other.
+    `--lease-ms`; without it, it is decided as any other. `ends` (Unix seconds) is a lifetime
+    window's end, its flight's; a lifetime window without an interval (a TTL) has
+    `unit_multiplier` 0, so `seconds` 0.
     """
 
     requests_per_unit: int
@@ -172,6 +178,7 @@ class Window:
     name: str = ""
     approximate: bool = False
     leased: bool = False
+    ends: int = 0
     #: The reference's algorithm: a fixed window that does not borrow (it counts rejected hits).
     #: Worked out once (see `_derived`), as `Limit.role` is.
     plain: bool = field(init=False, repr=False, compare=False)

@@ -90,6 +90,9 @@ class Node:
     #: millions of users below it) one hash would grow without bound and be hot on one node.
     group_counters: bool = False
     metadata: Mapping[str, Any] | None = None
+    #: The identifier kinds a frequency cap on this first-level descriptor counts across (a
+    #: person, a household: `sidecar.frequency.caps`); empty for any other descriptor.
+    identifiers: tuple[str, ...] = ()
 
 
 @dataclass(slots=True)
@@ -164,6 +167,8 @@ def _describe_window(window: Window) -> str:
         text += f" burst={window.burst}"
     if window.borrow:
         text += f" borrow={window.borrow}"
+    if window.ends:
+        text += f" ends={window.ends}"
     if window.calendar:
         text += f" calendar timezone={window.timezone}"
         if window.unit is Unit.WEEK:

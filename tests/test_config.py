@@ -224,6 +224,47 @@ ERRORS = {
     "usage_zero_retention.yaml": "usage[0].retention_days: retention_days must be a whole number from 1 to 366, got 0",
     "usage_days_differ.yaml": "usage[1]: every usage dimension of a domain counts by the same days: give all the same timezone and retention_days",
     "usage_twice.yaml": "usage[1]: usage dimension by [app] declared twice",
+    # Windows anchored on events (frequency caps): cooldowns, first-event windows, lifetimes.
+    "cooldown_without_interval.yaml": (
+        "descriptors[0].descriptors[0].rate_limit: a cooldown window needs an interval: give "
+        "unit and unit_multiplier, as in {algorithm: cooldown, unit: minute, unit_multiplier: 10}"
+    ),
+    "cooldown_requests_per_unit.yaml": (
+        "descriptors[0].descriptors[0].rate_limit.requests_per_unit: a cooldown admits one "
+        "event per interval (remove requests_per_unit, or use algorithm: first_event for "
+        "several per window)"
+    ),
+    "lifetime_without_end.yaml": (
+        "descriptors[0].descriptors[0].rate_limit: a lifetime cap needs an end: give ends (the "
+        "flight's end), as in {algorithm: lifetime, requests_per_unit: 3, ends: "
+        "2026-12-31T00:00:00Z}, or a TTL from the first event with unit and unit_multiplier"
+    ),
+    "lifetime_bad_ends.yaml": (
+        "descriptors[0].descriptors[0].rate_limit.ends: ends must be a date and time, like "
+        "2026-12-31T00:00:00Z, got 'soon'"
+    ),
+    "ends_without_lifetime.yaml": (
+        "descriptors[0].descriptors[0].rate_limit.ends: ends applies to lifetime caps (add "
+        "'algorithm: lifetime')"
+    ),
+    # Caps counted across a person's identifiers (frequency caps).
+    "identifiers_nested.yaml": (
+        "descriptors[0].descriptors[0].identifiers: identifiers applies to a first-level, "
+        "key-only descriptor (like 'key: person' with 'key: ad' below it)"
+    ),
+    "identifiers_own_key.yaml": (
+        "descriptors[0].identifiers: identifiers must be a list of 1 to 8 distinct identifier "
+        "kinds other than 'person', like [user, device, cookie]"
+    ),
+    "identifiers_cooldown.yaml": (
+        "descriptors[0].descriptors[0].rate_limits[1].algorithm: caps under 'ads.person' are "
+        "counted across identifiers, summed from fixed windows only, but found cooldown (count "
+        "it per identifier, under the identifier's own key, or use a fixed window)"
+    ),
+    "first_event_borrow.yaml": (
+        "descriptors[0].descriptors[0].rate_limit.borrow: borrow does not apply to first_event "
+        "(remove it)"
+    ),
 }
 
 

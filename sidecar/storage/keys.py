@@ -26,7 +26,8 @@ by the time after which nobody reads its counter, so a script can drop the field
 windows without knowing the rules: five base-36 digits counting minutes from 2020 (rounded up;
 enough until 2134), or for windows shorter than a minute ``.`` and the Unix second in base 36.
 Every byte counts here (a user's 40 counters should fit a 768-byte listpack): ``ad|a0042|d25ktc``.
-A token bucket's field ends in ``_`` and keeps that time in its value. The ids behind
+A token bucket's field ends in ``_`` and keeps that time in its value, and so does a window
+anchored on events (`sidecar.algorithms.anchored`), whose field ends in ``^``. The ids behind
 exactly-once impression counts sit beside the hash, in the same slot:
 ``rl{...}|%ids|<horizon bucket>`` (``%i`` never comes out of `escape`, so no counter key can
 take that name).
@@ -134,6 +135,9 @@ def keep_until_id(keep_until: int, precise: bool) -> str:
 #: The end of a token bucket's field: a bucket has no windows, and its keep-until changes with
 #: every hit, so its value carries it.
 BUCKET_FIELD_END: Final = "_"
+#: The end of an anchored window's field: its end moves with the event that opens (or, for a
+#: cooldown, restarts) it, so its value carries it ("<count> <end ms>").
+ANCHORED_FIELD_END: Final = "^"
 
 
 def dedupe_key(domain: str, first: tuple[str, str], bucket: int) -> bytes:

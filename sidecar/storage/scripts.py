@@ -19,7 +19,8 @@ from typing import Any, Final
 
 from redis.crc import key_slot
 
-from sidecar.algorithms import decide
+from sidecar.algorithms import anchored, decide
+from sidecar.algorithms.anchored import Span
 from sidecar.algorithms.decide import Address, State
 from sidecar.algorithms.token_bucket import Bucket
 from sidecar.algorithms.windows import FIELD_GRACE
@@ -119,6 +120,8 @@ def _hit_args(hit: Hit, quota_as_shadow: bool = False) -> tuple[Any, ...]:
             window.capacity,
             window.borrow,
         )
+    elif algorithm == decide.ANCHORED:
+        params = anchored.parameters(window)
     elif role >= _USAGE:
         # A usage hit (`sidecar.usage`): p1 is when its hash or HyperLogLog expires, Unix ms.
         params = (hit.end_ms, 0, 0, 0)
@@ -307,15 +310,19 @@ def read_commands(addresses: Sequence[Address]) -> tuple[list[list[Any]], list[l
 def read_values(
     count: int, positions: list[list[int]], replies: Sequence[list[bytes | None]]
 ) -> list[State | None]:
-    """The read replies as `decide` reads values: counts, or buckets ("tokens stamp drawn
-    [keep until]"), None where nothing is stored."""
+    """The read replies as `decide` reads values: counts, buckets ("tokens stamp drawn
+    [keep until]") or anchored windows ("count end"), None where nothing is stored."""
     values: list[State | None] = [None] * count
     for indexes, reply in zip(positions, replies, strict=True):
         for index, raw in zip(indexes, reply, strict=True):
             if raw is None:
                 continue
             if b" " in raw:
-                tokens, stamp, drawn = raw.split()[:3]
+                words = raw.split()
+                if len(words) == 2:
+                    values[index] = Span(int(words[0]), int(words[1]))
+                    continue
+                tokens, stamp, drawn = words[:3]
                 values[index] = Bucket(float(tokens), int(float(stamp)), float(drawn))
             else:
                 values[index] = int(raw)
