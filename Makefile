@@ -105,6 +105,8 @@ bench: venv bench-deps compiled
 	$(BIN)/python -m bench.caps
 	$(BIN)/python -m bench.quota_gateway
 	$(BIN)/python -m bench.usage
+	$(BIN)/python -m bench.lists
+	$(BIN)/python -m bench.leases
 
 # Instructions per call under callgrind: steady on a shared machine, where CPU per call is not.
 ## Attacks and faults against a running sidecar, with a legitimate client watching (bench/chaos.py).

@@ -7,7 +7,9 @@ Everything goes through a real sidecar process and its gRPC port, on a fresh `re
    counters, so N × 20 × 2 counters. `used_memory` from `INFO memory` before and after gives the
    bytes; deleting the impression-id keys afterwards splits them into counters and ids. The
    same is measured for the reference layout (a rules tree without `group_counters`, one string
-   key per counter) on fewer users, since bytes per counter do not depend on the count.
+   key per counter) on fewer users, since bytes per counter do not depend on the count, and for
+   windows anchored on events (a window from the first event and a lifetime cap to a flight's
+   end, each a field holding its count and its end).
 2. Latency: CheckAds of 50 ads (a user's 20 seen ads and 30 others, 10 of them naming one of 3
    campaigns) at a steady 200 calls/s from h2load (`--rps`, 2 connections), p50/p99 over every
    call, after a warm-up.
@@ -59,6 +61,20 @@ descriptors:
           - {unit: month, requests_per_unit: 100}
       - key: campaign
         rate_limit: {unit: day, requests_per_unit: 30}
+"""
+
+#: The same caps as windows anchored on events: 10 per 24 hours from the first impression, and
+#: 100 for a flight ending in 30 days (its end is worked out when the bench starts).
+ANCHORED_RULES = """\
+domain: ads
+descriptors:
+  - key: user
+    group_counters: true
+    descriptors:
+      - key: ad
+        rate_limits:
+          - {algorithm: first_event, unit: hour, unit_multiplier: 24, requests_per_unit: 10}
+          - {algorithm: lifetime, requests_per_unit: 100, ends: FLIGHT_END}
 """
 
 BENCH_DIR = Path(__file__).resolve().parent
@@ -318,6 +334,15 @@ async def run(args: argparse.Namespace, workdir: Path) -> str:
             RULES.replace("    group_counters: true\n", ""),
             args.reference_users,
         )
+        _progress(f"memory, anchored windows: {args.reference_users:,} users")
+        anchored = await measure_memory(
+            workdir,
+            service,
+            client,
+            "anchored",
+            ANCHORED_RULES.replace("FLIGHT_END", str(int(time.time()) + 30 * 86_400)),
+            args.reference_users,
+        )
         client.flushall()
         _progress("calls: populating, then CheckAds at 200/s and RecordImpressions")
         populate = Sidecar(workdir, service.placeholders["redis_url"], RULES, "populate")
@@ -330,12 +355,12 @@ async def run(args: argparse.Namespace, workdir: Path) -> str:
         client.close()
     finally:
         service.stop()
-    return report(grouped, reference, calls)
+    return report(grouped, reference, anchored, calls)
 
 
-def report(grouped: Memory, reference: Memory, calls: Calls) -> str:
+def report(grouped: Memory, reference: Memory, anchored: Memory, calls: Calls) -> str:
     lines = ["", "frequency caps (gRPC, fresh redis-server, sidecar --transport fast)", ""]
-    for memory in (grouped, reference):
+    for memory in (grouped, reference, anchored):
         lines.append(
             f"  {memory.layout:9} {memory.users:>7,} users {memory.counters:>10,} counters: "
             f"{memory.per_counter:6.1f} B/counter, ids {memory.per_impression:5.1f} B/impression"

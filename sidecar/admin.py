@@ -184,8 +184,7 @@ class AdminServer:
         assert caps is not None
 
         async def check(body: bytes) -> dict[str, Any]:
-            domain, user, candidates = json_api.check_request(body)
-            return json_api.check_response(await caps.check(domain, user, candidates))
+            return json_api.check_response(await caps.check(*json_api.check_request(body)))
 
         return await _caps_call(request, check)
 

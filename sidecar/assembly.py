@@ -50,6 +50,8 @@ from sidecar.statsd import StatsdError, StatsdReporter
 from sidecar.storage import Backend, peers
 from sidecar.storage.aggregation import Aggregated, AggregationCollector
 from sidecar.storage.backends import open_backend
+from sidecar.storage.leases import LeaseCollector, Leased
+from sidecar.storage.leases import store_for as leases_store
 from sidecar.storage.memory import MemoryBackend
 from sidecar.storage.per_second import PerSecond
 from sidecar.tracing import Tracing, TracingError
@@ -203,6 +205,7 @@ class Assembly:
             "failure_mode": options.failure_mode,
             "rejected_hits": options.rejected_hits,
             "sync_interval_ms": options.sync_interval_ms,
+            "lease_ms": options.lease_ms,
             "shadow_mode": options.shadow_mode,
         }
 
@@ -250,7 +253,10 @@ class Assembly:
         # load_rules reports what is wrong.
         with contextlib.suppress(OSError, ConfigError):
             marks = config.fingerprint(options.config)
-        self.host.rules = self.host.load_rules()
+        rules = self.host.rules = self.host.load_rules()
+        # The list files the rules read, known once they are loaded (`sidecar.lists`).
+        with contextlib.suppress(OSError):
+            marks += config.fingerprint((), rules)
         return marks
 
     def _xds(self) -> None:
@@ -305,14 +311,18 @@ class Assembly:
             await self.backend.close()
 
     def _decided_by(self, store: Backend) -> Backend:
-        """What decides the hits: `store`, or with --sync-interval-ms a local view of it."""
-        interval_ms = self.options.sync_interval_ms
-        if interval_ms is None:
-            return store
+        """What decides the hits: `store`, or with --sync-interval-ms a local view of it, and
+        with --lease-ms, leases of its windows for `leased` rules."""
+        options = self.options
+        backend = store
         try:
-            return self._aggregated(store, interval_ms)
+            if options.sync_interval_ms is not None:
+                backend = self.backend = self._aggregated(store, options.sync_interval_ms)
+            if options.lease_ms is not None:
+                backend = self._leased(backend, store, options.lease_ms)
         except ValueError as exc:
             raise InvalidOption(str(exc)) from exc
+        return backend
 
     def _per_second(self, main: Backend, url: str) -> PerSecond:
         if self.options.rejected_hits == "skip":
@@ -340,6 +350,23 @@ class Assembly:
         aggregated.start()
         self.host.registry.register(AggregationCollector(aggregated))
         return aggregated
+
+    def _leased(self, backend: Backend, store: Backend, lease_ms: int) -> Leased:
+        """`backend` with `leased` rules decided from leases of `store`'s windows."""
+        if self.options.rejected_hits == "skip":
+            raise ValueError(
+                "--lease-ms with --rejected-hits skip: a request cannot be all or nothing "
+                "across leases and a store (use one of them)"
+            )
+        leased = Leased(
+            backend,
+            leases_store(store, self.options.redis_timeout_ms, lease_ms),
+            lease_ms,
+            clock=self.host.clock,
+        )
+        leased.start()
+        self.host.registry.register(LeaseCollector(leased))
+        return leased
 
     def _limiter_rules(self, rules: Rules) -> None:
         limiter = self.limiter
@@ -461,12 +488,12 @@ class Assembly:
             )
 
     async def _watch_config(self, marks: tuple[tuple[str, int, int, int], ...]) -> None:
-        """Reload when the rules files change (polling their stat: no inotify needed, and a
-        Kubernetes ConfigMap's symlink swap shows as a change)."""
+        """Reload when the rules files, or the list files they read, change (polling their
+        stat: no inotify needed, and a Kubernetes ConfigMap's symlink swap shows as a change)."""
         while True:
             await asyncio.sleep(self.options.config_poll_seconds)
             try:
-                current = config.fingerprint(self.options.config)
+                current = config.fingerprint(self.options.config, self.host.rules)
             except (OSError, ConfigError):
                 continue  # mid-swap, or a path gone: look again next time
             if current != marks:

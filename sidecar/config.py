@@ -20,12 +20,13 @@ import dataclasses
 import difflib
 import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from datetime import UTC, date, datetime
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from sidecar import usage
+from sidecar import lists, usage
 from sidecar.algorithms.windows import check_zone, is_calendar_unit
 from sidecar.counters import code, kind
 from sidecar.errors import ConfigError
@@ -34,7 +35,7 @@ from sidecar.rules import ConfigWarning, Domain, Level, Node, Rules, yaml_bool
 
 MAX_REQUESTS_PER_UNIT = 4_294_967_295
 
-_ROOT_KEYS = ("domain", "descriptors", "usage")
+_ROOT_KEYS = ("domain", "descriptors", "usage", "lists")
 _DESCRIPTOR_KEYS = (
     "key",
     "value",
@@ -48,8 +49,12 @@ _DESCRIPTOR_KEYS = (
     "share_threshold",
     "group_counters",
     "approximate",
+    "leased",
     "metadata",
+    "identifiers",
 )
+#: At most this many identifier kinds under one `identifiers` (a request names no more).
+MAX_IDENTIFIERS = 8
 _RATE_LIMIT_KEYS = (
     "unit",
     "requests_per_unit",
@@ -63,7 +68,10 @@ _RATE_LIMIT_KEYS = (
     "calendar",
     "timezone",
     "week_start",
+    "ends",
 )
+#: Windows anchored on events (`sidecar.algorithms.anchored`), read by `_Parser.anchored`.
+_ANCHORED = {a.value: a for a in (Algorithm.FIRST_EVENT, Algorithm.COOLDOWN, Algorithm.LIFETIME)}
 _ALGORITHMS = {a.value: a for a in Algorithm}
 _WEEK_STARTS = {"monday": 0, "sunday": 6}
 _REPLACES_KEYS = ("name",)
@@ -74,12 +82,12 @@ _REPLACES_KEYS = ("name",)
 _LIMIT_FIELDS = ("unit", "requests_per_unit", "unlimited", "name", "replaces")
 _REFERENCE_KEYS = frozenset(
     (
-        *(key for key in _ROOT_KEYS if key != "usage"),
+        *(key for key in _ROOT_KEYS if key not in ("usage", "lists")),
         *_LIMIT_FIELDS,
         *(
             key
             for key in _DESCRIPTOR_KEYS
-            if key not in ("rate_limits", "group_counters", "approximate")
+            if key not in ("rate_limits", "group_counters", "approximate", "leased", "identifiers")
         ),
     )
 )
@@ -99,9 +107,16 @@ def load(paths: Sequence[str | Path], merge: bool = False, calendar_months: bool
     """Load every rules file named by `paths` (files, or directories of `*.yaml` / `*.yml`).
 
     Raises ConfigError on the first bad file, or when two files declare the same domain (unless
-    `merge`: see `gather`). `calendar_months`: see `parse`.
+    `merge`: see `gather`). `calendar_months`: see `parse`. The allow and deny lists the files
+    name (`sidecar.lists`) are read too: a bad list is a bad load.
     """
-    return gather((parse(_read(file), str(file), calendar_months) for file in _files(paths)), merge)
+    rules = gather(
+        (parse(_read(file), str(file), calendar_months) for file in _files(paths)), merge
+    )
+    for domain in rules.domains.values():
+        if domain.list_files:
+            domain.lists = lists.read(domain.name, domain.list_files)
+    return rules
 
 
 def _read(file: Path) -> str:
@@ -149,6 +164,13 @@ def _merge(first: Domain, second: Domain) -> Domain:
                 f"{first.source}; merge the two descriptors)",
             )
         root.add(node)
+    if first.list_files and second.list_files:
+        raise ConfigError(
+            second.source,
+            "lists",
+            f"lists of domain '{first.name}' are declared in {first.source} already "
+            "(declare them in one file)",
+        )
     if first.usage is not None and second.usage is not None:
         raise ConfigError(
             second.source,
@@ -162,11 +184,16 @@ def _merge(first: Domain, second: Domain) -> Domain:
         root,
         first.warnings + second.warnings,
         first.usage or second.usage,
+        first.list_files or second.list_files,
     )
 
 
-def fingerprint(paths: Sequence[str | Path]) -> tuple[tuple[str, int, int, int], ...]:
-    """What `load` would read, as (name, inode, size, mtime) of every rules file.
+def fingerprint(
+    paths: Sequence[str | Path], rules: Rules | None = None
+) -> tuple[tuple[str, int, int, int], ...]:
+    """What `load` would read, as (name, inode, size, mtime) of every rules file, then of every
+    list file `rules` (loaded from them) read: which list files a load reads is known once the
+    rules are parsed, and polling must not parse them.
 
     Cheap enough to poll: a change of any file, a file added or removed, or a directory swapped
     under a symlink (how Kubernetes updates a mounted ConfigMap) changes it. Raises OSError when
@@ -176,6 +203,10 @@ def fingerprint(paths: Sequence[str | Path]) -> tuple[tuple[str, int, int, int],
     for file in _files(paths):
         stat = file.stat()  # follows symlinks: a swapped target changes inode and mtime
         marks.append((str(file), stat.st_ino, stat.st_size, stat.st_mtime_ns))
+    for domain in rules.domains.values() if rules is not None else ():
+        for declared in domain.list_files:
+            stat = declared.path.stat()
+            marks.append((str(declared.path), stat.st_ino, stat.st_size, stat.st_mtime_ns))
     return tuple(marks)
 
 
@@ -237,8 +268,18 @@ def parse(text: str, source: str, calendar_months: bool = False) -> Domain:
 
 def parse_mapping(document: object, source: str, calendar_months: bool = False) -> Domain:
     """Parse one domain's rules already decoded from their format (as `parse` does once YAML
-    has decoded a file): rules pushed over xDS take this way, through the same checks."""
-    return _Parser(source, calendar_months=calendar_months).root(document)
+    has decoded a file): rules pushed over xDS take this way, through the same checks. Allow
+    and deny lists are files on the sidecar's disk, read with rules files: rules that come
+    this way may not name them."""
+    domain = _Parser(source, calendar_months=calendar_months).root(document)
+    if domain.list_files:
+        raise ConfigError(
+            source,
+            "lists",
+            "lists are files the sidecar reads with its rules files: declare them in a rules "
+            "file (--config), not over xDS",
+        )
+    return domain
 
 
 class _Map(dict[Any, Any]):
@@ -354,6 +395,9 @@ class _Parser:
         # While parsing a group_counters tree: each window code in it, with the kind of window
         # that has it and where it was declared (two kinds must never share a code).
         self.codes: dict[str, tuple[tuple[object, ...], Window]] | None = None
+        # While parsing the tree of a descriptor with `identifiers`: its rule key (its caps are
+        # summed across identifiers, which only plain fixed windows allow).
+        self.summed: str | None = None
 
     def error(self, path: str, message: str) -> ConfigError:
         return ConfigError(self.source, path, message)
@@ -378,12 +422,14 @@ class _Parser:
         counted = (
             None if document.get("usage") is None else usage.parse(document["usage"], self.source)
         )
+        named = () if document.get("lists") is None else lists.parse(document["lists"], self.source)
         return Domain(
             name=domain,
             source=self.source,
             root=root,
             warnings=tuple(self.warnings),
             usage=counted,
+            list_files=named,
         )
 
     def check_keys(
@@ -484,6 +530,7 @@ class _Parser:
                 "share_threshold",
                 "group_counters",
                 "approximate",
+                "leased",
             )
         }
         wildcard = value is not None and "*" in value
@@ -519,16 +566,22 @@ class _Parser:
         if metadata is not None and not isinstance(metadata, dict):
             raise self.error(f"{path}.metadata", "metadata must be a map")
 
+        identifiers = self.identifiers(item, path, key, value, depth)
         if grouped:
             self.codes = {}
+        if identifiers:
+            self.summed = rule_key
         limit = self.limit(item, path, rule_key, flags["shadow_mode"], flags["quota_mode"])
         if flags["approximate"]:
             limit = self.approximate(limit, item, path, rule_key)
+        if flags["leased"]:
+            limit = self.leased(limit, item, path, rule_key, flags["approximate"])
         if metadata and limit is not None:
             limit = dataclasses.replace(limit, metadata=metadata)
         children = self.level(item.get("descriptors"), f"{path}.descriptors", rule_key, depth + 1)
         if grouped:
             self.codes = None
+        self.summed = None if identifiers else self.summed
         node = Node(
             key=key,
             value=value,
@@ -541,8 +594,38 @@ class _Parser:
             share_threshold=flags["share_threshold"],
             group_counters=grouped,
             metadata=metadata,
+            identifiers=identifiers,
         )
         level.add(node)
+
+    def identifiers(
+        self, item: dict[Any, Any], path: str, key: str, value: str | None, depth: int
+    ) -> tuple[str, ...]:
+        """The identifier kinds a first-level, key-only descriptor counts across (a person
+        reaching the ad server as a user, a device, a cookie); empty when it declares none."""
+        raw = item.get("identifiers")
+        if raw is None:
+            return ()
+        here = f"{path}.identifiers"
+        if depth > 0 or value is not None:
+            raise self.error(
+                here,
+                "identifiers applies to a first-level, key-only descriptor (like 'key: person' "
+                "with 'key: ad' below it)",
+            )
+        if (
+            not isinstance(raw, list)
+            or not 0 < len(raw) <= MAX_IDENTIFIERS
+            or not all(isinstance(kind, str) and kind for kind in raw)
+            or len(set(raw)) != len(raw)
+            or key in raw
+        ):
+            raise self.error(
+                here,
+                f"identifiers must be a list of 1 to {MAX_IDENTIFIERS} distinct identifier "
+                f"kinds other than '{key}', like [user, device, cookie]",
+            )
+        return tuple(raw)
 
     def scalar(self, raw: object, path: str, text: str | None = None) -> str:
         """A key, value or name: a string as it is; a number, boolean or date as `text`, the
@@ -660,6 +743,58 @@ class _Parser:
             windows.append(dataclasses.replace(window, approximate=True))
         return dataclasses.replace(limit, windows=tuple(windows))
 
+    def leased(
+        self,
+        limit: Limit | None,
+        item: dict[Any, Any],
+        path: str,
+        rule_key: str,
+        approximate: bool,
+    ) -> Limit:
+        """`limit` with every window leased (see `sidecar.algorithms.lease`): fixed windows
+        and token buckets, whose budget is a count of units a store can hand out, each counter
+        at its own key."""
+        here = f"{path}.leased"
+        if limit is None or limit.unlimited:
+            raise self.error(
+                here,
+                f"leased applies to a rate limit, but '{rule_key}' has "
+                f"{'an unlimited one' if limit is not None else 'none'} (remove 'leased')",
+            )
+        if approximate:
+            raise self.error(
+                here,
+                f"leased and approximate are two ways to decide '{rule_key}' locally; a window "
+                "takes one (remove one of them)",
+            )
+        if self.codes is not None:
+            raise self.error(
+                here,
+                f"leased needs counters at their own keys, but '{rule_key}' is under "
+                "group_counters, whose counters share a hash (remove 'leased' or "
+                "'group_counters')",
+            )
+        windows = []
+        many = "rate_limits" in item
+        for index, window in enumerate(limit.windows):
+            where = f"rate_limits[{index}]" if many else "rate_limit"
+            if window.algorithm is Algorithm.SLIDING_WINDOW:
+                raise self.error(
+                    here,
+                    f"leased needs fixed windows or token buckets, but {where} has algorithm "
+                    "sliding_window, whose budget depends on the previous window's count "
+                    "(remove 'leased', or use algorithm: fixed_window)",
+                )
+            if window.borrow:
+                raise self.error(
+                    here,
+                    f"leased needs windows that do not borrow, but {where} has borrow: "
+                    f"{window.borrow}, which admits past the budget a lease hands out "
+                    "(remove 'leased' or 'borrow')",
+                )
+            windows.append(dataclasses.replace(window, leased=True))
+        return dataclasses.replace(limit, windows=tuple(windows))
+
     def window(self, raw: object, path: str) -> tuple[Window, bool, tuple[str, ...]]:
         """One window: (window, unlimited, names it replaces). Its parts are checked in the
         order of the keys a reader meets, each by one function below."""
@@ -677,6 +812,18 @@ class _Parser:
                     "should not specify rate limit unit when unlimited (remove 'unit' or 'unlimited')",
                 )
             return Window(0, Unit.SECOND, name=name), True, replaces
+        named = raw.get("algorithm")
+        anchored = _ANCHORED.get(named) if isinstance(named, str) else None
+        if anchored is not None:
+            window = self.anchored(raw, path, anchored, unit_text, name)
+            if self.codes is not None:
+                self.check_code(window, path)
+            self.check_summed(window, path)
+            return window, False, replaces
+        if "ends" in raw:
+            raise self.error(
+                f"{path}.ends", "ends applies to lifetime caps (add 'algorithm: lifetime')"
+            )
         unit = self.unit(unit_text, path)
         requests = self.count(raw, "requests_per_unit", path, 0, default=0)
         algorithm = self.algorithm(raw, path)
@@ -702,7 +849,84 @@ class _Parser:
         )
         if self.codes is not None:
             self.check_code(window, path)
+        self.check_summed(window, path)
         return window, False, replaces
+
+    def anchored(
+        self, raw: dict[Any, Any], path: str, algorithm: Algorithm, unit_text: str, name: str
+    ) -> Window:
+        """A window anchored on events: `first_event` and `cooldown` take an interval (`unit`,
+        `unit_multiplier`), `lifetime` a flight end (`ends`), an interval (its TTL) or both. A
+        cooldown admits one event per interval, so it takes no other requests_per_unit."""
+        kind = algorithm.value
+        for key in ("burst", "borrow", "calendar", "timezone", "week_start"):
+            if key in raw:
+                raise self.error(f"{path}.{key}", f"{key} does not apply to {kind} (remove it)")
+        ends = self.ends(raw.get("ends"), f"{path}.ends") if "ends" in raw else 0
+        if "ends" in raw and algorithm is not Algorithm.LIFETIME:
+            raise self.error(
+                f"{path}.ends", f"ends applies to lifetime caps, not {kind} (remove it)"
+            )
+        if not unit_text and not ends:
+            if algorithm is Algorithm.LIFETIME:
+                raise self.error(
+                    path,
+                    "a lifetime cap needs an end: give ends (the flight's end), as in "
+                    "{algorithm: lifetime, requests_per_unit: 3, ends: 2026-12-31T00:00:00Z}, "
+                    "or a TTL from the first event with unit and unit_multiplier",
+                )
+            raise self.error(
+                path,
+                f"a {kind} window needs an interval: give unit and unit_multiplier, as in "
+                f"{{algorithm: {kind}, unit: minute, unit_multiplier: 10}}",
+            )
+        unit = self.unit(unit_text, path) if unit_text else Unit.YEAR
+        multiplier = self.count(raw, "unit_multiplier", path, 1, default=1) if unit_text else 0
+        if algorithm is Algorithm.COOLDOWN:
+            requests = self.count(raw, "requests_per_unit", path, 1, default=1)
+            if requests != 1:
+                raise self.error(
+                    f"{path}.requests_per_unit",
+                    "a cooldown admits one event per interval (remove requests_per_unit, or use "
+                    "algorithm: first_event for several per window)",
+                )
+        else:
+            requests = self.count(raw, "requests_per_unit", path, 0, default=0)
+        return Window(requests, unit, algorithm, multiplier, name=name, ends=ends)
+
+    def ends(self, raw: object, path: str) -> int:
+        """A lifetime's end as Unix seconds: a YAML timestamp or date (UTC unless it says), an
+        ISO 8601 string, or a number of Unix seconds."""
+        value: object = raw
+        if isinstance(raw, str):
+            try:
+                value = datetime.fromisoformat(raw)
+            except ValueError:
+                value = None
+        if isinstance(value, datetime):
+            aware = value if value.tzinfo is not None else value.replace(tzinfo=UTC)
+            return int(aware.timestamp())
+        if isinstance(value, date):
+            return int(datetime(value.year, value.month, value.day, tzinfo=UTC).timestamp())
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+        raise self.error(
+            path, f"ends must be a date and time, like 2026-12-31T00:00:00Z, got {raw!r}"
+        )
+
+    def check_summed(self, window: Window, path: str) -> None:
+        """Caps counted across identifiers are judged on the sum of their counters under each
+        identifier, which only a plain fixed window's count allows."""
+        if self.summed is None or window.plain:
+            return
+        what = "borrow" if window.borrow else "algorithm"
+        found = f"borrow: {window.borrow}" if window.borrow else window.algorithm.value
+        raise self.error(
+            f"{path}.{what}",
+            f"caps under '{self.summed}' are counted across identifiers, summed from fixed "
+            f"windows only, but found {found} (count it per identifier, under the identifier's "
+            "own key, or use a fixed window)",
+        )
 
     def calendar_month(
         self, raw: dict[Any, Any], unit: Unit, algorithm: Algorithm, multiplier: int

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import hashlib
 from functools import lru_cache
+from typing import Final
 
 from sidecar.algorithms.windows import FIELD_GRACE, bounds
 from sidecar.model import Algorithm, Hit, Role, Unit, Window
 from sidecar.storage.keys import (
+    ANCHORED_FIELD_END,
     BUCKET_FIELD_END,
     base36,
     bucket_key,
@@ -27,20 +29,38 @@ from sidecar.storage.keys import (
     window_suffix,
 )
 
+#: Enum members read through their class cost a Python-level descriptor call each on
+#: Python 3.11; as finals they are static reads.
+_TOKEN_BUCKET: Final = Algorithm.TOKEN_BUCKET
+_SLIDING_WINDOW: Final = Algorithm.SLIDING_WINDOW
+#: Windows anchored on events (`sidecar.algorithms.anchored`), and their letter in keys and fields.
+_ANCHORED = {Algorithm.FIRST_EVENT: "f", Algorithm.COOLDOWN: "k", Algorithm.LIFETIME: "l"}
+
 
 def tag(window: Window) -> str:
     """The window kind's part of a counter key (see `storage.keys`)."""
-    if window.algorithm is Algorithm.TOKEN_BUCKET:
+    if window.algorithm is _TOKEN_BUCKET:
         return f"{window.seconds}t{window.requests_per_unit}/{window.capacity}"
+    letter = _ANCHORED.get(window.algorithm)
+    if letter is not None:
+        # A lifetime's end tells two flights apart: `l1798675200` (`l1798675200~7776000` with
+        # a TTL); the others are their interval: `600k`, `86400f`.
+        if window.algorithm is Algorithm.LIFETIME:
+            return f"l{window.ends}~{window.seconds}" if window.seconds else f"l{window.ends}"
+        return f"{window.seconds}{letter}"
     if window.calendar:
         text = f"{window.unit.name[0].lower()}@{window.timezone}"
         if window.unit is Unit.WEEK and window.week_start:
             text += f"~{window.week_start}"
     else:
         text = str(window.seconds)
-    if window.algorithm is Algorithm.SLIDING_WINDOW:
+    if window.algorithm is _SLIDING_WINDOW:
         return text + "s"
     return text + "b" if window.borrow else text
+
+
+#: Seconds a plain window's counter outlives its window, at least (see `window_hit`).
+LATE_SECONDS: Final = 1
 
 
 def window_hit(prefix: str, window: Window, cost: int, group: int, role: Role, now_ms: int) -> Hit:
@@ -49,12 +69,15 @@ def window_hit(prefix: str, window: Window, cost: int, group: int, role: Role, n
     if window.plain:
         suffix, start, end = plain_suffix(window, now, grouped=False)
         key = named(prefix, suffix)
-        # A counter is needed until its window ends: the reference keeps it one unit from its
-        # first hit, which also covers sidecars whose clocks run a little behind.
-        ttl = window.seconds if not window.calendar else end - now + 1
+        # A counter is needed until its window ends, and a little longer: a call that reaches
+        # the store late (queued behind others, or sent by a sidecar whose clock runs behind)
+        # must still find it, not start it afresh and admit what the window already refused.
+        # So it lives at least LATE_SECONDS past its window's end, whenever its first hit came
+        # (the reference keeps it one unit from its latest hit).
+        ttl = window.seconds + LATE_SECONDS if not window.calendar else end - now + LATE_SECONDS
         return Hit(key, cost, window, group, role, key, ttl, start * 1000, end * 1000)
     kind = tag(window)
-    if window.algorithm is Algorithm.TOKEN_BUCKET:
+    if window.algorithm is _TOKEN_BUCKET or window.algorithm in _ANCHORED:
         return Hit(bucket_key(prefix, kind), cost, window, group, role)
     start, end = bounds(window, now)
     key = window_key(prefix, kind, start)
@@ -75,7 +98,7 @@ def window_hit(prefix: str, window: Window, cost: int, group: int, role: Role, n
     )
 
 
-_UNIT_CODES = {
+_UNIT_CODES: Final = {
     Unit.SECOND: "s",
     Unit.MINUTE: "m",
     Unit.HOUR: "h",
@@ -94,11 +117,21 @@ def code(window: Window) -> str:
     when it borrows and ``~`` when it slides; ``c`` and the unit for calendar windows, then
     three base-36 characters of the zone's hash unless it is UTC, then the first day of the
     week unless Monday (``cd``, ``cdk7q``, ``cw6``); ``t``, the period, the rate, ``/`` and the
-    capacity for a token bucket (``tm10/20``). A field ends in a fixed-width keep-until after
-    the code, so codes need no separator. Hashed zones could collide, so loading the rules
+    capacity for a token bucket (``tm10/20``); ``f``, ``k`` or ``l`` for a window from the first
+    event, a cooldown or a lifetime, then its interval (``f24h``, ``k10m``), a lifetime's end
+    first, in base-36 seconds, and ``.`` (``lufc1s0.90d``; ``lufc1s0.`` without a TTL). A field
+    ends in a fixed-width keep-until (or a marker) after the code, so codes need no separator. Hashed zones could collide, so loading the rules
     refuses a tree in which two kinds of window get one code.
     """
     unit = _UNIT_CODES[window.unit]
+    letter = _ANCHORED.get(window.algorithm)
+    if letter is not None:
+        interval = "" if not window.seconds else unit
+        if window.unit_multiplier > 1:
+            interval = f"{window.unit_multiplier}{unit}"
+        if window.algorithm is Algorithm.LIFETIME:
+            return f"l{base36(window.ends)}.{interval}"
+        return letter + interval
     if window.calendar:
         text = "c" + unit
         if window.timezone != "UTC":
@@ -107,9 +140,9 @@ def code(window: Window) -> str:
             text += str(window.week_start)
     else:
         text = unit if window.unit_multiplier == 1 else f"{window.unit_multiplier}{unit}"
-    if window.algorithm is Algorithm.TOKEN_BUCKET:
+    if window.algorithm is _TOKEN_BUCKET:
         return f"t{text}{window.requests_per_unit}/{window.capacity}"
-    if window.algorithm is Algorithm.SLIDING_WINDOW:
+    if window.algorithm is _SLIDING_WINDOW:
         return text + "~"
     return text + "+" if window.borrow else text
 
@@ -130,9 +163,8 @@ def kind(window: Window) -> tuple[object, ...]:
         window.calendar,
         window.timezone if window.calendar else "",
         window.week_start if window.calendar else 0,
-        (window.requests_per_unit, window.capacity)
-        if window.algorithm is Algorithm.TOKEN_BUCKET
-        else (),
+        (window.requests_per_unit, window.capacity) if window.algorithm is _TOKEN_BUCKET else (),
+        window.ends,
     )
 
 
@@ -146,7 +178,7 @@ def field_hit(
     from it. The hash must live until the keep-until plus `FIELD_GRACE`.
     """
     window_code = code(window)
-    if window.algorithm is Algorithm.TOKEN_BUCKET:
+    if window.algorithm is _TOKEN_BUCKET:
         field = counter_field(head, window_code, BUCKET_FIELD_END)
         return Hit(key, cost, window, group, role, key, 0, field=field, previous_field=field)
     now = now_ms // 1000
@@ -166,6 +198,10 @@ def field_hit(
             field,
             field,
         )
+    # (Looked up once a window is known not to be plain: an enum member hashes in Python.)
+    if window.algorithm in _ANCHORED:
+        field = counter_field(head, window_code, ANCHORED_FIELD_END)
+        return Hit(key, cost, window, group, role, key, 0, field=field, previous_field=field)
     start, end = bounds(window, now)
     next_end = bounds(window, end)[1]
     return Hit(

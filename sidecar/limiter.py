@@ -1,9 +1,11 @@
 """The use case: decide one ShouldRateLimit request.
 
-prepare (once per request body and rules, `sidecar.plan`): validate, match each descriptor to a
-rule, drop replaced and unlimited rules, name the counters → decide (every call): one
-`backend.apply_then` for all remaining counters → per-descriptor statuses → `overall_code` (shadow
-and quota modes) → stats. The clock is injected; nothing here knows about protobuf, gRPC or Redis.
+prepare (once per request body and rules, `sidecar.plan`): validate, judge it by the allow and
+deny lists (a listed request is answered and counted in stats, and touches no counter), match
+each descriptor to a rule, drop replaced and unlimited rules, name the counters → decide (every
+call): one `backend.apply_then` for all remaining counters → per-descriptor statuses →
+`overall_code` (shadow and quota modes) → stats. The clock is injected; nothing here knows
+about protobuf, gRPC or Redis.
 
 `decide_then` is the decision, through callbacks (`_begin` before the store is waiting,
 `_finish` after; `sidecar.callbacks.awaited` for a coroutine). A straight plan
@@ -22,12 +24,13 @@ import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol, TypeVar
+from typing import Any, Final, Literal, Protocol, TypeVar
 
 import structlog
 
 from sidecar.algorithms import fixed_window
 from sidecar.errors import InvalidRequest, Overloaded, StorageError
+from sidecar.lists import Listed
 from sidecar.model import (
     Code,
     Decision,
@@ -54,11 +57,12 @@ log = structlog.get_logger("sidecar.limiter")
 
 #: Distinct windows whose local share `--failure-mode local` keeps (the rules' windows, so a few
 #: hundred at most; past this the shares are worked out afresh, which only costs time).
-LOCAL_WINDOWS = 4096
+LOCAL_WINDOWS: Final = 4096
 
 #: The codes every call writes. On Python 3.11 an enum member read through its class
 #: (`Code.OK`) is a Python-level descriptor call, a dozen times the cost of a global's read.
-_OK, _OVER_LIMIT = Code.OK, Code.OVER_LIMIT
+_OK: Final = Code.OK
+_OVER_LIMIT: Final = Code.OVER_LIMIT
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,6 +222,9 @@ class Limiter:
         counted_all = plan.counted
         usage = plan.usage
         if not counted_all:
+            listed = plan.listed
+            if listed is not None:
+                return self._listed(plan, listed)
             if usage is None:
                 return Decision(_OK, plan.statuses)
             # Nothing to judge, but the call is counted in the domain's usage.
@@ -280,6 +287,15 @@ class Limiter:
             gathered.append((item, len(hits)))
             hits += windows
         return gathered, hits
+
+    def _listed(self, plan: Plan, listed: Listed) -> Decision:
+        """The answer of a request an allow or deny list decided (`sidecar.lists`), counted by
+        its list and by nothing else."""
+        if listed.denied:
+            self.stats.denied_by_list[listed.stat] += 1
+        else:
+            self.stats.allowed_by_list[listed.stat] += 1
+        return self._answer(listed.denied, list(plan.statuses))
 
     def _finish(self, waiting: _Waiting, outcomes: list[Outcome]) -> Decision:
         """The decision once the store has answered `outcomes` for `waiting.hits`."""

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Final
 
 from sidecar.model import Entry, Limit
 from sidecar.rules import Domain, Level, Node
 
 
-@dataclass(eq=True, unsafe_hash=True)
+@dataclass(init=False, eq=True, unsafe_hash=True)
 class Match:
     """A rule that applies to a descriptor.
 
@@ -30,6 +31,19 @@ class Match:
     counter_parts: tuple[tuple[str, str], ...]
     metric_key: str
     grouped: bool = False
+
+    def __init__(
+        self,
+        limit: Limit,
+        counter_parts: tuple[tuple[str, str], ...],
+        metric_key: str,
+        grouped: bool = False,
+    ) -> None:
+        # Written out, not generated, for a native constructor (see `sidecar.model`).
+        self.limit = limit
+        self.counter_parts = counter_parts
+        self.metric_key = metric_key
+        self.grouped = grouped
 
 
 def match(domain: Domain, entries: Sequence[Entry]) -> Match | None:
@@ -74,9 +88,13 @@ def counter_value(node: Node, entry: Entry) -> str:
 
 
 def _counter_parts(path: Sequence[Node], entries: Sequence[Entry]) -> tuple[tuple[str, str], ...]:
-    return tuple(
-        (entry.key, counter_value(node, entry)) for node, entry in zip(path, entries, strict=True)
-    )
+    """Each entry's key and counter value (`path` holds one node per entry). A loop: a new body
+    comes here, and a generator over `zip` costs the compiled build several times as much."""
+    parts = []
+    for index, node in enumerate(path):
+        entry = entries[index]
+        parts.append((entry.key, counter_value(node, entry)))
+    return tuple(parts)
 
 
 def _metric_key(domain: str, path: Sequence[Node], entries: Sequence[Entry]) -> str:
@@ -113,7 +131,7 @@ def entry_label(entry: Entry) -> str:
     return f"{entry.key}_{sanitize(entry.value)}" if entry.value else entry.key
 
 
-_STAT_UNSAFE = str.maketrans({".": "_", ":": "_", "|": "_"})
+_STAT_UNSAFE: Final = str.maketrans({".": "_", ":": "_", "|": "_"})
 
 
 def sanitize(value: str) -> str:

@@ -17,6 +17,8 @@ the reference keep working:
   backend failed (`--failure-mode local`; ours, not the reference's).
 - `ratelimit_service_total_requests{grpc_method="ShouldRateLimit"}` and the call latency
   histogram `ratelimit_service_response_time_seconds{grpc_method="ShouldRateLimit"}`.
+- `ratelimit_service_rate_limit_denied_by_list{domain, key1}` and `..._allowed_by_list` (ours):
+  requests an allow or deny list decided (`sidecar.lists`), by the list's domain and key.
 - `ratelimit_service_config_load_success`, `ratelimit_service_config_load_error`,
   `ratelimit_service_global_shadow_mode` and
   `ratelimit_service_rate_limit_domain_not_found{domain}`.
@@ -38,7 +40,7 @@ import math
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
 from time import perf_counter
-from typing import Any
+from typing import Any, Final
 
 from prometheus_client import CollectorRegistry, Metric
 from prometheus_client.core import HistogramMetricFamily
@@ -47,9 +49,9 @@ from prometheus_client.registry import Collector
 from sidecar.rules import Rules
 from sidecar.stats import RuleStats, Stats
 
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+CONTENT_TYPE: Final = "text/plain; version=0.0.4; charset=utf-8"
 
-_RULE_STATS = {
+_RULE_STATS: Final = {
     "total_hits": "Hits on the rule: the hits_addend of every descriptor it limited.",
     "over_limit": "Hits on the rule beyond its limit.",
     "near_limit": "Hits on the rule above 80% of its limit (NEAR_LIMIT_RATIO) but within it.",
@@ -57,7 +59,7 @@ _RULE_STATS = {
     "shadow_mode": "Hits over the rule's limit answered OK because the rule is in shadow_mode.",
     "over_limit_with_local_cache": "Hits over the rule's limit answered from the over-limit cache.",
 }
-_METHOD = {"grpc_method": "ShouldRateLimit"}
+_METHOD: Final = {"grpc_method": "ShouldRateLimit"}
 
 
 class Latency:
@@ -140,6 +142,7 @@ class StatsCollector(Collector):
             "Descriptors sent for a domain no rules file declares.",
             [({"domain": domain}, count) for domain, count in stats.domain_not_found.items()],
         )
+        yield from _list_metrics(stats)
         if self.latency is not None:
             histogram = HistogramMetricFamily(
                 "ratelimit_service_response_time_seconds",
@@ -165,6 +168,24 @@ def _rule_metrics(rules: Iterable[tuple[str, RuleStats]]) -> Iterator[Metric]:
             names = ("domain", "key1", "key2")[: len(labels)]
             samples.append((dict(zip(names, labels, strict=True)), totals[index]))
         yield _counter(f"ratelimit_service_rate_limit_{name}", documentation, samples)
+
+
+def _list_metrics(stats: Stats) -> Iterator[Metric]:
+    """Requests each list decided, denied and allowed, labelled as rules are (`domain.key`
+    gives {domain, key1}); a list seen in either has both series."""
+    seen = sorted({*stats.denied_by_list, *stats.allowed_by_list})
+    for name, counts, documentation in (
+        ("denied", stats.denied_by_list, "Requests answered OVER_LIMIT by a deny list."),
+        ("allowed", stats.allowed_by_list, "Requests answered OK by an allow list, uncounted."),
+    ):
+        yield _counter(
+            f"ratelimit_service_rate_limit_{name}_by_list",
+            documentation,
+            [
+                (dict(zip(("domain", "key1"), _rule_labels(key), strict=False)), counts.get(key, 0))
+                for key in seen
+            ],
+        )
 
 
 def _rule_labels(metric_key: str) -> tuple[str, ...]:

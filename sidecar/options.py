@@ -56,6 +56,9 @@ class Options:
     #: Decide `approximate` rules locally and sync their counts every this many ms
     #: (`sidecar.storage.aggregation`); None: off, every hit is decided by the store.
     sync_interval_ms: int | None = None
+    #: Decide `leased` rules from leases covering this many ms of demand
+    #: (`sidecar.storage.leases`); None: off, every hit is decided by the store.
+    lease_ms: int | None = None
     shadow_mode: bool = False
     #: Entries of the over-limit cache (0: off).
     over_limit_cache: int = 100_000

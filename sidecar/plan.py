@@ -1,5 +1,6 @@
-"""A request prepared once: validated, matched to its rules, its counters named, so that every
-later call with the same body only asks the backend and reads the answer.
+"""A request prepared once: validated, judged by its domain's allow and deny lists
+(`sidecar.lists`), matched to its rules, its counters named, so that every later call with the
+same body only asks the backend and reads the answer (or, for a listed request, nothing).
 
 Envoy sends the same few bodies again and again (one per route and client), and matching,
 naming keys and building hits cost more than the rest of a decision. `prepare` does that work
@@ -11,9 +12,11 @@ counts down to their end, the second) changes. Pure: no clock, no I/O.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Final
 
 from sidecar.counters import field_hit, window_hit
 from sidecar.errors import InvalidRequest
+from sidecar.lists import Listed
 from sidecar.matching import Match, entry_label, match
 from sidecar.model import (
     UNLIMITED_REMAINING,
@@ -31,14 +34,21 @@ from sidecar.storage.keys import descriptor_prefix, field_head, group_key
 from sidecar.usage import Tally, tally
 
 #: Bounds on what one request may carry; beyond them it is refused with INVALID_ARGUMENT.
-MAX_HITS_ADDEND = 4_294_967_295
-MAX_DESCRIPTORS = 128
-MAX_ENTRIES = 32
-MAX_KEY_LENGTH = 256
-MAX_VALUE_LENGTH = 8_192
+MAX_HITS_ADDEND: Final = 4_294_967_295
+MAX_DESCRIPTORS: Final = 128
+MAX_ENTRIES: Final = 32
+MAX_KEY_LENGTH: Final = 256
+MAX_VALUE_LENGTH: Final = 8_192
 
-OK = DescriptorStatus(Code.OK)
-UNLIMITED = DescriptorStatus(Code.OK, limit_remaining=UNLIMITED_REMAINING)
+#: Enum members read through their class cost a Python-level descriptor call each on
+#: Python 3.11; as finals they are static reads.
+_BLOCKING: Final = Role.BLOCKING
+_TOKEN_BUCKET: Final = Algorithm.TOKEN_BUCKET
+
+OK: Final = DescriptorStatus(Code.OK)
+UNLIMITED: Final = DescriptorStatus(Code.OK, limit_remaining=UNLIMITED_REMAINING)
+#: A descriptor a deny list refused: no rule, no limit, no counter (`sidecar.lists`).
+DENIED: Final = DescriptorStatus(Code.OVER_LIMIT)
 
 
 class WindowHits:
@@ -60,8 +70,7 @@ class WindowHits:
         #: Whether the hits hold until the shortest window ends (plain epoch windows under their
         #: own keys, whose ttl is a constant, and token buckets, which have no window).
         self._steady = all(
-            w.algorithm is Algorithm.TOKEN_BUCKET
-            or (w.plain and not w.calendar and not found.grouped)
+            w.algorithm is _TOKEN_BUCKET or (w.plain and not w.calendar and not found.grouped)
             for w in windows
         )
         self._hits: list[Hit] = []
@@ -75,35 +84,46 @@ class WindowHits:
         hits = descriptor_hits(self._domain, self._match, self._cost, self._group, now_ms)
         second = now_ms - now_ms % 1000
         if self._steady:
-            ends = [hit.end_ms for hit in hits if hit.end_ms]
-            starts = [hit.start_ms for hit in hits if hit.end_ms]
-            self._from = max(starts, default=0)
-            self._until = min(ends, default=_FOREVER)
+            # From the latest start to the earliest end of the windows (a bucket has neither).
+            # A loop: generators and max()'s keyword cost more, and every new body comes here.
+            latest, earliest = 0, _FOREVER
+            for hit in hits:
+                if hit.end_ms:
+                    latest = max(latest, hit.start_ms)
+                    earliest = min(earliest, hit.end_ms)
+            self._from, self._until = latest, earliest
         else:
             self._from, self._until = second, second + 1000
         self._hits = hits
         return hits
 
 
-_FOREVER = 1 << 62
+_FOREVER: Final = 1 << 62
 
 
-@dataclass(eq=True, unsafe_hash=True)
+@dataclass(init=False, eq=True, unsafe_hash=True)
 class Counted:
     """A descriptor the backend must decide: its position, rule, cost and windows' hits.
-    Immutable by convention, as `sidecar.model`'s per-body values are, for the same reason."""
+    Immutable by convention, as `sidecar.model`'s per-body values are, for the same reasons
+    (its `__init__` written out too)."""
 
     index: int
     match: Match
     cost: int
     windows: WindowHits
 
+    def __init__(self, index: int, match: Match, cost: int, windows: WindowHits) -> None:
+        self.index = index
+        self.match = match
+        self.cost = cost
+        self.windows = windows
+
     @property
     def role(self) -> Role:
         return self.match.limit.role
 
 
-@dataclass(eq=True, unsafe_hash=True)
+@dataclass(init=False, eq=True, unsafe_hash=True)
 class Plan:
     """What is known about a request before the backend is asked (immutable by convention,
     as `sidecar.model`'s per-body values are, for the same reason).
@@ -126,6 +146,32 @@ class Plan:
     #: What the request counts in its domain's usage (`sidecar.usage`); None: nothing. A plan
     #: that counts usage is never straight: its usage hits follow its counters' hits.
     usage: Tally | None = None
+    #: What an allow or deny list decided (`sidecar.lists`); then nothing is counted, not even
+    #: usage, and `statuses` is the answer. None: no list names the request.
+    listed: Listed | None = None
+
+    def __init__(
+        self,
+        rules: Rules,
+        request: Request,
+        known_domain: bool,
+        statuses: tuple[DescriptorStatus, ...],
+        counted: tuple[Counted, ...],
+        blocking_only: bool,
+        positions: tuple[tuple[Counted, int], ...] = (),
+        usage: Tally | None = None,
+        listed: Listed | None = None,
+    ) -> None:
+        # Written out, not generated, for a native constructor (see `sidecar.model`).
+        self.rules = rules
+        self.request = request
+        self.known_domain = known_domain
+        self.statuses = statuses
+        self.counted = counted
+        self.blocking_only = blocking_only
+        self.positions = positions
+        self.usage = usage
+        self.listed = listed
 
     @property
     def straight(self) -> bool:
@@ -143,6 +189,14 @@ def prepare(rules: Rules, request: Request) -> Plan:
     domain = rules.domains.get(request.domain)
     if domain is None:
         return Plan(rules, request, False, (OK,) * len(descriptors), (), True)
+
+    if domain.lists is not None:
+        listed = domain.lists.judge(descriptors)
+        if listed is not None:
+            statuses = [OK] * len(descriptors)
+            if listed.denied:
+                statuses[listed.index] = DENIED
+            return Plan(rules, request, True, tuple(statuses), (), True, listed=listed)
 
     default_hits = request.hits_addend or 1
     matches: list[Match | None] = [
@@ -166,7 +220,7 @@ def prepare(rules: Rules, request: Request) -> Plan:
         cost = descriptor.hits_addend if descriptor.hits_addend is not None else default_hits
         windows = WindowHits(request.domain, found, cost, index)
         counted.append(Counted(index, found, cost, windows))
-    blocking_only = all(c.role is Role.BLOCKING for c in counted)
+    blocking_only = all(c.role is _BLOCKING for c in counted)
     counts = None
     if domain.usage is not None:
         first = counted[0].match.counter_parts[0] if counted else None

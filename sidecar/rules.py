@@ -15,6 +15,7 @@ from sidecar.errors import ConfigError
 from sidecar.model import Algorithm, Limit, Unit, Window
 
 if TYPE_CHECKING:
+    from sidecar.lists import ListFile, Lists
     from sidecar.usage import Usage
 
 
@@ -89,6 +90,9 @@ class Node:
     #: millions of users below it) one hash would grow without bound and be hot on one node.
     group_counters: bool = False
     metadata: Mapping[str, Any] | None = None
+    #: The identifier kinds a frequency cap on this first-level descriptor counts across (a
+    #: person, a household: `sidecar.frequency.caps`); empty for any other descriptor.
+    identifiers: tuple[str, ...] = ()
 
 
 @dataclass(slots=True)
@@ -101,6 +105,10 @@ class Domain:
     warnings: tuple[ConfigWarning, ...] = ()
     #: What the domain counts per day (`usage` in its file; `sidecar.usage`), None: nothing.
     usage: Usage | None = None
+    #: The allow and deny lists its file names (`lists`; `sidecar.lists`), and what they hold
+    #: once `config.load` has read them (None: no lists).
+    list_files: tuple[ListFile, ...] = ()
+    lists: Lists | None = None
 
     def limits(self) -> Iterable[Limit]:
         """Every limit of the domain, depth first in declaration order."""
@@ -144,6 +152,8 @@ def describe(limit: Limit) -> str:
         line += f", replaces: {','.join(limit.replaces)}"
     if limit.approximate:
         line += ", approximate: true"
+    if limit.leased:
+        line += ", leased: true"
     return line
 
 
@@ -157,6 +167,8 @@ def _describe_window(window: Window) -> str:
         text += f" burst={window.burst}"
     if window.borrow:
         text += f" borrow={window.borrow}"
+    if window.ends:
+        text += f" ends={window.ends}"
     if window.calendar:
         text += f" calendar timezone={window.timezone}"
         if window.unit is Unit.WEEK:

@@ -2,8 +2,8 @@
 
 Per rule (`ratelimit.service.rate_limit.<metric key>.<stat>`): total_hits, over_limit,
 near_limit, within_limit, shadow_mode. Per service: config loads, global shadow mode, backend
-errors, service errors (`refused`: the one place a refused call is counted), and unknown
-domains. Plain integers on the hot path; `sidecar.metrics`
+errors, service errors (`refused`: the one place a refused call is counted), unknown
+domains, and requests an allow or deny list decided. Plain integers on the hot path; `sidecar.metrics`
 turns them into Prometheus series at scrape time, so a decision pays no exporter cost.
 """
 
@@ -11,11 +11,12 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import Final
 
 from sidecar.errors import InvalidRequest, Overloaded
 
 #: Share of a limit above which hits count as near the limit (the reference's NEAR_LIMIT_RATIO).
-NEAR_LIMIT_RATIO = 0.8
+NEAR_LIMIT_RATIO: Final = 0.8
 
 
 @dataclass(slots=True)
@@ -63,6 +64,10 @@ class Stats:
     #: (`--failure-mode local`); each is a backend error too.
     local_decisions: int = 0
     total_requests: int = 0
+    #: Requests a list decided (`sidecar.lists`), by `<domain>.<key>` of the list: denied
+    #: (OVER_LIMIT) and allowed (OK), neither counted by any rule.
+    denied_by_list: defaultdict[str, int] = field(default_factory=lambda: defaultdict(int))
+    allowed_by_list: defaultdict[str, int] = field(default_factory=lambda: defaultdict(int))
 
     def refused(self, exc: Exception) -> None:
         """Count a `ShouldRateLimit` call refused with `exc` (its status is

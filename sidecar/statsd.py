@@ -9,7 +9,8 @@ Names are the reference's (its `src/stats/manager_impl.go` and `src/metrics/metr
 
 - `ratelimit.service.rate_limit.<metric key>.total_hits|over_limit|near_limit|within_limit|
   shadow_mode|over_limit_with_local_cache` and `ratelimit.service.rate_limit.<domain>.
-  domain_not_found`;
+  domain_not_found` (and, ours, `ratelimit.service.rate_limit.<domain>.<key>.denied_by_list|
+  allowed_by_list`: requests an allow or deny list decided, `sidecar.lists`);
 - `ratelimit.service.config_load_success|config_load_error|global_shadow_mode` and
   `ratelimit.service.call.should_rate_limit.redis_error|service_error` (and `overloaded`, ours:
   calls refused UNAVAILABLE);
@@ -245,6 +246,10 @@ class Deltas:
                 yield f"{prefix}rate_limit.{key}.{stat}", getattr(rule, stat)
         for domain, count in list(stats.domain_not_found.items()):
             yield f"{prefix}rate_limit.{domain}.domain_not_found", count
+        for key, count in list(stats.denied_by_list.items()):
+            yield f"{prefix}rate_limit.{key}.denied_by_list", count
+        for key, count in list(stats.allowed_by_list.items()):
+            yield f"{prefix}rate_limit.{key}.allowed_by_list", count
         yield f"{prefix}config_load_success", stats.config_load_success
         yield f"{prefix}config_load_error", stats.config_load_error
         yield f"{prefix}global_shadow_mode", stats.global_shadow_mode

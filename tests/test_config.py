@@ -189,6 +189,31 @@ ERRORS = {
     "approximate_not_a_flag.yaml": (
         "descriptors[0].approximate: approximate must be true or false, got 'yes'"
     ),
+    # Leases (`leased`): fixed windows that do not borrow, each counter at its own key.
+    "leased_sliding_window.yaml": (
+        "descriptors[0].leased: leased needs fixed windows or token buckets, but rate_limits[1] "
+        "has algorithm sliding_window, whose budget depends on the previous window's count "
+        "(remove 'leased', or use algorithm: fixed_window)"
+    ),
+    "leased_borrow.yaml": (
+        "descriptors[0].leased: leased needs windows that do not borrow, but rate_limit has "
+        "borrow: 300, which admits past the budget a lease hands out (remove 'leased' or "
+        "'borrow')"
+    ),
+    "leased_unlimited.yaml": (
+        "descriptors[0].leased: leased applies to a rate limit, but 'api.client_internal' has "
+        "an unlimited one (remove 'leased')"
+    ),
+    "leased_and_approximate.yaml": (
+        "descriptors[0].leased: leased and approximate are two ways to decide 'api.client' "
+        "locally; a window takes one (remove one of them)"
+    ),
+    "leased_group_counters.yaml": (
+        "descriptors[0].descriptors[0].leased: leased needs counters at their own keys, but "
+        "'ads.user.ad' is under group_counters, whose counters share a hash (remove 'leased' or "
+        "'group_counters')"
+    ),
+    "leased_not_a_flag.yaml": "descriptors[0].leased: leased must be true or false, got 'yes'",
     "usage_not_a_list.yaml": "usage: usage must be a list of maps like {by: [app]} (or remove 'usage')",
     "usage_not_a_map.yaml": "usage[0]: a usage dimension is a map like {by: [app]}, got 'app'",
     "usage_empty_by.yaml": "usage[0].by: by must be a list of distinct descriptor keys, like [app, interface]",
@@ -199,6 +224,47 @@ ERRORS = {
     "usage_zero_retention.yaml": "usage[0].retention_days: retention_days must be a whole number from 1 to 366, got 0",
     "usage_days_differ.yaml": "usage[1]: every usage dimension of a domain counts by the same days: give all the same timezone and retention_days",
     "usage_twice.yaml": "usage[1]: usage dimension by [app] declared twice",
+    # Windows anchored on events (frequency caps): cooldowns, first-event windows, lifetimes.
+    "cooldown_without_interval.yaml": (
+        "descriptors[0].descriptors[0].rate_limit: a cooldown window needs an interval: give "
+        "unit and unit_multiplier, as in {algorithm: cooldown, unit: minute, unit_multiplier: 10}"
+    ),
+    "cooldown_requests_per_unit.yaml": (
+        "descriptors[0].descriptors[0].rate_limit.requests_per_unit: a cooldown admits one "
+        "event per interval (remove requests_per_unit, or use algorithm: first_event for "
+        "several per window)"
+    ),
+    "lifetime_without_end.yaml": (
+        "descriptors[0].descriptors[0].rate_limit: a lifetime cap needs an end: give ends (the "
+        "flight's end), as in {algorithm: lifetime, requests_per_unit: 3, ends: "
+        "2026-12-31T00:00:00Z}, or a TTL from the first event with unit and unit_multiplier"
+    ),
+    "lifetime_bad_ends.yaml": (
+        "descriptors[0].descriptors[0].rate_limit.ends: ends must be a date and time, like "
+        "2026-12-31T00:00:00Z, got 'soon'"
+    ),
+    "ends_without_lifetime.yaml": (
+        "descriptors[0].descriptors[0].rate_limit.ends: ends applies to lifetime caps (add "
+        "'algorithm: lifetime')"
+    ),
+    # Caps counted across a person's identifiers (frequency caps).
+    "identifiers_nested.yaml": (
+        "descriptors[0].descriptors[0].identifiers: identifiers applies to a first-level, "
+        "key-only descriptor (like 'key: person' with 'key: ad' below it)"
+    ),
+    "identifiers_own_key.yaml": (
+        "descriptors[0].identifiers: identifiers must be a list of 1 to 8 distinct identifier "
+        "kinds other than 'person', like [user, device, cookie]"
+    ),
+    "identifiers_cooldown.yaml": (
+        "descriptors[0].descriptors[0].rate_limits[1].algorithm: caps under 'ads.person' are "
+        "counted across identifiers, summed from fixed windows only, but found cooldown (count "
+        "it per identifier, under the identifier's own key, or use a fixed window)"
+    ),
+    "first_event_borrow.yaml": (
+        "descriptors[0].descriptors[0].rate_limit.borrow: borrow does not apply to first_event "
+        "(remove it)"
+    ),
 }
 
 
@@ -581,3 +647,29 @@ def test_calendar_months_makes_a_plain_month_the_utc_calendar_month() -> None:
             assert found == without[key], key
     assert [w.calendar for w in without["months.plain"]] == [False]
     assert with_["months.zoned"][0].timezone == "Asia/Tokyo"
+
+
+def test_leased_marks_every_window_of_its_limit() -> None:
+    """`leased: true` on a descriptor makes each window of its limit leased, calendar ones too,
+    is shown by `/rlconfig`, and leaves the counters' keys as they were, so leased and exact
+    sidecars share one counter."""
+    domain = config.parse(
+        """
+domain: d
+descriptors:
+  - key: client
+    leased: true
+    rate_limits:
+      - {unit: second, requests_per_unit: 100}
+      - {unit: day, requests_per_unit: 9000, calendar: true}
+  - key: ip
+    rate_limit: {unit: second, requests_per_unit: 100}
+""",
+        "rules.yaml",
+    )
+    client, ip = domain.root.nodes()
+    assert client.limit is not None and ip.limit is not None
+    assert client.limit.leased and all(w.leased for w in client.limit.windows)
+    assert not ip.limit.leased and not client.limit.approximate
+    assert Rules({"d": domain}).dump()[0].endswith(", leased: true")
+    assert tag(client.limit.windows[0]) == tag(Window(100, Unit.SECOND))

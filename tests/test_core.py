@@ -70,8 +70,24 @@ def test_windows_align_to_the_epoch() -> None:
     assert windows.epoch_window(1234, 60) == (1200, 1260)
     assert windows.epoch_window(1_000_000, 3600) == (997_200, 1_000_800)
     hit = counters.window_hit("p", Window(5, Unit.MINUTE), 1, 0, Role.BLOCKING, 1_234_900)
-    assert (hit.key, hit.end_ms - 1_234_900, hit.ttl) == (b"p|60|1200", 25_100, 60)
+    assert (hit.key, hit.end_ms - 1_234_900, hit.ttl) == (b"p|60|1200", 25_100, 61)
     assert (hit.start_ms, hit.end_ms) == (1_200_000, 1_260_000)
+
+
+@pytest.mark.parametrize(
+    "window", [Window(5, Unit.SECOND), Window(5, Unit.MINUTE), Window(5, Unit.DAY, calendar=True)]
+)
+@pytest.mark.parametrize("into", [0.0, 0.5, 0.999])
+def test_a_plain_counter_outlives_its_window_by_a_second(window: Window, into: float) -> None:
+    """A plain window's counter, created by a hit at any time in its window, lives at least one
+    second past the window's end: a call that reaches the store late (queued, or from a sidecar
+    whose clock runs behind) still finds the window's count instead of starting it afresh."""
+    start_ms = 1_700_006_400_000  # a UTC midnight, so the start of every window above
+    now_ms = start_ms + int(window.seconds * 1000 * into)  # `into` the window: start to end
+    hit = counters.window_hit("p", window, 1, 0, Role.BLOCKING, now_ms)
+    expires_ms = now_ms // 1000 * 1000 + hit.ttl * 1000
+    assert hit.start_ms == start_ms
+    assert expires_ms >= hit.end_ms + 1_000
 
 
 @pytest.mark.parametrize(

@@ -50,11 +50,44 @@ descriptors:
 #: 5,120 s before the end of a UTC day, 40 s into an even minute.
 NOW = 19_675 * 86_400 + 81_280.0
 
+#: Caps as ad servers run them: per device with a cooldown, a click cap, a lifetime cap to a
+#: flight's end and a window from the first event; and per person, across identifiers.
+PEOPLE = f"""\
+domain: people
+descriptors:
+  - key: device
+    group_counters: true
+    descriptors:
+      - key: ad
+        rate_limits:
+          - {{unit: day, requests_per_unit: 4}}
+          - {{algorithm: cooldown, unit: minute, unit_multiplier: 10}}
+        descriptors:
+          - key: event
+            value: click
+            rate_limit: {{unit: day, requests_per_unit: 1}}
+      - key: ad
+        value: onboarding
+        rate_limit: {{algorithm: lifetime, requests_per_unit: 2, ends: {int(NOW) + 864_000}}}
+      - key: ad
+        value: trial
+        rate_limit: {{algorithm: first_event, unit: hour, unit_multiplier: 24, requests_per_unit: 1}}
+  - key: person
+    identifiers: [user, device, cookie]
+    group_counters: true
+    descriptors:
+      - key: ad
+        rate_limit: {{unit: day, requests_per_unit: 3}}
+"""
+#: One person: a login, a phone, a cookie.
+PERSON = {"user": "u1", "device": "d1", "cookie": "c1"}
+
 
 @pytest.fixture
 def rules(tmp_path: Path) -> Path:
     write_rules(tmp_path, RULES, "ads.yaml")
     write_rules(tmp_path, PLAIN, "plain.yaml")
+    write_rules(tmp_path, PEOPLE, "people.yaml")
     return tmp_path
 
 
@@ -206,6 +239,122 @@ async def test_http_record_refuses_bad_impressions_with_400(
     assert await post(http, "/v1/caps/record", body) == (400, {"error": reason})
 
 
+async def test_http_identities_events_cooldowns_and_anchored_windows(
+    http: aiohttp.ClientSession,
+) -> None:
+    """In JSON: impressions named by a cookie or a phone count on the person's cap for a check
+    naming all three identifiers; a click counts on the click cap only; the phone's cooldown
+    answers the seconds until allowed; the lifetime cap resets at the flight's end and the
+    window from the first event 24 hours after it."""
+    impressions = [
+        {"id": "i1", "ad": "a1", "identities": {"cookie": "c1"}},
+        {"id": "k1", "ad": "a1", "event": "click", "identities": {"device": "d1"}},
+        {"id": "o1", "ad": "onboarding", "identities": {"device": "d1"}},
+        {"id": "t1", "ad": "trial", "identities": {"device": "d1"}},
+    ]
+    status, recorded = await post(
+        http, "/v1/caps/record", {"domain": "people", "impressions": impressions}
+    )
+    assert (status, [r["counted"] for r in recorded["results"]]) == (200, [True] * 4)
+    check = {
+        "domain": "people",
+        "identities": PERSON,
+        "ads": [{"ad": "a1"}, {"ad": "onboarding"}, {"ad": "trial"}],
+    }
+    assert await post(http, "/v1/caps/check", check) == (
+        200,
+        {
+            "ads": [
+                # The phone's cooldown admits one (its 600 s would start), the person has 2.
+                {"ad": "a1", "allowed": True, "remaining": 1, "reset_seconds": 600},
+                {"ad": "onboarding", "allowed": True, "remaining": 1, "reset_seconds": 864_000},
+                {"ad": "trial", "allowed": False, "remaining": 0, "reset_seconds": 86_400},
+            ]
+        },
+    )
+    clicks = {**check, "event": "click", "ads": [{"ad": "a1"}]}
+    assert await post(http, "/v1/caps/check", clicks) == (
+        200,
+        {"ads": [{"ad": "a1", "allowed": False, "remaining": 0, "reset_seconds": 5_120}]},
+    )
+    again = {"domain": "people", "impressions": [{"id": "i2", "ad": "a1", "user": "u1"}]}
+    again["impressions"][0]["identities"] = {"device": "d1"}
+    assert (await post(http, "/v1/caps/record", again))[0] == 200
+    assert await post(http, "/v1/caps/check", {**check, "ads": [{"ad": "a1"}]}) == (
+        200,
+        {"ads": [{"ad": "a1", "allowed": False, "remaining": 0, "reset_seconds": 600}]},
+    )
+
+
+@pytest.mark.parametrize(
+    ("body", "reason"),
+    [
+        (
+            {"domain": "people", "identities": {"email": "x@y"}, "ads": []},
+            "identities.email: unknown identifier kind 'email' (the rules declare: cookie, "
+            "device, user)",
+        ),
+        (
+            {"domain": "people", "identities": {"device": 7}, "ads": []},
+            "identities.device must be a string, got 7",
+        ),
+        (
+            {"domain": "people", "identities": ["device"], "ads": []},
+            "identities must be a JSON object of identifier kind to value",
+        ),
+        (
+            {"domain": "people", "identities": {f"k{n}": "v" for n in range(9)}, "ads": []},
+            "identities: too many identifiers: 9 (at most 8)",
+        ),
+        (
+            {"domain": "people", "identities": PERSON, "ads": [], "event": "like"},
+            "event: event 'like' is not declared by the rules of domain 'people' (declare it "
+            "with 'key: event' below 'key: ad', or send 'impression')",
+        ),
+        ({"domain": "people", "ads": []}, "user is missing"),
+    ],
+)
+async def test_http_check_refuses_bad_identities_and_events_with_400(
+    http: aiohttp.ClientSession, body: Any, reason: str
+) -> None:
+    """An unknown identifier kind, a value that is not a string, too many identifiers, an
+    event the rules do not declare, or no identifier at all: 400 naming the field."""
+    assert await post(http, "/v1/caps/check", body) == (400, {"error": reason})
+
+
+@pytest.mark.parametrize(
+    ("impression", "reason"),
+    [
+        (
+            {"id": "i", "ad": "a1", "identities": {"email": "x@y"}},
+            "impressions[1].identities.email: unknown identifier kind 'email' (the rules "
+            "declare: cookie, device, user)",
+        ),
+        (
+            {"id": "i", "ad": "a1", "event": "like", "identities": {"device": "d1"}},
+            "impressions[1].event: event 'like' is not declared by the rules of domain "
+            "'people' (declare it with 'key: event' below 'key: ad', or send 'impression')",
+        ),
+        (
+            {"id": "x" * 129, "ad": "a1", "identities": {"device": "d1"}},
+            "impressions[1].id is too long (at most 128 bytes)",
+        ),
+    ],
+)
+async def test_http_record_refuses_bad_identities_and_counts_nothing(
+    http: aiohttp.ClientSession, impression: dict[str, Any], reason: str
+) -> None:
+    """A bad impression beside a good one: 400 naming the field, and neither is counted."""
+    good = {"id": "good", "ad": "a1", "identities": {"device": "d1"}}
+    body = {"domain": "people", "impressions": [good, impression]}
+    assert await post(http, "/v1/caps/record", body) == (400, {"error": reason})
+    check = {"domain": "people", "identities": {"device": "d1"}, "ads": [{"ad": "a1"}]}
+    assert (await post(http, "/v1/caps/check", check))[1]["ads"][0]["remaining"] == 1
+    assert (await post(http, "/v1/caps/record", {"domain": "people", "impressions": [good]}))[
+        1
+    ] == {"results": [{"id": "good", "counted": True}]}
+
+
 async def test_http_unknown_domains_answer_404(http: aiohttp.ClientSession) -> None:
     """An unknown domain, or a domain without user → ad rules, answers 404 with the reason."""
     assert await post(http, "/v1/caps/check", {**CHECK, "domain": "nope"}) == (
@@ -301,9 +450,128 @@ async def test_grpc_check_and_record_beside_envoys_service(app: App) -> None:
     assert after.ads[0].remaining == 3
 
 
+async def test_grpc_identities_events_cooldowns_and_anchored_windows(app: App) -> None:
+    """On the gRPC port, the same as in JSON: identities summed for a person, a click cap,
+    the cooldown's seconds until allowed, a lifetime and a first-event window."""
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{app.grpc_port}") as channel:
+        caps = Caps(channel)
+        impressions = [
+            pb.Impression(id="i1", ad="a1", identities={"cookie": "c1"}),
+            pb.Impression(id="k1", ad="a1", event="click", identities={"device": "d1"}),
+            pb.Impression(id="o1", ad="onboarding", identities={"device": "d1"}),
+            pb.Impression(id="t1", ad="trial", identities={"device": "d1"}),
+            pb.Impression(id="t1", ad="trial", identities={"device": "d1"}),
+        ]
+        recorded = await caps.record_impressions(
+            pb.RecordImpressionsRequest(domain="people", impressions=impressions), timeout=10
+        )
+        assert [(r.counted, r.duplicate) for r in recorded.results] == [(True, False)] * 4 + [
+            (False, True)
+        ]
+        ads = [pb.AdCandidate(ad=ad) for ad in ("a1", "onboarding", "trial")]
+        checked = await caps.check_ads(
+            pb.CheckAdsRequest(domain="people", identities=PERSON, ads=ads), timeout=10
+        )
+        assert list(checked.ads) == [
+            pb.AdVerdict(ad="a1", allowed=True, remaining=1, reset_seconds=600),
+            pb.AdVerdict(ad="onboarding", allowed=True, remaining=1, reset_seconds=864_000),
+            pb.AdVerdict(ad="trial", allowed=False, remaining=0, reset_seconds=86_400),
+        ]
+        clicks = await caps.check_ads(
+            pb.CheckAdsRequest(domain="people", identities=PERSON, ads=ads[:1], event="click"),
+            timeout=10,
+        )
+        assert list(clicks.ads) == [
+            pb.AdVerdict(ad="a1", allowed=False, remaining=0, reset_seconds=5_120)
+        ]
+        await caps.record_impressions(
+            pb.RecordImpressionsRequest(
+                domain="people",
+                impressions=[pb.Impression(id="i2", ad="a1", identities={"device": "d1"})],
+            ),
+            timeout=10,
+        )
+        cooling = await caps.check_ads(
+            pb.CheckAdsRequest(domain="people", identities={"device": "d1"}, ads=ads[:1]),
+            timeout=10,
+        )
+        assert list(cooling.ads) == [
+            pb.AdVerdict(ad="a1", allowed=False, remaining=0, reset_seconds=600)
+        ]
+
+
+@pytest.mark.parametrize(
+    ("message", "details"),
+    [
+        (
+            pb.RecordImpressionsRequest(
+                domain="people",
+                impressions=[
+                    pb.Impression(id="i1", ad="a1", identities={"device": "d1"}),
+                    pb.Impression(id="i2", ad="a1", identities={"email": "x@y"}),
+                ],
+            ),
+            "impressions[1].identities.email: unknown identifier kind 'email' (the rules "
+            "declare: cookie, device, user)",
+        ),
+        (
+            pb.RecordImpressionsRequest(
+                domain="people",
+                impressions=[
+                    pb.Impression(id="i1", ad="a1", identities={"device": "d1"}),
+                    pb.Impression(id="i2", ad="a1", event="like", identities={"device": "d1"}),
+                ],
+            ),
+            "impressions[1].event: event 'like' is not declared by the rules of domain "
+            "'people' (declare it with 'key: event' below 'key: ad', or send 'impression')",
+        ),
+        (
+            pb.RecordImpressionsRequest(
+                domain="people",
+                impressions=[
+                    pb.Impression(id="i1", ad="a1", identities={"device": "d1"}),
+                    pb.Impression(id="i2", ad="a1", identities={f"k{n}": "v" for n in range(9)}),
+                ],
+            ),
+            "impressions[1].identities: too many identifiers: 9 (at most 8)",
+        ),
+    ],
+)
+async def test_grpc_bad_identities_and_events_are_invalid_argument_and_count_nothing(
+    app: App, message: pb.RecordImpressionsRequest, details: str
+) -> None:
+    """A record with an unknown identifier kind, an undeclared event or too many identifiers
+    is INVALID_ARGUMENT naming the field, and counts none of its impressions."""
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{app.grpc_port}") as channel:
+        caps = Caps(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await caps.record_impressions(message, timeout=10)
+        check = pb.CheckAdsRequest(
+            domain="people", identities={"device": "d1"}, ads=[pb.AdCandidate(ad="a1")]
+        )
+        after = await caps.check_ads(check, timeout=10)
+    assert (info.value.code(), info.value.details()) == (
+        grpc.StatusCode.INVALID_ARGUMENT,
+        details,
+    )
+    assert after.ads[0].remaining == 1  # the cooldown's one: nothing was recorded
+
+
 @pytest.mark.parametrize(
     ("message", "code", "details"),
     [
+        (
+            pb.CheckAdsRequest(domain="people", identities={"email": "x@y"}),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "identities.email: unknown identifier kind 'email' (the rules declare: cookie, "
+            "device, user)",
+        ),
+        (
+            pb.CheckAdsRequest(domain="people", identities=PERSON, event="like"),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "event: event 'like' is not declared by the rules of domain 'people' (declare it "
+            "with 'key: event' below 'key: ad', or send 'impression')",
+        ),
         (
             pb.CheckAdsRequest(domain="nope", user="u1"),
             grpc.StatusCode.NOT_FOUND,

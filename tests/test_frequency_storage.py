@@ -173,6 +173,55 @@ async def test_a_grouped_bucket_keeps_its_keep_until_in_its_value(
     assert (await caps.check("ads", "u1", [Candidate("new", "c1")]))[0].remaining == 2
 
 
+ANCHORED_RULES = """
+domain: ads
+descriptors:
+  - key: user
+    group_counters: true
+    descriptors:
+      - key: ad
+        rate_limits:
+          - {algorithm: first_event, unit: hour, unit_multiplier: 24, requests_per_unit: 2}
+          - {algorithm: cooldown, unit: minute, unit_multiplier: 10}
+      - key: campaign
+        rate_limit: {algorithm: lifetime, requests_per_unit: 5, ends: ENDS}
+"""
+
+
+async def test_anchored_windows_keep_their_count_and_end_until_they_end(
+    store: tuple[str, list[RedisServer]], clock: Clock
+) -> None:
+    """A first-event window, a cooldown and a lifetime cap are one field each, named by their
+    kind and `^`, holding "<count> <end ms>"; the hash lives as long as the longest of them,
+    and a field created after one has ended (plus the grace) prunes it: storage ends with the
+    window."""
+    now = int(clock.now)
+    ends = now + 2 * DAY
+    domain = config.parse(ANCHORED_RULES.replace("ENDS", str(ends)), "rules.yaml")
+    backend = open_backend(store[0], timeout_ms=2_000)
+    try:
+        caps = FrequencyCaps(Rules({"ads": domain}), backend, clock=clock)
+        await caps.record("ads", [Impression("i1", "u1", "a1", "c1")])
+        hash_key = b"rl{ads|user|u1}"
+        now_ms = now * 1000
+        lifetime = f"campaign|c1|l{base36(ends)}.^".encode()
+        with holder(store[1], hash_key) as client:
+            assert client.hgetall(hash_key) == {
+                b"ad|a1|f24h^": f"1 {now_ms + DAY * 1000}".encode(),
+                b"ad|a1|k10m^": f"1 {now_ms + 600_000}".encode(),
+                lifetime: f"1 {ends * 1000}".encode(),
+            }
+            assert 2 * DAY * 1000 - 5_000 < client.pttl(hash_key) <= 2 * DAY * 1000
+        clock.now = now + 600 + FIELD_GRACE
+        await caps.record("ads", [Impression("i2", "u1", "a2")])
+        with holder(store[1], hash_key) as client:
+            fields = client.hgetall(hash_key)
+        assert b"ad|a1|k10m^" not in fields  # its cooldown ended: pruned
+        assert b"ad|a1|f24h^" in fields and lifetime in fields
+    finally:
+        await backend.close()
+
+
 async def test_without_group_counters_counters_keep_one_key_each(
     store: tuple[str, list[RedisServer]], clock: Clock
 ) -> None:
@@ -260,6 +309,9 @@ PARITY_WINDOWS = (
     Window(6, Unit.DAY, calendar=True, timezone="America/New_York"),
     Window(5, Unit.DAY, calendar=True, timezone="America/New_York", borrow=2),
     Window(9, Unit.MONTH, calendar=True, timezone="Asia/Shanghai", borrow=4),
+    Window(2, Unit.HOUR, Algorithm.FIRST_EVENT),
+    Window(1, Unit.MINUTE, Algorithm.COOLDOWN, unit_multiplier=45),
+    Window(3, Unit.YEAR, Algorithm.LIFETIME, unit_multiplier=0, ends=1_772_950_000),
 )
 
 # Just before Shanghai's February and New York's 23-hour day.

@@ -75,6 +75,15 @@ CALENDAR = (
     Window(5, Unit.DAY, calendar=True, timezone="Asia/Shanghai"),
     Window(12, Unit.MONTH, calendar=True, timezone="Asia/Shanghai", borrow=4),
 )
+#: Windows anchored on events: one from the first event, cooldowns, lifetimes to a flight end
+#: (one inside the starts below, one past some of them) with and without a TTL.
+ANCHORED = (
+    Window(3, Unit.MINUTE, Algorithm.FIRST_EVENT, unit_multiplier=10),
+    Window(1, Unit.HOUR, Algorithm.COOLDOWN),
+    Window(1, Unit.MINUTE, Algorithm.COOLDOWN, unit_multiplier=5),
+    Window(4, Unit.YEAR, Algorithm.LIFETIME, unit_multiplier=0, ends=1_781_535_600),
+    Window(2, Unit.HOUR, Algorithm.LIFETIME, ends=1_772_949_600),
+)
 
 # Just before local midnights, DST changes and month ends, in UTC.
 STARTS = (
@@ -123,7 +132,10 @@ class Scenario:
 
 
 _windows = st.one_of(
-    *(st.sampled_from(family) for family in (PLAIN, BORROWING, SLIDING, BUCKETS, CALENDAR))
+    *(
+        st.sampled_from(family)
+        for family in (PLAIN, BORROWING, SLIDING, BUCKETS, CALENDAR, ANCHORED)
+    )
 )
 _descriptors = st.builds(
     Descriptor,

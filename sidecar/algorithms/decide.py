@@ -11,7 +11,8 @@ Three phases:
 3. Hits are applied (usage hits, roles USAGE and UNIQUE, are not judged: they count the request
    as admitted or refused, see `sidecar.usage`): a plain fixed window counts every hit, admitted or not (the reference's
    behaviour); a token bucket, a borrowing window or a sliding window counts a hit only when its
-   descriptor was admitted. With all-or-nothing, a request that is OVER_LIMIT applies nothing.
+   descriptor was admitted (so does a window anchored on events, `sidecar.algorithms.anchored`).
+   With all-or-nothing, a request that is OVER_LIMIT applies nothing.
    With `force` (recording impressions, which are facts) every hit is applied, whatever the
    limits say: windows go past their limit and buckets below their credit line.
 
@@ -25,14 +26,16 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from sidecar.algorithms import fixed_window, sliding_window, token_bucket
+from sidecar.algorithms import anchored, fixed_window, sliding_window, token_bucket
+from sidecar.algorithms.anchored import Span
 from sidecar.algorithms.token_bucket import Bucket
 from sidecar.model import Algorithm, Hit, Outcome, Role, Window
 
-#: Algorithm codes, as the Lua script knows them.
-PLAIN, BORROWING, SLIDING, BUCKET = 0, 1, 2, 3
+#: Algorithm codes, as the Lua script knows them. A bucket and an anchored window keep a state
+#: and work out their own reset; the others are counters in windows on the clock.
+PLAIN, BORROWING, SLIDING, BUCKET, ANCHORED = 0, 1, 2, 3, 4
 
-State = int | Bucket
+State = int | Bucket | Span
 #: Where a value is stored: a key, or (hash key, field) for a grouped counter.
 Address = bytes | tuple[bytes, bytes]
 
@@ -43,26 +46,27 @@ def address(key: bytes, field: bytes) -> Address:
 
 #: Read on every call: on Python 3.11 an enum member read through its class is a Python call.
 _TOKEN_BUCKET, _SLIDING_WINDOW = Algorithm.TOKEN_BUCKET, Algorithm.SLIDING_WINDOW
+_FIXED_WINDOW = Algorithm.FIXED_WINDOW
 
 
 def code(window: Window) -> int:
     algorithm = window.algorithm
+    if algorithm is _FIXED_WINDOW:  # nearly every window: asked first
+        return BORROWING if window.borrow else PLAIN
     if algorithm is _TOKEN_BUCKET:
         return BUCKET
-    if algorithm is _SLIDING_WINDOW:
-        return SLIDING
-    return BORROWING if window.borrow else PLAIN
+    return SLIDING if algorithm is _SLIDING_WINDOW else ANCHORED
 
 
 @dataclass(frozen=True, slots=True)
 class Write:
     """A change to one stored value: add `amount` to a counter (created with `ttl_ms`), store a
-    bucket's `state` for `ttl_ms`, or add `member` to a HyperLogLog (kept `ttl_ms` from its
+    bucket's or an anchored window's `state` for `ttl_ms`, or add `member` to a HyperLogLog (kept `ttl_ms` from its
     creation). `field` is set for a counter in a grouped hash or a usage count's hash."""
 
     key: bytes
     amount: int = 0
-    state: Bucket | None = None
+    state: Bucket | Span | None = None
     ttl_ms: int = 0
     field: bytes = b""
     #: A unique count's member, added to the HyperLogLog at `key` (see `sidecar.usage`).
@@ -78,7 +82,7 @@ class _Judged:
     over: bool
     before: tuple[int, int]  # (remaining, reset_ms) if the hit is not applied
     after: tuple[int, int]  # ... if it is
-    state: Bucket | None  # a bucket's state after the hit
+    state: Bucket | Span | None  # a bucket's or an anchored window's state after the hit
 
 
 def decide(
@@ -119,12 +123,13 @@ def decide(
         algorithm = code(hit.window)
         applied = force or (not blocked and (algorithm == PLAIN or not group_over[hit.group]))
         remaining, reset_ms = j.after if applied else j.before
-        if algorithm != BUCKET:
+        if algorithm < BUCKET:
             reset_ms = hit.end_ms - now_ms
         outcomes.append(Outcome(j.over, remaining, reset_ms, applied, j.before[0]))
         if applied and hit.hits > 0:
-            if algorithm == BUCKET:
-                writes.append(Write(hit.key, state=j.state, ttl_ms=j.after[1], field=hit.field))
+            if algorithm >= BUCKET:
+                if j.state is not None:
+                    writes.append(Write(hit.key, state=j.state, ttl_ms=j.after[1], field=hit.field))
             else:
                 writes.append(
                     Write(hit.key, amount=hit.hits, ttl_ms=hit.ttl * 1000, field=hit.field)
@@ -160,8 +165,15 @@ def _judge(
     cost = hit.hits
     algorithm = code(window)
     here = address(hit.key, hit.field)
-    if algorithm == BUCKET:
+    if algorithm >= BUCKET:  # a state, not a count (one comparison for the usual window)
         stored = value(here)
+        if algorithm == ANCHORED:
+            span = anchored.take(
+                stored if isinstance(stored, Span) else None, now_ms, cost, window, force
+            )
+            if span.state is not None:
+                seen[here] = span.state
+            return _Judged(span.over, span.before, span.after, span.state)
         rate, period_ms = window.requests_per_unit, window.seconds * 1000
         capacity = window.capacity
         bucket = token_bucket.refill(

@@ -17,11 +17,12 @@ from __future__ import annotations
 import difflib
 from datetime import date, datetime, timedelta
 from functools import lru_cache
+from typing import Final
 from zoneinfo import ZoneInfo, available_timezones
 
 from sidecar.model import Unit, Window
 
-_CALENDAR_UNITS = frozenset({Unit.DAY, Unit.WEEK, Unit.MONTH, Unit.YEAR})
+_CALENDAR_UNITS: Final = frozenset({Unit.DAY, Unit.WEEK, Unit.MONTH, Unit.YEAR})
 
 
 def is_calendar_unit(unit: Unit) -> bool:
@@ -85,7 +86,7 @@ def check_zone(name: str) -> None:
 
 
 #: Seconds a grouped counter outlives its window, for sidecars whose clocks run a little behind.
-FIELD_GRACE = 10
+FIELD_GRACE: Final = 10
 
 
 def bounds(window: Window, now: int) -> tuple[int, int]:

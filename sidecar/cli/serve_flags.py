@@ -211,6 +211,16 @@ SERVE_FLAGS: tuple[Flag, ...] = (
         field="sync_interval_ms",
     ),
     Flag(
+        "--lease-ms",
+        "decide the rules marked 'leased: true' from leases of their windows' budgets, each "
+        "covering about N ms of this sidecar's demand, renewed ahead of need: a few store "
+        "calls per window and never past a limit (README, Leases); not with --rejected-hits "
+        "skip. Unset: every hit is decided by the store",
+        type=count(4),
+        metavar="N",
+        field="lease_ms",
+    ),
+    Flag(
         "--shadow-mode",
         "global shadow mode: count as usual but answer OK where the answer would be OVER_LIMIT",
         action="store_true",

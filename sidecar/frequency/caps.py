@@ -7,13 +7,24 @@ that matches ``[(user, U), (ad, A)]`` plus, when the ad names its campaign, the 
 ``[(user, U), (campaign, C)]``: matching is Envoy's, so a rule for one ad value (or a wildcard)
 wins over the key-only rule, and a ShouldRateLimit with the same descriptor shares the counters.
 With `group_counters: true` on `user`, all of a user's counters are one small Redis hash.
+A call may name other identifiers than `user` (`identities`), each with caps of its own or
+counted together across a person's identifiers: `sidecar.frequency.identities` says how.
 
 `check` consumes nothing. An ad is allowed unless its cap set is over, as Envoy would judge a
 request carrying both descriptors (a `shadow_mode` cap never blocks); `remaining` and
 `reset_seconds` come from the most restrictive window that can block. An ad with no cap (no
 rule, or only `unlimited` or shadow rules) is allowed with `remaining` 4294967295 and
 `reset_seconds` 0, as Envoy's service reports an unlimited rule. Every counter of one user
-shares the user's hash slot, so a check costs one backend call however many ads it holds.
+shares the user's hash slot, so a check costs one backend call however many ads it holds (one
+round trip per identifier's slot when it names several).
+
+Events: a record carries an event, `impression` unless it says otherwise, and a check asks about
+one event. An impression counts on the caps above; any other event `E` counts on the caps of
+``[(user, U), (ad, A), (event, E)]`` and ``[(user, U), (campaign, C), (event, E)]``, rules one
+level deeper (`key: event` below `ad` or `campaign`), so clicks and views have caps of their own
+and Envoy's ShouldRateLimit with those three entries shares them. An event no `event`
+descriptor of the domain matches is refused (InvalidRequest), as is an event named on a domain
+that declares none.
 
 `record` counts each impression once. An impression is a fact: its hits are added to every
 window of its cap set even past the limit. Its id is remembered per user for the dedupe horizon
@@ -21,10 +32,12 @@ window of its cap set even past the limit. Its id is remembered per user for the
 added to the current one, which is kept until its successor ends (plus a margin for skewed
 clocks). So a repeat within `H` is always refused, and an id is forgotten between `H` and `2H`
 after it was recorded. Ids are stored whole, never hashed: a collision would drop a real
-impression. The look-up, the id and the hits go in one atomic call per user.
+impression. Ids are per event: an impression and a click may share the ad server's id (the id
+of an event other than an impression is stored behind its event's name and a control
+character, which no id holds). The look-up, the id and the hits go in one atomic call per user.
 
-Limits: at most 100 ads per check and 1,000 impressions per record; ids are 1 to 128 bytes of
-printable text. `replaces` between caps is not applied here.
+Limits: at most 100 ads per check and 1,000 impressions per record, 8 identifiers per call; ids
+are 1 to 128 bytes of printable text. `replaces` between caps is not applied here.
 """
 
 from __future__ import annotations
@@ -34,18 +47,31 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from sidecar.algorithms.decide import State
+from sidecar.counters import field_hit, window_hit
 from sidecar.errors import InvalidRequest, UnknownDomain
-from sidecar.frequency.checks import Cap, Check, Template, verdict
+from sidecar.frequency.checks import Cap, Check, Sum, Template, verdict, verdict_of
+from sidecar.frequency.identities import (
+    AD_KEY,
+    CAMPAIGN_KEY,
+    USER_KEY,
+    Layout,
+    Scope,
+    check_unicode,
+    check_value,
+    layout,
+)
 from sidecar.matching import counter_value, lookup, match
 from sidecar.model import UNLIMITED_REMAINING, Dedupe, Entry, Hit
-from sidecar.plan import MAX_VALUE_LENGTH, descriptor_hits
-from sidecar.rules import Domain, Level, Node, Rules
+from sidecar.plan import descriptor_hits
+from sidecar.rules import Domain, Node, Rules
 from sidecar.storage import Backend
-from sidecar.storage.keys import dedupe_key, field_head
+from sidecar.storage.keys import dedupe_key, descriptor_prefix, escape, field_head
 
-USER_KEY = "user"
-AD_KEY = "ad"
-CAMPAIGN_KEY = "campaign"
+EVENT_KEY = "event"
+#: The event a record or a check is about unless it names another: counted by the caps on
+#: `ad` and `campaign` themselves.
+IMPRESSION = "impression"
 
 MAX_ADS = 100
 MAX_IMPRESSIONS = 1_000
@@ -56,6 +82,9 @@ DEDUPE_HORIZON = 86_400
 DEDUPE_MARGIN = 60
 #: Ads (and campaigns) whose caps a sidecar remembers between checks.
 TEMPLATE_CACHE_SIZE = 100_000
+
+#: (kind, value) pairs naming who a call is about.
+Identifiers = Sequence[tuple[str, str]]
 
 
 class Candidate(NamedTuple):
@@ -78,12 +107,16 @@ class Verdict(NamedTuple):
 
 @dataclass(frozen=True, slots=True)
 class Impression:
-    """An ad served to a user, named by an id the ad server repeats on every retry."""
+    """An event (an impression unless it says otherwise) of an ad served to a user, named by an
+    id the ad server repeats on every retry. `identities` are identifiers beside `user` (or
+    instead of it: `user` empty), as (kind, value) pairs."""
 
     id: str
     user: str
     ad: str
     campaign: str | None = None
+    event: str = IMPRESSION
+    identities: Identifiers = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,33 +144,54 @@ class FrequencyCaps:
         self.backend = backend
         self.dedupe_horizon = dedupe_horizon
         self._clock = clock
-        # (id of the user's rule node, key, value) -> the caps below it; the rules (and so the
-        # nodes) live as long as this object.
-        self._templates: dict[tuple[int, str, str], Template | None] = {}
+        # (id of a first-level rule node, key, value, event) -> the caps below it; the rules
+        # (and so the nodes) live as long as this object.
+        self._templates: dict[tuple[int, str, str, str], Template | None] = {}
+        # (domain, event) -> whether the domain's rules declare the event.
+        self._events: dict[tuple[str, str], bool] = {}
+        # Domain -> its identifier kinds (None: it has no caps).
+        self._layouts: dict[str, Layout | None] = {}
 
     def set_rules(self, rules: Rules) -> None:
         """Serve new rules from the next call on (a config reload)."""
         self.rules = rules
         self._templates = {}
+        self._events = {}
+        self._layouts = {}
 
-    async def check(self, domain: str, user: str, ads: Sequence[Candidate]) -> list[Verdict]:
-        """A verdict per candidate, in order; raises InvalidRequest, UnknownDomain or
-        StorageError."""
-        rules = self._domain(domain)
-        _check_value("user", user)
+    async def check(
+        self,
+        domain: str,
+        user: str,
+        ads: Sequence[Candidate],
+        event: str = IMPRESSION,
+        identities: Identifiers = (),
+    ) -> list[Verdict]:
+        """A verdict per candidate, in order, for `event` and the identifiers named (`user`
+        and `identities`); raises InvalidRequest, UnknownDomain or StorageError."""
+        rules, kinds = self._domain(domain)
+        named = kinds.named(user, identities, "")
+        self._check_event(rules, kinds, "event", event)
         if len(ads) > MAX_ADS:
             raise InvalidRequest(f"too many ads: {len(ads)} (at most {MAX_ADS} per check)")
         for index, candidate in enumerate(ads):
-            _check_value(f"ads[{index}].ad", candidate.ad)
+            check_value(f"ads[{index}].ad", candidate.ad)
             if candidate.campaign is not None:
-                _check_value(f"ads[{index}].campaign", candidate.campaign)
+                check_value(f"ads[{index}].campaign", candidate.campaign)
+        if len(named) == 1 and not kinds.scopes:
+            return await self._check_one(rules, named[0], ads, event)
+        return await self._check_across(rules, kinds, named, ads, event)
 
+    async def _check_one(
+        self, rules: Domain, first: tuple[str, str], ads: Sequence[Candidate], event: str
+    ) -> list[Verdict]:
+        """The usual check: one identifier, whose own caps are all there is."""
         now_ms = int(self._clock() * 1000)
-        user_entry = Entry(USER_KEY, user)
-        node = lookup(rules.root, user_entry)
+        first_entry = Entry(*first)
+        node = lookup(rules.root, first_entry)
         if node is None:
             return [Verdict(c.ad, True, UNLIMITED_REMAINING, 0) for c in ads]
-        check = Check(domain, (USER_KEY, counter_value(node, user_entry)), now_ms)
+        check = Check(rules.name, (first[0], counter_value(node, first_entry)), now_ms)
         caps: dict[tuple[str, str], Cap | None] = {}
         template = self._template
 
@@ -147,7 +201,7 @@ class FrequencyCaps:
                 return None
             known = (key, value)
             if known not in caps:
-                found = template(node, key, value)
+                found = template(node, key, value, event)
                 caps[known] = None if found is None else check.add(found)
             return caps[known]
 
@@ -156,19 +210,104 @@ class FrequencyCaps:
             check.judge(await self.backend.read(check.addresses, now_ms))
         return [Verdict(c.ad, *verdict(*pair)) for c, pair in zip(ads, pairs, strict=True)]
 
-    def _template(self, node: Node, key: str, value: str) -> Template | None:
-        """The caps of `[(user, *), (key, value)]` under the user's rule `node`: the rule
-        `match` finds for that descriptor, and its entries after the user, as counters name
-        them. Kept across checks (ads come back again and again), in bounded memory."""
-        known = (id(node), key, value)
+    async def _check_across(
+        self,
+        rules: Domain,
+        kinds: Layout,
+        named: Identifiers,
+        ads: Sequence[Candidate],
+        event: str,
+    ) -> list[Verdict]:
+        """A check naming several identifiers, or on a domain counting caps across them: each
+        identifier's own caps, and each scope's summed under the identifiers it names; one
+        read for all of them (a round trip per hash slot)."""
+        now_ms = int(self._clock() * 1000)
+        checks: list[Check] = []
+        slots: dict[str, int] = {}  # kind -> its Check's position
+        own: list[tuple[int, Node]] = []
+        for kind, value in named:
+            entry = Entry(kind, value)
+            node = lookup(rules.root, entry) if kind in kinds.trees else None
+            slot_value = value if node is None else counter_value(node, entry)
+            slots[kind] = len(checks)
+            checks.append(Check(rules.name, (kind, slot_value), now_ms))
+            if node is not None:
+                own.append((slots[kind], node))
+        scopes = [
+            (scope.node, [slots[kind] for kind in scope.identifiers if kind in slots])
+            for scope in kinds.scopes
+        ]
+        scopes = [(node, members) for node, members in scopes if members]
+        found: dict[tuple[int, str, str], Cap | Sum | None] = {}
+
+        def cap(position: int, node: Node, key: str, value: str) -> Cap | None:
+            """The caps of `[(first, *), (key, value)]` below `node`, under one identifier."""
+            template = self._template(node, key, value, event)
+            return None if template is None else checks[position].add(template)
+
+        def summed(node: Node, members: list[int], key: str, value: str) -> Sum | None:
+            """A scope's caps, under each identifier it names."""
+            parts = [(member, cap(member, node, key, value)) for member in members]
+            first = parts[0][1]
+            if first is None:
+                return None
+            return Sum(first.role, [(member, part) for member, part in parts if part is not None])
+
+        def caps_of(candidate: Candidate) -> list[Cap | Sum]:
+            """Every cap of the candidate, each named once however many ads share it."""
+            held: list[Cap | Sum | None] = []
+            for key, value in ((AD_KEY, candidate.ad), (CAMPAIGN_KEY, candidate.campaign)):
+                if value is None:
+                    continue
+                for position, node in own:
+                    known = (position, key, value)
+                    if known not in found:
+                        found[known] = cap(position, node, key, value)
+                    held.append(found[known])
+                for number, (node, members) in enumerate(scopes):
+                    known = (-1 - number, key, value)
+                    if known not in found:
+                        found[known] = summed(node, members, key, value)
+                    held.append(found[known])
+            return [each for each in held if each is not None]
+
+        held = [caps_of(candidate) for candidate in ads]
+        addresses = [where for check in checks for where in check.addresses]
+        values = await self.backend.read(addresses, now_ms) if addresses else []
+        split: list[Sequence[State | None]] = []
+        for check in checks:
+            split.append(values[: len(check.addresses)])
+            values = values[len(check.addresses) :]
+            if check.addresses:
+                check.judge(split[-1])
+        for each in found.values():
+            if isinstance(each, Sum):
+                each.judge(split)
+        return [Verdict(c.ad, *verdict_of(caps)) for c, caps in zip(ads, held, strict=True)]
+
+    def _template(self, node: Node, key: str, value: str, event: str) -> Template | None:
+        """The caps of `[(first, *), (key, value)]` (and `(event, E)` after it for an event but
+        an impression) under the first-level rule `node`: the rule `match` finds for that
+        descriptor, and its entries after the first, as counters name them (behind ``%`` and
+        the scope's key for a scope, `sidecar.frequency.identities`). Kept across checks (ads
+        come back again and again), in bounded memory."""
+        known = (id(node), key, value, event)
         if known in self._templates:
             return self._templates[known]
         entry = Entry(key, value)
         leaf = lookup(node.children, entry)
+        parts = [(USER_KEY, ""), (key, "" if leaf is None else counter_value(leaf, entry))]
+        if leaf is not None and event != IMPRESSION:
+            happened = Entry(EVENT_KEY, event)
+            leaf = lookup(leaf.children, happened)
+            if leaf is not None:
+                parts.append((EVENT_KEY, counter_value(leaf, happened)))
         template = None
         if leaf is not None and leaf.limit is not None and not leaf.limit.unlimited:
-            parts = [(USER_KEY, ""), (key, counter_value(leaf, entry))]
-            template = Template(leaf.limit, node.group_counters, field_head(parts))
+            head = field_head(parts)
+            if node.identifiers:
+                head = f"%{escape(node.key)}|{head}"
+            template = Template(leaf.limit, node.group_counters, head)
         if len(self._templates) >= TEMPLATE_CACHE_SIZE:
             self._templates.clear()
         self._templates[known] = template
@@ -178,82 +317,179 @@ class FrequencyCaps:
         """Count each impression unless its id was recorded within the horizon; results in
         order. Raises InvalidRequest, UnknownDomain or StorageError (then nothing or part of
         the batch was counted: sending it again counts exactly what is missing)."""
-        rules = self._domain(domain)
+        rules, kinds = self._domain(domain)
         if len(impressions) > MAX_IMPRESSIONS:
             raise InvalidRequest(
                 f"too many impressions: {len(impressions)} (at most {MAX_IMPRESSIONS} per record)"
             )
-        by_user: dict[str, list[int]] = {}
+        named: list[Identifiers] = []
+        # Per identifier, in the order first named: the impressions naming it.
+        by_first: dict[tuple[str, str], list[int]] = {}
         for index, impression in enumerate(impressions):
-            _check_id(f"impressions[{index}].id", impression.id)
-            _check_value(f"impressions[{index}].user", impression.user)
-            _check_value(f"impressions[{index}].ad", impression.ad)
+            where = f"impressions[{index}]."
+            _check_id(f"{where}id", impression.id)
+            identifiers = kinds.named(impression.user, impression.identities, where)
+            named.append(identifiers)
+            check_value(f"{where}ad", impression.ad)
             if impression.campaign is not None:
-                _check_value(f"impressions[{index}].campaign", impression.campaign)
-            by_user.setdefault(impression.user, []).append(index)
+                check_value(f"{where}campaign", impression.campaign)
+            if impression.event != IMPRESSION:
+                self._check_event(rules, kinds, f"{where}event", impression.event)
+            for first in identifiers:
+                by_first.setdefault(first, []).append(index)
         if not impressions:
             return []
 
         now_ms = int(self._clock() * 1000)
-        horizon = self.dedupe_horizon
-        bucket = now_ms // 1000 // horizon
-        ttl_ms = ((bucket + 2) * horizon + DEDUPE_MARGIN) * 1000 - now_ms
-        batches: list[tuple[list[Hit], Dedupe]] = []
-        for user, indices in by_user.items():
+        # Per identifier: its hits and the impressions whose ids it keeps, each impression's
+        # hits carrying its position among them as their group. The first identifier an
+        # impression names keeps its id in any case; another only when it counts something.
+        slots: dict[tuple[str, str], tuple[list[Hit], list[int]]] = {}
+        for first, indices in by_first.items():
+            kind = first[0]
+            first_entry = Entry(*first)
+            own = kind in kinds.trees
             hits: list[Hit] = []
-            user_entry = Entry(USER_KEY, user)
-            for group, index in enumerate(indices):
+            kept: list[int] = []
+            for index in indices:
                 impression = impressions[index]
+                event = impression.event
+                group = len(kept)
+                before = len(hits)
                 for key, value in ((AD_KEY, impression.ad), (CAMPAIGN_KEY, impression.campaign)):
                     if value is None:
                         continue
-                    found = match(rules, (user_entry, Entry(key, value)))
-                    if found is not None and not found.limit.unlimited:
-                        hits += descriptor_hits(domain, found, 1, group, now_ms)
-            first = (USER_KEY, user)
-            dedupe = Dedupe(
-                dedupe_key(domain, first, bucket),
-                dedupe_key(domain, first, bucket - 1),
-                tuple(impressions[index].id for index in indices),
-                ttl_ms,
-            )
-            batches.append((hits, dedupe))
-        answers = await self.backend.record(batches, now_ms)
+                    if own:
+                        entries = [first_entry, Entry(key, value)]
+                        if event != IMPRESSION:
+                            entries.append(Entry(EVENT_KEY, event))
+                        found = match(rules, entries)
+                        if found is not None and not found.limit.unlimited:
+                            hits += descriptor_hits(domain, found, 1, group, now_ms)
+                    if kinds.scopes:
+                        for scope in _primary_of(kinds, kind, named[index]):
+                            template = self._template(scope.node, key, value, event)
+                            if template is not None:
+                                hits += _template_hits(rules, first, template, group, now_ms)
+                if len(hits) > before or named[index][0] == first:
+                    kept.append(index)
+            if kept:
+                slots[first] = (hits, kept)
+        return await self._count(domain, slots, impressions, now_ms)
 
+    async def _count(
+        self,
+        domain: str,
+        slots: dict[tuple[str, str], tuple[list[Hit], list[int]]],
+        impressions: Sequence[Impression],
+        now_ms: int,
+    ) -> list[Recorded]:
+        """Record each identifier's part in one atomic call on its slot, with its ids; an
+        impression was counted unless every part of it was a duplicate."""
+        horizon = self.dedupe_horizon
+        bucket = now_ms // 1000 // horizon
+        ttl_ms = ((bucket + 2) * horizon + DEDUPE_MARGIN) * 1000 - now_ms
+        batches = [
+            (
+                hits,
+                Dedupe(
+                    dedupe_key(domain, first, bucket),
+                    dedupe_key(domain, first, bucket - 1),
+                    tuple(
+                        impressions[index].id
+                        if impressions[index].event == IMPRESSION
+                        else _stored_id(impressions[index])
+                        for index in indices
+                    ),
+                    ttl_ms,
+                ),
+            )
+            for first, (hits, indices) in slots.items()
+        ]
+        answers = await self.backend.record(batches, now_ms)
         results: list[Recorded | None] = [None] * len(impressions)
-        for indices, duplicates in zip(by_user.values(), answers, strict=True):
+        for (_, indices), duplicates in zip(slots.values(), answers, strict=True):
             for index, duplicate in zip(indices, duplicates, strict=True):
-                results[index] = Recorded(impressions[index].id, not duplicate)
+                if not duplicate or results[index] is None:
+                    results[index] = Recorded(impressions[index].id, not duplicate)
         return [result for result in results if result is not None]
 
-    def _domain(self, name: str) -> Domain:
+    def _check_event(self, rules: Domain, kinds: Layout, name: str, event: object) -> None:
+        """Refuse an event the domain's rules do not declare: an impression always is; any
+        other must match a `key: event` descriptor below an `ad` or a `campaign`."""
+        if event == IMPRESSION:
+            return
+        check_value(name, event)
+        assert isinstance(event, str)
+        known = (rules.name, event)
+        declared = self._events.get(known)
+        if declared is None:
+            entry = Entry(EVENT_KEY, event)
+            declared = any(
+                lookup(node.children, entry) is not None
+                for first in kinds.nodes()
+                for node in first.children.nodes()
+                if node.key in (AD_KEY, CAMPAIGN_KEY)
+            )
+            if len(self._events) >= TEMPLATE_CACHE_SIZE:
+                self._events.clear()
+            self._events[known] = declared
+        if not declared:
+            raise InvalidRequest(
+                f"{name}: event '{event}' is not declared by the rules of domain '{rules.name}' "
+                f"(declare it with 'key: {EVENT_KEY}' below 'key: {AD_KEY}', or send "
+                f"'{IMPRESSION}')"
+            )
+
+    def _domain(self, name: str) -> tuple[Domain, Layout]:
         domain = self.rules.domains.get(name)
         if domain is None:
             raise UnknownDomain(f"unknown domain '{name}'")
-        user = domain.root.keys.get(USER_KEY)
-        if user is None or not _declares(user.children, AD_KEY):
+        if name not in self._layouts:
+            self._layouts[name] = layout(domain)
+        kinds = self._layouts[name]
+        if kinds is None:
             raise UnknownDomain(
                 f"domain '{name}' has no frequency caps (add 'key: {USER_KEY}' with "
                 f"'key: {AD_KEY}' below it)"
             )
-        return domain
+        return domain, kinds
 
 
-def _declares(level: Level, key: str) -> bool:
-    """Whether `level` has any descriptor for `key` (key-only, exact value or wildcard)."""
-    return (
-        key in level.keys
-        or any(k == key for k, _ in level.exact)
-        or any(k == key for k, _, _ in level.wildcards)
-    )
+def _primary_of(kinds: Layout, kind: str, named: Identifiers) -> list[Scope]:
+    """The scopes whose primary identifier, among those `named`, is of `kind`: the first of
+    their `identifiers` named."""
+    names = [k for k, _ in named]
+    return [
+        scope
+        for scope in kinds.scopes
+        if next((k for k in scope.identifiers if k in names), None) == kind
+    ]
 
 
-def _check_value(name: str, value: object) -> None:
-    if not isinstance(value, str) or not value:
-        raise InvalidRequest(f"{name} must be a non-empty string")
-    if len(value) > MAX_VALUE_LENGTH:
-        raise InvalidRequest(f"{name} is too long (at most {MAX_VALUE_LENGTH} characters)")
-    _check_unicode(name, value)
+def _template_hits(
+    rules: Domain, first: tuple[str, str], template: Template, group: int, now_ms: int
+) -> list[Hit]:
+    """The hits adding one to every window of a scope's caps under identifier `first`."""
+    prefix = descriptor_prefix(rules.name, [first])
+    limit = template.limit
+    if template.grouped:
+        key = prefix.encode()
+        return [
+            field_hit(key, template.head, window, 1, group, limit.role, now_ms)
+            for window in limit.windows
+        ]
+    return [
+        window_hit(f"{prefix}|{template.head}", window, 1, group, limit.role, now_ms)
+        for window in limit.windows
+    ]
+
+
+def _stored_id(impression: Impression) -> str:
+    """The id of an event other than an impression as its dedupe hash keeps it (an
+    impression's is kept whole): behind the event's name and a unit separator (ids are printable, so none holds one): a click and an
+    impression sharing an id are two events, and no impression's id can pose as a click's."""
+    return f"{impression.event}\x1f{impression.id}"
 
 
 def _check_id(name: str, value: object) -> None:
@@ -261,14 +497,6 @@ def _check_id(name: str, value: object) -> None:
         raise InvalidRequest(f"{name} must be a non-empty string")
     if not value.isprintable():
         raise InvalidRequest(f"{name} must be printable text (no control characters)")
-    _check_unicode(name, value)
+    check_unicode(name, value)
     if len(value.encode()) > MAX_ID_BYTES:
         raise InvalidRequest(f"{name} is too long (at most {MAX_ID_BYTES} bytes)")
-
-
-def _check_unicode(name: str, value: str) -> None:
-    """Refuse lone surrogates (JSON lets them through), which no key can be made of."""
-    try:
-        value.encode()
-    except UnicodeEncodeError as exc:
-        raise InvalidRequest(f"{name} is not valid Unicode ({exc.reason})") from exc

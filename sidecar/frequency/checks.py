@@ -6,7 +6,8 @@ call (`Backend.read`) and judges them in Python, exactly as the script's read-on
 Plain fixed windows, nearly every cap, are named once per window kind (`plain_suffix`) and judged
 by `fixed_window.judge` straight from their count; any other window becomes a Hit judged by
 `decide`. What a descriptor below the user needs, whoever the user is, is a `Template`, which
-callers keep from one check to the next.
+callers keep from one check to the next. A check naming several identifiers makes a Check per
+identifier, and a cap counted across them is a `Sum` of that cap in each.
 """
 
 from __future__ import annotations
@@ -150,6 +151,40 @@ class Check:
             cap.chosen = states[0] if len(states) == 1 else states[most_restrictive(states)]
 
 
+class Sum:
+    """A cap counted across a person's identifiers (`sidecar.frequency.identities`): each of
+    its windows (plain, as the rules require) judged on the sum of its counters under every
+    identifier a check names. `parts` are the same cap added to each identifier's Check, by the
+    Check's position in the call."""
+
+    __slots__ = ("chosen", "over", "parts", "role")
+
+    def __init__(self, role: Role, parts: Sequence[tuple[int, Cap]]) -> None:
+        self.role = role
+        self.parts = parts
+        self.over = False
+        self.chosen = _NO_CAP
+
+    def judge(self, values: Sequence[Sequence[State | None]]) -> None:
+        """Judge from each Check's values, in the Checks' order."""
+        judge = fixed_window.judge
+        states = []
+        first = self.parts[0][1]
+        for position, window in enumerate(first.windows):
+            assert isinstance(window, tuple)  # plain: loading the rules made sure
+            _, allowed, reset_ms = window
+            total = 0
+            for check, cap in self.parts:
+                slot = cap.windows[position]
+                assert isinstance(slot, tuple)
+                count = values[check][slot[0]]
+                total += count if isinstance(count, int) else 0
+            over, left, _ = judge(0, total, 0, allowed, 0)
+            states.append(Judged(over, left, reset_ms))
+        self.over = any(state.over for state in states)
+        self.chosen = states[most_restrictive(states)]
+
+
 def verdict(ad_cap: Cap | None, campaign_cap: Cap | None) -> tuple[bool, int, int]:
     """(allowed, remaining, reset seconds) of an ad with these caps, as Envoy would judge a
     request carrying both descriptors; remaining and reset from the most restrictive window
@@ -158,7 +193,13 @@ def verdict(ad_cap: Cap | None, campaign_cap: Cap | None) -> tuple[bool, int, in
         # The common case, said shortly: one blocking descriptor blocks when it is over.
         best = ad_cap.chosen
         return not ad_cap.over, best.remaining, -(-best.reset_ms // 1000)
-    caps = [cap for cap in (ad_cap, campaign_cap) if cap is not None]
+    return verdict_of([cap for cap in (ad_cap, campaign_cap) if cap is not None])
+
+
+def verdict_of(caps: Sequence[Cap | Sum]) -> tuple[bool, int, int]:
+    """(allowed, remaining, reset seconds) of an ad with these caps (any number: its own and
+    its campaign's under each identifier, and those counted across identifiers), as Envoy
+    would judge a request carrying all their descriptors."""
     allowed = not request_is_over([cap.over for cap in caps], [cap.role for cap in caps])
     chosen = [cap.chosen for cap in caps if cap.role is not Role.SHADOW]
     if not chosen:

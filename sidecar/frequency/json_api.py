@@ -1,17 +1,21 @@
 """The frequency-cap calls in JSON, as the HTTP port speaks them: bodies in, answers out.
 
     POST /v1/caps/check   {"domain": "ads", "user": "u1",
-                           "ads": [{"ad": "a1", "campaign": "c1"}, {"ad": "a2"}]}
+                           "ads": [{"ad": "a1", "campaign": "c1"}, {"ad": "a2"}],
+                           "event": "click",   (optional: "impression" when absent)
+                           "identities": {"device": "d7", "cookie": "c9"}}   (optional)
                        -> {"ads": [{"ad": "a1", "allowed": true, "remaining": 4,
                                     "reset_seconds": 5120}, ...]}
     POST /v1/caps/record  {"domain": "ads",
                            "impressions": [{"id": "imp-1", "user": "u1", "ad": "a1",
-                                            "campaign": "c1"}]}
+                                            "campaign": "c1", "event": "view",
+                                            "identities": {"device": "d7"}}]}
                        -> {"results": [{"id": "imp-1", "counted": true}]}
                           (a repeat: {"id": "imp-1", "counted": false, "duplicate": true})
 
 A body that is not such an object raises InvalidRequest naming the field at fault; unknown
-fields are refused too, so a misspelt "campaign" cannot silently drop a cap. Pure: the HTTP
+fields are refused too, so a misspelt "campaign" cannot silently drop a cap. `user` may be left
+out when `identities` name someone. Pure: the HTTP
 handlers in `admin.py` do the reading and writing.
 """
 
@@ -23,16 +27,19 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from sidecar.errors import InvalidRequest
-from sidecar.frequency.caps import Candidate, Impression, Recorded, Verdict
+from sidecar.frequency.caps import IMPRESSION, Candidate, Impression, Recorded, Verdict
 
-_CHECK_KEYS = ("domain", "user", "ads")
+_CHECK_KEYS = ("domain", "user", "ads", "event", "identities")
 _AD_KEYS = ("ad", "campaign")
 _RECORD_KEYS = ("domain", "impressions")
-_IMPRESSION_KEYS = ("id", "user", "ad", "campaign")
+_IMPRESSION_KEYS = ("id", "user", "ad", "campaign", "event", "identities")
 
 
-def check_request(body: bytes) -> tuple[str, str, list[Candidate]]:
-    """(domain, user, candidates) from a check body."""
+def check_request(
+    body: bytes,
+) -> tuple[str, str, list[Candidate], str, list[tuple[str, str]]]:
+    """The arguments of `FrequencyCaps.check` from a check body, in its order: domain, user,
+    candidates, event, identities."""
     document = _object(_parse(body), "body", _CHECK_KEYS)
     ads = _list(document, "ads")
     candidates = []
@@ -42,7 +49,10 @@ def check_request(body: bytes) -> tuple[str, str, list[Candidate]]:
         candidates.append(
             Candidate(_string(ad, "ad", where), _optional_string(ad, "campaign", where))
         )
-    return _string(document, "domain"), _string(document, "user"), candidates
+    event = _optional_string(document, "event", "") or IMPRESSION
+    identities = _identities(document, "")
+    user = _user(document, "", identities)
+    return _string(document, "domain"), user, candidates, event, identities
 
 
 def check_response(verdicts: Sequence[Verdict]) -> dict[str, Any]:
@@ -66,12 +76,15 @@ def record_request(body: bytes) -> tuple[str, list[Impression]]:
     for index, item in enumerate(_list(document, "impressions")):
         where = f"impressions[{index}]"
         fields = _object(item, where, _IMPRESSION_KEYS)
+        identities = _identities(fields, where)
         impressions.append(
             Impression(
                 _string(fields, "id", where),
-                _string(fields, "user", where),
+                _user(fields, where, identities),
                 _string(fields, "ad", where),
                 _optional_string(fields, "campaign", where),
+                _optional_string(fields, "event", where) or IMPRESSION,
+                identities,
             )
         )
     return _string(document, "domain"), impressions
@@ -86,6 +99,27 @@ def record_response(results: Sequence[Recorded]) -> dict[str, Any]:
             for r in results
         ]
     }
+
+
+def _identities(document: Mapping[str, Any], where: str) -> list[tuple[str, str]]:
+    """The identifiers beside `user`, an object of kind to value (none when absent)."""
+    name = f"{where}.identities" if where else "identities"
+    raw = document.get("identities")
+    if raw is None:
+        return []
+    if not isinstance(raw, dict):
+        raise InvalidRequest(f"{name} must be a JSON object of identifier kind to value")
+    for kind, value in raw.items():
+        if not isinstance(value, str):
+            raise InvalidRequest(f"{name}.{kind} must be a string, got {json.dumps(value)}")
+    return list(raw.items())
+
+
+def _user(document: Mapping[str, Any], where: str, identities: Sequence[object]) -> str:
+    """`user`, which may be left out (empty) when `identities` name someone."""
+    if identities and document.get("user") is None:
+        return ""
+    return _string(document, "user", where)
 
 
 def _parse(body: bytes) -> object:
@@ -135,5 +169,6 @@ def _optional_string(document: Mapping[str, Any], key: str, where: str) -> str |
         return None
     value = _string(document, key, where)
     if not value:
-        raise InvalidRequest(f"{where}.{key} must not be empty (leave it out for none)")
+        name = f"{where}.{key}" if where else key
+        raise InvalidRequest(f"{name} must not be empty (leave it out for none)")
     return value

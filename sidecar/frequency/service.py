@@ -3,7 +3,8 @@ response bytes out, over the use case in `sidecar.frequency`.
 
 Like `service.py`, nothing here knows the transport. The proto is the project's own
 (`proto/ratelimit_sidecar/frequency/v1/frequency.proto`, stubs in `sidecar.proto`); its package
-keeps its names apart from Envoy's in the protobuf registry. An empty `campaign` means none.
+keeps its names apart from Envoy's in the protobuf registry. An empty `campaign` means none,
+an empty `event` an impression; `identities` may stand beside `user` or for it (empty).
 A call that cannot be answered raises InvalidRequest (INVALID_ARGUMENT), UnknownDomain
 (NOT_FOUND) or StorageError (UNAVAILABLE: the ad server decides what to serve without caps).
 """
@@ -15,7 +16,7 @@ from typing import TypeVar
 from google.protobuf.message import DecodeError  # type: ignore[import-untyped]
 
 from sidecar.errors import InvalidRequest
-from sidecar.frequency.caps import Candidate, FrequencyCaps, Impression
+from sidecar.frequency.caps import IMPRESSION, Candidate, FrequencyCaps, Impression
 from sidecar.proto.ratelimit_sidecar.frequency.v1 import frequency_pb2 as pb
 
 SERVICE_NAME = "ratelimit_sidecar.frequency.v1.FrequencyCaps"
@@ -32,7 +33,13 @@ class FrequencyService:
     async def check_ads(self, body: bytes) -> bytes:
         request = _parse(pb.CheckAdsRequest, body)
         candidates = [Candidate(ad.ad, ad.campaign or None) for ad in request.ads]
-        verdicts = await self.caps.check(request.domain, request.user, candidates)
+        verdicts = await self.caps.check(
+            request.domain,
+            request.user,
+            candidates,
+            request.event or IMPRESSION,
+            list(request.identities.items()),
+        )
         response = pb.CheckAdsResponse(
             ads=[
                 pb.AdVerdict(
@@ -49,7 +56,15 @@ class FrequencyService:
     async def record_impressions(self, body: bytes) -> bytes:
         request = _parse(pb.RecordImpressionsRequest, body)
         impressions = [
-            Impression(i.id, i.user, i.ad, i.campaign or None) for i in request.impressions
+            Impression(
+                i.id,
+                i.user,
+                i.ad,
+                i.campaign or None,
+                i.event or IMPRESSION,
+                list(i.identities.items()),
+            )
+            for i in request.impressions
         ]
         results = await self.caps.record(request.domain, impressions)
         response = pb.RecordImpressionsResponse(

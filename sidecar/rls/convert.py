@@ -15,6 +15,8 @@ dynamic metadata) `sidecar.rls.extras` writes.
 
 from __future__ import annotations
 
+from typing import Final
+
 from envoy.extensions.common.ratelimit.v3.ratelimit_pb2 import (  # type: ignore[import-untyped]
     RateLimitDescriptor,
 )
@@ -40,11 +42,13 @@ from sidecar.model import (
 #: model numbers them) as a unit. The reference reads the number as a
 #: `RateLimitResponse.RateLimit.Unit`, so 7 is a week there, though Envoy's enum has no 7 yet:
 #: so it is here. UNKNOWN (0) and any other number are refused (the reference panics on them).
-_OVERRIDE_UNITS: dict[int, Unit] = {
+_OVERRIDE_UNITS: Final[dict[int, Unit]] = {
     **{number: Unit[name] for name, number in RateLimitUnit.items() if name != "UNKNOWN"},
     Unit.WEEK.value: Unit.WEEK,
 }
-_OVERRIDE_UNIT_NAMES = ", ".join(f"{unit.name} ({unit.value})" for unit in _OVERRIDE_UNITS.values())
+_OVERRIDE_UNIT_NAMES: Final = ", ".join(
+    f"{unit.name} ({unit.value})" for unit in _OVERRIDE_UNITS.values()
+)
 
 
 def request(message: RateLimitRequest) -> Request:
@@ -67,12 +71,18 @@ def request(message: RateLimitRequest) -> Request:
 #                        3 hits_addend (google.protobuf.UInt32Value: 1 value, uint32)
 #   Entry: 1 key (string), 2 value (string)
 #   RateLimitOverride: 1 requests_per_unit (uint32), 2 unit (enum)
-_DOMAIN, _DESCRIPTOR, _REQUEST_HITS = 0x0A, 0x12, 0x18
-_ENTRY, _LIMIT, _DESCRIPTOR_HITS = 0x0A, 0x12, 0x1A
-_KEY, _VALUE = 0x0A, 0x12
-_WRAPPED_VALUE = 0x08
-_REQUESTS_PER_UNIT, _UNIT = 0x08, 0x10
-_UINT32 = 0xFFFFFFFF
+_DOMAIN: Final = 0x0A
+_DESCRIPTOR: Final = 0x12
+_REQUEST_HITS: Final = 0x18
+_ENTRY: Final = 0x0A
+_LIMIT: Final = 0x12
+_DESCRIPTOR_HITS: Final = 0x1A
+_KEY: Final = 0x0A
+_VALUE: Final = 0x12
+_WRAPPED_VALUE: Final = 0x08
+_REQUESTS_PER_UNIT: Final = 0x08
+_UNIT: Final = 0x10
+_UINT32: Final = 0xFFFFFFFF
 
 
 def request_bytes(body: bytes) -> Request | None:
@@ -194,6 +204,11 @@ class _Reader:
         """The varint at the position (at most ten bytes, as protobuf allows), or -1."""
         data = self.data
         pos = self.pos
+        if pos < end:
+            byte = data[pos]
+            if byte < 0x80:  # one byte: every tag, most lengths and counts
+                self.pos = pos + 1
+                return byte
         result = 0
         shift = 0
         while pos < end and shift < 70:
@@ -202,7 +217,9 @@ class _Reader:
             result |= (byte & 0x7F) << shift
             if byte < 0x80:
                 self.pos = pos
-                return result & 0xFFFFFFFFFFFFFFFF
+                # Nine bytes or fewer hold at most 63 bits: only a tenth can pass 64, and the
+                # mask is arithmetic on a long integer, dearer than on a small one.
+                return result if shift < 63 else result & 0xFFFFFFFFFFFFFFFF
             shift += 7
         return -1
 
@@ -248,23 +265,23 @@ def response(decision: Decision) -> RateLimitResponse:
 #                     4 duration_until_reset (google.protobuf.Duration: 1 seconds, varint)
 #   RateLimit: 1 requests_per_unit (varint), 2 unit (varint), 3 name (string)
 # proto3 leaves fields at their default (0, "") off the wire, and so do we.
-_SMALL_VARINTS = tuple(bytes((n,)) for n in range(0x80))
+_SMALL_VARINTS: Final = tuple(bytes((n,)) for n in range(0x80))
 #: The `code` field by Code number (UNKNOWN, 0, stays off the wire).
-_CODE_FIELD = tuple(
+_CODE_FIELD: Final = tuple(
     b"\x08" + _SMALL_VARINTS[code] if code else b"" for code in range(max(Code) + 1)
 )
 #: A whole status holding only its code, by Code number.
-_BARE_STATUS = tuple(b"\x12" + _SMALL_VARINTS[len(body)] + body for body in _CODE_FIELD)
+_BARE_STATUS: Final = tuple(b"\x12" + _SMALL_VARINTS[len(body)] + body for body in _CODE_FIELD)
 
 #: A `duration_until_reset` of 1 to 127 seconds, the usual reset: a Duration of one small field.
-_SMALL_DURATIONS = (b"", *(b"\x22\x02\x08" + _SMALL_VARINTS[s] for s in range(1, 0x80)))
+_SMALL_DURATIONS: Final = (b"", *(b"\x22\x02\x08" + _SMALL_VARINTS[s] for s in range(1, 0x80)))
 
 #: A status's `code` and `current_limit` fields, by Code number, for each Window by its
 #: identity, which the entry keeps alive so the id cannot be reused. Rules give a handful of
 #: limits; overrides give one per request, so the cache is emptied whenever it grows past this
 #: size.
-_CURRENT_LIMIT_CACHE_SIZE = 4_096
-_current_limits: dict[int, tuple[Window, tuple[bytes, ...]]] = {}
+_CURRENT_LIMIT_CACHE_SIZE: Final = 4_096
+_current_limits: Final[dict[int, tuple[Window, tuple[bytes, ...]]]] = {}
 
 
 def response_bytes(decision: Decision) -> bytes:

@@ -19,6 +19,7 @@ import re
 import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Final
 
 from sidecar.model import (
     UNLIMITED_REMAINING,
@@ -72,9 +73,11 @@ class Extras:
 
 #: The header, per the IETF RateLimit header fields draft (draft-ietf-httpapi-ratelimit-headers):
 #: a list of policies, each a quoted name with its quota `q` and window `w` in seconds.
-POLICY_HEADER = "RateLimit-Policy"
+POLICY_HEADER: Final = "RateLimit-Policy"
 #: The keys of `dynamic_metadata`.
-METADATA_NAME, METADATA_QUOTA, METADATA_WINDOW = "limit_name", "limit_quota", "limit_window"
+METADATA_NAME: Final = "limit_name"
+METADATA_QUOTA: Final = "limit_quota"
+METADATA_WINDOW: Final = "limit_window"
 
 
 def limit_name(status: DescriptorStatus) -> str:
@@ -151,7 +154,7 @@ class HeaderNames:
 
 
 #: An HTTP field name: an RFC 9110 token.
-_TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+_TOKEN: Final = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 
 
 def check_header_name(name: str) -> str:

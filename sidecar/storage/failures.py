@@ -8,7 +8,7 @@ import asyncio
 import re
 import socket
 from collections.abc import Awaitable, Iterable
-from typing import Any
+from typing import Any, Final
 
 from redis.exceptions import RedisError
 
@@ -34,7 +34,7 @@ def failure(backend: str, timeout_ms: int, exc: Exception) -> StorageError | Ove
 
 
 #: Error replies that refuse the credentials sent, or ask for some (Redis 6 and later, and 5).
-_REFUSED = re.compile(r"WRONGPASS|NOAUTH|invalid password|invalid username", re.IGNORECASE)
+_REFUSED: Final = re.compile(r"WRONGPASS|NOAUTH|invalid password|invalid username", re.IGNORECASE)
 
 
 def fault(exc: BaseException | None, server: str) -> str | None:

@@ -57,7 +57,7 @@ import socket
 import ssl
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol, cast
+from typing import Any, Final, Protocol, cast
 
 import hiredis
 import structlog
@@ -67,25 +67,25 @@ from sidecar import batching
 from sidecar.errors import Overloaded
 
 #: After a failed connection attempt, calls fail at once for this long before the next attempt.
-RECONNECT_BACKOFF = 0.1
+RECONNECT_BACKOFF: Final = 0.1
 
 #: Connections per server, unless told otherwise.
-CONNECTIONS = 2
+CONNECTIONS: Final = 2
 
 #: What one call may cost Redis at most, to size how many a server may have in flight: the
 #: decision script costs it 20-27 µs, the counting one 7-9 (README, Performance); twice the
 #: larger leaves room for a server that is busy with others too.
-WORST_CALL_SECONDS = 50e-6
+WORST_CALL_SECONDS: Final = 50e-6
 #: The fewest calls a server may have in flight, however short the deadline.
-MIN_IN_FLIGHT = 64
+MIN_IN_FLIGHT: Final = 64
 
 #: Error replies after which the client drops its connections and dials again (see the module's
 #: docstring): the server is a replica now (READONLY), or a replica that lost its master
 #: (MASTERDOWN). LOADING is not here: a standalone server loading its data answers again on the
 #: same connection once it has loaded; a `locator`'s client adds it (its master may have moved).
-NOT_MASTER = ("READONLY", "MASTERDOWN")
+NOT_MASTER: Final = ("READONLY", "MASTERDOWN")
 
-_NEVER = float("inf")
+_NEVER: Final = float("inf")
 
 log = structlog.get_logger("sidecar.storage.redis_client")
 

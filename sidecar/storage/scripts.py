@@ -17,12 +17,13 @@ import functools
 import hashlib
 from collections.abc import Awaitable, Callable, Sequence
 from importlib.resources import files
-from typing import Any
+from typing import Any, Final
 
 import hiredis
 from redis.crc import key_slot
 
-from sidecar.algorithms import decide
+from sidecar.algorithms import anchored, decide
+from sidecar.algorithms.anchored import Span
 from sidecar.algorithms.decide import Address, State
 from sidecar.algorithms.token_bucket import Bucket
 from sidecar.algorithms.windows import FIELD_GRACE
@@ -31,19 +32,25 @@ from sidecar.storage.base import Applied
 from sidecar.storage.failures import failure
 from sidecar.storage.redis_client import RedisReplyError
 
-_LUA = files("sidecar.algorithms") / "lua"
-SCRIPT = (_LUA / "decide.lua").read_text(encoding="utf-8")
-SHA = hashlib.sha1(SCRIPT.encode()).hexdigest()
-COUNT_SCRIPT = (_LUA / "count.lua").read_text(encoding="utf-8")
-COUNT_SHA = hashlib.sha1(COUNT_SCRIPT.encode()).hexdigest()
+_LUA: Final = files("sidecar.algorithms") / "lua"
+SCRIPT: Final = (_LUA / "decide.lua").read_text(encoding="utf-8")
+SHA: Final = hashlib.sha1(SCRIPT.encode()).hexdigest()
+COUNT_SCRIPT: Final = (_LUA / "count.lua").read_text(encoding="utf-8")
+COUNT_SHA: Final = hashlib.sha1(COUNT_SCRIPT.encode()).hexdigest()
 #: Each script's text by its hash, for EVAL when the server has lost it.
-_TEXTS = {SHA: SCRIPT, COUNT_SHA: COUNT_SCRIPT}
+_TEXTS: Final = {SHA: SCRIPT, COUNT_SHA: COUNT_SCRIPT}
 
 # ARGV[1] of the script.
-MODE_ADD = 0
-MODE_ALL_OR_NOTHING = 1
-MODE_READ = 2
-MODE_RECORD = 3
+MODE_ADD: Final = 0
+MODE_ALL_OR_NOTHING: Final = 1
+MODE_READ: Final = 2
+MODE_RECORD: Final = 3
+
+#: Enum members read through their class cost a Python-level descriptor call each on
+#: Python 3.11; as finals they are static reads.
+_QUOTA: Final = Role.QUOTA
+_SHADOW: Final = Role.SHADOW
+_USAGE: Final = Role.USAGE
 
 #: What a script call answers: integers (see each script's header).
 Reply = list[int]
@@ -106,8 +113,8 @@ def _hit_keys(hit: Hit) -> tuple[bytes, bytes]:
 def _hit_args(hit: Hit, quota_as_shadow: bool = False) -> tuple[Any, ...]:
     """A hit's eleven script arguments (see the script's header)."""
     role = hit.role
-    if quota_as_shadow and role is Role.QUOTA:
-        role = Role.SHADOW
+    if quota_as_shadow and role is _QUOTA:
+        role = _SHADOW
     window = hit.window
     algorithm = decide.code(window)
     if algorithm == decide.BUCKET:
@@ -117,7 +124,9 @@ def _hit_args(hit: Hit, quota_as_shadow: bool = False) -> tuple[Any, ...]:
             window.capacity,
             window.borrow,
         )
-    elif role >= Role.USAGE:
+    elif algorithm == decide.ANCHORED:
+        params = anchored.parameters(window)
+    elif role >= _USAGE:
         # A usage hit (`sidecar.usage`): p1 is when its hash or HyperLogLog expires, Unix ms.
         params = (hit.end_ms, 0, 0, 0)
     elif algorithm == decide.SLIDING:
@@ -138,9 +147,9 @@ def _hit_args(hit: Hit, quota_as_shadow: bool = False) -> tuple[Any, ...]:
 
 
 #: How many hits' packed arguments `ApplyPacker` keeps before it starts over.
-PACKED_HITS = 16_384
-_EVALSHA = b"$7\r\nEVALSHA\r\n$40\r\n" + SHA.encode() + b"\r\n"
-_EVALSHA_COUNT = b"$7\r\nEVALSHA\r\n$40\r\n" + COUNT_SHA.encode() + b"\r\n"
+PACKED_HITS: Final = 16_384
+_EVALSHA: Final = b"$7\r\nEVALSHA\r\n$40\r\n" + SHA.encode() + b"\r\n"
+_EVALSHA_COUNT: Final = b"$7\r\nEVALSHA\r\n$40\r\n" + COUNT_SHA.encode() + b"\r\n"
 
 
 class ApplyPacker:
@@ -163,7 +172,10 @@ class ApplyPacker:
             parts = self._parts.get(id(hits[0])) or self._pack(hits[0])
             if counts(hits, mode):
                 return parts.count_alone
-            return b"".join((parts.alone_head, _SMALL_BULKS[mode], _now(now_ms), parts.alone_tail))
+            decided = parts.decided()
+            return b"".join(
+                (decided.alone_head, _SMALL_BULKS[mode], _now(now_ms), decided.alone_tail)
+            )
         every = [self._parts.get(id(hit)) or self._pack(hit) for hit in hits]
         n = len(hits)
         if counts(hits, mode):
@@ -174,16 +186,17 @@ class ApplyPacker:
                     *[parts.count_args for parts in every],
                 )
             )
+        decided_every = [parts.decided() for parts in every]
         count = _SMALL_BULKS[n] if n < _SMALL else _bulk(n)
         return b"".join(
             (
                 _head(n),
-                *[parts.keys for parts in every],
+                *[decided.keys for decided in decided_every],
                 _SMALL_BULKS[mode],
                 _now(now_ms),
                 count,
                 _GRACE,
-                *[parts.args for parts in every],
+                *[decided.args for decided in decided_every],
             )
         )
 
@@ -195,20 +208,43 @@ class ApplyPacker:
 
 
 class _Parts:
-    """One hit's parts of either script's call, packed once (see `ApplyPacker`)."""
+    """One hit's parts of either script's call, each packed once, when first needed (see
+    `ApplyPacker`).
+
+    `count.lua`'s parts are packed at once for a hit that only adds (`Hit.adds_only`: the usual
+    request, which never needs `decide.lua`'s), and never for another (`count.lua` cannot take
+    it); `decide.lua`'s, the larger, only when a call asks for them. Most hits of a gateway's
+    traffic are new and used once, so what they do not need is not packed.
+    """
 
     def __init__(self, hit: Hit) -> None:
         self.hit = hit
-        # decide.lua: the hit's keys and its eleven arguments; a call on it alone, up to the
-        # mode, and from the hit count on.
-        self.keys = b"".join(map(_bulk, _hit_keys(hit)))
-        self.args = b"".join(map(_bulk, _hit_args(hit)))
-        self.alone_head = _head(1) + self.keys
-        self.alone_tail = _bulk(1) + _GRACE + self.args
+        self._decided: _DecideParts | None = None
         # count.lua: the hit's key, its two arguments, and a whole call on it alone.
-        self.count_key = _bulk(hit.key)
-        self.count_args = _bulk(hit.hits) + _bulk(hit.ttl)
-        self.count_alone = _count_head(1) + self.count_key + self.count_args
+        if hit.adds_only:
+            self.count_key = _bulk_any(hit.key)
+            self.count_args = _bulk(hit.hits) + _bulk(hit.ttl)
+            self.count_alone = _COUNT_HEAD_ONE + self.count_key + self.count_args
+        else:
+            self.count_key = self.count_args = self.count_alone = b""
+
+    def decided(self) -> _DecideParts:
+        """decide.lua's parts of the hit (packed on the first call)."""
+        decided = self._decided
+        if decided is None:
+            decided = self._decided = _DecideParts(self.hit)
+        return decided
+
+
+class _DecideParts:
+    """decide.lua's parts of one hit: its keys and its eleven arguments; a call on it alone, up
+    to the mode, and from the hit count on."""
+
+    def __init__(self, hit: Hit) -> None:
+        self.keys = _bulk_any(hit.key) + _bulk_any(hit.previous or hit.key)
+        self.args = b"".join([_bulk(arg) for arg in _hit_args(hit)])
+        self.alone_head = _head(1) + self.keys
+        self.alone_tail = _SMALL_BULKS[1] + _GRACE + self.args
 
 
 def _now(now_ms: int) -> bytes:
@@ -244,9 +280,10 @@ def _bulk_any(value: bytes | str | int) -> bytes:
 
 
 #: Modes, hit counts, groups and the like: small numbers, packed once.
-_SMALL = 256
-_SMALL_BULKS = tuple(_bulk_any(number) for number in range(_SMALL))
-_GRACE = _bulk(FIELD_GRACE * 1000)
+_SMALL: Final = 256
+_SMALL_BULKS: Final = tuple(_bulk_any(number) for number in range(_SMALL))
+_GRACE: Final = _bulk(FIELD_GRACE * 1000)
+_COUNT_HEAD_ONE: Final = _count_head(1)
 
 
 def record_commands(batches: Sequence[tuple[Sequence[Hit], Dedupe]], now_ms: int) -> list[Any]:
@@ -277,15 +314,19 @@ def read_commands(addresses: Sequence[Address]) -> tuple[list[list[Any]], list[l
 def read_values(
     count: int, positions: list[list[int]], replies: Sequence[list[bytes | None]]
 ) -> list[State | None]:
-    """The read replies as `decide` reads values: counts, or buckets ("tokens stamp drawn
-    [keep until]"), None where nothing is stored."""
+    """The read replies as `decide` reads values: counts, buckets ("tokens stamp drawn
+    [keep until]") or anchored windows ("count end"), None where nothing is stored."""
     values: list[State | None] = [None] * count
     for indexes, reply in zip(positions, replies, strict=True):
         for index, raw in zip(indexes, reply, strict=True):
             if raw is None:
                 continue
             if b" " in raw:
-                tokens, stamp, drawn = raw.split()[:3]
+                words = raw.split()
+                if len(words) == 2:
+                    values[index] = Span(int(words[0]), int(words[1]))
+                    continue
+                tokens, stamp, drawn = words[:3]
                 values[index] = Bucket(float(tokens), int(float(stamp)), float(drawn))
             else:
                 values[index] = int(raw)

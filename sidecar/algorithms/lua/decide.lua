@@ -17,7 +17,8 @@
 -- ARGV[3]     n, the number of hits
 -- ARGV[4]     grace, milliseconds a grouped field is kept past its keep-until
 -- ARGV[5 + 11(i-1) ...] for hit i, eleven values:
---   algorithm  0 plain fixed window, 1 borrowing fixed window, 2 sliding window, 3 token bucket
+--   algorithm  0 plain fixed window, 1 borrowing fixed window, 2 sliding window, 3 token bucket,
+--              4 a window anchored on events (sidecar/algorithms/anchored.py)
 --   cost       hits to add; 0 = a check (would one more hit be admitted?)
 --   group      the descriptor: a descriptor is over when any of its windows is (mode 3: the
 --              impression, numbered from 0)
@@ -29,11 +30,13 @@
 --              makes its key expire at p1 (Unix ms) when it changes it. Answered 0 0 0 applied 0.
 --   p1..p4     windows: limit, unused, borrow (1) or the window's start, Unix ms (2), window ms (2)
 --              buckets: rate, period ms, capacity, borrow
+--              anchored: limit, interval ms (0: none), ends, Unix ms (0: none), 1 when each hit
+--              restarts the interval (a cooldown)
 --   ttl        seconds a new counter key (or the hash, for a new field) must live
 --   field      '' for a counter stored at its own key; else its field in the hash KEYS[2i-1],
 --              named `...|<code><keep until>` (see sidecar/storage/keys.py): the keep-until in
 --              five base-36 digits of minutes since 2020, or `.` and base-36 Unix seconds;
---              a bucket's field ends in `_` instead
+--              a bucket's field ends in `_` instead, an anchored window's in `^`
 --   previous   the previous window's field in that hash (or the field itself)
 -- ARGV[5 + 11n]      mode 3 only: milliseconds the current id hash must live
 -- ARGV[6 + 11n + g]  mode 3 only: the id of impression g
@@ -45,7 +48,8 @@
 -- A grouped hash that gets a new field is pruned of the fields whose keep-until (plus the grace)
 -- has passed, and its expiry is pushed out to cover the fields written, so the hash stays small
 -- and vanishes once its user goes idle. A bucket's field keeps its keep-until (Unix ms) as the
--- fourth word of its value.
+-- fourth word of its value; an anchored window's value is "<count> <end, Unix ms>", kept until
+-- its end.
 
 -- keys.FIELD_EPOCH: 2020-01-01T00:00:00Z, where the minutes of keep-until count from.
 local field_epoch = 1577836800
@@ -89,6 +93,15 @@ local function bucket(key, field)
   return {tonumber(tokens), tonumber(stamp), tonumber(drawn)}
 end
 
+-- An anchored window's open span {count, end ms}, or nil.
+local function span(key, field)
+  local v = stored(key, field)
+  if not v then return nil end
+  if type(v) == 'table' then return v end
+  local c, e = string.match(v, '^(%S+) (%S+)')
+  return {tonumber(c), tonumber(e)}
+end
+
 -- Mode 3: settle which impressions are new before anything is judged.
 local duplicate = {}
 local results = {}
@@ -126,7 +139,7 @@ for i = 1, n do
     usage[i] = role
   elseif force and duplicate[tonumber(group)] then
     skipped[i] = true
-  elseif force and tonumber(ARGV[base]) ~= 3 then
+  elseif force and tonumber(ARGV[base]) < 3 then
     -- Recorded, a window counts the impression whatever it holds: nothing to read or judge
     -- (decide.py judges it anyway; mode 3 answers no outcome, so nobody can tell).
     over[i] = false
@@ -139,7 +152,26 @@ for i = 1, n do
     local need = cost
     if need == 0 then need = 1 end
     local is_over
-    if algorithm == 3 then
+    if algorithm == 4 then
+      local limit, length, ends, restarts = p1, p2, p3, p4
+      local fresh = 0
+      if length > 0 then fresh = now + length end
+      if ends > 0 and (fresh == 0 or ends < fresh) then fresh = ends end
+      local held, close = 0, fresh
+      local s = span(key, field)
+      if s ~= nil and s[2] > now then held, close = s[1], s[2] end
+      is_over = held + need > limit
+      local after_close = close
+      if restarts == 1 then after_close = fresh end
+      before_left[i] = math.max(0, limit - held)
+      before_reset[i] = math.max(0, close - now)
+      after_left[i] = math.max(0, limit - held - cost)
+      after_reset[i] = math.max(0, after_close - now)
+      if (force or not is_over) and cost > 0 and after_close > now then
+        state[i] = {held + cost, after_close}
+        seen[key][field] = state[i]
+      end
+    elseif algorithm == 3 then
       local rate, period, capacity, borrow = p1, p2, p3, p4
       local b = bucket(key, field)
       local tokens, drawn
@@ -250,7 +282,17 @@ for i = 1, n do
     local applied = force or ((not blocked) and (algorithm == 0 or not group_over[ARGV[base + 2]]))
     local key, field = KEYS[2 * i - 1], ARGV[base + 9]
     if applied and cost > 0 then
-      if algorithm == 3 then
+      if algorithm == 4 then
+        local s = state[i]
+        if s ~= nil then
+          local text = string.format('%d %d', s[1], s[2])
+          if field == '' then
+            redis.call('SET', key, text, 'PX', s[2] - now)
+          else
+            touch(key, s[2] - now, redis.call('HSET', key, field, text) == 1)
+          end
+        end
+      elseif algorithm == 3 then
         local s = state[i]
         local text = string.format('%.17g %.17g %.17g', s[1], s[2], s[3])
         if field == '' then
@@ -292,6 +334,8 @@ for _, key in ipairs(hash_order) do
       local keep
       if string.sub(last, -1) == '_' then
         keep = tonumber(string.match(all[j + 1], '^%S+ %S+ %S+ (%S+)'))
+      elseif string.sub(last, -1) == '^' then
+        keep = tonumber(string.match(all[j + 1], '^%S+ (%S+)'))
       else
         local seconds = string.match(last, '%.(%w+)$')
         if seconds ~= nil then

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Final
 
 from sidecar.rls.h2 import fields, frames
 from sidecar.rls.h2.fields import Head, RequestDecoder
@@ -47,22 +48,22 @@ from sidecar.rls.h2.unary import MAX_MESSAGE_BYTES, PREFIX_SIZE, CallError, Stat
 
 OnCall = Callable[[int, str, bytes], None]
 
-_PADDED_OR_PRIORITY = frames.PADDED | frames.PRIORITY_FLAG
+_PADDED_OR_PRIORITY: Final = frames.PADDED | frames.PRIORITY_FLAG
 
 #: CONTINUATION frames one header block may take: a header list of at most 16 KiB needs two at
 #: the smallest frame size a client may use (16 KiB); a few more for clients that split finer.
-MAX_CONTINUATIONS = 16
+MAX_CONTINUATIONS: Final = 16
 #: Frames in a row that carry nothing (Envoy's max_consecutive_inbound_frames_with_empty_payload
 #: defaults to 1; a few more for clients that flush early).
-MAX_EMPTY_FRAMES = 16
+MAX_EMPTY_FRAMES: Final = 16
 #: Control frames a connection may send before its first request, and the most it can save up.
-CONTROL_BUDGET = 1_024
+CONTROL_BUDGET: Final = 1_024
 #: What each request adds back: a client's PING, WINDOW_UPDATE, RST_STREAM and PRIORITY frames
 #: come with its requests, a few per request at most.
-CONTROL_PER_REQUEST = 8
+CONTROL_PER_REQUEST: Final = 8
 #: A SETTINGS frame that changes the initial window walks the open streams: one more unit of
 #: the budget per this many streams (1,024 streams: 16 units).
-WINDOW_WALK_COST = 64
+WINDOW_WALK_COST: Final = 64
 
 
 @dataclass(frozen=True)
@@ -91,7 +92,7 @@ class Limits:
     max_calls_per_read: int = 64
 
 
-DEFAULT_LIMITS = Limits()
+DEFAULT_LIMITS: Final = Limits()
 
 
 def _no_call(stream_id: int, path: str, message: bytes) -> None:
@@ -252,6 +253,13 @@ class Connection(Streams):
         unpack = frames.HEADER.unpack_from
         max_size = frames.DEFAULT_MAX_FRAME_SIZE
         most_calls = self.limits.max_calls_per_read
+        # Typed, so that the compiled build works on them as small integers rather than through
+        # the generic number protocol (unpack gives objects of unknown type).
+        high: int
+        low: int
+        kind: int
+        flags: int
+        stream_id: int
         while end - pos >= frames.HEADER_SIZE and self._started < most_calls:
             high, low, kind, flags, stream_id = unpack(data, pos)
             size = high << 16 | low

@@ -16,24 +16,24 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Final
 
 import hpack
 
 from sidecar.rls.h2.frames import ErrorCode, H2ConnectionError
 
 #: Blocks up to this size are cached, up to this many; the cache is emptied when full.
-CACHED_BLOCK_MAX_BYTES = 1_024
-CACHE_SIZE = 256
+CACHED_BLOCK_MAX_BYTES: Final = 1_024
+CACHE_SIZE: Final = 256
 #: The longest grpc-message sent, in characters; longer messages are cut.
-GRPC_MESSAGE_MAX_CHARS = 1_024
+GRPC_MESSAGE_MAX_CHARS: Final = 1_024
 
-_NAME = re.compile(rb"[^\x00-\x20:A-Z\x7f-\xff]+")
-_BAD_VALUE = re.compile(rb"[\x00\r\n]|^[ \t]|[ \t]$")
-_CONNECTION_SPECIFIC = frozenset(
+_NAME: Final = re.compile(rb"[^\x00-\x20:A-Z\x7f-\xff]+")
+_BAD_VALUE: Final = re.compile(rb"[\x00\r\n]|^[ \t]|[ \t]$")
+_CONNECTION_SPECIFIC: Final = frozenset(
     (b"connection", b"proxy-connection", b"keep-alive", b"transfer-encoding", b"upgrade")
 )
-_REQUEST_PSEUDO = frozenset((b":method", b":scheme", b":path", b":authority"))
+_REQUEST_PSEUDO: Final = frozenset((b":method", b":scheme", b":path", b":authority"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,9 +234,9 @@ def _status(code: int) -> bytes:
 
 
 #: `content-type: application/grpc`; its name is static entry 31.
-_CONTENT_TYPE = _integer(31, 4, 0) + _string(b"application/grpc")
-RESPONSE_HEADERS = _status(200) + _CONTENT_TYPE
-TRAILERS_OK = _literal(b"grpc-status", b"0")
+_CONTENT_TYPE: Final = _integer(31, 4, 0) + _string(b"application/grpc")
+RESPONSE_HEADERS: Final = _status(200) + _CONTENT_TYPE
+TRAILERS_OK: Final = _literal(b"grpc-status", b"0")
 
 
 def table_size_update(size: int) -> bytes:

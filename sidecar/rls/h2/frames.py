@@ -10,49 +10,50 @@ from __future__ import annotations
 
 import enum
 import struct
+from typing import Final
 
-PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+PREFACE: Final = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 
 # Frame types (§6).
-DATA = 0x0
-HEADERS = 0x1
-PRIORITY = 0x2
-RST_STREAM = 0x3
-SETTINGS = 0x4
-PUSH_PROMISE = 0x5
-PING = 0x6
-GOAWAY = 0x7
-WINDOW_UPDATE = 0x8
-CONTINUATION = 0x9
+DATA: Final = 0x0
+HEADERS: Final = 0x1
+PRIORITY: Final = 0x2
+RST_STREAM: Final = 0x3
+SETTINGS: Final = 0x4
+PUSH_PROMISE: Final = 0x5
+PING: Final = 0x6
+GOAWAY: Final = 0x7
+WINDOW_UPDATE: Final = 0x8
+CONTINUATION: Final = 0x9
 
 # Flags; one bit means different things on different frame types.
-END_STREAM = 0x1
-ACK = 0x1
-END_HEADERS = 0x4
-PADDED = 0x8
-PRIORITY_FLAG = 0x20
+END_STREAM: Final = 0x1
+ACK: Final = 0x1
+END_HEADERS: Final = 0x4
+PADDED: Final = 0x8
+PRIORITY_FLAG: Final = 0x20
 
 # Settings (§6.5.2).
-HEADER_TABLE_SIZE = 0x1
-ENABLE_PUSH = 0x2
-MAX_CONCURRENT_STREAMS = 0x3
-INITIAL_WINDOW_SIZE = 0x4
-MAX_FRAME_SIZE = 0x5
-MAX_HEADER_LIST_SIZE = 0x6
+HEADER_TABLE_SIZE: Final = 0x1
+ENABLE_PUSH: Final = 0x2
+MAX_CONCURRENT_STREAMS: Final = 0x3
+INITIAL_WINDOW_SIZE: Final = 0x4
+MAX_FRAME_SIZE: Final = 0x5
+MAX_HEADER_LIST_SIZE: Final = 0x6
 
-DEFAULT_WINDOW = 65_535
-MAX_WINDOW = 2**31 - 1
-DEFAULT_MAX_FRAME_SIZE = 16_384
-LARGEST_MAX_FRAME_SIZE = 2**24 - 1
-DEFAULT_HEADER_TABLE_SIZE = 4_096
-MAX_STREAM_ID = 2**31 - 1
+DEFAULT_WINDOW: Final = 65_535
+MAX_WINDOW: Final = 2**31 - 1
+DEFAULT_MAX_FRAME_SIZE: Final = 16_384
+LARGEST_MAX_FRAME_SIZE: Final = 2**24 - 1
+DEFAULT_HEADER_TABLE_SIZE: Final = 4_096
+MAX_STREAM_ID: Final = 2**31 - 1
 
 #: The frame header: length (24 bits, as a byte and a short), type, flags, stream id (31 bits).
-HEADER = struct.Struct(">BHBBL")
-HEADER_SIZE = HEADER.size
-_SETTING = struct.Struct(">HL")
-_GOAWAY = struct.Struct(">LL")
-_U32 = struct.Struct(">L")
+HEADER: Final = struct.Struct(">BHBBL")
+HEADER_SIZE: Final = HEADER.size
+_SETTING: Final = struct.Struct(">HL")
+_GOAWAY: Final = struct.Struct(">LL")
+_U32: Final = struct.Struct(">L")
 
 
 class ErrorCode(enum.IntEnum):
@@ -103,7 +104,7 @@ def settings(values: dict[int, int]) -> bytes:
     return frame(SETTINGS, 0, 0, b"".join(_SETTING.pack(k, v) for k, v in values.items()))
 
 
-SETTINGS_ACK = frame(SETTINGS, ACK, 0)
+SETTINGS_ACK: Final = frame(SETTINGS, ACK, 0)
 
 
 def ping(opaque: bytes, ack: bool = False) -> bytes:

@@ -45,7 +45,7 @@ import socket
 import ssl
 from collections.abc import Awaitable, Callable, Mapping
 from time import perf_counter
-from typing import Any, cast
+from typing import Any, Final, cast
 
 import structlog
 
@@ -56,15 +56,15 @@ from sidecar.rls.h2.streams import BufferBudget
 from sidecar.rls.h2.unary import Answer, CallbackMethod, CallError, Method, Status
 
 #: Seconds to wait for the PING ACK between the two GOAWAY frames of a shutdown.
-SHUTDOWN_PING_TIMEOUT = 1.0
+SHUTDOWN_PING_TIMEOUT: Final = 1.0
 #: Seconds a new connection has to finish its TLS handshake, if any, and again to send its
 #: preface and SETTINGS, before it is closed.
-HANDSHAKE_TIMEOUT = 10.0
+HANDSHAKE_TIMEOUT: Final = 10.0
 #: Pending connections the kernel queues per listening socket.
-BACKLOG = 1_024
+BACKLOG: Final = 1_024
 #: Open connections at most: a sidecar has its Envoy's few, a shared deployment a few per
 #: Envoy; each costs about 10 KB idle, so this bounds idle connections to tens of MB.
-MAX_CONNECTIONS = 4_096
+MAX_CONNECTIONS: Final = 4_096
 #: Calls in flight over all connections at which no more are started, and the number they
 #: must come down to before what was put aside meanwhile is started. What a call waits for in a
 #: flood is about the calls ahead of it: on this 2-core machine (compiled, a 1,000-connection
@@ -73,23 +73,23 @@ MAX_CONNECTIONS = 4_096
 #: (180k-235k calls in 3 s) and none shed. Redis stays busy while the calls in flight cover its
 #: round trip: 128 calls at the sidecar's ~60k calls/s is 2 ms, a Redis in the same zone;
 #: past that round trip the bound, not the sidecar, sets the throughput (128-256 / RTT).
-MAX_CALLS_IN_FLIGHT = 256
-RESUME_CALLS_IN_FLIGHT = 128
+MAX_CALLS_IN_FLIGHT: Final = 256
+RESUME_CALLS_IN_FLIGHT: Final = 128
 #: Seconds between two looks at every connection for the timeouts below.
-SWEEP_INTERVAL = 5.0
+SWEEP_INTERVAL: Final = 5.0
 #: A connection that sends nothing for this long in the middle of a frame, a header block or a
 #: request body is closed (Envoy's stream_idle_timeout is 5 minutes for whole streams; a unary
 #: request is sent at once, so a pause of seconds inside one is an attack or a dead peer).
-FRAME_TIMEOUT = 10.0
+FRAME_TIMEOUT: Final = 10.0
 #: A connection with no stream open and nothing read for this long is closed (Envoy opens a
 #: new one when it needs one).
-IDLE_TIMEOUT = 600.0
+IDLE_TIMEOUT: Final = 600.0
 
 log = structlog.get_logger("sidecar.rls.h2")
 
 #: Answers a CallbackMethod's `errors` leaves alone (a tuple: `bytes | CallError` is built anew
 #: at every call).
-_AS_THEY_ARE = (bytes, CallError)
+_AS_THEY_ARE: Final = (bytes, CallError)
 
 
 class H2Server:

@@ -13,6 +13,7 @@ answer comes back (and is dropped): opening and resetting streams cannot pile up
 from __future__ import annotations
 
 import struct
+from typing import Final
 
 from sidecar.rls.h2 import fields, frames
 from sidecar.rls.h2.fields import Head
@@ -21,23 +22,24 @@ from sidecar.rls.h2.unary import PREFIX_SIZE, Status, message_frame
 
 #: Streams remembered after they close (at least; up to twice as many), to tell a late frame
 #: (ignored) from a broken rule.
-CLOSED_STREAMS_REMEMBERED = 1_024
+CLOSED_STREAMS_REMEMBERED: Final = 1_024
 #: The opaque data of the PING sent between the two GOAWAY frames of a graceful shutdown.
-SHUTDOWN_PING = b"drain\x00\x00\x00"
+SHUTDOWN_PING: Final = b"drain\x00\x00\x00"
 
 #: Packs a frame header. Header blocks are sent in one frame, with 0 as the length's high byte:
 #: they stay far below 16 KiB, the smallest MAX_FRAME_SIZE, as grpc-message is cut short.
-_FRAME = frames.HEADER.pack
-_HEADERS, _DATA = frames.HEADERS, frames.DATA
-_END_HEADERS = frames.END_HEADERS
-_END_ALL = frames.END_HEADERS | frames.END_STREAM
-_RESPONSE_HEADERS = fields.RESPONSE_HEADERS
-_TRAILERS_OK = fields.TRAILERS_OK
+_FRAME: Final = frames.HEADER.pack
+_HEADERS: Final = frames.HEADERS
+_DATA: Final = frames.DATA
+_END_HEADERS: Final = frames.END_HEADERS
+_END_ALL: Final = frames.END_HEADERS | frames.END_STREAM
+_RESPONSE_HEADERS: Final = fields.RESPONSE_HEADERS
+_TRAILERS_OK: Final = fields.TRAILERS_OK
 #: The usual answer up to its message, in one pack: HEADERS (response headers), the DATA frame's
 #: header and the message's prefix. Then the message, and the trailers' frame.
 #: (Each frame header is `frames.HEADER`'s >BHBBL.)
-_ANSWER_HEAD = struct.Struct(f">BHBBL{len(_RESPONSE_HEADERS)}sBHBBLBL").pack
-_TRAILERS_OK_FRAME = struct.Struct(f">BHBBL{len(_TRAILERS_OK)}s").pack
+_ANSWER_HEAD: Final = struct.Struct(f">BHBBL{len(_RESPONSE_HEADERS)}sBHBBLBL").pack
+_TRAILERS_OK_FRAME: Final = struct.Struct(f">BHBBL{len(_TRAILERS_OK)}s").pack
 
 
 class Stream:

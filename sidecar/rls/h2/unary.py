@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Awaitable, Callable
+from typing import Final
 
-PREFIX_SIZE = 5
+PREFIX_SIZE: Final = 5
 #: The largest request message accepted (grpc's default receive limit).
-MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+MAX_MESSAGE_BYTES: Final = 4 * 1024 * 1024
 
 #: A method written as a coroutine: the request message in, the response message out. It
 #: reports any other status by raising CallError. The server serves it in the callback form

@@ -24,29 +24,37 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n.ratelimit_sidecar/frequency/v1/frequency.proto\x12\x1eratelimit_sidecar.frequency.v1\"+\n\x0b\x41\x64\x43\x61ndidate\x12\n\n\x02\x61\x64\x18\x01 \x01(\t\x12\x10\n\x08\x63\x61mpaign\x18\x02 \x01(\t\"i\n\x0f\x43heckAdsRequest\x12\x0e\n\x06\x64omain\x18\x01 \x01(\t\x12\x0c\n\x04user\x18\x02 \x01(\t\x12\x38\n\x03\x61\x64s\x18\x03 \x03(\x0b\x32+.ratelimit_sidecar.frequency.v1.AdCandidate\"R\n\tAdVerdict\x12\n\n\x02\x61\x64\x18\x01 \x01(\t\x12\x0f\n\x07\x61llowed\x18\x02 \x01(\x08\x12\x11\n\tremaining\x18\x03 \x01(\r\x12\x15\n\rreset_seconds\x18\x04 \x01(\r\"J\n\x10\x43heckAdsResponse\x12\x36\n\x03\x61\x64s\x18\x01 \x03(\x0b\x32).ratelimit_sidecar.frequency.v1.AdVerdict\"D\n\nImpression\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04user\x18\x02 \x01(\t\x12\n\n\x02\x61\x64\x18\x03 \x01(\t\x12\x10\n\x08\x63\x61mpaign\x18\x04 \x01(\t\"k\n\x18RecordImpressionsRequest\x12\x0e\n\x06\x64omain\x18\x01 \x01(\t\x12?\n\x0bimpressions\x18\x02 \x03(\x0b\x32*.ratelimit_sidecar.frequency.v1.Impression\"B\n\x10ImpressionResult\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0f\n\x07\x63ounted\x18\x02 \x01(\x08\x12\x11\n\tduplicate\x18\x03 \x01(\x08\"^\n\x19RecordImpressionsResponse\x12\x41\n\x07results\x18\x01 \x03(\x0b\x32\x30.ratelimit_sidecar.frequency.v1.ImpressionResult2\x89\x02\n\rFrequencyCaps\x12m\n\x08\x43heckAds\x12/.ratelimit_sidecar.frequency.v1.CheckAdsRequest\x1a\x30.ratelimit_sidecar.frequency.v1.CheckAdsResponse\x12\x88\x01\n\x11RecordImpressions\x12\x38.ratelimit_sidecar.frequency.v1.RecordImpressionsRequest\x1a\x39.ratelimit_sidecar.frequency.v1.RecordImpressionsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n.ratelimit_sidecar/frequency/v1/frequency.proto\x12\x1eratelimit_sidecar.frequency.v1\"+\n\x0b\x41\x64\x43\x61ndidate\x12\n\n\x02\x61\x64\x18\x01 \x01(\t\x12\x10\n\x08\x63\x61mpaign\x18\x02 \x01(\t\"\x80\x02\n\x0f\x43heckAdsRequest\x12\x0e\n\x06\x64omain\x18\x01 \x01(\t\x12\x0c\n\x04user\x18\x02 \x01(\t\x12\x38\n\x03\x61\x64s\x18\x03 \x03(\x0b\x32+.ratelimit_sidecar.frequency.v1.AdCandidate\x12\r\n\x05\x65vent\x18\x04 \x01(\t\x12S\n\nidentities\x18\x05 \x03(\x0b\x32?.ratelimit_sidecar.frequency.v1.CheckAdsRequest.IdentitiesEntry\x1a\x31\n\x0fIdentitiesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"R\n\tAdVerdict\x12\n\n\x02\x61\x64\x18\x01 \x01(\t\x12\x0f\n\x07\x61llowed\x18\x02 \x01(\x08\x12\x11\n\tremaining\x18\x03 \x01(\r\x12\x15\n\rreset_seconds\x18\x04 \x01(\r\"J\n\x10\x43heckAdsResponse\x12\x36\n\x03\x61\x64s\x18\x01 \x03(\x0b\x32).ratelimit_sidecar.frequency.v1.AdVerdict\"\xd6\x01\n\nImpression\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04user\x18\x02 \x01(\t\x12\n\n\x02\x61\x64\x18\x03 \x01(\t\x12\x10\n\x08\x63\x61mpaign\x18\x04 \x01(\t\x12\r\n\x05\x65vent\x18\x05 \x01(\t\x12N\n\nidentities\x18\x06 \x03(\x0b\x32:.ratelimit_sidecar.frequency.v1.Impression.IdentitiesEntry\x1a\x31\n\x0fIdentitiesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"k\n\x18RecordImpressionsRequest\x12\x0e\n\x06\x64omain\x18\x01 \x01(\t\x12?\n\x0bimpressions\x18\x02 \x03(\x0b\x32*.ratelimit_sidecar.frequency.v1.Impression\"B\n\x10ImpressionResult\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0f\n\x07\x63ounted\x18\x02 \x01(\x08\x12\x11\n\tduplicate\x18\x03 \x01(\x08\"^\n\x19RecordImpressionsResponse\x12\x41\n\x07results\x18\x01 \x03(\x0b\x32\x30.ratelimit_sidecar.frequency.v1.ImpressionResult2\x89\x02\n\rFrequencyCaps\x12m\n\x08\x43heckAds\x12/.ratelimit_sidecar.frequency.v1.CheckAdsRequest\x1a\x30.ratelimit_sidecar.frequency.v1.CheckAdsResponse\x12\x88\x01\n\x11RecordImpressions\x12\x38.ratelimit_sidecar.frequency.v1.RecordImpressionsRequest\x1a\x39.ratelimit_sidecar.frequency.v1.RecordImpressionsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'ratelimit_sidecar.frequency.v1.frequency_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_CHECKADSREQUEST_IDENTITIESENTRY']._loaded_options = None
+  _globals['_CHECKADSREQUEST_IDENTITIESENTRY']._serialized_options = b'8\001'
+  _globals['_IMPRESSION_IDENTITIESENTRY']._loaded_options = None
+  _globals['_IMPRESSION_IDENTITIESENTRY']._serialized_options = b'8\001'
   _globals['_ADCANDIDATE']._serialized_start=82
   _globals['_ADCANDIDATE']._serialized_end=125
-  _globals['_CHECKADSREQUEST']._serialized_start=127
-  _globals['_CHECKADSREQUEST']._serialized_end=232
-  _globals['_ADVERDICT']._serialized_start=234
-  _globals['_ADVERDICT']._serialized_end=316
-  _globals['_CHECKADSRESPONSE']._serialized_start=318
-  _globals['_CHECKADSRESPONSE']._serialized_end=392
-  _globals['_IMPRESSION']._serialized_start=394
-  _globals['_IMPRESSION']._serialized_end=462
-  _globals['_RECORDIMPRESSIONSREQUEST']._serialized_start=464
-  _globals['_RECORDIMPRESSIONSREQUEST']._serialized_end=571
-  _globals['_IMPRESSIONRESULT']._serialized_start=573
-  _globals['_IMPRESSIONRESULT']._serialized_end=639
-  _globals['_RECORDIMPRESSIONSRESPONSE']._serialized_start=641
-  _globals['_RECORDIMPRESSIONSRESPONSE']._serialized_end=735
-  _globals['_FREQUENCYCAPS']._serialized_start=738
-  _globals['_FREQUENCYCAPS']._serialized_end=1003
+  _globals['_CHECKADSREQUEST']._serialized_start=128
+  _globals['_CHECKADSREQUEST']._serialized_end=384
+  _globals['_CHECKADSREQUEST_IDENTITIESENTRY']._serialized_start=335
+  _globals['_CHECKADSREQUEST_IDENTITIESENTRY']._serialized_end=384
+  _globals['_ADVERDICT']._serialized_start=386
+  _globals['_ADVERDICT']._serialized_end=468
+  _globals['_CHECKADSRESPONSE']._serialized_start=470
+  _globals['_CHECKADSRESPONSE']._serialized_end=544
+  _globals['_IMPRESSION']._serialized_start=547
+  _globals['_IMPRESSION']._serialized_end=761
+  _globals['_IMPRESSION_IDENTITIESENTRY']._serialized_start=335
+  _globals['_IMPRESSION_IDENTITIESENTRY']._serialized_end=384
+  _globals['_RECORDIMPRESSIONSREQUEST']._serialized_start=763
+  _globals['_RECORDIMPRESSIONSREQUEST']._serialized_end=870
+  _globals['_IMPRESSIONRESULT']._serialized_start=872
+  _globals['_IMPRESSIONRESULT']._serialized_end=938
+  _globals['_RECORDIMPRESSIONSRESPONSE']._serialized_start=940
+  _globals['_RECORDIMPRESSIONSRESPONSE']._serialized_end=1034
+  _globals['_FREQUENCYCAPS']._serialized_start=1037
+  _globals['_FREQUENCYCAPS']._serialized_end=1302
 # @@protoc_insertion_point(module_scope)

@@ -15,14 +15,25 @@ class AdCandidate(_message.Message):
     def __init__(self, ad: _Optional[str] = ..., campaign: _Optional[str] = ...) -> None: ...
 
 class CheckAdsRequest(_message.Message):
-    __slots__ = ("domain", "user", "ads")
+    __slots__ = ("domain", "user", "ads", "event", "identities")
+    class IdentitiesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     DOMAIN_FIELD_NUMBER: _ClassVar[int]
     USER_FIELD_NUMBER: _ClassVar[int]
     ADS_FIELD_NUMBER: _ClassVar[int]
+    EVENT_FIELD_NUMBER: _ClassVar[int]
+    IDENTITIES_FIELD_NUMBER: _ClassVar[int]
     domain: str
     user: str
     ads: _containers.RepeatedCompositeFieldContainer[AdCandidate]
-    def __init__(self, domain: _Optional[str] = ..., user: _Optional[str] = ..., ads: _Optional[_Iterable[_Union[AdCandidate, _Mapping]]] = ...) -> None: ...
+    event: str
+    identities: _containers.ScalarMap[str, str]
+    def __init__(self, domain: _Optional[str] = ..., user: _Optional[str] = ..., ads: _Optional[_Iterable[_Union[AdCandidate, _Mapping]]] = ..., event: _Optional[str] = ..., identities: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class AdVerdict(_message.Message):
     __slots__ = ("ad", "allowed", "remaining", "reset_seconds")
@@ -43,16 +54,27 @@ class CheckAdsResponse(_message.Message):
     def __init__(self, ads: _Optional[_Iterable[_Union[AdVerdict, _Mapping]]] = ...) -> None: ...
 
 class Impression(_message.Message):
-    __slots__ = ("id", "user", "ad", "campaign")
+    __slots__ = ("id", "user", "ad", "campaign", "event", "identities")
+    class IdentitiesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     ID_FIELD_NUMBER: _ClassVar[int]
     USER_FIELD_NUMBER: _ClassVar[int]
     AD_FIELD_NUMBER: _ClassVar[int]
     CAMPAIGN_FIELD_NUMBER: _ClassVar[int]
+    EVENT_FIELD_NUMBER: _ClassVar[int]
+    IDENTITIES_FIELD_NUMBER: _ClassVar[int]
     id: str
     user: str
     ad: str
     campaign: str
-    def __init__(self, id: _Optional[str] = ..., user: _Optional[str] = ..., ad: _Optional[str] = ..., campaign: _Optional[str] = ...) -> None: ...
+    event: str
+    identities: _containers.ScalarMap[str, str]
+    def __init__(self, id: _Optional[str] = ..., user: _Optional[str] = ..., ad: _Optional[str] = ..., campaign: _Optional[str] = ..., event: _Optional[str] = ..., identities: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class RecordImpressionsRequest(_message.Message):
     __slots__ = ("domain", "impressions")
