@@ -16,7 +16,8 @@ import signal
 import grpc
 from envoy.service.ratelimit.v3 import rls_pb2
 
-from sidecar.cli.serve import LOOP_CHOICES, event_loop_factory
+from sidecar.cli.serve import event_loop_factory
+from sidecar.cli.serve_flags import LOOP_CHOICES
 
 SERVICE = "envoy.service.ratelimit.v3.RateLimitService"
 METHOD = "ShouldRateLimit"

@@ -36,7 +36,7 @@ from sidecar.errors import StorageError
 from sidecar.frequency import json_api
 from sidecar.frequency.caps import FrequencyCaps
 from sidecar.health import Health
-from sidecar.http_bodies import SlowBody, read_body
+from sidecar.http_bodies import BodyRefused, read_body
 from sidecar.http_listener import Listener
 from sidecar.model import Code
 from sidecar.rls.service import RateLimitService
@@ -44,12 +44,6 @@ from sidecar.rls.statuses import statuses
 from sidecar.rules import Rules
 
 MAX_BODY_BYTES = 1 << 20
-
-
-def closing(response: web.Response) -> web.Response:
-    """`response`, and the connection closed after it (its body was not read to the end)."""
-    response.force_close()
-    return response
 
 
 _JSON_STATUS = {Code.OK: 200, Code.OVER_LIMIT: 429, Code.UNKNOWN: 500}
@@ -131,13 +125,9 @@ class AdminServer:
 
     async def _json(self, request: web.Request) -> web.Response:
         try:
-            body = await read_body(request)
-        except SlowBody as exc:
-            return closing(web.Response(status=408, text=f"Request Timeout: {exc}\n"))
-        except web.HTTPRequestEntityTooLarge:
-            return web.Response(
-                status=413, text=f"Request Entity Too Large: at most {MAX_BODY_BYTES} bytes\n"
-            )
+            body = await read_body(request, MAX_BODY_BYTES)
+        except BodyRefused as exc:
+            return exc.answer(web.Response(status=exc.status, text=f"{exc.status.phrase}: {exc}\n"))
         try:
             code, text = await self.service.should_rate_limit_json(body)
         except Exception as exc:
@@ -214,11 +204,9 @@ async def _caps_call(
 ) -> web.Response:
     """Run a frequency-cap call on the request's body; every outcome is JSON."""
     try:
-        body = await read_body(request)
-    except SlowBody as exc:
-        return closing(_json_error(408, str(exc)))
-    except web.HTTPRequestEntityTooLarge:
-        return _json_error(413, f"body too large: at most {MAX_BODY_BYTES} bytes")
+        body = await read_body(request, MAX_BODY_BYTES)
+    except BodyRefused as exc:
+        return exc.answer(_json_error(exc.status, str(exc)))
     try:
         answer = await call(body)
     except Exception as exc:

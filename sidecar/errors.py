@@ -6,6 +6,7 @@
     ├── UnknownDomain      a frequency-cap call names a domain without caps
     ├── StorageError       a backend call failed or timed out; transient, the failure mode decides
     ├── Overloaded         the backend answers, but not this call in time
+    ├── OverBound          a caller asked for more than a stated bound allows
     └── InjectionError     a pod (or manifest) cannot get a working sidecar from its annotations
 
 The gRPC and HTTP statuses a call is answered with for each are in one table,
@@ -66,6 +67,12 @@ class Overloaded(SidecarError):
     the failure mode: failing open here would let a flood of clients push admissions past any
     limit while Redis is healthy.
     """
+
+
+class OverBound(SidecarError):
+    """A caller asked for more than one of the sidecar's stated bounds allows (the buckets of
+    one quota stream, `sidecar.quota.service.MAX_BUCKETS`); the message names the bound and how
+    to stay under it. Not a rate limit: the caller's configuration is to change."""
 
 
 class InjectionError(SidecarError):

@@ -104,6 +104,16 @@ def local_share(limit: int, divisor: int) -> int:
 
 
 class Limiter:
+    """Decides ShouldRateLimit requests: the rules served (`rules`, replaced on a reload), the
+    backend their counters live in, and how over-limit answers and backend failures are
+    treated (`Settings`).
+
+    `prepare` makes a request's plan (cached by the service per body); `decide_then` decides a
+    plan with at most one backend call, through a callback. Beside the backend it keeps the
+    over-limit cache (windows known to be over, answered without a call), and under
+    `--failure-mode local` this process's own counters, used while the backend fails.
+    """
+
     def __init__(
         self,
         rules: Rules,
@@ -179,6 +189,9 @@ class Limiter:
             # would hand on, without its lookups.
             self.stats.total_requests += 1
             now_ms = int(self._clock() * 1000)
+            # `_gather`'s straight branch, written out here: gathered by `_gather`, the usual
+            # request measured 65,425 instructions a call against 64,981 written out (compiled,
+            # memory backend; bench.instructions), 0.7% more.
             counted = plan.positions
             if len(counted) == 1:
                 hits = counted[0][0].windows.at(now_ms)
@@ -225,41 +238,55 @@ class Limiter:
         cache = self._cache
         if cache is not None and not cache.ends:
             cache = None  # nothing is known to be over: no lookups
-        if len(counted_all) == 1:
-            # The common request: one limited descriptor, its hits as they are kept.
-            item = counted_all[0]
-            hits = item.windows.at(now_ms)
-            if cache is not None and (status := self._cached(cache, item, hits, now_ms)):
-                statuses[item.index] = status
-                if usage is not None:
-                    cache.queue(usage.at(now_ms, refused=True))
-                return self._overall([(True, item.match.limit.role)], statuses)
-            counted: Sequence[tuple[Counted, int]] = ((item, 0),)
-            if usage is not None:
-                hits = hits + usage.at(now_ms)
-        else:
-            counted = []
-            hits = []
-            for item in counted_all:
-                windows = item.windows.at(now_ms)
-                if cache is not None and (status := self._cached(cache, item, windows, now_ms)):
-                    statuses[item.index] = status
-                    judged.append((True, item.match.limit.role))
-                    continue
-                counted.append((item, len(hits)))
-                hits += windows
-            if usage is not None:
-                # A descriptor refused from the over-limit cache refuses the request (unless
-                # it is a shadow or quota one: then the call's answer decides).
-                refused = any(role is Role.BLOCKING for _, role in judged)
-                if not hits:
-                    assert cache is not None  # only the cache judges without a call
-                    cache.queue(usage.at(now_ms, refused=True))
-                    return self._overall(judged, statuses)
-                hits += usage.at(now_ms, refused)
+        counted, hits = self._gather(plan, now_ms, cache, statuses, judged)
+        if usage is not None:
+            # A descriptor refused from the over-limit cache refuses the request (unless it is a
+            # shadow or quota one: then the call's answer decides).
+            refused = any(role is Role.BLOCKING for _, role in judged)
             if not hits:
+                assert cache is not None  # only the cache judges without a call
+                cache.queue(usage.at(now_ms, refused=True))
                 return self._overall(judged, statuses)
+            hits = hits + usage.at(now_ms, refused)  # `hits` may be the windows' own list
+        if not hits:
+            return self._overall(judged, statuses)
         return _Waiting(self, plan, statuses, judged, counted, hits, now_ms, encode, done)
+
+    def _gather(
+        self,
+        plan: Plan,
+        now_ms: int,
+        cache: OverLimitCache | None,
+        statuses: list[DescriptorStatus],
+        judged: list[tuple[bool, Role]],
+    ) -> tuple[Sequence[tuple[Counted, int]], list[Hit]]:
+        """The hits one store call sends for `plan`'s counted descriptors at `now_ms`, and each
+        descriptor with the position of its first hit among them: the one way a decision
+        gathers its hits (`decide_then` writes out the straight branch, for speed). A
+        descriptor `cache` knows to be over sends none: its status is set in `statuses` and its
+        (over, role) added to `judged`. `cache` None: no lookups.
+
+        With no lookups, a descriptor of one window sends its windows' own list (no copy), and a
+        straight plan's positions are its own."""
+        if cache is None and plan.positions:  # straight: one window each, positions known
+            counted = plan.positions
+            if len(counted) == 1:
+                return counted, counted[0][0].windows.at(now_ms)
+            return counted, [item.windows.at(now_ms)[0] for item, _ in counted]
+        items = plan.counted
+        if cache is None and len(items) == 1:
+            return ((items[0], 0),), items[0].windows.at(now_ms)
+        gathered: list[tuple[Counted, int]] = []
+        hits: list[Hit] = []
+        for item in items:
+            windows = item.windows.at(now_ms)
+            if cache is not None and (status := self._cached(cache, item, windows, now_ms)):
+                statuses[item.index] = status
+                judged.append((True, item.match.limit.role))
+                continue
+            gathered.append((item, len(hits)))
+            hits += windows
+        return gathered, hits
 
     def _listed(self, plan: Plan, listed: Listed) -> Decision:
         """The answer of a request an allow or deny list decided (`sidecar.lists`), counted by

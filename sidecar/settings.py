@@ -645,7 +645,8 @@ def _auth(value: str) -> tuple[str, str | None]:
 @dataclass(frozen=True)
 class Flag:
     """A `serve` flag that reference variables set: `convert(env, defaults)` gives its value in
-    `RLS_<FLAG>` form, or None when those variables leave it alone. `defaults` is true for
+    `RLS_<FLAG>` form, or None when those variables leave it alone. `dest` is the name of the
+    flag declared in `sidecar.cli.serve_flags`. `defaults` is true for
     `ratelimit` (the reference's entry point), where the reference's defaults apply."""
 
     dest: str

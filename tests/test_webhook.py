@@ -3,6 +3,7 @@ answered clearly; HTTPS only, with a certificate the tests make; the `webhook` c
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import copy
 import io
@@ -29,6 +30,7 @@ from hypothesis import strategies as st
 from support.certs import write_certificate
 from support.kube import assert_valid
 
+from sidecar import http_bodies
 from sidecar.injector.commands import detect_native
 from sidecar.injector.settings import Settings
 from sidecar.injector.webhook import (
@@ -542,6 +544,29 @@ async def test_plain_http_is_refused(webhook: Any) -> None:
                 await response.read()
 
 
+async def test_a_review_whose_body_trickles_in_is_a_408_and_the_connection_closes(
+    webhook: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A client that sends a review's headers and part of its body, then nothing, is answered
+    408 in an AdmissionReview body once the body deadline passes (0.3 s here), and its
+    connection is closed."""
+    monkeypatch.setattr(http_bodies, "BODY_TIMEOUT", 0.3)
+    port, client_tls = webhook
+    reader, writer = await asyncio.open_connection(
+        "127.0.0.1", port, ssl=client_tls, server_hostname="localhost"
+    )
+    try:
+        head = "POST /mutate HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n"
+        writer.write(head.encode() + b'{"kind": ')
+        async with asyncio.timeout(5):
+            status = await reader.readline()
+            rest = await reader.read()  # to the end: the server closes the connection
+    finally:
+        writer.close()
+    assert status.startswith(b"HTTP/1.1 408")
+    assert b'"message": "the body took longer than 0.3 s"' in rest
+
+
 async def test_hostile_bodies_over_https_get_json_answers(webhook: Any) -> None:
     """Malformed JSON gets a 400 and an oversized body a 413, each an AdmissionReview body."""
     port, client_tls = webhook
@@ -556,7 +581,7 @@ async def test_hostile_bodies_over_https_get_json_answers(webhook: Any) -> None:
             assert response.status == 413
             body = await response.json()
             assert body["response"]["status"]["message"] == (
-                f"request body larger than {MAX_BODY_BYTES} bytes"
+                f"body too large: at most {MAX_BODY_BYTES} bytes"
             )
 
 

@@ -1,9 +1,11 @@
 """The flags of the commands: each may also come from the environment as `RLS_<FLAG>`, and the
 converters that check their values.
 
-`Flags` adds a command's flags and remembers how to read each from its variable; `resolve`
-fills what the command line left out, from the variable, else the default. A flag on the
-command line wins over its variable.
+A `Flag` is one flag declared once: its option, help, type, default, `RLS_` variable (its
+name's), and for `serve` the `Options` field it fills and whether `serve --workers N` gives it to
+its workers (`sidecar.cli.serve_flags` is that table). `Flags` adds a command's flags to its
+parser and remembers how to read each from its variable; `resolve` fills what the command line
+left out, from the variable, else the default. A flag on the command line wins over its variable.
 """
 
 from __future__ import annotations
@@ -11,12 +13,55 @@ from __future__ import annotations
 import argparse
 import difflib
 import re
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
 PROG = "ratelimit-sidecar"
 ENV_PREFIX = "RLS_"
+
+
+def _same(value: Any) -> Any:
+    return value
+
+
+@dataclass(frozen=True)
+class Flag:
+    """One flag, declared once; `Flags.declare` turns it into an argparse argument, its --help
+    line (help, then "required", "default: ..." and its variable) and its `RLS_` variable.
+
+    `action`, `type`, `choices`, `metavar` and `default` are argparse's: `action` is None (one
+    value), "store_true" (a switch, "true" or "false" in its variable) or "append" (repeated;
+    in its variable, values separated by any of `separators`).
+    """
+
+    option: str
+    help: str
+    default: Any = None
+    action: str | None = None
+    type: Callable[[str], Any] | None = None
+    choices: Sequence[Any] | None = None
+    metavar: str | None = None
+    separators: str = ""
+    required: bool = False
+    #: Set by the program, never by hand: no --help line, no `RLS_` variable.
+    hidden: bool = False
+    #: The `Options` field the value fills (`sidecar.cli.serve.serve_options`), through
+    #: `to_option`; a field several flags fill (tls, statsd, tracing, xds) is made from them
+    #: all by its builder there. None: `run` reads it (the loop, logs, workers).
+    field: str | None = None
+    to_option: Callable[[Any], Any] = _same
+    #: Whether `serve --workers N` passes it on to its workers, written by `to_text`.
+    workers: bool = True
+    to_text: Callable[[Any], str] = str
+
+    @property
+    def dest(self) -> str:
+        return self.option.lstrip("-").replace("-", "_")
+
+    @property
+    def variable(self) -> str:
+        return ENV_PREFIX + self.dest.upper()
 
 
 @dataclass(frozen=True)
@@ -47,15 +92,36 @@ class Flags:
         separators: str = "",
         **kwargs: Any,
     ) -> None:
-        dest = option.lstrip("-").replace("-", "_")
-        var = ENV_PREFIX + dest.upper()
-        shown = f"default: {default}; " if default not in (None, False) else ""
-        where = "required; " if required else ""
-        action = self.parser.add_argument(
-            option, default=None, help=f"{help} ({where}{shown}env {var})", **kwargs
+        """Declare `Flag(option, help, ...)` (the keywords are its fields)."""
+        self.declare(
+            Flag(option, help, default=default, required=required, separators=separators, **kwargs)
         )
-        reader = env_reader(action, kwargs.get("action"), separators)
-        self.flags.append(EnvFlag(dest, option, default, reader, required))
+
+    def declare(self, flag: Flag) -> None:
+        """Add `flag` to the parser, and (unless hidden) to the flags read from `RLS_` variables."""
+        given: dict[str, Any] = {
+            name: value
+            for name, value in (
+                ("action", flag.action),
+                ("type", flag.type),
+                ("choices", flag.choices),
+                ("metavar", flag.metavar),
+            )
+            if value is not None
+        }
+        if flag.hidden:
+            self.parser.add_argument(flag.option, help=argparse.SUPPRESS, **given)
+            return
+        shown = f"default: {flag.default}; " if flag.default not in (None, False) else ""
+        where = "required; " if flag.required else ""
+        action = self.parser.add_argument(
+            flag.option,
+            default=None,
+            help=f"{flag.help} ({where}{shown}env {flag.variable})",
+            **given,
+        )
+        reader = env_reader(action, flag.action, flag.separators)
+        self.flags.append(EnvFlag(flag.dest, flag.option, flag.default, reader, flag.required))
 
     def resolve(self, args: argparse.Namespace, environ: Mapping[str, str]) -> None:
         """Fill every flag the command line left out from its variable, else its default."""

@@ -1,8 +1,8 @@
 """`serve`: the rate limit service, from its flags, their RLS_* variables and the reference's
 variables (`sidecar.settings`), beneath both; `--workers N` runs N of it.
 
-One module past the usual size because its flags are one table (a row per flag, each turned
-into an `Options` field by `run`): adding a flag touches the table and `run` together.
+Its flags are declared once each, in `sidecar.cli.serve_flags`: `register`, `serve_options`
+and `worker_flags` read that table.
 """
 
 from __future__ import annotations
@@ -12,33 +12,19 @@ import asyncio
 import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sidecar import logs, settings, statsd
-from sidecar.cli.flags import (
-    ENV_PREFIX,
-    PROG,
-    Flags,
-    address,
-    at_least_a_second,
-    boolean,
-    count,
-    count_or_auto,
-    fail,
-    grpc_address,
-    header_name,
-    log_level,
-    share,
-    socket_mode,
-)
+from sidecar.cli.flags import ENV_PREFIX, PROG, Flags, boolean, fail
+from sidecar.cli.serve_flags import SERVE_FLAGS
 from sidecar.errors import ConfigError
 from sidecar.rls.tls import TlsFiles
 from sidecar.statsd import StatsdError, StatsdSettings
 from sidecar.tracing import TracingSettings
 from sidecar.xds import flags as xds_flags
 
-TRANSPORT_CHOICES = ("fast", "grpcio")
-LOOP_CHOICES = ("auto", "uvloop", "asyncio")
+if TYPE_CHECKING:
+    from sidecar.options import Options
 
 DESCRIPTION = """\
 Serve ShouldRateLimit over gRPC and, over HTTP: POST /json (the same call in proto3 JSON;
@@ -86,400 +72,17 @@ service"."""
 
 
 def register(commands: Any) -> Flags:
-    """Add `serve` to the subcommands; its flags, which read RLS_* variables."""
-    formatter = argparse.RawDescriptionHelpFormatter
+    """Add `serve` to the subcommands; its flags (`SERVE_FLAGS`), which read RLS_* variables."""
     serve = Flags(
         commands.add_parser(
             "serve",
             help="run the rate limit service (gRPC and HTTP)",
             description=DESCRIPTION,
-            formatter_class=formatter,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
         )
     )
-    serve.add(
-        "--config",
-        "a rules file, or a directory of *.yaml/*.yml files; repeat for more. "
-        "In RLS_CONFIG, separate several paths with ':' or ','. Required, unless --xds-server",
-        action="append",
-        metavar="PATH",
-        separators=":,",
-    )
-    serve.add(
-        "--backend",
-        "where counters live: memory://, redis://[user:password@]host:port[/db], "
-        "rediss://... (TLS), redis+cluster://host:port[,host:port...], rediss+cluster://... "
-        "(TLS), or redis+sentinel://[user:password@]host:port[,host:port...]/master-name[/db] "
-        "(Sentinels, default port 26379, asked for the master and followed across failovers; "
-        "user:password is the master's, ?sentinel_username=&sentinel_password= the Sentinels'; "
-        "rediss+sentinel:// for TLS to both)",
-        default="memory://",
-        metavar="URL",
-    )
-    serve.add(
-        "--backend-per-second",
-        "a second store for the counters of descriptors whose windows are all in seconds "
-        "(redis://, redis+cluster:// or redis+sentinel://; the reference's REDIS_PERSECOND)",
-        metavar="URL",
-    )
-    serve.add(
-        "--grpc-address",
-        "listen address for ShouldRateLimit and gRPC health: HOST:PORT (port 0 picks a free "
-        "port) or unix:PATH",
-        default="0.0.0.0:8081",
-        type=grpc_address,
-        metavar="ADDRESS",
-    )
-    serve.add(
-        "--grpc-socket-mode",
-        "with a unix:PATH gRPC address: the socket file's permission bits, in octal (660, "
-        "666), so a client running as another user (Envoy in the same pod) may connect; "
-        "unset: as the umask leaves them",
-        type=socket_mode,
-        metavar="OCTAL",
-    )
-    serve.add(
-        "--http-address",
-        "listen address for /json, /healthcheck, /rlconfig and /metrics",
-        default="0.0.0.0:8080",
-        type=address,
-        metavar="HOST:PORT",
-    )
-    serve.add(
-        "--transport",
-        "what serves gRPC: fast (the sidecar's own HTTP/2 server, unary calls) or grpcio "
-        "(grpc.aio)",
-        default="fast",
-        choices=TRANSPORT_CHOICES,
-    )
-    serve.add(
-        "--loop",
-        "event loop: uvloop (libuv; less CPU per call), asyncio (the standard library's), or "
-        "auto (uvloop when installed, as it is on Linux and macOS)",
-        default="auto",
-        choices=LOOP_CHOICES,
-    )
-    serve.add(
-        "--workers",
-        "processes serving the same ports (SO_REUSEPORT); more than 1 needs a shared backend",
-        default=1,
-        type=count(1),
-        metavar="N",
-    )
-    serve.add(
-        "--reuse-port",
-        "share the gRPC and HTTP ports with other sidecars (SO_REUSEPORT), as --workers does: "
-        "a replacement started on them takes the new connections once this one gets SIGTERM",
-        action="store_true",
-        default=False,
-    )
-    # Set by `--workers N` on the processes it starts, never by hand.
-    serve.parser.add_argument("--grpc-socket-fd", type=int, help=argparse.SUPPRESS)
-    serve.add(
-        "--redis-timeout-ms",
-        "deadline for one backend call; past it the failure mode answers",
-        default=50,
-        type=count(1),
-        metavar="N",
-    )
-    serve.add(
-        "--failure-mode",
-        "answer when the backend fails: allow (OK, no limit), deny (OVER_LIMIT for every "
-        "limited descriptor) or local (decide on this sidecar's own counters, each limit "
-        "divided by --local-divisor, until the backend answers again)",
-        default="allow",
-        choices=("allow", "deny", "local"),
-    )
-    serve.add(
-        "--local-divisor",
-        "under --failure-mode local: how many sidecars share the backend's counters; each "
-        "enforces limit/N (rounded down, at least 1) while the backend fails. auto: counted "
-        "on the backend, where every sidecar registers every 2 s",
-        default="auto",
-        type=count_or_auto,
-        metavar="N|auto",
-    )
-    serve.add(
-        "--rejected-hits",
-        "count: rejected hits still add to counters, as the reference does; skip: a request "
-        "answered OVER_LIMIT adds nothing",
-        default="count",
-        choices=("count", "skip"),
-    )
-    serve.add(
-        "--sync-interval-ms",
-        "decide the rules marked 'approximate: true' on this sidecar's local view of their "
-        "counters and send the hits to the store every N ms, in one call that also learns the "
-        "global counts: far fewer store calls, at the cost of admitting up to (sidecars - 1) x "
-        "rate x 2 x (N + --redis-timeout-ms) past a limit (README, Local aggregation); needs a "
-        "shared store, not with --rejected-hits skip. Unset: every hit is decided by the store",
-        type=count(1),
-        metavar="N",
-    )
-    serve.add(
-        "--lease-ms",
-        "decide the rules marked 'leased: true' from leases of their windows' budgets, each "
-        "covering about N ms of this sidecar's demand, renewed ahead of need: a few store "
-        "calls per window and never past a limit (README, Leases); not with --rejected-hits "
-        "skip. Unset: every hit is decided by the store",
-        type=count(4),
-        metavar="N",
-    )
-    serve.add(
-        "--shadow-mode",
-        "global shadow mode: count as usual but answer OK where the answer would be OVER_LIMIT",
-        action="store_true",
-        default=False,
-    )
-    serve.add(
-        "--response-limit-name",
-        "name the limit behind an OVER_LIMIT answer (the rule's name, else its descriptor "
-        "path): a RateLimit-Policy header Envoy adds to the 429 ('\"name\";q=QUOTA;w=SECONDS', "
-        "IETF RateLimit header fields draft) and dynamic metadata limit_name, limit_quota, "
-        "limit_window for Envoy's access log "
-        "(%%DYNAMIC_METADATA(envoy.filters.http.ratelimit:limit_name)%%)",
-        action="store_true",
-        default=False,
-    )
-    serve.add(
-        "--response-headers",
-        "the reference's response headers (LIMIT_RESPONSE_HEADERS_ENABLED): RateLimit-Limit, "
-        "RateLimit-Remaining and RateLimit-Reset of the descriptor closest to its limit (the "
-        "last one over its limit that is not a quota descriptor, if any), on every answer with "
-        "a limit, OK ones too; Envoy adds them to the client's response",
-        action="store_true",
-        default=False,
-    )
-    for option, name, variable in (
-        ("--response-limit-header", "RateLimit-Limit", "LIMIT_LIMIT_HEADER"),
-        ("--response-remaining-header", "RateLimit-Remaining", "LIMIT_REMAINING_HEADER"),
-        ("--response-reset-header", "RateLimit-Reset", "LIMIT_RESET_HEADER"),
-    ):
-        serve.add(
-            option,
-            f"the name of the {name} header of --response-headers ({variable})",
-            default=name,
-            type=header_name,
-            metavar="NAME",
-        )
-    serve.add(
-        "--response-dynamic-metadata",
-        "the reference's dynamic metadata (RESPONSE_DYNAMIC_METADATA): domain, descriptors, "
-        "hitsAddend, and the merged 'metadata' of the rules whose descriptors passed, under "
-        "envoy.filters.http.ratelimit (%%DYNAMIC_METADATA(envoy.filters.http.ratelimit:domain)%%)",
-        action="store_true",
-        default=False,
-    )
-    serve.add(
-        "--usage-metrics-top",
-        "keys per usage dimension in /metrics: today's with the most calls, read every 30 s "
-        "(ratelimit_sidecar_usage_calls, ratelimit_sidecar_usage_unique); 0 turns them off",
-        default=10,
-        type=count(0),
-        metavar="N",
-    )
-    serve.add(
-        "--over-limit-cache",
-        "counters known to be over their limit, remembered until their window ends and "
-        "answered without a Redis call (plain fixed windows; not with --rejected-hits skip); "
-        "0 turns it off",
-        default=100_000,
-        type=count(0),
-        metavar="ENTRIES",
-    )
-    serve.add(
-        "--grpc-tls-cert",
-        "serve gRPC over TLS (TLS 1.2 or later, ALPN h2) with this PEM certificate chain; "
-        "reloaded when it changes on disk (looked at every --config-poll-seconds, and on "
-        "SIGHUP), connections already open keeping theirs",
-        metavar="PATH",
-    )
-    serve.add(
-        "--grpc-tls-key",
-        "the PEM private key of --grpc-tls-cert, reloaded with it",
-        metavar="PATH",
-    )
-    serve.add(
-        "--grpc-tls-client-ca",
-        "mTLS: require a client certificate signed by a CA in this PEM file (reloaded too)",
-        metavar="PATH",
-    )
-    serve.add(
-        "--grpc-tls-client-san",
-        "mTLS: also require this DNS name (wildcards as in host names) or IP address among the "
-        "client certificate's SANs",
-        metavar="NAME",
-    )
-    serve.add(
-        "--statsd-address",
-        "send the reference's stats to a statsd (or DogStatsD) server at HOST:PORT, every "
-        "--stats-flush-interval (the reference's USE_STATSD or USE_DOG_STATSD turn it on at "
-        "STATSD_HOST:STATSD_PORT, default localhost:8125); Prometheus /metrics goes on beside it",
-        type=address,
-        metavar="HOST:PORT",
-    )
-    serve.add(
-        "--statsd-protocol",
-        "tcp or udp (default: tcp for statsd, udp for DogStatsD)",
-        choices=("tcp", "udp"),
-    )
-    serve.add(
-        "--statsd-format",
-        "statsd: tags folded into names, as the reference's statsd sink does; dogstatsd: "
-        "DogStatsD tags, and mogrifiers (default: dogstatsd with USE_DOG_STATSD=true, else "
-        "statsd)",
-        choices=("statsd", "dogstatsd"),
-    )
-    serve.add(
-        "--stats-flush-interval",
-        "how often stats are sent to statsd, in seconds or as 10s, 500ms",
-        default="10s",
-        metavar="DURATION",
-    )
-    serve.add(
-        "--stats-tags",
-        "tags on every stat sent to statsd, as key:value,key2:value2",
-        metavar="TAGS",
-    )
-    serve.add(
-        "--dogstatsd-mogrifiers",
-        "DogStatsD: names of the mogrifiers to apply, separated by ',', each defined by "
-        "DOG_STATSD_MOGRIFIER_<NAME>_PATTERN, _NAME and _TAGS in the environment",
-        metavar="NAMES",
-    )
-    serve.add(
-        "--tracing",
-        "trace ShouldRateLimit with OpenTelemetry (spans over OTLP, the parent from Envoy's "
-        "W3C traceparent or B3 headers); needs the tracing extra",
-        action="store_true",
-        default=False,
-    )
-    serve.add(
-        "--tracing-protocol",
-        "OTLP over http (protobuf) or grpc",
-        default="http",
-        choices=("http", "grpc"),
-    )
-    serve.add(
-        "--tracing-endpoint",
-        "where spans go (default: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or "
-        "OTEL_EXPORTER_OTLP_ENDPOINT, else http://localhost:4318/v1/traces for http, "
-        "localhost:4317 for grpc)",
-        metavar="URL",
-    )
-    serve.add(
-        "--tracing-service-name",
-        "the spans' service.name",
-        default="RateLimit",
-        metavar="NAME",
-    )
-    serve.add(
-        "--tracing-service-namespace",
-        "the spans' service.namespace",
-        metavar="NAME",
-    )
-    serve.add(
-        "--tracing-service-instance-id",
-        "the spans' service.instance.id (default: a random UUID)",
-        metavar="ID",
-    )
-    serve.add(
-        "--tracing-sampling-rate",
-        "the share of calls without a sampled parent that are traced (a sampled parent is "
-        "always followed)",
-        default=1.0,
-        type=share,
-        metavar="0..1",
-    )
-    serve.add(
-        "--log-format",
-        "json: one JSON object per line; console: for people",
-        default="json",
-        choices=("json", "console"),
-    )
-    serve.add(
-        "--log-level",
-        "the least severe level logged (any case; WARN is warning, as the reference spells it)",
-        default="info",
-        choices=logs.LEVELS,
-        type=log_level,
-    )
-    serve.add(
-        "--config-poll-seconds",
-        "how often to look at the rules files and reload them when they change (a bad change "
-        "keeps the previous rules, counted in config_load_error); 0: only on SIGHUP",
-        default=2.0,
-        type=float,
-        metavar="SECONDS",
-    )
-    serve.add(
-        "--rlqs-address",
-        "listen address of the Rate Limit Quota Service (StreamRateLimitQuotas, for Envoy's "
-        "rate_limit_quota filter), from the same rules and backend; not served unless set",
-        type=address,
-        metavar="HOST:PORT",
-    )
-    serve.add(
-        "--rlqs-assignment-ttl",
-        "seconds a quota assignment lives (assignment_time_to_live); the service refreshes it "
-        "before it ends when Envoy has not reported meanwhile",
-        default=6.0,
-        type=at_least_a_second,
-        metavar="SECONDS",
-    )
-    serve.add(
-        "--merge-domain-config",
-        "files (or xDS resources) declaring the same domain add their first-level descriptors "
-        "to it, in order; one declared twice is refused (the reference's MERGE_DOMAIN_CONFIG). "
-        "Without it, a domain declared twice is refused",
-        action="store_true",
-        default=False,
-    )
-    serve.add(
-        "--calendar-months",
-        "a rule's fixed window of one month, with no calendar or timezone, counts the UTC "
-        "calendar month, its reset at the month's end, as calendar: true makes it (the "
-        "reference's USE_CALENDAR_MONTH_RATE_LIMIT). Without it such a month is 30 days from "
-        "the epoch, as in the reference",
-        action="store_true",
-        default=False,
-    )
-    serve.add(
-        "--health-requires-config",
-        "report unhealthy until rules with at least one domain are loaded",
-        action="store_true",
-        default=False,
-    )
-    serve.add(
-        "--metrics-address",
-        "also serve Prometheus metrics on this address, at --metrics-path (/metrics on the "
-        "HTTP address stays)",
-        type=address,
-        metavar="HOST:PORT",
-    )
-    serve.add("--metrics-path", "the path of --metrics-address", default="/metrics", metavar="PATH")
-    serve.add(
-        "--debug-address",
-        "also serve /rlconfig and /metrics on this address (the reference's debug port)",
-        type=address,
-        metavar="HOST:PORT",
-    )
-    serve.add(
-        "--reference-env",
-        "also read envoyproxy/ratelimit's environment variables (REDIS_URL, HOST, PORT, "
-        "RUNTIME_ROOT, ...; README lists them), beneath RLS_* variables and flags, as "
-        "`ratelimit` does (without its defaults for the rules, Redis and statsd)",
-        action="store_true",
-        default=False,
-    )
-    xds_flags.add(serve.add)
-    serve.add(
-        "--dedupe-horizon",
-        "frequency caps: seconds an impression id is remembered at least, so a repeated "
-        "record within it counts nothing (ids are forgotten by twice that)",
-        default=86_400,
-        type=count(1),
-        metavar="SECONDS",
-    )
+    for flag in SERVE_FLAGS:
+        serve.declare(flag)
     serve.parser.set_defaults(func=run)
     return serve
 
@@ -609,54 +212,39 @@ def tls_files(args: argparse.Namespace) -> TlsFiles | None:
     )
 
 
+def serve_options(args: argparse.Namespace) -> Options:
+    """The `Options` of a resolved `serve` command line (`resolve`): each field from the flag
+    declared to fill it (`SERVE_FLAGS`), or from the several that make it (`BUILT`)."""
+    from sidecar.options import Options
+
+    values = {
+        flag.field: flag.to_option(getattr(args, flag.dest))
+        for flag in SERVE_FLAGS
+        if flag.field is not None and flag.field not in BUILT
+    }
+    for field, build in BUILT.items():
+        values[field] = build(args)
+    return Options(**values)
+
+
+#: The `Options` fields several flags fill together, and what makes each from them.
+BUILT: dict[str, Callable[[argparse.Namespace], Any]] = {
+    "tls": lambda args: tls_files(args),
+    "statsd": lambda args: args.statsd,  # made, and checked, by `resolve`
+    "tracing": lambda args: tracing_settings(args),
+    "xds": xds_flags.options,
+}
+
+
 def run(args: argparse.Namespace) -> int:
     """Serve until SIGTERM or SIGINT; the exit status."""
-    from sidecar.app import App, InvalidOption, Options
+    from sidecar.app import App, InvalidOption
 
     logs.configure(args.log_level, args.log_format)
     _log_reference_settings(args)
     if args.workers > 1:
         return _serve_workers(args)
-    options = Options(
-        config=args.config or [],
-        backend=args.backend,
-        backend_per_second=args.backend_per_second,
-        grpc_address=args.grpc_address,
-        http_address=args.http_address,
-        redis_timeout_ms=args.redis_timeout_ms,
-        failure_mode=args.failure_mode,
-        local_divisor=None if args.local_divisor == "auto" else args.local_divisor,
-        rejected_hits=args.rejected_hits,
-        sync_interval_ms=args.sync_interval_ms,
-        lease_ms=args.lease_ms,
-        shadow_mode=args.shadow_mode,
-        over_limit_cache=args.over_limit_cache,
-        response_limit_name=args.response_limit_name,
-        response_headers=args.response_headers,
-        response_limit_header=args.response_limit_header,
-        response_remaining_header=args.response_remaining_header,
-        response_reset_header=args.response_reset_header,
-        response_dynamic_metadata=args.response_dynamic_metadata,
-        usage_metrics_top=args.usage_metrics_top,
-        transport=args.transport,
-        reuse_port=args.reuse_port,
-        grpc_socket_fd=args.grpc_socket_fd,
-        grpc_socket_mode=args.grpc_socket_mode,
-        dedupe_horizon=args.dedupe_horizon,
-        config_poll_seconds=args.config_poll_seconds,
-        rlqs_address=args.rlqs_address,
-        rlqs_assignment_ttl_ms=int(args.rlqs_assignment_ttl * 1000),
-        xds=xds_flags.options(args),
-        health_requires_config=args.health_requires_config,
-        merge_domain_config=args.merge_domain_config,
-        calendar_months=args.calendar_months,
-        metrics_address=args.metrics_address,
-        metrics_path=args.metrics_path,
-        debug_address=args.debug_address,
-        tls=tls_files(args),
-        statsd=args.statsd,
-        tracing=tracing_settings(args),
-    )
+    options = serve_options(args)
     try:
         loop_factory = event_loop_factory(args.loop)
     except InvalidOption as exc:
@@ -752,11 +340,10 @@ def _serve_workers(args: argparse.Namespace) -> int:
 
 
 def worker_flags(args: argparse.Namespace) -> list[str]:
-    """The `serve` flags of this command line, but for the addresses and the worker count."""
-    serve = register(argparse.ArgumentParser(prog=PROG).add_subparsers())
+    """The `serve` flags of this command line that workers inherit (`Flag.workers`)."""
     argv: list[str] = []
-    for flag in serve.flags:
-        if flag.dest in ("grpc_address", "http_address", "workers"):
+    for flag in SERVE_FLAGS:
+        if not flag.workers:
             continue
         value = getattr(args, flag.dest)
         if value is None or value is False:
@@ -769,7 +356,7 @@ def worker_flags(args: argparse.Namespace) -> list[str]:
             argv.append(flag.option)
         elif isinstance(value, list):
             for item in value:
-                argv += [flag.option, str(item)]
+                argv += [flag.option, flag.to_text(item)]
         else:
-            argv += [flag.option, str(value)]
+            argv += [flag.option, flag.to_text(value)]
     return argv

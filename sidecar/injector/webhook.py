@@ -23,7 +23,7 @@ import structlog
 from aiohttp import web
 
 from sidecar.errors import InjectionError
-from sidecar.http_bodies import SlowBody, read_body
+from sidecar.http_bodies import BodyRefused, read_body
 from sidecar.http_listener import Listener
 from sidecar.injector.patch import KINDS, WORKLOAD_KINDS, Sidecar, operations, plan
 from sidecar.injector.settings import Settings
@@ -221,12 +221,12 @@ class WebhookServer:
             self.certificates.reload_if_changed()
 
     async def _mutate(self, request: web.Request) -> web.Response:
+        refused: BodyRefused | None = None
         try:
-            body = await read_body(request)
-        except SlowBody as exc:
-            reply = _bad_request(str(exc), status=408)
-        except web.HTTPRequestEntityTooLarge:
-            reply = _bad_request(f"request body larger than {MAX_BODY_BYTES} bytes", status=413)
+            body = await read_body(request, MAX_BODY_BYTES)
+        except BodyRefused as exc:
+            refused = exc
+            reply = _bad_request(str(exc), status=exc.status)
         else:
             enabled = request.path == MUTATE_ENABLED
             reply = review(body, self.settings, namespace_enabled=enabled)
@@ -239,9 +239,7 @@ class WebhookServer:
         elif reply.outcome == "bad_request":
             log.warning("bad_admission_request", reason=reply.message)
         response = web.json_response(reply.body, status=reply.status)
-        if reply.status == 408:
-            response.force_close()  # the rest of the body is not read
-        return response
+        return response if refused is None else refused.answer(response)
 
     async def _healthz(self, request: web.Request) -> web.Response:
         return web.Response(text="OK")

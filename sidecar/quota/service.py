@@ -46,7 +46,7 @@ from envoy.service.rate_limit_quota.v3.rlqs_pb2 import (  # type: ignore[import-
 from prometheus_client import Metric
 from prometheus_client.registry import Collector
 
-from sidecar.errors import InvalidRequest, Overloaded, StorageError
+from sidecar.errors import InvalidRequest, OverBound, Overloaded, StorageError
 from sidecar.quota import convert
 from sidecar.quota.allocator import (
     WINDOW_GRACE_MS,
@@ -59,6 +59,7 @@ from sidecar.quota.allocator import (
 )
 from sidecar.quota.buckets import Bucket, resolve
 from sidecar.quota.store import QuotaStore
+from sidecar.rls.statuses import statuses
 from sidecar.rules import Rules
 
 SERVICE_NAME = "envoy.service.rate_limit_quota.v3.RateLimitQuotaService"
@@ -163,14 +164,15 @@ class QuotaService:
         refresher = asyncio.create_task(session.refresh_forever())
         try:
             await session.read_forever()
-        except InvalidRequest as exc:
+        except (InvalidRequest, OverBound) as exc:
+            # A report that breaks the protocol, or too many buckets: the stream ends with the
+            # status `sidecar.rls.statuses` gives the error (INVALID_ARGUMENT, RESOURCE_EXHAUSTED).
             self.stats.invalid_streams += 1
-            log.warning("rlqs_invalid_report", envoy=session.envoy, error=str(exc))
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except _TooManyBuckets as exc:
-            self.stats.invalid_streams += 1
-            log.warning("rlqs_too_many_buckets", envoy=session.envoy, error=str(exc))
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+            status, _ = statuses(exc)
+            log.warning(
+                "rlqs_stream_refused", envoy=session.envoy, status=status.name, error=str(exc)
+            )
+            await context.abort(grpc.StatusCode[status.name], str(exc))
         finally:
             refresher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -226,10 +228,6 @@ class QuotaService:
         return None  # others kept writing: Envoy keeps its assignment until the next report
 
 
-class _TooManyBuckets(Exception):
-    pass
-
-
 class _Session:
     """One stream: its Envoy's buckets, the reader and the refresher."""
 
@@ -271,7 +269,7 @@ class _Session:
                 held = self.buckets.get(line.bucket)
                 if held is None:
                     if len(self.buckets) >= MAX_BUCKETS:
-                        raise _TooManyBuckets(
+                        raise OverBound(
                             f"more than {MAX_BUCKETS} buckets on one stream; split the filter's "
                             "bucket_id_builder into fewer buckets"
                         )

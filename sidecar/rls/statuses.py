@@ -1,12 +1,15 @@
 """Where an error becomes a status: the one table from the sidecar's errors to the gRPC status
 and the HTTP status a call is answered with, for both gRPC transports (`sidecar.rls.fast`,
-`sidecar.rls.server`) and the HTTP endpoints (`sidecar.admin`).
+`sidecar.rls.server`), the quota service's streams (`sidecar.quota.service`) and the HTTP
+endpoints (`sidecar.admin`).
 
     error            gRPC                HTTP
     InvalidRequest   INVALID_ARGUMENT    400   the caller must fix its request
     UnknownDomain    NOT_FOUND           404   a frequency-cap call names a domain without caps
     StorageError     UNAVAILABLE         503   the backend failed (frequency caps only, see below)
     Overloaded       UNAVAILABLE         503   the backend answers, but not this call in time
+    OverBound        RESOURCE_EXHAUSTED  413   more than a stated bound (buckets on a quota stream);
+                                               413, not 429: 429 is OVER_LIMIT's answer on /json
     anything else    INTERNAL            500   a bug: logged once per type, with its traceback
 
 `ShouldRateLimit` never answers a StorageError: the limiter answers it by the failure mode. An
@@ -25,7 +28,7 @@ from http import HTTPStatus
 
 import structlog
 
-from sidecar.errors import InvalidRequest, Overloaded, StorageError, UnknownDomain
+from sidecar.errors import InvalidRequest, OverBound, Overloaded, StorageError, UnknownDomain
 from sidecar.rls.h2.unary import Status
 
 #: Each error the sidecar answers on purpose: its gRPC status and its HTTP status.
@@ -34,6 +37,7 @@ STATUSES: dict[type[Exception], tuple[Status, HTTPStatus]] = {
     UnknownDomain: (Status.NOT_FOUND, HTTPStatus.NOT_FOUND),
     StorageError: (Status.UNAVAILABLE, HTTPStatus.SERVICE_UNAVAILABLE),
     Overloaded: (Status.UNAVAILABLE, HTTPStatus.SERVICE_UNAVAILABLE),
+    OverBound: (Status.RESOURCE_EXHAUSTED, HTTPStatus.REQUEST_ENTITY_TOO_LARGE),
 }
 #: Any other exception: a bug.
 BUG = (Status.INTERNAL, HTTPStatus.INTERNAL_SERVER_ERROR)

@@ -30,7 +30,6 @@ from sidecar.storage.scripts import (
     Reply,
     applied,
     apply_command,
-    as_eval,
     counts,
     decide_command,
     duplicates,
@@ -38,6 +37,7 @@ from sidecar.storage.scripts import (
     read_commands,
     read_values,
     record_commands,
+    run_script,
 )
 from sidecar.usage import as_refused
 
@@ -342,37 +342,16 @@ class RedisClusterBackend:
         if quota_as_shadow and not counts(hits, mode):
             command = decide_command(hits, mode, now_ms, quota_as_shadow)
             return await self._run(slot, command, deadline)
-        client = self._client
-        try:
-            reply: Reply = await client.execute_packed(
-                slot, self._packer.command(hits, mode, now_ms), deadline
-            )
-        except RedisReplyError as exc:
-            if not str(exc).startswith("NOSCRIPT"):
-                raise
-            # The master lost its script cache (see _run): EVAL at once.
-            command = as_eval(apply_command(hits, mode, now_ms))
-            reply = await client.execute_packed(
-                slot, hiredis.pack_command(tuple(command)), deadline
-            )
+        send = functools.partial(self._client.execute_packed, slot, deadline=deadline)
+        packed = self._packer.command(hits, mode, now_ms)
+        reply: Reply = await run_script(send, packed, apply_command, hits, mode, now_ms)
         return reply
 
     async def _run(self, slot: int, command: list[Any], deadline: float | None = None) -> Reply:
         """Run the script on the master of `slot`, sending its text only when it lost it."""
-        client = self._client
-        try:
-            reply: Reply = await client.execute_packed(
-                slot, hiredis.pack_command(tuple(command)), deadline
-            )
-        except RedisReplyError as exc:
-            if not str(exc).startswith("NOSCRIPT"):
-                raise
-            # The master's script cache is empty (restart, failover, SCRIPT FLUSH, a new master).
-            # EVAL runs the text and caches it there in one round trip.
-            command = as_eval(command)
-            reply = await client.execute_packed(
-                slot, hiredis.pack_command(tuple(command)), deadline
-            )
+        send = functools.partial(self._client.execute_packed, slot, deadline=deadline)
+        packed = hiredis.pack_command(tuple(command))
+        reply: Reply = await run_script(send, packed, list, command)
         return reply
 
     async def execute(self, *args: Any) -> Any:

@@ -28,7 +28,7 @@ from sidecar.model import Dedupe, Hit
 from sidecar.storage import peers, urls, usage_reads
 from sidecar.storage.base import Applied
 from sidecar.storage.failures import failure, fault, gather_all
-from sidecar.storage.redis_client import PipelinedRedis, RedisReplyError
+from sidecar.storage.redis_client import PipelinedRedis
 from sidecar.storage.scripts import (
     MODE_ADD,
     MODE_ALL_OR_NOTHING,
@@ -38,9 +38,11 @@ from sidecar.storage.scripts import (
     apply_command,
     as_eval,
     duplicates,
+    lost,
     read_commands,
     read_values,
     record_commands,
+    run_script,
 )
 
 
@@ -189,7 +191,7 @@ class RedisBackend:
 class _Replied:
     """What `RedisBackend.apply_then` hands the client to call with the script call's reply: it
     reads the reply into `done`'s outcomes, or, when the server has lost the script (NOSCRIPT,
-    see `_run_script`), sends it again as EVAL by the same deadline and reads that reply.
+    see `scripts.lost`), sends it again as EVAL by the same deadline and reads that reply.
 
     An object rather than a closure: compiled, a closure and its environment refer to each
     other, so every call left a cycle of ten objects (the call's hits and the limiter's
@@ -215,8 +217,8 @@ class _Replied:
         self.done = done
 
     def __call__(self, reply: Any) -> None:
-        if isinstance(reply, RedisReplyError) and str(reply).startswith("NOSCRIPT"):
-            # The script cache is empty (see _run_script): EVAL, by the same deadline.
+        if lost(reply):
+            # As `scripts.run_script` does, from a callback: EVAL, by the same deadline.
             command = tuple(as_eval(apply_command(self.hits, self.mode, self.now_ms)))
             self.backend._client.call_packed(
                 hiredis.pack_command(command), self.deadline, self.evaluated
@@ -234,11 +236,6 @@ class _Replied:
 
 async def _run_script(client: PipelinedRedis, command: list[Any]) -> Reply:
     """Run the script, sending its text only when the server has lost it."""
-    try:
-        reply: Reply = await client.execute(*command)
-    except RedisReplyError as exc:
-        if not str(exc).startswith("NOSCRIPT"):
-            raise
-        # The script cache is empty (restart, failover, SCRIPT FLUSH): see `as_eval`.
-        reply = await client.execute(*as_eval(command))
+    packed = hiredis.pack_command(tuple(command))
+    reply: Reply = await run_script(client.execute_packed, packed, list, command)
     return reply

@@ -6,17 +6,20 @@ The scripts are `decide.lua`, which knows every algorithm and mode, and `count.l
 adds: the usual request, whose hits only add to plain windows' counters (`Hit.adds_only`, not
 all or nothing), runs it, and its answer is worked out here from what the counters come to, for
 a third of the server's CPU (`counts` says which script a call runs). Both backends
-(`redis.py`, `cluster.py`) build their calls and read their replies here, and only here.
+(`redis.py`, `cluster.py`) build their calls and read their replies here, and only here; what
+they do when the server has lost a script (NOSCRIPT) is here too, once: `lost` says so, and
+`run_script` sends the call's EVAL form in its place (`as_eval`).
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from importlib.resources import files
 from typing import Any, Final
 
+import hiredis
 from redis.crc import key_slot
 
 from sidecar.algorithms import anchored, decide
@@ -27,6 +30,7 @@ from sidecar.algorithms.windows import FIELD_GRACE
 from sidecar.model import Dedupe, Hit, Outcome, Role, new
 from sidecar.storage.base import Applied
 from sidecar.storage.failures import failure
+from sidecar.storage.redis_client import RedisReplyError
 
 _LUA: Final = files("sidecar.algorithms") / "lua"
 SCRIPT: Final = (_LUA / "decide.lua").read_text(encoding="utf-8")
@@ -422,3 +426,29 @@ def as_eval(command: list[Any]) -> list[Any]:
     server that has lost it (restart, failover, SCRIPT FLUSH). EVAL runs the text and caches it
     in one round trip, where SCRIPT LOAD + EVALSHA would take two."""
     return ["EVAL", _TEXTS[command[1]], *command[2:]]
+
+
+def lost(reply: object) -> bool:
+    """Whether `reply` (an error reply, raised or handed to a callback) says the server has lost
+    the script: NOSCRIPT, after a restart, a failover, SCRIPT FLUSH or on a new master. Nothing
+    ran; the call's EVAL form (`as_eval`) runs it and caches it again."""
+    return isinstance(reply, RedisReplyError) and str(reply).startswith("NOSCRIPT")
+
+
+async def run_script(
+    send: Callable[[bytes], Awaitable[Any]],
+    packed: bytes,
+    command: Callable[..., list[Any]],
+    *args: Any,
+) -> Any:
+    """Send `packed`, a script call (EVALSHA), through `send`, and its reply; when the server
+    has lost the script (`lost`), send instead the EVAL form of `command(*args)`, the same call
+    unpacked (built only then), through the same `send` and so by the same deadline."""
+    try:
+        return await send(packed)
+    except RedisReplyError as exc:
+        if not lost(exc):
+            raise
+    # Sent once the error is gone (out of the `except`): while it lives, its traceback and this
+    # frame refer to each other, a cycle per call left to the collector (tests/test_garbage.py).
+    return await send(hiredis.pack_command(tuple(as_eval(command(*args)))))
