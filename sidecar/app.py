@@ -128,6 +128,9 @@ class Options:
     #: (`--local-divisor auto`): learned from the backend (`sidecar.storage.peers`).
     local_divisor: int | None = None
     rejected_hits: RejectedHits = "count"
+    #: Take refunds (`is_negative_hits`; `--negative-hits`, ENABLE_NEGATIVE_HITS): see
+    #: `sidecar.limiter.Settings`.
+    negative_hits: bool = False
     #: Decide `approximate` rules locally and sync their counts every this many ms
     #: (`sidecar.storage.aggregation`); None: off, every hit is decided by the store.
     sync_interval_ms: int | None = None
@@ -344,6 +347,7 @@ class App:
                 rejected_hits=options.rejected_hits,
                 failure_mode=options.failure_mode,
                 local_divisor=options.local_divisor or 1,
+                negative_hits=options.negative_hits,
             ),
             stats=self.stats,
             clock=self._clock,

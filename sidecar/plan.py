@@ -97,6 +97,8 @@ class Counted:
     match: Match
     cost: int
     windows: WindowHits
+    #: A refund (`Descriptor.is_negative_hits`): `cost` is the hits given back, negated.
+    refund: bool = False
 
     @property
     def role(self) -> Role:
@@ -126,6 +128,9 @@ class Plan:
     #: What the request counts in its domain's usage (`sidecar.usage`); None: nothing. A plan
     #: that counts usage is never straight: its usage hits follow its counters' hits.
     usage: Tally | None = None
+    #: Some descriptor of the request is a refund (`Descriptor.is_negative_hits`). Such a plan
+    #: is never straight: its outcomes are read as refunds (`Limiter._refunded`).
+    refunds: bool = False
 
     @property
     def straight(self) -> bool:
@@ -138,11 +143,11 @@ class Plan:
 def prepare(rules: Rules, request: Request) -> Plan:
     """The plan of `request` under `rules`; raises InvalidRequest for a request that breaks the
     protocol (empty domain or descriptors, absurd sizes, an override it cannot honour)."""
-    validate(request)
+    refunds = validate(request)
     descriptors = request.descriptors
     domain = rules.domains.get(request.domain)
     if domain is None:
-        return Plan(rules, request, False, (OK,) * len(descriptors), (), True)
+        return Plan(rules, request, False, (OK,) * len(descriptors), (), True, refunds=refunds)
 
     default_hits = request.hits_addend or 1
     matches: list[Match | None] = [
@@ -164,8 +169,11 @@ def prepare(rules: Rules, request: Request) -> Plan:
         if replaced and any(n in replaced for n in limit.names):
             continue
         cost = descriptor.hits_addend if descriptor.hits_addend is not None else default_hits
+        refund = descriptor.is_negative_hits
+        if refund:
+            cost = -cost  # a refund's hits are given back (`Hit.hits < 0`)
         windows = WindowHits(request.domain, found, cost, index)
-        counted.append(Counted(index, found, cost, windows))
+        counted.append(Counted(index, found, cost, windows, refund))
     blocking_only = all(c.role is Role.BLOCKING for c in counted)
     counts = None
     if domain.usage is not None:
@@ -174,12 +182,21 @@ def prepare(rules: Rules, request: Request) -> Plan:
     straight = (
         bool(counted)
         and counts is None
+        and not refunds
         and blocking_only
         and all(len(c.match.limit.windows) == 1 for c in counted)
     )
     positions = tuple((item, position) for position, item in enumerate(counted)) if straight else ()
     return Plan(
-        rules, request, True, tuple(statuses), tuple(counted), blocking_only, positions, counts
+        rules,
+        request,
+        True,
+        tuple(statuses),
+        tuple(counted),
+        blocking_only,
+        positions,
+        counts,
+        refunds,
     )
 
 
@@ -207,8 +224,9 @@ def _override(domain: str, descriptor: Descriptor) -> Match:
     return Match(limit, parts, metric_key)
 
 
-def validate(request: Request) -> None:
-    """Raise InvalidRequest for a request the service refuses (INVALID_ARGUMENT)."""
+def validate(request: Request) -> bool:
+    """Raise InvalidRequest for a request the service refuses (INVALID_ARGUMENT); else say
+    whether some descriptor is a refund (`Descriptor.is_negative_hits`)."""
     if not request.domain:
         raise InvalidRequest("rate limit domain must not be empty")
     descriptors = request.descriptors
@@ -218,7 +236,10 @@ def validate(request: Request) -> None:
         raise InvalidRequest(
             f"too many descriptors: {len(descriptors)} (at most {MAX_DESCRIPTORS})"
         )
+    refunds = False
     for index, descriptor in enumerate(descriptors):
+        if descriptor.is_negative_hits:
+            refunds = True
         if descriptor.hits_addend is not None and descriptor.hits_addend > MAX_HITS_ADDEND:
             raise InvalidRequest(
                 f"descriptors[{index}].hits_addend {descriptor.hits_addend} exceeds {MAX_HITS_ADDEND}"
@@ -234,3 +255,4 @@ def validate(request: Request) -> None:
                     f"descriptors[{index}]: entry too long (keys at most {MAX_KEY_LENGTH} "
                     f"characters, values at most {MAX_VALUE_LENGTH})"
                 )
+    return refunds

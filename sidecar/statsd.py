@@ -8,7 +8,8 @@ fit (one TCP write, or UDP datagrams of at most 1,432 bytes), on the event loop.
 Names are the reference's (its `src/stats/manager_impl.go` and `src/metrics/metrics.go`):
 
 - `ratelimit.service.rate_limit.<metric key>.total_hits|over_limit|near_limit|within_limit|
-  shadow_mode|over_limit_with_local_cache` and `ratelimit.service.rate_limit.<domain>.
+  shadow_mode|over_limit_with_local_cache|total_negative_hits` and
+  `ratelimit.service.rate_limit.<domain>.
   domain_not_found`;
 - `ratelimit.service.config_load_success|config_load_error|global_shadow_mode` and
   `ratelimit.service.call.should_rate_limit.redis_error|service_error` (and `overloaded`, ours:
@@ -66,6 +67,7 @@ _RULE_STATS = (
     "within_limit",
     "shadow_mode",
     "over_limit_with_local_cache",
+    "total_negative_hits",
 )
 _UNSAFE_NAME = re.compile(r"[:|@#\n\r,]")
 _UNSAFE_TAG_VALUE = re.compile(r"[.:|\n\r,#]")

@@ -206,6 +206,15 @@ def register(commands: Any) -> Flags:
         choices=("count", "skip"),
     )
     serve.add(
+        "--negative-hits",
+        "take refunds: a descriptor's is_negative_hits (Envoy 1.38+) gives its hits back to "
+        "its counters, answered OK (README, Refunds; the reference's ENABLE_NEGATIVE_HITS). "
+        "Off, a request carrying one is refused UNIMPLEMENTED; refused too with "
+        "--rejected-hits skip",
+        action="store_true",
+        default=False,
+    )
+    serve.add(
         "--sync-interval-ms",
         "decide the rules marked 'approximate: true' on this sidecar's local view of their "
         "counters and send the hits to the store every N ms, in one call that also learns the "
@@ -618,6 +627,7 @@ def run(args: argparse.Namespace) -> int:
         failure_mode=args.failure_mode,
         local_divisor=None if args.local_divisor == "auto" else args.local_divisor,
         rejected_hits=args.rejected_hits,
+        negative_hits=args.negative_hits,
         sync_interval_ms=args.sync_interval_ms,
         shadow_mode=args.shadow_mode,
         over_limit_cache=args.over_limit_cache,
