@@ -4,6 +4,7 @@ sidecar refuses, which change no counter."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 
 import pytest
@@ -16,6 +17,7 @@ from sidecar.errors import NegativeHitsRefused
 from sidecar.limiter import Limiter, Settings
 from sidecar.metrics import Latency, StatsCollector
 from sidecar.model import Code, Decision, Descriptor, Entry, Override, Request, Unit
+from sidecar.rls.service import RateLimitService
 from sidecar.rls.statuses import statuses
 from sidecar.rules import Rules
 from sidecar.stats import Stats
@@ -317,3 +319,19 @@ def test_total_negative_hits_is_exported_under_the_references_name() -> None:
     assert samples[("ratelimit_service_rate_limit_total_hits", labels)] == 0
     sent = {(s.name, s.value) for s in Deltas(stats, Latency()).take()}
     assert sent == {("ratelimit.service.rate_limit.d.k.total_negative_hits", 3)}
+
+
+@pytest.mark.parametrize("backend_url", ["memory"], indirect=True)
+async def test_a_refund_in_proto3_json_is_read_by_the_json_endpoint(
+    refunds: Callable[..., Limiter],
+) -> None:
+    """`/json` reads `isNegativeHits` too (the messages of proto/envoy): a refund of 2 after 3
+    hits leaves 4 of 5."""
+    service = RateLimitService(refunds())
+    body = {"domain": "refunds", "descriptors": [{"entries": [{"key": "fixed", "value": "j"}]}]}
+    for _ in range(3):
+        await service.should_rate_limit_json(json.dumps(body).encode())
+    body["descriptors"][0].update(hitsAddend=2, isNegativeHits=True)  # type: ignore[index]
+    code, answer = await service.should_rate_limit_json(json.dumps(body).encode())
+    assert code is Code.OK
+    assert json.loads(answer)["statuses"][0]["limitRemaining"] == 4
