@@ -76,6 +76,8 @@ class Settings:
     goes back to the shared counters as soon as the backend answers again. A call the backend refuses as Overloaded (it has
     as many calls in flight as it answers in time) is not a backend error: it is raised to
     the transport, which answers UNAVAILABLE, and never answered by the failure mode.
+    negative_hits: take refunds (`is_negative_hits`, see `sidecar.algorithms.refunds`); off, and
+    under rejected_hits "skip", a request carrying one is refused (`refunds_allowed`).
     """
 
     shadow_mode: bool = False
@@ -473,7 +475,7 @@ def _refunded(waiting: _Waiting, outcomes: list[Outcome], cache: OverLimitCache 
                 outcomes[position] = outcome._replace(over=False)
             hit = hits[position]
             if cache is not None and outcome.remaining > 0 and hit.window.plain:
-                cache.ends.pop(hit.counter, None)
+                cache.forget(hit.counter)
 
 
 class Judged(Protocol):
