@@ -186,7 +186,7 @@ local function give_back(i, algorithm, key, field)
         redis.call('HSET', key, field, text .. string.format(' %.17g', now + after_reset[i]))
       end
     end
-  elseif refunded[i] ~= 0 then
+  elseif (refunded[i] or 0) ~= 0 then
     if field == '' then
       if redis.call('INCRBY', key, refunded[i]) <= 0 then redis.call('DEL', key) end
     elseif redis.call('HINCRBY', key, field, refunded[i]) <= 0 then
