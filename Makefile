@@ -132,11 +132,20 @@ bench-deps: test-deps
 
 ## Regenerate the Python stubs in sidecar/proto from proto/: the frequency caps, and the
 ## reference's RateLimitConfig that rules arrive in over xDS (tests check they are current).
+## And the RLS messages of proto/envoy (Envoy's API at sidecar.rls.envoy_api.ENVOY_API), as one
+## FileDescriptorSet: their imports come from xds-protos, which ships no .proto files, so they
+## are handed to protoc compiled (sidecar/rls/envoy_api.py says why they get a pool of their own).
 .PHONY: proto
 proto: venv
 	$(BIN)/python -m grpc_tools.protoc -I proto --python_out=sidecar/proto --pyi_out=sidecar/proto \
 		proto/ratelimit_sidecar/frequency/v1/frequency.proto \
 		proto/ratelimit/config/ratelimit/v3/rls_conf.proto
+	@mkdir -p build
+	$(BIN)/python -m sidecar.rls.envoy_api build/envoy-imports.binpb
+	$(BIN)/python -m grpc_tools.protoc -I proto --descriptor_set_in=build/envoy-imports.binpb \
+		--descriptor_set_out=sidecar/proto/envoy_rls.binpb \
+		proto/envoy/extensions/common/ratelimit/v3/ratelimit.proto \
+		proto/envoy/service/ratelimit/v3/rls.proto
 
 ## ruff (its checks, and its formatter's: the code is as `ruff format` writes it) and mypy.
 lint: venv

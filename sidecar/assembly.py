@@ -145,6 +145,7 @@ class Assembly:
                 rejected_hits=options.rejected_hits,
                 failure_mode=options.failure_mode,
                 local_divisor=options.local_divisor or 1,
+                negative_hits=options.negative_hits,
             ),
             stats=self.host.stats,
             clock=self.host.clock,

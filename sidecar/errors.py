@@ -3,6 +3,7 @@
     SidecarError
     ├── ConfigError        a rules file is wrong: names the file, the path inside it and the fix
     ├── InvalidRequest     a request Envoy (or a client) sent cannot be answered
+    │   └── NegativeHitsRefused   a refund (is_negative_hits) this sidecar does not take
     ├── UnknownDomain      a frequency-cap call names a domain without caps
     ├── StorageError       a backend call failed or timed out; transient, the failure mode decides
     ├── Overloaded         the backend answers, but not this call in time
@@ -38,6 +39,13 @@ class ConfigError(SidecarError):
 
 class InvalidRequest(SidecarError):
     """A request that breaks the protocol's rules (empty domain, no descriptors, absurd hits_addend)."""
+
+
+class NegativeHitsRefused(InvalidRequest):
+    """A request carries a refund (`is_negative_hits`) and this sidecar does not take them
+    (`--negative-hits` off, or `--rejected-hits skip`): refused whole, so that no refund is
+    ever counted as a charge and no counter changes. UNIMPLEMENTED, as the reference's
+    ENABLE_NEGATIVE_HITS (its #1230) answers it."""
 
 
 class UnknownDomain(SidecarError):

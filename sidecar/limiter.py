@@ -29,7 +29,7 @@ from typing import Any, Final, Literal, Protocol, TypeVar
 import structlog
 
 from sidecar.algorithms import fixed_window
-from sidecar.errors import InvalidRequest, Overloaded, StorageError
+from sidecar.errors import InvalidRequest, NegativeHitsRefused, Overloaded, StorageError
 from sidecar.lists import Listed
 from sidecar.model import (
     Code,
@@ -80,6 +80,8 @@ class Settings:
     goes back to the shared counters as soon as the backend answers again. A call the backend refuses as Overloaded (it has
     as many calls in flight as it answers in time) is not a backend error: it is raised to
     the transport, which answers UNAVAILABLE, and never answered by the failure mode.
+    negative_hits: take refunds (`is_negative_hits`, see `sidecar.algorithms.refunds`); off, and
+    under rejected_hits "skip", a request carrying one is refused (`refunds_allowed`).
     """
 
     shadow_mode: bool = False
@@ -88,6 +90,9 @@ class Settings:
     #: Under failure_mode "local": how many sidecars share the counters (each enforces
     #: limit / local_divisor, rounded down, at least 1 of a limit that is not 0).
     local_divisor: int = 1
+    #: Refunds (`is_negative_hits`) are taken (`--negative-hits`, ENABLE_NEGATIVE_HITS); off,
+    #: a request carrying one is refused (`NegativeHitsRefused`).
+    negative_hits: bool = False
 
     def __post_init__(self) -> None:
         if self.local_divisor < 1:
@@ -167,10 +172,13 @@ class Limiter:
         """The plan of `request` under the current rules (see `sidecar.plan`); raises
         InvalidRequest, counted as a service error, for a request that breaks the protocol."""
         try:
-            return prepare(self.rules, request)
+            plan = prepare(self.rules, request)
+            if plan.refunds:
+                refunds_allowed(self.settings)
         except InvalidRequest as exc:
             self.stats.refused(exc)
             raise
+        return plan
 
     def decide_then(
         self,
@@ -236,8 +244,10 @@ class Limiter:
         statuses = list(plan.statuses)
         judged: list[tuple[bool, Role]] = []  # (over, role) of descriptors judged without a call
         cache = self._cache
-        if cache is not None and not cache.ends:
-            cache = None  # nothing is known to be over: no lookups
+        if cache is not None and (not cache.ends or plan.refunds):
+            # Nothing is known to be over: no lookups. A refund is never refused: a request
+            # with one asks the store about every descriptor.
+            cache = None
         counted, hits = self._gather(plan, now_ms, cache, statuses, judged)
         if usage is not None:
             # A descriptor refused from the over-limit cache refuses the request (unless it is a
@@ -301,6 +311,8 @@ class Limiter:
         """The decision once the store has answered `outcomes` for `waiting.hits`."""
         if self._backend_failing:
             self._recovered()
+        if waiting.plan.refunds:
+            _refunded(waiting, outcomes, self._cache)
         return self._read(waiting, waiting.hits, outcomes, self._cache)
 
     def _read(
@@ -470,7 +482,43 @@ class Limiter:
         if isinstance(outcomes, Exception):  # a bug in the memory backend: raised as one
             raise outcomes
         self.stats.local_decisions += 1
+        if waiting.plan.refunds:
+            _refunded(waiting, outcomes, None)
         return self._read(waiting, local_hits, outcomes, None)
+
+
+def refunds_allowed(settings: Settings) -> None:
+    """Raise NegativeHitsRefused unless a sidecar with `settings` takes refunds: with
+    `negative_hits` on, and rejected hits counted (under `skip` a refused request adds nothing,
+    yet Envoy refunds it at its stream's end too, so the refund would give back what was never
+    counted)."""
+    if settings.rejected_hits == "skip":
+        raise NegativeHitsRefused(
+            "is_negative_hits (a refund) is not taken by a sidecar run with --rejected-hits "
+            "skip: a request it refused added nothing, but Envoy refunds it too"
+        )
+    if not settings.negative_hits:
+        raise NegativeHitsRefused(
+            "is_negative_hits (a refund) is off: run serve with --negative-hits "
+            "(ENABLE_NEGATIVE_HITS=true) to take refunds"
+        )
+
+
+def _refunded(waiting: _Waiting, outcomes: list[Outcome], cache: OverLimitCache | None) -> None:
+    """Read the outcomes of a plan's refunds as refunds: never over (a refund of 0, a check,
+    may have found its counter full), and a plain window a refund took back under its limit
+    forgotten by the over-limit cache (another sidecar's cache knows nothing of it)."""
+    hits = waiting.hits
+    for item, first in waiting.counted:
+        if not item.refund:
+            continue
+        for position in range(first, first + len(item.match.limit.windows)):
+            outcome = outcomes[position]
+            if outcome.over:
+                outcomes[position] = outcome._replace(over=False)
+            hit = hits[position]
+            if cache is not None and outcome.remaining > 0 and hit.window.plain:
+                cache.forget(hit.counter)
 
 
 class Judged(Protocol):

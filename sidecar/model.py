@@ -105,21 +105,28 @@ class Override:
 
 @dataclass(init=False, eq=True, unsafe_hash=True)
 class Descriptor:
-    """A request descriptor: its entries and, when Envoy set them, its own `hits_addend` and `limit`."""
+    """A request descriptor: its entries and, when Envoy set them, its own `hits_addend` and `limit`.
+
+    `is_negative_hits` (Envoy 1.38+) makes the descriptor a refund: its hits are given back to
+    its counters instead of added (see `sidecar.algorithms.refunds`).
+    """
 
     entries: tuple[Entry, ...]
     hits_addend: int | None = None
     override: Override | None = None
+    is_negative_hits: bool = False
 
     def __init__(
         self,
         entries: tuple[Entry, ...],
         hits_addend: int | None = None,
         override: Override | None = None,
+        is_negative_hits: bool = False,
     ) -> None:
         self.entries = entries
         self.hits_addend = hits_addend
         self.override = override
+        self.is_negative_hits = is_negative_hits
 
 
 @dataclass(init=False, eq=True, unsafe_hash=True)
@@ -267,6 +274,7 @@ class Hit:
     """What one window of one descriptor asks of a backend: add `hits` to the counter at `key`.
 
     `hits == 0` is a check: it asks whether one more hit would be admitted and consumes nothing.
+    `hits < 0` is a refund: `-hits` are given back (`sidecar.algorithms.refunds`); never over.
     `previous` is the previous window's counter (borrowing and sliding windows read it; `key`
     when unused). `ttl` is how long a new counter must live, in seconds; `start_ms` and `end_ms`
     bound the window in Unix milliseconds (fixed and sliding windows; 0 for a token bucket). A

@@ -53,6 +53,9 @@ class Options:
     #: (`--local-divisor auto`): learned from the backend (`sidecar.storage.peers`).
     local_divisor: int | None = None
     rejected_hits: RejectedHits = "count"
+    #: Take refunds (`is_negative_hits`; `--negative-hits`, ENABLE_NEGATIVE_HITS): see
+    #: `sidecar.limiter.Settings`.
+    negative_hits: bool = False
     #: Decide `approximate` rules locally and sync their counts every this many ms
     #: (`sidecar.storage.aggregation`); None: off, every hit is decided by the store.
     sync_interval_ms: int | None = None

@@ -2,7 +2,10 @@
 backend.
 
 A plain fixed window that is over its limit stays over until the window ends: its counter only
-grows. Remembering it until then lets the sidecar answer OVER_LIMIT at once, with the answer
+grows, unless a refund (`is_negative_hits`) gives hits back. The limiter forgets a counter a
+refund of this sidecar takes back under its limit (`forget`); another sidecar's refund on the
+same counter is not seen here, so this cache keeps answering OVER_LIMIT for it until its
+window ends (README, Refunds). Remembering it until then lets the sidecar answer OVER_LIMIT at once, with the answer
 the backend would give (`limit_remaining` 0, the time to the window's end). Only plain windows
 qualify: a token bucket refills, a sliding window slides and a borrowing window never counts
 rejections, so their "over" can end at any moment. A counter is known by its key, its field
@@ -130,6 +133,10 @@ class OverLimitCache:
                 # Still full of live windows: start again rather than grow without bound.
                 ends.clear()
         ends[counter] = end_ms
+
+    def forget(self, counter: Counter) -> None:
+        """`counter` is no longer known to be over (a refund took it back under its limit)."""
+        self.ends.pop(counter, None)
 
     def clear(self) -> None:
         """Forget every counter known to be over (new rules: each is asked again); the pending

@@ -111,12 +111,17 @@ class Counted:
     match: Match
     cost: int
     windows: WindowHits
+    #: A refund (`Descriptor.is_negative_hits`): `cost` is the hits given back, negated.
+    refund: bool = False
 
-    def __init__(self, index: int, match: Match, cost: int, windows: WindowHits) -> None:
+    def __init__(
+        self, index: int, match: Match, cost: int, windows: WindowHits, refund: bool = False
+    ) -> None:
         self.index = index
         self.match = match
         self.cost = cost
         self.windows = windows
+        self.refund = refund
 
     @property
     def role(self) -> Role:
@@ -149,6 +154,9 @@ class Plan:
     #: What an allow or deny list decided (`sidecar.lists`); then nothing is counted, not even
     #: usage, and `statuses` is the answer. None: no list names the request.
     listed: Listed | None = None
+    #: Some descriptor of the request is a refund (`Descriptor.is_negative_hits`). Such a plan
+    #: is never straight: its outcomes are read as refunds (`Limiter._refunded`).
+    refunds: bool = False
 
     def __init__(
         self,
@@ -161,6 +169,7 @@ class Plan:
         positions: tuple[tuple[Counted, int], ...] = (),
         usage: Tally | None = None,
         listed: Listed | None = None,
+        refunds: bool = False,
     ) -> None:
         # Written out, not generated, for a native constructor (see `sidecar.model`).
         self.rules = rules
@@ -172,6 +181,7 @@ class Plan:
         self.positions = positions
         self.usage = usage
         self.listed = listed
+        self.refunds = refunds
 
     @property
     def straight(self) -> bool:
@@ -184,11 +194,11 @@ class Plan:
 def prepare(rules: Rules, request: Request) -> Plan:
     """The plan of `request` under `rules`; raises InvalidRequest for a request that breaks the
     protocol (empty domain or descriptors, absurd sizes, an override it cannot honour)."""
-    validate(request)
+    refunds = validate(request)
     descriptors = request.descriptors
     domain = rules.domains.get(request.domain)
     if domain is None:
-        return Plan(rules, request, False, (OK,) * len(descriptors), (), True)
+        return Plan(rules, request, False, (OK,) * len(descriptors), (), True, refunds=refunds)
 
     if domain.lists is not None:
         listed = domain.lists.judge(descriptors)
@@ -218,8 +228,11 @@ def prepare(rules: Rules, request: Request) -> Plan:
         if replaced and any(n in replaced for n in limit.names):
             continue
         cost = descriptor.hits_addend if descriptor.hits_addend is not None else default_hits
+        refund = descriptor.is_negative_hits
+        if refund:
+            cost = -cost  # a refund's hits are given back (`Hit.hits < 0`)
         windows = WindowHits(request.domain, found, cost, index)
-        counted.append(Counted(index, found, cost, windows))
+        counted.append(Counted(index, found, cost, windows, refund))
     blocking_only = all(c.role is _BLOCKING for c in counted)
     counts = None
     if domain.usage is not None:
@@ -228,12 +241,21 @@ def prepare(rules: Rules, request: Request) -> Plan:
     straight = (
         bool(counted)
         and counts is None
+        and not refunds
         and blocking_only
         and all(len(c.match.limit.windows) == 1 for c in counted)
     )
     positions = tuple((item, position) for position, item in enumerate(counted)) if straight else ()
     return Plan(
-        rules, request, True, tuple(statuses), tuple(counted), blocking_only, positions, counts
+        rules,
+        request,
+        True,
+        tuple(statuses),
+        tuple(counted),
+        blocking_only,
+        positions,
+        counts,
+        refunds=refunds,
     )
 
 
@@ -261,8 +283,9 @@ def _override(domain: str, descriptor: Descriptor) -> Match:
     return Match(limit, parts, metric_key)
 
 
-def validate(request: Request) -> None:
-    """Raise InvalidRequest for a request the service refuses (INVALID_ARGUMENT)."""
+def validate(request: Request) -> bool:
+    """Raise InvalidRequest for a request the service refuses (INVALID_ARGUMENT); else say
+    whether some descriptor is a refund (`Descriptor.is_negative_hits`)."""
     if not request.domain:
         raise InvalidRequest("rate limit domain must not be empty")
     descriptors = request.descriptors
@@ -272,7 +295,10 @@ def validate(request: Request) -> None:
         raise InvalidRequest(
             f"too many descriptors: {len(descriptors)} (at most {MAX_DESCRIPTORS})"
         )
+    refunds = False
     for index, descriptor in enumerate(descriptors):
+        if descriptor.is_negative_hits:
+            refunds = True
         if descriptor.hits_addend is not None and descriptor.hits_addend > MAX_HITS_ADDEND:
             raise InvalidRequest(
                 f"descriptors[{index}].hits_addend {descriptor.hits_addend} exceeds {MAX_HITS_ADDEND}"
@@ -288,3 +314,4 @@ def validate(request: Request) -> None:
                     f"descriptors[{index}]: entry too long (keys at most {MAX_KEY_LENGTH} "
                     f"characters, values at most {MAX_VALUE_LENGTH})"
                 )
+    return refunds

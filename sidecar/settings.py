@@ -766,6 +766,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("redis_timeout_ms", ("REDIS_TIMEOUT",), _redis_timeout_ms),
     Flag("over_limit_cache", ("LOCAL_CACHE_SIZE_IN_BYTES",), _over_limit_cache),
     Flag("rejected_hits", ("STOP_CACHE_KEY_INCREMENT_WHEN_OVERLIMIT",), _rejected_hits),
+    Flag("negative_hits", ("ENABLE_NEGATIVE_HITS",), _flag("ENABLE_NEGATIVE_HITS")),
     Flag("shadow_mode", ("SHADOW_MODE",), _flag("SHADOW_MODE")),
     Flag(
         "response_dynamic_metadata",
@@ -947,6 +948,7 @@ def _variables() -> tuple[Variable, ...]:
         V("NEAR_LIMIT_RATIO", "0.8", U, "`near_limit` always counts hits above 80% of a limit", lambda value: value.strip() in ("0.8", ".8", "0.80")),
         V("CACHE_KEY_PREFIX", "", U, "counter keys have their own format (they start with `rl{`), so they never collide with the reference's; give another Redis database (`/N` in `RLS_BACKEND`) to keep two sets apart"),
         V("USE_CALENDAR_MONTH_RATE_LIMIT", "false", S, "`--calendar-months`: a rule's fixed window of one `unit: month`, with no `calendar` or `timezone` of its own, counts the UTC calendar month (its TTL and reset run to the month's end), as `calendar: true` makes it; months of other algorithms or of a `unit_multiplier` (the reference has neither), and a month in a request's `limit` override, stay 30 days from the epoch"),
+        V("ENABLE_NEGATIVE_HITS", "false", S, "`--negative-hits`: a descriptor's `is_negative_hits` (Envoy 1.38+) gives its hits back to its counters (a fixed or sliding window's counter down, floored at 0; a bucket's tokens back, up to its burst), answered OK; off (the default, as in the reference's #1230), a request carrying one is refused UNIMPLEMENTED and changes no counter; refused also under `--rejected-hits skip`"),
         V("STOP_CACHE_KEY_INCREMENT_WHEN_OVERLIMIT", "false", D, "`--rejected-hits skip`: a request answered OVER_LIMIT adds nothing to any of its counters (the reference still adds to those that would not exceed)", _false),
         V("SHADOW_MODE", "false", S, "`--shadow-mode`"),
         V("QUOTA_MODE", "false", U, "per-rule `quota_mode` is supported; the global switch is not", _false),

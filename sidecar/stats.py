@@ -1,10 +1,11 @@
 """Counters the limiter keeps, named and accounted as the reference's statistics.
 
 Per rule (`ratelimit.service.rate_limit.<metric key>.<stat>`): total_hits, over_limit,
-near_limit, within_limit, shadow_mode. Per service: config loads, global shadow mode, backend
-errors, service errors (`refused`: the one place a refused call is counted), unknown
-domains, and requests an allow or deny list decided. Plain integers on the hot path; `sidecar.metrics`
-turns them into Prometheus series at scrape time, so a decision pays no exporter cost.
+near_limit, within_limit, shadow_mode, total_negative_hits. Per service: config loads, global
+shadow mode, backend errors, service errors (`refused`: the one place a refused call is
+counted), unknown domains, and requests an allow or deny list decided. Plain integers on the
+hot path; `sidecar.metrics` turns them into Prometheus series at scrape time, so a decision
+pays no exporter cost.
 """
 
 from __future__ import annotations
@@ -27,9 +28,15 @@ class RuleStats:
     within_limit: int = 0
     shadow_mode: int = 0
     over_limit_with_local_cache: int = 0
+    #: Hits given back by refunds (`is_negative_hits`), counted in none of the others.
+    total_negative_hits: int = 0
 
     def record(self, limit: int, before: int, hits: int, over: bool, shadow: bool) -> None:
-        """Account one descriptor's outcome the way the reference does (its near/over split)."""
+        """Account one descriptor's outcome the way the reference does (its near/over split);
+        a refund (`hits` below 0) counts only in `total_negative_hits`, as the reference's."""
+        if hits < 0:
+            self.total_negative_hits -= hits
+            return
         self.total_hits += hits
         near_threshold = int(limit * NEAR_LIMIT_RATIO)
         after = before + hits

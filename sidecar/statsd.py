@@ -8,9 +8,10 @@ fit (one TCP write, or UDP datagrams of at most 1,432 bytes), on the event loop.
 Names are the reference's (its `src/stats/manager_impl.go` and `src/metrics/metrics.go`):
 
 - `ratelimit.service.rate_limit.<metric key>.total_hits|over_limit|near_limit|within_limit|
-  shadow_mode|over_limit_with_local_cache` and `ratelimit.service.rate_limit.<domain>.
-  domain_not_found` (and, ours, `ratelimit.service.rate_limit.<domain>.<key>.denied_by_list|
-  allowed_by_list`: requests an allow or deny list decided, `sidecar.lists`);
+  shadow_mode|over_limit_with_local_cache|total_negative_hits` and
+  `ratelimit.service.rate_limit.<domain>.domain_not_found` (and, ours,
+  `ratelimit.service.rate_limit.<domain>.<key>.denied_by_list|allowed_by_list`: requests an
+  allow or deny list decided, `sidecar.lists`);
 - `ratelimit.service.config_load_success|config_load_error|global_shadow_mode` and
   `ratelimit.service.call.should_rate_limit.redis_error|service_error` (and `overloaded`, ours:
   calls refused UNAVAILABLE);
@@ -67,6 +68,7 @@ _RULE_STATS = (
     "within_limit",
     "shadow_mode",
     "over_limit_with_local_cache",
+    "total_negative_hits",
 )
 _UNSAFE_NAME = re.compile(r"[:|@#\n\r,]")
 _UNSAFE_TAG_VALUE = re.compile(r"[.:|\n\r,#]")

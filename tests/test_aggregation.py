@@ -125,6 +125,29 @@ async def test_approximate_hits_are_judged_locally_and_synced_in_one_call(redis_
         await b.close()
 
 
+async def test_a_refund_on_an_approximate_window_goes_to_the_store(redis_url: str) -> None:
+    """A refund is never judged on the local view: Redis takes it at once and floors the
+    counter at 0. The view, whose count only grows within a window, still counts the hit given
+    back: it frees nothing locally before the window ends, and never admits past the limit."""
+    clock = Clock()
+    a = aggregated(redis_url, clock)
+    try:
+        now = clock.ms
+        key = hit(APPROXIMATE, now).key
+        for _ in range(4):
+            await apply(a, [hit(APPROXIMATE, now)], now)
+        assert stored(redis_url, key) == 1  # three judged locally, still pending
+        (outcome,) = await apply(a, [hit(APPROXIMATE, now, cost=-2)], now)
+        assert not outcome.over and stored(redis_url, key) == 0  # 1 - 2, floored at 0
+        await a.sync()
+        assert stored(redis_url, key) == 3
+        (outcome,) = await apply(a, [hit(APPROXIMATE, now, cost=0)], now)
+        assert outcome.remaining == 6  # 10 - 4: the view's, the refunded hit still in it
+        assert a.local_hits == 4
+    finally:
+        await a.close()
+
+
 async def test_a_request_with_exact_and_approximate_windows_gets_its_outcomes_in_order(
     redis_url: str,
 ) -> None:

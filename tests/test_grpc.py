@@ -18,6 +18,7 @@ from support.servers import RedisServer
 from support.sidecars import NOW, Clock, client, request, running_app, serve_process, write_rules
 
 from sidecar.model import Hit
+from sidecar.rls.messages import RateLimitRequest as RefundRequest
 from sidecar.storage.base import Applied
 from sidecar.storage.memory import MemoryBackend
 from sidecar.storage.redis import RedisBackend
@@ -135,6 +136,34 @@ async def test_the_reference_errors_are_invalid_argument(
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert caught.value.details() == details
     assert app.stats.service_error == 1
+
+
+async def test_a_refund_is_unimplemented_unless_negative_hits_is_on(
+    rules: Path, transport: str
+) -> None:
+    """A descriptor with `is_negative_hits` is refused UNIMPLEMENTED, with the flag to turn on
+    in the message, by a sidecar without `--negative-hits`; with it, the refund is answered OK
+    and gives the hit back."""
+    refund = RefundRequest(domain="test")
+    descriptor = refund.descriptors.add(is_negative_hits=True)
+    descriptor.entries.add(key="user", value="alice")
+    body = refund.SerializeToString()
+    async with running_app(rules, transport=transport) as app, client(app.grpc_port) as rls:
+        await rls.should_rate_limit(request("test", USER))
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await rls.raw(body, timeout=10)
+        after = await rls.should_rate_limit(request("test", USER))
+    assert caught.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    assert "--negative-hits (ENABLE_NEGATIVE_HITS=true)" in caught.value.details()
+    assert after.statuses[0].limit_remaining == 1  # 3 a minute: the refund took nothing back
+    async with (
+        running_app(rules, transport=transport, negative_hits=True) as app,
+        client(app.grpc_port) as rls,
+    ):
+        await rls.should_rate_limit(request("test", USER))
+        answer = RateLimitResponse.FromString(await rls.raw(body, timeout=10))
+    assert answer.overall_code == RateLimitResponse.OK
+    assert answer.statuses[0].limit_remaining == 3
 
 
 async def test_malformed_bytes_are_invalid_argument(rules: Path, transport: str) -> None:

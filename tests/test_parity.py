@@ -1,7 +1,7 @@
 """The Python and the Lua rendering of every algorithm agree, hit for hit.
 
-Generated request sequences (time steps, descriptors, costs including checks and costs above 1)
-run against the pure decision (`sidecar.algorithms.decide` over a plain dict), the memory backend,
+Generated request sequences (time steps, descriptors, costs including checks, costs above 1 and
+refunds) run against the pure decision (`sidecar.algorithms.decide` over a plain dict), the memory backend,
 a real Redis and a real Redis Cluster, which must all answer with the same Outcomes. The windows
 mix every algorithm: plain and borrowing fixed windows, sliding windows, token buckets with burst
 and borrowing, calendar days, weeks and months in zones with DST changes (New York, Berlin) and
@@ -142,7 +142,8 @@ _descriptors = st.builds(
     windows=st.lists(_windows, min_size=1, max_size=3, unique_by=counters.kind).map(tuple),
     role=st.sampled_from([Role.BLOCKING, Role.BLOCKING, Role.SHADOW, Role.QUOTA]),
 )
-_costs = st.sampled_from([0, 1, 1, 1, 2, 3, 9])
+#: Below 0, a refund (`is_negative_hits`): the hits given back.
+_costs = st.sampled_from([0, 1, 1, 1, 2, 3, 9, -1, -2, -9])
 
 
 @st.composite
@@ -224,10 +225,11 @@ _DAY = date(2026, 6, 15)
 
 def usage_hits(first_key: bytes, steps: tuple[tuple[int, int], ...]) -> list[Hit]:
     """A request's usage hits beside its first counter: one count per descriptor index it
-    carries (its largest cost; none for a check), and that index as a unique member."""
+    carries (its largest cost; none for a check or a request of refunds), and that index as a
+    unique member."""
     head = f"rl{{{hash_tag(first_key).decode()}}}"
     cost = max(c for _, c in steps)
-    if cost == 0:
+    if cost <= 0:
         return []
     hits = []
     for index in sorted({i for i, _ in steps}):
@@ -356,14 +358,16 @@ async def test_a_bucket_is_full_the_moment_its_state_expires(
     limit=st.integers(0, 4),
     role=st.sampled_from([Role.BLOCKING, Role.SHADOW, Role.QUOTA]),  # the roles of limits
     grouped=st.booleans(),
-    steps=st.lists(st.tuples(st.integers(0, 3), st.booleans(), st.integers(0, 40_000)), min_size=1),
+    steps=st.lists(
+        st.tuples(st.integers(-3, 3), st.booleans(), st.integers(0, 40_000)), min_size=1
+    ),
 )
 async def test_memory_answers_one_plain_window_as_the_model(
     limit: int, role: Role, grouped: bool, steps: list[tuple[int, bool, int]]
 ) -> None:
     """The memory backend's shortcut for a request of one plain window (the reference's case)
-    answers as the model: checks, costs above the limit, all-or-nothing, every role, both
-    layouts, across window ends."""
+    answers as the model: checks, costs above the limit, refunds, all-or-nothing, every role,
+    both layouts, across window ends."""
     window = Window(limit, Unit.MINUTE)
     parts = [("d", "x")]
     model, memory = Model(), MemoryBackend()

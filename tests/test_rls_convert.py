@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-from envoy.service.ratelimit.v3.rls_pb2 import RateLimitRequest, RateLimitResponse
 from google.protobuf.message import DecodeError
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -23,6 +22,7 @@ from sidecar.model import (
 )
 from sidecar.rls import convert
 from sidecar.rls.extras import Extras, policy
+from sidecar.rls.messages import RateLimitRequest, RateLimitResponse
 
 
 def _protobuf(decision: Decision) -> bytes:
@@ -222,6 +222,7 @@ def _requests(draw: st.DrawFn) -> RateLimitRequest:
         if draw(st.booleans()):
             descriptor.limit.requests_per_unit = draw(_UINT32_VALUES)
             descriptor.limit.unit = draw(st.integers(-2, 9))
+        descriptor.is_negative_hits = draw(st.booleans())
     return message
 
 
@@ -270,7 +271,17 @@ def test_altered_bytes_are_read_as_protobuf_reads_them_or_left_to_it(
             body[at:at] = data.draw(st.binary(min_size=1, max_size=4))
         else:
             body += data.draw(
-                st.sampled_from([b"\x0a\x01x", b"\x18\x05", b"\x20\x01", b"\x12\x02\x20\x01"])
+                st.sampled_from(
+                    [
+                        b"\x0a\x01x",
+                        b"\x18\x05",
+                        b"\x20\x01",
+                        b"\x12\x02\x20\x01",
+                        b"\x12\x02\x20\x00",
+                        b"\x12\x0b\x20" + b"\x80" * 9 + b"\x02",
+                        b"\x12\x04\x20\x01\x20\x00",
+                    ]
+                )
                 | st.binary(max_size=6)
             )
     read = convert.request_bytes(bytes(body))
@@ -300,6 +311,30 @@ def test_the_usual_request_is_read_from_its_bytes() -> None:
 
 
 @pytest.mark.parametrize(
+    ("field", "negative"),
+    [
+        pytest.param(b"\x20\x01", True, id="true"),
+        pytest.param(b"\x20\x00", False, id="false"),
+        pytest.param(b"\x20\x80\x80\x80\x80\x10", True, id="true-as-a-wide-varint"),
+        pytest.param(b"\x20\x01\x20\x00", False, id="the-last-one-counts"),
+    ],
+)
+def test_is_negative_hits_is_read_from_the_bytes_as_protobuf_reads_it(
+    field: bytes, negative: bool
+) -> None:
+    """Field 4 of a descriptor, Envoy 1.38's `is_negative_hits` (a refund), is read without
+    protobuf, any varint true when not 0 and the last one sent counting; protobuf, with the
+    messages of `sidecar.rls.messages`, reads the same."""
+    entry = b"\x0a\x06\x0a\x01k\x12\x01v"
+    hits = b"\x1a\x02\x08\x03"
+    descriptor = entry + hits + field
+    body = b"\x0a\x01d\x12" + bytes((len(descriptor),)) + descriptor
+    expected = Request("d", (Descriptor((Entry("k", "v"),), 3, None, negative),))
+    assert convert.request_bytes(body) == expected
+    assert convert.request(RateLimitRequest.FromString(body)) == expected
+
+
+@pytest.mark.parametrize(
     "body",
     [
         pytest.param(b"\x0a\x02d", id="string-past-the-end"),
@@ -307,15 +342,14 @@ def test_the_usual_request_is_read_from_its_bytes() -> None:
         pytest.param(b"\x12\x03\x0a\x01\x0a", id="entry-past-its-descriptor"),
         pytest.param(b"\x18" + b"\xff" * 10 + b"\x01", id="varint-over-ten-bytes"),
         pytest.param(b"\x22\x00", id="unknown-field"),
-        pytest.param(b"\x12\x02\x20\x01", id="descriptor-field-4-is_negative_hits"),
         pytest.param(b"\x12\x04\x1a\x00\x1a\x00", id="hits_addend-twice"),
         pytest.param(b"\x12\x04\x12\x02\x10\x08", id="override-unit-unknown"),
         pytest.param(b"\x08\x01", id="domain-as-varint"),
     ],
 )
 def test_what_is_not_the_usual_encoding_is_left_to_protobuf(body: bytes) -> None:
-    """Malformed bytes, unknown fields (a newer Envoy's `is_negative_hits` among them), a
-    message field sent twice and an override the model lacks are not read here (None)."""
+    """Malformed bytes, unknown fields, a message field sent twice and an override the model
+    lacks are not read here (None)."""
     assert convert.request_bytes(body) is None
 
 

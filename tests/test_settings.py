@@ -56,8 +56,13 @@ TRACING_SERVICE_INSTANCE_ID TRACING_EXPORTER_PROTOCOL TRACING_SAMPLING_RATE
 """.split()  # noqa: SIM905 (a block of names reads like the source it is checked against)
 
 #: Variables the reference's settings.go read after that snapshot, from its merged PRs:
-#: #1191 (REDIS_CLOSE_CONNECTION_ON_READONLY_ERROR), #1206 (USE_CALENDAR_MONTH_RATE_LIMIT).
-LATER_VARIABLES = ["REDIS_CLOSE_CONNECTION_ON_READONLY_ERROR", "USE_CALENDAR_MONTH_RATE_LIMIT"]
+#: #1191 (REDIS_CLOSE_CONNECTION_ON_READONLY_ERROR), #1206 (USE_CALENDAR_MONTH_RATE_LIMIT);
+#: and from its open #1230 (ENABLE_NEGATIVE_HITS), which puts refunds behind a switch.
+LATER_VARIABLES = [
+    "REDIS_CLOSE_CONNECTION_ON_READONLY_ERROR",
+    "USE_CALENDAR_MONTH_RATE_LIMIT",
+    "ENABLE_NEGATIVE_HITS",
+]
 
 RULES = """\
 domain: helm
@@ -552,6 +557,17 @@ def test_close_connection_on_readonly_is_accepted_true_or_false() -> None:
     differs = {"REDIS_CLOSE_CONNECTION_ON_READONLY_ERROR": "false"}
     assert [v.name for v in settings.ignored(differs)] == list(differs)
     assert settings.ignored({"REDIS_CLOSE_CONNECTION_ON_READONLY_ERROR": "true"}) == []
+
+
+def test_refunds_come_from_enable_negative_hits() -> None:
+    """ENABLE_NEGATIVE_HITS=true sets --negative-hits; refunds are off by default, as in the
+    reference's #1230."""
+    assert serve({}, *CONFIG)["negative_hits"] is False
+    assert serve({"ENABLE_NEGATIVE_HITS": "false"}, *CONFIG)["negative_hits"] is False
+    assert serve({"ENABLE_NEGATIVE_HITS": "true"}, *CONFIG)["negative_hits"] is True
+    env = {"ENABLE_NEGATIVE_HITS": "1", "RLS_BACKEND": "memory://"}
+    assert cli.parse_args(["serve"], env, reference_defaults=True).negative_hits is True
+    assert cli.parse_args(["serve", *CONFIG, "--negative-hits"], {}).negative_hits is True
 
 
 def test_calendar_months_come_from_use_calendar_month_rate_limit() -> None:

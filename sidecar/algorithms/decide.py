@@ -8,6 +8,7 @@ Three phases:
    A counter repeated in one request sees the earlier hits on it as added.
 2. A descriptor is over when any of its windows is; the request is OVER_LIMIT when a blocking
    descriptor is over, or when it has quota descriptors and all of them are (shadow ones never).
+   A refund (`hits < 0`, `refunds`) is never over: its counter's state after it is worked out.
 3. Hits are applied (usage hits, roles USAGE and UNIQUE, are not judged: they count the request
    as admitted or refused, see `sidecar.usage`): a plain fixed window counts every hit, admitted or not (the reference's
    behaviour); a token bucket, a borrowing window or a sliding window counts a hit only when its
@@ -15,6 +16,9 @@ Three phases:
    With all-or-nothing, a request that is OVER_LIMIT applies nothing.
    With `force` (recording impressions, which are facts) every hit is applied, whatever the
    limits say: windows go past their limit and buckets below their credit line.
+   A refund is applied as its descriptor is (never over, it is unless the request is all or
+   nothing and over): a counter's decrease, or a bucket's tokens back, and nothing written
+   for a counter or bucket that holds nothing.
 
 A counter is addressed by its key, or by (hash key, field) when its tree groups its counters
 in one hash (`group_counters`, see `storage.keys`).
@@ -26,7 +30,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from sidecar.algorithms import anchored, fixed_window, sliding_window, token_bucket
+from sidecar.algorithms import anchored, fixed_window, refunds, sliding_window, token_bucket
 from sidecar.algorithms.anchored import Span
 from sidecar.algorithms.token_bucket import Bucket
 from sidecar.model import Algorithm, Hit, Outcome, Role, Window
@@ -82,7 +86,11 @@ class _Judged:
     over: bool
     before: tuple[int, int]  # (remaining, reset_ms) if the hit is not applied
     after: tuple[int, int]  # ... if it is
-    state: Bucket | Span | None  # a bucket's or an anchored window's state after the hit
+    #: A bucket's or an anchored window's state after the hit (a refund's: None, nothing to
+    #: write).
+    state: Bucket | Span | None
+    #: A refund's change to a window's counter (0 or less).
+    given_back: int = 0
 
 
 def decide(
@@ -134,6 +142,11 @@ def decide(
                 writes.append(
                     Write(hit.key, amount=hit.hits, ttl_ms=hit.ttl * 1000, field=hit.field)
                 )
+        elif applied and hit.hits < 0:
+            if j.state is not None:
+                writes.append(Write(hit.key, state=j.state, ttl_ms=j.after[1], field=hit.field))
+            elif j.given_back:
+                writes.append(Write(hit.key, amount=j.given_back, field=hit.field))
     return outcomes, writes
 
 
@@ -165,6 +178,8 @@ def _judge(
     cost = hit.hits
     algorithm = code(window)
     here = address(hit.key, hit.field)
+    if cost < 0:
+        return _refund(hit, algorithm, here, value, seen, now_ms)
     if algorithm >= BUCKET:  # a state, not a count (one comparison for the usual window)
         stored = value(here)
         if algorithm == ANCHORED:
@@ -209,6 +224,59 @@ def _judge(
         seen[here] = current + cost
     reset_ms = hit.end_ms - now_ms
     return _Judged(over, (before_left, reset_ms), (after_left, reset_ms), None)
+
+
+def _refund(
+    hit: Hit,
+    algorithm: int,
+    here: Address,
+    value: Callable[[Address], State | None],
+    seen: dict[Address, State | None],
+    now_ms: int,
+) -> _Judged:
+    """A refund's judgement (never over, see `refunds`): the state after it, and its write."""
+    window = hit.window
+    refund = -hit.hits
+    stored = value(here)
+    if algorithm == ANCHORED:
+        # A frequency cap's event window counts impressions recorded, not requests in flight:
+        # a refund gives nothing back, and is answered as a check of the window.
+        span = anchored.take(stored if isinstance(stored, Span) else None, now_ms, 0, window, False)
+        return _Judged(False, span.before, span.before, None)
+    if algorithm == BUCKET:
+        rate, period_ms = window.requests_per_unit, window.seconds * 1000
+        capacity = window.capacity
+        bucket = token_bucket.refill(
+            stored if isinstance(stored, Bucket) else None, now_ms, rate, period_ms, capacity
+        )
+        before = refunds.bucket_answer(bucket, rate, period_ms, capacity)
+        if not isinstance(stored, Bucket):  # no state: full, and nothing to write
+            return _Judged(False, before, before, None)
+        after_state = refunds.bucket(bucket, refund, rate, period_ms, capacity)
+        seen[here] = after_state
+        after = refunds.bucket_answer(after_state, rate, period_ms, capacity)
+        return _Judged(False, before, after, after_state)
+
+    current = _count(stored)
+    left = refunds.counter(current, refund)
+    limit = window.requests_per_unit
+    if algorithm == SLIDING:
+        previous = _count(value(address(hit.previous, hit.previous_field)))
+        elapsed_ms, window_ms = now_ms - hit.start_ms, window.seconds * 1000
+        _, before_left, _ = sliding_window.judge(previous, current, elapsed_ms, window_ms, 0, limit)
+        _, after_left, _ = sliding_window.judge(previous, left, elapsed_ms, window_ms, 0, limit)
+    else:
+        previous = (
+            _count(value(address(hit.previous, hit.previous_field)))
+            if algorithm == BORROWING
+            else 0
+        )
+        _, before_left, _ = fixed_window.judge(previous, current, 0, limit, window.borrow)
+        _, after_left, _ = fixed_window.judge(previous, left, 0, limit, window.borrow)
+    if left != current:
+        seen[here] = left
+    reset_ms = hit.end_ms - now_ms
+    return _Judged(False, (before_left, reset_ms), (after_left, reset_ms), None, left - current)
 
 
 def _count(stored: State | None) -> int:

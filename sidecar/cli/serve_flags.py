@@ -200,6 +200,16 @@ SERVE_FLAGS: tuple[Flag, ...] = (
         field="rejected_hits",
     ),
     Flag(
+        "--negative-hits",
+        "take refunds: a descriptor's is_negative_hits (Envoy 1.38+) gives its hits back to "
+        "its counters, answered OK (README, Refunds; the reference's ENABLE_NEGATIVE_HITS). "
+        "Off, a request carrying one is refused UNIMPLEMENTED; refused too with "
+        "--rejected-hits skip",
+        action="store_true",
+        default=False,
+        field="negative_hits",
+    ),
+    Flag(
         "--sync-interval-ms",
         "decide the rules marked 'approximate: true' on this sidecar's local view of their "
         "counters and send the hits to the store every N ms, in one call that also learns the "

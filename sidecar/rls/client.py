@@ -5,13 +5,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import grpc  # type: ignore[import-untyped]
-from envoy.service.ratelimit.v3.rls_pb2 import (  # type: ignore[import-untyped]
-    RateLimitRequest,
-    RateLimitResponse,
-)
 from google.protobuf import json_format, text_format  # type: ignore[import-untyped]
 
 from sidecar.model import Code
+from sidecar.rls.messages import RateLimitRequest, RateLimitResponse
 from sidecar.rls.server import METHOD
 
 

@@ -17,13 +17,6 @@ from __future__ import annotations
 
 from typing import Final
 
-from envoy.extensions.common.ratelimit.v3.ratelimit_pb2 import (  # type: ignore[import-untyped]
-    RateLimitDescriptor,
-)
-from envoy.service.ratelimit.v3.rls_pb2 import (  # type: ignore[import-untyped]
-    RateLimitRequest,
-    RateLimitResponse,
-)
 from envoy.type.v3.ratelimit_unit_pb2 import RateLimitUnit  # type: ignore[import-untyped]
 
 from sidecar.errors import InvalidRequest
@@ -37,6 +30,7 @@ from sidecar.model import (
     Unit,
     Window,
 )
+from sidecar.rls.messages import RateLimitDescriptor, RateLimitRequest, RateLimitResponse
 
 #: `RateLimitOverride.unit` (envoy.type.v3.RateLimitUnit, SECOND to YEAR numbered 1 to 6 as the
 #: model numbers them) as a unit. The reference reads the number as a
@@ -61,14 +55,15 @@ def request(message: RateLimitRequest) -> Request:
         entries = tuple([Entry(entry.key, entry.value) for entry in descriptor.entries])
         hits_addend = descriptor.hits_addend.value if descriptor.HasField("hits_addend") else None
         override = _override(descriptor.limit, index) if descriptor.HasField("limit") else None
-        descriptors.append(Descriptor(entries, hits_addend, override))
+        descriptors.append(Descriptor(entries, hits_addend, override, descriptor.is_negative_hits))
     return Request(message.domain, tuple(descriptors), message.hits_addend)
 
 
 # Wire format of the fields read below (field number << 3 | wire type 0 varint, 2 length):
 #   RateLimitRequest: 1 domain (string), 2 descriptors (message, repeated), 3 hits_addend (uint32)
 #   RateLimitDescriptor: 1 entries (message, repeated), 2 limit (RateLimitOverride),
-#                        3 hits_addend (google.protobuf.UInt32Value: 1 value, uint32)
+#                        3 hits_addend (google.protobuf.UInt64Value: 1 value, read up to
+#                        uint32 here), 4 is_negative_hits (bool, Envoy 1.38+)
 #   Entry: 1 key (string), 2 value (string)
 #   RateLimitOverride: 1 requests_per_unit (uint32), 2 unit (enum)
 _DOMAIN: Final = 0x0A
@@ -77,6 +72,7 @@ _REQUEST_HITS: Final = 0x18
 _ENTRY: Final = 0x0A
 _LIMIT: Final = 0x12
 _DESCRIPTOR_HITS: Final = 0x1A
+_NEGATIVE_HITS: Final = 0x20
 _KEY: Final = 0x0A
 _VALUE: Final = 0x12
 _WRAPPED_VALUE: Final = 0x08
@@ -133,6 +129,7 @@ def _descriptor(reader: _Reader, end: int) -> Descriptor | None:
     entries: list[Entry] = []
     hits_addend: int | None = None
     override: Override | None = None
+    negative = False
     while reader.pos < end:
         tag = reader.varint(end)
         if tag == _ENTRY:
@@ -165,9 +162,16 @@ def _descriptor(reader: _Reader, end: int) -> Descriptor | None:
             override = _limit(reader, end)
             if override is None:
                 return None
+        elif tag == _NEGATIVE_HITS:
+            # A bool is any varint, true when not 0 (its 64 bits, as protobuf reads it); the
+            # last one sent counts.
+            number = reader.varint(end)
+            if number < 0:
+                return None
+            negative = number != 0
         else:
             return None
-    return Descriptor(tuple(entries), hits_addend, override)
+    return Descriptor(tuple(entries), hits_addend, override, negative)
 
 
 def _limit(reader: _Reader, end: int) -> Override | None:

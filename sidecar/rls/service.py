@@ -12,10 +12,6 @@ import json
 from collections.abc import Callable
 from typing import Final
 
-from envoy.service.ratelimit.v3.rls_pb2 import (  # type: ignore[import-untyped]
-    RateLimitRequest,
-    RateLimitResponse,
-)
 from google.protobuf import json_format  # type: ignore[import-untyped]
 from google.protobuf.message import DecodeError  # type: ignore[import-untyped]
 
@@ -26,6 +22,7 @@ from sidecar.model import Code, Decision, Request
 from sidecar.plan import Plan
 from sidecar.rls import convert
 from sidecar.rls.extras import Extras
+from sidecar.rls.messages import RateLimitRequest, RateLimitResponse
 from sidecar.stats import Stats
 
 #: Prepared requests (`sidecar.plan`) are kept by their bytes: behind one route, Envoy sends

@@ -5,6 +5,7 @@ endpoints (`sidecar.admin`).
 
     error            gRPC                HTTP
     InvalidRequest   INVALID_ARGUMENT    400   the caller must fix its request
+    NegativeHitsRefused UNIMPLEMENTED  501   a refund, which this sidecar is not set to take
     UnknownDomain    NOT_FOUND           404   a frequency-cap call names a domain without caps
     StorageError     UNAVAILABLE         503   the backend failed (frequency caps only, see below)
     Overloaded       UNAVAILABLE         503   the backend answers, but not this call in time
@@ -28,12 +29,20 @@ from http import HTTPStatus
 
 import structlog
 
-from sidecar.errors import InvalidRequest, OverBound, Overloaded, StorageError, UnknownDomain
+from sidecar.errors import (
+    InvalidRequest,
+    NegativeHitsRefused,
+    OverBound,
+    Overloaded,
+    StorageError,
+    UnknownDomain,
+)
 from sidecar.rls.h2.unary import Status
 
 #: Each error the sidecar answers on purpose: its gRPC status and its HTTP status.
 STATUSES: dict[type[Exception], tuple[Status, HTTPStatus]] = {
     InvalidRequest: (Status.INVALID_ARGUMENT, HTTPStatus.BAD_REQUEST),
+    NegativeHitsRefused: (Status.UNIMPLEMENTED, HTTPStatus.NOT_IMPLEMENTED),
     UnknownDomain: (Status.NOT_FOUND, HTTPStatus.NOT_FOUND),
     StorageError: (Status.UNAVAILABLE, HTTPStatus.SERVICE_UNAVAILABLE),
     Overloaded: (Status.UNAVAILABLE, HTTPStatus.SERVICE_UNAVAILABLE),

@@ -139,7 +139,9 @@ class Aggregated:
         for position, hit in enumerate(hits):
             if hit.window.approximate:
                 count = counts.get((hit.key, hit.field))
-                if count is not None and count.learned_ms >= fresh_after:
+                # A refund (hits below 0) goes to the store, which floors it at 0; the views
+                # learn the count it left with their next sync.
+                if count is not None and count.learned_ms >= fresh_after and hit.hits >= 0:
                     local.append(position)
                 else:
                     learning = True

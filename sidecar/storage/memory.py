@@ -26,7 +26,7 @@ import re
 import time
 from collections.abc import Callable, Sequence
 
-from sidecar.algorithms import fixed_window, hyperloglog
+from sidecar.algorithms import fixed_window, hyperloglog, refunds
 from sidecar.algorithms.decide import Address, State, decide
 from sidecar.algorithms.windows import FIELD_GRACE
 from sidecar.model import Dedupe, Hit, Outcome, Role
@@ -92,14 +92,36 @@ class MemoryBackend:
         current: int = 0 if entry is None else entry[0]  # type: ignore[assignment]
         cost = hit.hits
         over, before, after = fixed_window.judge(0, current, cost, hit.window.requests_per_unit, 0)
-        if over and all_or_nothing and hit.role is not Role.SHADOW:
+        if over and all_or_nothing and hit.role is not Role.SHADOW and cost >= 0:
             return Outcome(True, before, hit.end_ms - now_ms, False, before)
         if cost > 0:
             if entry is None:
                 self._store(where, cost, now_ms + hit.ttl * 1000)
             else:
                 entry[0] = current + cost
+        elif cost < 0:
+            return self._refund_plain(hit, where, entry, current, before, now_ms)
         return Outcome(over, after, hit.end_ms - now_ms, True, before)
+
+    def _refund_plain(
+        self,
+        hit: Hit,
+        where: Address,
+        entry: list[object] | None,
+        current: int,
+        before: int,
+        now_ms: int,
+    ) -> Outcome:
+        """A refund on one plain window (`sidecar.algorithms.refunds`): never over, the counter
+        down by the refund, floored at 0 (deleted there); a missing counter stays missing."""
+        left = refunds.counter(current, -hit.hits)
+        if entry is not None:
+            if left > 0:
+                entry[0] = left
+            else:
+                del self._values[where]
+        _, _, after = fixed_window.judge(0, left, 0, hit.window.requests_per_unit, 0)
+        return Outcome(False, after, hit.end_ms - now_ms, True, before)
 
     async def record(
         self, batches: Sequence[tuple[Sequence[Hit], Dedupe]], now_ms: int
@@ -161,6 +183,10 @@ class MemoryBackend:
                 else:
                     entry[0], _ = hyperloglog.add(entry[0], write.member)  # type: ignore[arg-type]
             elif write.state is not None:
+                if write.ttl_ms <= 0:
+                    # A refund filled the bucket: full and no state are the same, as on Redis.
+                    values.pop(where, None)
+                    continue
                 expires_at = now_ms + write.ttl_ms
                 if write.field:
                     # Redis keeps a grouped bucket's field until its keep-until plus the grace.
@@ -173,6 +199,8 @@ class MemoryBackend:
                 self._store(where, write.amount, now_ms + write.ttl_ms)
             else:
                 entry[0] += write.amount  # type: ignore[operator]
+                if write.amount < 0 and entry[0] <= 0:  # type: ignore[operator]
+                    del values[where]  # a refund took it to 0: no counter, as on Redis
         return outcomes
 
     def _store(self, where: Address, value: object, expires_at: int) -> list[object]:

@@ -55,5 +55,9 @@ class Model:
             else:
                 count = self.values.get(write.address, 0)
                 assert isinstance(count, int)
-                self.values[write.address] = count + write.amount
+                if write.amount < 0 and count + write.amount <= 0:
+                    # A refund took it to 0: no counter, as every store keeps it.
+                    self.values.pop(write.address, None)
+                else:
+                    self.values[write.address] = count + write.amount
         return outcomes

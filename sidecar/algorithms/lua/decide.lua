@@ -19,7 +19,9 @@
 -- ARGV[5 + 11(i-1) ...] for hit i, eleven values:
 --   algorithm  0 plain fixed window, 1 borrowing fixed window, 2 sliding window, 3 token bucket,
 --              4 a window anchored on events (sidecar/algorithms/anchored.py)
---   cost       hits to add; 0 = a check (would one more hit be admitted?)
+--   cost       hits to add; 0 = a check (would one more hit be admitted?); below 0 a refund: -cost
+--              hits given back (sidecar/algorithms/refunds.py), never over (an anchored window
+--              gives nothing back: a refund on one is answered as a check)
 --   group      the descriptor: a descriptor is over when any of its windows is (mode 3: the
 --              impression, numbered from 0)
 --   role       0 blocking, 1 shadow (never blocks), 2 quota (blocks when every quota one is over);
@@ -131,6 +133,97 @@ local over, before_left, before_reset, after_left, after_reset, state = {}, {}, 
 local group_over, group_role = {}, {}
 local groups = {}
 
+-- A refund (cost below 0, sidecar/algorithms/refunds.py): never over; a window's counter goes
+-- down, floored at 0 (refunded[i], the change, applied by give_back), a bucket's tokens come
+-- back up to its capacity; nothing written where nothing is stored.
+local refunded = {}
+local function judge_refund(i, base, algorithm, cost)
+  local p1, p2, p3, p4 = tonumber(ARGV[base + 4]), tonumber(ARGV[base + 5]),
+    tonumber(ARGV[base + 6]), tonumber(ARGV[base + 7])
+  local key, field = KEYS[2 * i - 1], ARGV[base + 9]
+  if algorithm == 4 then
+    -- An event window counts impressions recorded: nothing given back, answered as a check.
+    local limit, length, ends = p1, p2, p3
+    local close = 0
+    if length > 0 then close = now + length end
+    if ends > 0 and (close == 0 or ends < close) then close = ends end
+    local held = 0
+    local s = span(key, field)
+    if s ~= nil and s[2] > now then held, close = s[1], s[2] end
+    before_left[i] = math.max(0, limit - held)
+    before_reset[i] = math.max(0, close - now)
+    after_left[i], after_reset[i] = before_left[i], before_reset[i]
+    refunded[i] = 0
+    return
+  end
+  if algorithm == 3 then
+    local rate, period, capacity = p1, p2, p3
+    local b = bucket(key, field)
+    local tokens, drawn = capacity, 0
+    if b ~= nil then
+      local elapsed = now - b[2]
+      if elapsed < 0 then elapsed = 0 end
+      if elapsed < math.ceil((capacity - b[1]) * period / rate) then
+        tokens = math.min(capacity, b[1] + elapsed * rate / period)
+        if tokens < capacity then drawn = b[3] end
+      end
+    end
+    before_left[i] = math.max(0, math.floor(tokens))
+    before_reset[i] = math.ceil((capacity - tokens) * period / rate)
+    if b ~= nil then
+      tokens = math.min(capacity, tokens - cost)
+      if tokens >= capacity then drawn = 0 end
+      state[i] = {tokens, now, drawn}
+      seen[key][field] = state[i]
+    end
+    after_left[i] = math.max(0, math.floor(tokens))
+    after_reset[i] = math.ceil((capacity - tokens) * period / rate)
+    return
+  end
+  local limit = p1
+  local current = count(key, field)
+  local left = current + cost
+  if left < 0 then left = 0 end
+  local capacity, estimate, after = limit, current, left
+  if algorithm == 1 then
+    local debt = math.max(0, count(KEYS[2 * i], ARGV[base + 10]) - limit)
+    if debt > 0 then capacity = limit - debt else capacity = limit + p3 end
+  elseif algorithm == 2 then
+    local previous = count(KEYS[2 * i], ARGV[base + 10])
+    estimate = previous * (p4 - (now - p3)) / p4 + current
+    after = previous * (p4 - (now - p3)) / p4 + left
+  end
+  before_left[i] = math.max(0, math.floor(capacity - estimate))
+  after_left[i] = math.max(0, math.floor(capacity - after))
+  before_reset[i], after_reset[i] = 0, 0
+  refunded[i] = left - current
+  if left ~= current then seen[key][field] = tostring(left) end
+end
+
+-- Apply hit i's refund: a counter's change (deleted at 0), or a bucket's state (deleted full).
+local function give_back(i, algorithm, key, field)
+  if algorithm == 3 then
+    local s = state[i]
+    if s == nil then return end
+    if after_reset[i] <= 0 then
+      if field == '' then redis.call('DEL', key) else redis.call('HDEL', key, field) end
+    else
+      local text = string.format('%.17g %.17g %.17g', s[1], s[2], s[3])
+      if field == '' then
+        redis.call('SET', key, text, 'PX', after_reset[i])
+      else
+        redis.call('HSET', key, field, text .. string.format(' %.17g', now + after_reset[i]))
+      end
+    end
+  elseif (refunded[i] or 0) ~= 0 then
+    if field == '' then
+      if redis.call('INCRBY', key, refunded[i]) <= 0 then redis.call('DEL', key) end
+    elseif redis.call('HINCRBY', key, field, refunded[i]) <= 0 then
+      redis.call('HDEL', key, field)
+    end
+  end
+end
+
 for i = 1, n do
   local base = 5 + 11 * (i - 1)
   local group = ARGV[base + 2]
@@ -143,6 +236,14 @@ for i = 1, n do
     -- Recorded, a window counts the impression whatever it holds: nothing to read or judge
     -- (decide.py judges it anyway; mode 3 answers no outcome, so nobody can tell).
     over[i] = false
+  elseif tonumber(ARGV[base + 1]) < 0 then
+    judge_refund(i, base, tonumber(ARGV[base]), tonumber(ARGV[base + 1]))
+    over[i] = false
+    if group_over[group] == nil then
+      groups[#groups + 1] = group
+      group_over[group] = false
+    end
+    group_role[group] = role
   else
     local algorithm = tonumber(ARGV[base])
     local cost = tonumber(ARGV[base + 1])
@@ -309,6 +410,8 @@ for i = 1, n do
       elseif redis.call('HINCRBY', key, field, cost) == cost then
         touch(key, 1000 * tonumber(ARGV[base + 8]), true)
       end
+    elseif applied and cost < 0 then
+      give_back(i, algorithm, key, field)
     end
     if not force then
       local o = 5 * (i - 1)
