@@ -776,6 +776,11 @@ FLAGS: tuple[Flag, ...] = (
         ("LIMIT_RESPONSE_HEADERS_ENABLED",),
         _flag("LIMIT_RESPONSE_HEADERS_ENABLED"),
     ),
+    Flag(
+        "response_headers_all_descriptors",
+        ("LIMIT_ALL_DESCRIPTORS_HEADERS_ENABLED",),
+        _flag("LIMIT_ALL_DESCRIPTORS_HEADERS_ENABLED"),
+    ),
     *(
         Flag(dest, ("LIMIT_RESPONSE_HEADERS_ENABLED", name), _header_name(name))
         for dest, name in (
@@ -954,6 +959,7 @@ def _variables() -> tuple[Variable, ...]:
         V("LIMIT_LIMIT_HEADER", "RateLimit-Limit", S, "`--response-limit-header`, read with `LIMIT_RESPONSE_HEADERS_ENABLED=true` as in the reference"),
         V("LIMIT_REMAINING_HEADER", "RateLimit-Remaining", S, "`--response-remaining-header`, read with `LIMIT_RESPONSE_HEADERS_ENABLED=true`"),
         V("LIMIT_RESET_HEADER", "RateLimit-Reset", S, "`--response-reset-header`, read with `LIMIT_RESPONSE_HEADERS_ENABLED=true`"),
+        V("LIMIT_ALL_DESCRIPTORS_HEADERS_ENABLED", "false", S, "`--response-headers-all-descriptors`: instead of the three headers, `ratelimit-limit-<unit>s` and `ratelimit-remaining-<unit>s` (`seconds`, `minutes`, ...) of every descriptor with a limit, in request order, whether `LIMIT_RESPONSE_HEADERS_ENABLED` is set or not, as the reference's PR #1190 does"),
         V("HEALTHY_WITH_AT_LEAST_ONE_CONFIG_LOADED", "false", S, "`--health-requires-config`: unhealthy until rules with at least one domain are loaded"),
         # Stats.
         V("USE_STATSD", "true", D, "`--statsd-address STATSD_HOST:STATSD_PORT`: the reference's stat names over TCP (`STATSD_PROTOCOL=udp`, which the reference's stats library reads, for UDP); under `ratelimit` on unless false, as in the reference, under `serve` only when true. Prometheus `/metrics` stays beside it (the reference allows one sink)", _always),

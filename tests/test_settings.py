@@ -55,9 +55,14 @@ MERGE_DOMAIN_CONFIG TRACING_ENABLED TRACING_SERVICE_NAME TRACING_SERVICE_NAMESPA
 TRACING_SERVICE_INSTANCE_ID TRACING_EXPORTER_PROTOCOL TRACING_SAMPLING_RATE
 """.split()  # noqa: SIM905 (a block of names reads like the source it is checked against)
 
-#: Variables the reference's settings.go read after that snapshot, from its merged PRs:
-#: #1191 (REDIS_CLOSE_CONNECTION_ON_READONLY_ERROR), #1206 (USE_CALENDAR_MONTH_RATE_LIMIT).
-LATER_VARIABLES = ["REDIS_CLOSE_CONNECTION_ON_READONLY_ERROR", "USE_CALENDAR_MONTH_RATE_LIMIT"]
+#: Variables the reference's settings.go read after that snapshot, from its PRs: #1191
+#: (REDIS_CLOSE_CONNECTION_ON_READONLY_ERROR), #1206 (USE_CALENDAR_MONTH_RATE_LIMIT), #1190
+#: (LIMIT_ALL_DESCRIPTORS_HEADERS_ENABLED).
+LATER_VARIABLES = [
+    "REDIS_CLOSE_CONNECTION_ON_READONLY_ERROR",
+    "USE_CALENDAR_MONTH_RATE_LIMIT",
+    "LIMIT_ALL_DESCRIPTORS_HEADERS_ENABLED",
+]
 
 RULES = """\
 domain: helm
@@ -642,6 +647,19 @@ def test_response_header_and_metadata_variables_map_onto_their_flags() -> None:
         "X-Quota",
     )
     assert flagged["response_limit_header"] == "X-Quota"
+
+
+def test_all_descriptors_headers_come_from_limit_all_descriptors_headers_enabled() -> None:
+    """LIMIT_ALL_DESCRIPTORS_HEADERS_ENABLED turns on --response-headers-all-descriptors,
+    without LIMIT_RESPONSE_HEADERS_ENABLED too, as the reference reads it; a value that is not
+    a boolean stops the start."""
+    assert serve({}, *CONFIG)["response_headers_all_descriptors"] is False
+    args = serve({"LIMIT_ALL_DESCRIPTORS_HEADERS_ENABLED": "true"}, *CONFIG)
+    assert (args["response_headers_all_descriptors"], args["response_headers"]) == (True, False)
+    off = serve({"LIMIT_ALL_DESCRIPTORS_HEADERS_ENABLED": "false"}, *CONFIG)
+    assert off["response_headers_all_descriptors"] is False
+    with pytest.raises(SystemExit):
+        serve({"LIMIT_ALL_DESCRIPTORS_HEADERS_ENABLED": "all"}, *CONFIG)
 
 
 def test_a_response_header_name_that_is_not_a_token_stops_the_start(

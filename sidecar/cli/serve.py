@@ -240,6 +240,14 @@ def register(commands: Any) -> Flags:
         action="store_true",
         default=False,
     )
+    serve.add(
+        "--response-headers-all-descriptors",
+        "instead, the reference's headers of every descriptor (LIMIT_ALL_DESCRIPTORS_HEADERS_"
+        "ENABLED): ratelimit-limit-UNITS and ratelimit-remaining-UNITS (seconds, minutes, ...) "
+        "of each descriptor with a limit, in request order, on every answer; no reset header",
+        action="store_true",
+        default=False,
+    )
     for option, name, variable in (
         ("--response-limit-header", "RateLimit-Limit", "LIMIT_LIMIT_HEADER"),
         ("--response-remaining-header", "RateLimit-Remaining", "LIMIT_REMAINING_HEADER"),
@@ -626,6 +634,7 @@ def run(args: argparse.Namespace) -> int:
         response_limit_header=args.response_limit_header,
         response_remaining_header=args.response_remaining_header,
         response_reset_header=args.response_reset_header,
+        response_headers_all_descriptors=args.response_headers_all_descriptors,
         response_dynamic_metadata=args.response_dynamic_metadata,
         usage_metrics_top=args.usage_metrics_top,
         transport=args.transport,
