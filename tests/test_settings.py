@@ -63,6 +63,23 @@ LATER_VARIABLES = [
     "USE_CALENDAR_MONTH_RATE_LIMIT",
     "LIMIT_ALL_DESCRIPTORS_HEADERS_ENABLED",
 ]
+#: The standard OpenTelemetry variables the reference reads since its PR #1171: those its
+#: src/settings/tracing_config.go reads in place of unset TRACING_* ones, and the exporter's
+#: its README names.
+OTEL_VARIABLES = """
+OTEL_SDK_DISABLED OTEL_TRACES_EXPORTER OTEL_EXPORTER_OTLP_PROTOCOL OTEL_SERVICE_NAME
+OTEL_RESOURCE_ATTRIBUTES OTEL_TRACES_SAMPLER OTEL_TRACES_SAMPLER_ARG OTEL_EXPORTER_OTLP_ENDPOINT
+OTEL_EXPORTER_OTLP_TRACES_ENDPOINT OTEL_EXPORTER_OTLP_HEADERS OTEL_EXPORTER_OTLP_CERTIFICATE
+OTEL_EXPORTER_OTLP_TIMEOUT
+""".split()  # noqa: SIM905 (as REFERENCE_VARIABLES)
+#: Of those, the ones the OTLP exporter reads itself, whichever flags are set.
+EXPORTER_VARIABLES = {
+    "OTEL_EXPORTER_OTLP_ENDPOINT",
+    "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+    "OTEL_EXPORTER_OTLP_HEADERS",
+    "OTEL_EXPORTER_OTLP_CERTIFICATE",
+    "OTEL_EXPORTER_OTLP_TIMEOUT",
+}
 
 RULES = """\
 domain: helm
@@ -712,12 +729,14 @@ def test_every_reference_variable_is_in_the_table_and_in_readme() -> None:
     """The table covers exactly the variables the reference reads, and README shows it as
     `settings.markdown()` renders it (regenerate README's table from it after a change)."""
     assert sorted(v.name for v in settings.VARIABLES) == sorted(
-        REFERENCE_VARIABLES + LATER_VARIABLES
+        REFERENCE_VARIABLES + LATER_VARIABLES + OTEL_VARIABLES
     )
+    assert {v.name for v in settings.VARIABLES if v.standard} == set(OTEL_VARIABLES)
     read = {name for flag in settings.FLAGS for name in flag.reads}
     supported = {v.name for v in settings.VARIABLES if v.support is settings.Support.SUPPORTED}
-    # A supported variable is read by some flag, except the ones that only qualify another.
-    assert supported - read <= {"USE_PROMETHEUS"}
+    # A supported variable is read by some flag, except the ones that only qualify another,
+    # and the exporter's own.
+    assert supported - read <= {"USE_PROMETHEUS", *EXPORTER_VARIABLES}
     readme = (ROOT / "README.md").read_text()
     table = re.search(r"<!-- settings table -->\n(.*?)<!-- end of settings table -->", readme, re.S)
     assert table is not None, "README.md lost its settings table markers"
