@@ -75,6 +75,9 @@ class Options:
     response_limit_header: str = _HEADER_NAMES.limit
     response_remaining_header: str = _HEADER_NAMES.remaining
     response_reset_header: str = _HEADER_NAMES.reset
+    #: Instead, the reference's limit and remaining headers of every descriptor, named by unit
+    #: (LIMIT_ALL_DESCRIPTORS_HEADERS_ENABLED; `sidecar.rls.extras.all_descriptors_headers`).
+    response_headers_all_descriptors: bool = False
     #: The reference's dynamic metadata (RESPONSE_DYNAMIC_METADATA): the request's domain and
     #: descriptors, and the passing rules' `metadata`.
     response_dynamic_metadata: bool = False
@@ -132,6 +135,7 @@ class Options:
             limit_name=self.response_limit_name,
             headers=headers if self.response_headers else None,
             dynamic_metadata=self.response_dynamic_metadata,
+            all_descriptors_headers=self.response_headers_all_descriptors,
         )
 
 

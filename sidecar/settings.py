@@ -22,7 +22,9 @@ Three kinds of variables the reference's libraries read, not settings.go, are ho
 STATSD_PROTOCOL (lyft/gostats; a row of `FLAGS`), DOG_STATSD_MOGRIFIER_<NAME>_PATTERN, _NAME
 and _TAGS (the definitions of the mogrifiers USE_DOG_STATSD_MOGRIFIERS names, read by
 `sidecar.statsd`, for --dogstatsd-mogrifiers too) and OTEL_EXPORTER_OTLP_* (read by the
-OpenTelemetry SDK).
+OpenTelemetry SDK; the timeouts by `sidecar.tracing`). The other standard OTEL_* variables the
+reference reads since its PR #1171 stand in for the TRACING_* ones that are unset (rows of
+`VARIABLES` marked `standard`).
 
 One module past the usual size because most of it is the two tables, a row per variable (every
 variable the reference reads), which change together with `translate`.
@@ -87,6 +89,10 @@ class Variable:
     support: Support
     note: str
     harmless: Callable[[str], bool] = _never
+    #: A standard OpenTelemetry variable, which the reference reads too: other programs'
+    #: environments set it as well, so its presence alone does not say the environment was
+    #: written for the reference (`present`).
+    standard: bool = False
 
 
 # --- Reading values as the reference does ---------------------------------------------------
@@ -419,28 +425,130 @@ def _flush_interval(env: Env, defaults: bool) -> str | None:
     return repr(seconds)
 
 
+# Tracing: TRACING_* as the reference reads them, and where one is not set, the standard
+# OpenTelemetry variable that the reference reads in its place since its PR #1171 (an empty
+# variable counts as unset, as everywhere here, where the reference's lookup takes it as set).
+# The OTEL_EXPORTER_OTLP_* variables (endpoint, headers, certificate, timeout) are the
+# exporter's own, read by `sidecar.tracing` under `serve` too.
+
+#: OTEL_EXPORTER_OTLP_PROTOCOL's values the reference takes, and the protocol each means.
+_OTLP_PROTOCOLS = {
+    "grpc": "grpc",
+    "http": "http",
+    "http/protobuf": "http",
+    "http/protobuf+json": "http",
+}
+#: OTEL_TRACES_SAMPLER's values the reference takes with no argument, and the rate each sets.
+#: parentbased_always_on, which it leaves at its default of 1, is that rate here too.
+_FIXED_SAMPLERS = {"always_on": 1.0, "always_off": 0.0, "parentbased_always_on": 1.0}
+_RATIO_SAMPLERS = ("traceidratio", "parentbased_traceidratio")
+
+
+def _given(name: str, env: Env) -> bool:
+    return bool(env.get(name, "").strip())
+
+
+def _tracing_enabled(env: Env) -> bool:
+    """TRACING_ENABLED; unset, OTEL_SDK_DISABLED=true turns tracing off and
+    OTEL_TRACES_EXPORTER anything but `none` turns it on (spans go over OTLP whatever it names,
+    as in the reference)."""
+    if _given("TRACING_ENABLED", env):
+        return bool(boolean("TRACING_ENABLED", env))
+    if env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        return False
+    return _given("OTEL_TRACES_EXPORTER", env) and (
+        env["OTEL_TRACES_EXPORTER"].strip().lower() != "none"
+    )
+
+
+def _tracing(env: Env, defaults: bool) -> str | None:
+    return "true" if _tracing_enabled(env) else None
+
+
 def _tracing_protocol(env: Env, defaults: bool) -> str | None:
+    """TRACING_EXPORTER_PROTOCOL; unset, OTEL_EXPORTER_OTLP_PROTOCOL (`grpc`, or `http/protobuf`
+    and the reference's other names of http); another value stops the start when tracing is
+    on, as the reference's does (and is not read otherwise, as there)."""
     raw = env.get("TRACING_EXPORTER_PROTOCOL", "").strip()
-    if not raw:
+    if raw:
+        if raw not in ("http", "grpc"):
+            raise SettingError(f"TRACING_EXPORTER_PROTOCOL={raw!r}: expected http or grpc")
+        return raw
+    otlp = env.get("OTEL_EXPORTER_OTLP_PROTOCOL", "").strip().lower()
+    if otlp in _OTLP_PROTOCOLS:
+        return _OTLP_PROTOCOLS[otlp]
+    if not otlp or not _tracing_enabled(env):
         return None  # the reference takes an empty one as http, the default
-    if raw not in ("http", "grpc"):
-        raise SettingError(f"TRACING_EXPORTER_PROTOCOL={raw!r}: expected http or grpc")
-    return raw
+    raise SettingError(
+        f"OTEL_EXPORTER_OTLP_PROTOCOL={otlp!r}: expected grpc or http/protobuf (spans are "
+        "sent as protobuf, over gRPC or HTTP)"
+    )
+
+
+def _resource_attribute(key: str, env: Env) -> str:
+    """`key`'s value in OTEL_RESOURCE_ATTRIBUTES (`k=v,k2=v2`), read as the reference reads it:
+    each pair trimmed, one without '=' left out, a later one winning; "" when absent."""
+    found = ""
+    for pair in env.get("OTEL_RESOURCE_ATTRIBUTES", "").split(","):
+        name, sep, value = pair.strip().partition("=")
+        if sep and name.strip() == key:
+            found = value.strip()
+    return found
+
+
+def _tracing_resource(name: str, attribute: str) -> Callable[[Env, bool], str | None]:
+    """A resource attribute of the spans: the TRACING_* variable `name`; unset, OTEL_SERVICE_NAME
+    for `service.name`, else `attribute` in OTEL_RESOURCE_ATTRIBUTES (where the reference reads
+    neither `service.name`)."""
+
+    def convert(env: Env, defaults: bool) -> str | None:
+        value = env.get(name, "").strip()
+        if not value and attribute == "service.name":
+            value = env.get("OTEL_SERVICE_NAME", "").strip()
+        elif not value:
+            value = _resource_attribute(attribute, env)
+        return value or None
+
+    return convert
 
 
 def _sampling_rate(env: Env, defaults: bool) -> str | None:
-    """A number; outside 0..1 it is the nearest bound, as the reference's ratio sampler takes
-    it (1 or more samples every call, 0 or less none)."""
-    raw = env.get("TRACING_SAMPLING_RATE", "").strip()
+    """TRACING_SAMPLING_RATE, a number; outside 0..1 it is the nearest bound, as the reference's
+    ratio sampler takes it (1 or more samples every call, 0 or less none). Unset,
+    OTEL_TRACES_SAMPLER and OTEL_TRACES_SAMPLER_ARG (`_otel_sampling_rate`)."""
+    name = "TRACING_SAMPLING_RATE"
+    raw = env.get(name, "").strip()
     if not raw:
-        return None
+        name, raw = "OTEL_TRACES_SAMPLER_ARG", _otel_sampling_rate(env)
+        if not raw:
+            return None
     try:
         rate = float(raw)
     except ValueError:
-        raise SettingError(f"TRACING_SAMPLING_RATE={raw!r}: expected a number") from None
-    if rate != rate:  # NaN
-        raise SettingError(f"TRACING_SAMPLING_RATE={raw!r}: expected a number")
+        rate = float("nan")
+    if rate != rate:  # not a number, or NaN
+        if name != "TRACING_SAMPLING_RATE" and not _tracing_enabled(env):
+            return None  # judged only when tracing is on, as the reference reads it only then
+        raise SettingError(f"{name}={raw!r}: expected a number")
     return repr(min(1.0, max(0.0, rate)))
+
+
+def _otel_sampling_rate(env: Env) -> str:
+    """The rate OTEL_TRACES_SAMPLER asks for as the reference reads it: 1 for always_on, 0 for
+    always_off, OTEL_TRACES_SAMPLER_ARG for traceidratio and parentbased_traceidratio (without
+    one, the default); "" for none. Another sampler stops the start when tracing is on, where
+    the reference would sample every call."""
+    sampler = env.get("OTEL_TRACES_SAMPLER", "").strip().lower()
+    if sampler in _FIXED_SAMPLERS:
+        return repr(_FIXED_SAMPLERS[sampler])
+    if sampler in _RATIO_SAMPLERS:
+        return env.get("OTEL_TRACES_SAMPLER_ARG", "").strip()
+    if not sampler or not _tracing_enabled(env):
+        return ""
+    raise SettingError(
+        f"OTEL_TRACES_SAMPLER={sampler!r}: expected always_on, always_off, traceidratio or "
+        "parentbased_traceidratio (with OTEL_TRACES_SAMPLER_ARG), or set TRACING_SAMPLING_RATE"
+    )
 
 
 def _log_level(env: Env, defaults: bool) -> str | None:
@@ -654,6 +762,9 @@ class Flag:
     convert: Callable[[Env, bool], str | None]
 
 
+#: What turns tracing on or off when TRACING_ENABLED is unset.
+_OTEL_ENABLED = ("OTEL_TRACES_EXPORTER", "OTEL_SDK_DISABLED")
+
 FLAGS: tuple[Flag, ...] = (
     Flag("grpc_address", ("GRPC_UDS", "GRPC_HOST", "GRPC_PORT"), _grpc_address),
     Flag("http_address", ("HOST", "PORT"), _http_address),
@@ -778,6 +889,11 @@ FLAGS: tuple[Flag, ...] = (
         ("LIMIT_RESPONSE_HEADERS_ENABLED",),
         _flag("LIMIT_RESPONSE_HEADERS_ENABLED"),
     ),
+    Flag(
+        "response_headers_all_descriptors",
+        ("LIMIT_ALL_DESCRIPTORS_HEADERS_ENABLED",),
+        _flag("LIMIT_ALL_DESCRIPTORS_HEADERS_ENABLED"),
+    ),
     *(
         Flag(dest, ("LIMIT_RESPONSE_HEADERS_ENABLED", name), _header_name(name))
         for dest, name in (
@@ -822,20 +938,32 @@ FLAGS: tuple[Flag, ...] = (
         ("USE_DOG_STATSD_MOGRIFIERS",),
         _text("USE_DOG_STATSD_MOGRIFIERS"),
     ),
-    Flag("tracing", ("TRACING_ENABLED",), _flag("TRACING_ENABLED")),
-    Flag("tracing_protocol", ("TRACING_EXPORTER_PROTOCOL",), _tracing_protocol),
-    Flag("tracing_service_name", ("TRACING_SERVICE_NAME",), _text("TRACING_SERVICE_NAME")),
+    Flag("tracing", ("TRACING_ENABLED", *_OTEL_ENABLED), _tracing),
+    Flag(
+        "tracing_protocol",
+        ("TRACING_EXPORTER_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL", *_OTEL_ENABLED),
+        _tracing_protocol,
+    ),
+    Flag(
+        "tracing_service_name",
+        ("TRACING_SERVICE_NAME", "OTEL_SERVICE_NAME"),
+        _tracing_resource("TRACING_SERVICE_NAME", "service.name"),
+    ),
     Flag(
         "tracing_service_namespace",
-        ("TRACING_SERVICE_NAMESPACE",),
-        _text("TRACING_SERVICE_NAMESPACE"),
+        ("TRACING_SERVICE_NAMESPACE", "OTEL_RESOURCE_ATTRIBUTES"),
+        _tracing_resource("TRACING_SERVICE_NAMESPACE", "service.namespace"),
     ),
     Flag(
         "tracing_service_instance_id",
-        ("TRACING_SERVICE_INSTANCE_ID",),
-        _text("TRACING_SERVICE_INSTANCE_ID"),
+        ("TRACING_SERVICE_INSTANCE_ID", "OTEL_RESOURCE_ATTRIBUTES"),
+        _tracing_resource("TRACING_SERVICE_INSTANCE_ID", "service.instance.id"),
     ),
-    Flag("tracing_sampling_rate", ("TRACING_SAMPLING_RATE",), _sampling_rate),
+    Flag(
+        "tracing_sampling_rate",
+        ("TRACING_SAMPLING_RATE", "OTEL_TRACES_SAMPLER", "OTEL_TRACES_SAMPLER_ARG", *_OTEL_ENABLED),
+        _sampling_rate,
+    ),
 )
 
 
@@ -957,6 +1085,7 @@ def _variables() -> tuple[Variable, ...]:
         V("LIMIT_LIMIT_HEADER", "RateLimit-Limit", S, "`--response-limit-header`, read with `LIMIT_RESPONSE_HEADERS_ENABLED=true` as in the reference"),
         V("LIMIT_REMAINING_HEADER", "RateLimit-Remaining", S, "`--response-remaining-header`, read with `LIMIT_RESPONSE_HEADERS_ENABLED=true`"),
         V("LIMIT_RESET_HEADER", "RateLimit-Reset", S, "`--response-reset-header`, read with `LIMIT_RESPONSE_HEADERS_ENABLED=true`"),
+        V("LIMIT_ALL_DESCRIPTORS_HEADERS_ENABLED", "false", S, "`--response-headers-all-descriptors`: instead of the three headers, `ratelimit-limit-<unit>s` and `ratelimit-remaining-<unit>s` (`seconds`, `minutes`, ...) of every descriptor with a limit, in request order, whether `LIMIT_RESPONSE_HEADERS_ENABLED` is set or not, as the reference's PR #1190 does"),
         V("HEALTHY_WITH_AT_LEAST_ONE_CONFIG_LOADED", "false", S, "`--health-requires-config`: unhealthy until rules with at least one domain are loaded"),
         # Stats.
         V("USE_STATSD", "true", D, "`--statsd-address STATSD_HOST:STATSD_PORT`: the reference's stat names over TCP (`STATSD_PROTOCOL=udp`, which the reference's stats library reads, for UDP); under `ratelimit` on unless false, as in the reference, under `serve` only when true. Prometheus `/metrics` stays beside it (the reference allows one sink)", _always),
@@ -979,6 +1108,28 @@ def _variables() -> tuple[Variable, ...]:
         V("TRACING_SERVICE_INSTANCE_ID", "", S, "`--tracing-service-instance-id`; unset, a random UUID"),
         V("TRACING_EXPORTER_PROTOCOL", "http", S, "`--tracing-protocol`: `http` or `grpc`"),
         V("TRACING_SAMPLING_RATE", "1", S, "`--tracing-sampling-rate`: the share of calls without a sampled parent traced; outside 0..1 the nearest bound, as in the reference"),
+        # The standard OpenTelemetry variables the reference reads (its PR #1171), each where
+        # the TRACING_* variable it stands for is unset.
+        *(V(name, "", S, note, standard=True) for name, note in _otel_notes()),
+    )  # fmt: skip
+
+
+def _otel_notes() -> tuple[tuple[str, str], ...]:
+    unset = "where `{}` is unset (empty counts as unset)"
+    sdk = "read by the OTLP exporter, under `serve` too, as the reference's exporter reads it"
+    return (
+        ("OTEL_SDK_DISABLED", "`true` turns tracing off " + unset.format("TRACING_ENABLED")),
+        ("OTEL_TRACES_EXPORTER", "`--tracing` when anything but `none` (spans go over OTLP whatever it names, as in the reference) " + unset.format("TRACING_ENABLED")),
+        ("OTEL_EXPORTER_OTLP_PROTOCOL", "`--tracing-protocol`: `grpc`, or `http/protobuf` (also `http`, `http/protobuf+json`) for http, " + unset.format("TRACING_EXPORTER_PROTOCOL") + "; another value stops the start when tracing is on"),
+        ("OTEL_SERVICE_NAME", "`--tracing-service-name` " + unset.format("TRACING_SERVICE_NAME")),
+        ("OTEL_RESOURCE_ATTRIBUTES", "its `service.namespace` and `service.instance.id` (`k=v,k2=v2`, as the reference splits it, not percent-decoded) are `--tracing-service-namespace` and `--tracing-service-instance-id` " + unset.format("TRACING_SERVICE_NAMESPACE` or `TRACING_SERVICE_INSTANCE_ID") + "; its other attributes are on the spans' resource too (the reference drops them)"),
+        ("OTEL_TRACES_SAMPLER", "`--tracing-sampling-rate` " + unset.format("TRACING_SAMPLING_RATE") + ": `always_on` 1, `always_off` 0, `traceidratio` and `parentbased_traceidratio` `OTEL_TRACES_SAMPLER_ARG` (unset, 1), and `parentbased_always_on` 1 (the reference's default for it); another sampler stops the start when tracing is on (the reference would sample every call)"),
+        ("OTEL_TRACES_SAMPLER_ARG", "the rate of `OTEL_TRACES_SAMPLER`'s ratio samplers, read as `TRACING_SAMPLING_RATE`; not a number stops the start when tracing is on (the reference ignores it)"),
+        ("OTEL_EXPORTER_OTLP_ENDPOINT", "where spans go (`/v1/traces` added for http), " + sdk + "; `--tracing-endpoint` wins"),
+        ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "where spans go, as it is; wins over `OTEL_EXPORTER_OTLP_ENDPOINT`, " + sdk),
+        ("OTEL_EXPORTER_OTLP_HEADERS", "`k=v,k2=v2` headers on each export, " + sdk + " (also `OTEL_EXPORTER_OTLP_TRACES_HEADERS`)"),
+        ("OTEL_EXPORTER_OTLP_CERTIFICATE", "the CA file that verifies the collector, " + sdk + " (also `OTEL_EXPORTER_OTLP_TRACES_CERTIFICATE`)"),
+        ("OTEL_EXPORTER_OTLP_TIMEOUT", "milliseconds an export may take (default 10000), as the specification and the reference read it, under `serve` too (also `OTEL_EXPORTER_OTLP_TRACES_TIMEOUT`, which wins; Python's exporter alone would read seconds); not a whole number above 0 stops the start when tracing is on"),
     )  # fmt: skip
 
 
@@ -1046,8 +1197,11 @@ def shown(env: Env) -> dict[str, str]:
 
 
 def present(env: Env) -> list[str]:
-    """The reference variables set (not empty) in `env`, whether read or not."""
-    return sorted(name for name in env if name in _BY_NAME and env[name] != "")
+    """The reference's own variables set (not empty) in `env`, whether read or not: not the
+    standard OpenTelemetry ones, which other programs' environments set as well."""
+    return sorted(
+        name for name in env if name in _BY_NAME and env[name] != "" and not _BY_NAME[name].standard
+    )
 
 
 #: How alike (difflib's ratio) a name set in the environment must be to a reference variable's
@@ -1057,6 +1211,9 @@ TYPO_RATIO = 0.9
 #: Names near a reference variable's that are not typos of one: Envoy Gateway sets
 #: GRPC_SERVER_TLS_CA_CERT, which the reference does not read (see GRPC_CLIENT_TLS_CACERT).
 _NOT_TYPOS = frozenset({"GRPC_SERVER_TLS_CA_CERT"})
+#: OpenTelemetry's variables of each signal, near the table's (OTEL_EXPORTER_OTLP_LOGS_ENDPOINT
+#: to OTEL_EXPORTER_OTLP_ENDPOINT) without being typos of them.
+_OTEL_SIGNALS = re.compile(r"OTEL_(EXPORTER_OTLP_(TRACES|METRICS|LOGS)|METRICS|LOGS)_")
 
 
 def misspelled(env: Env) -> list[tuple[str, str]]:
@@ -1065,6 +1222,8 @@ def misspelled(env: Env) -> list[tuple[str, str]]:
     found = []
     for name in sorted(env):
         if name in _BY_NAME or name in _NOT_TYPOS or env[name] == "":
+            continue
+        if _OTEL_SIGNALS.match(name):
             continue
         close = difflib.get_close_matches(name, _BY_NAME, n=1, cutoff=TYPO_RATIO)
         if close:

@@ -9,7 +9,8 @@ reference names it (whatever the backend). Sampling is the reference's: a sample
 followed, and a call without one is sampled at `--tracing-sampling-rate` (one left out makes
 no span at all, which is most of what tracing would cost it). Spans leave in
 batches from the SDK's own thread over OTLP (http, or grpc), to the endpoint the standard
-`OTEL_EXPORTER_OTLP_*` variables (or `--tracing-endpoint`) name.
+`OTEL_EXPORTER_OTLP_*` variables (or `--tracing-endpoint`) name, with their headers,
+certificate and timeout (in milliseconds, as the specification has it: `export_timeout`).
 
 Off, tracing costs a call nothing: the transports are then built exactly as without this
 module (no wrapper, no header kept, no context set), which `make bench-instructions` shows.
@@ -18,9 +19,10 @@ The SDK is imported only when tracing is on, from the `tracing` extra.
 
 from __future__ import annotations
 
+import os
 import random
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -260,19 +262,44 @@ def _version(distribution: str) -> str:
         return "<version>"
 
 
+#: The exporter's timeout variables, the more specific first.
+TIMEOUT_VARIABLES = ("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", "OTEL_EXPORTER_OTLP_TIMEOUT")
+
+
+def export_timeout(environ: Mapping[str, str]) -> float | None:
+    """Seconds an export may take, from the first of `TIMEOUT_VARIABLES` set, in milliseconds
+    as the OpenTelemetry specification and the reference's (Go) exporter read them; None when
+    neither is set. Python's exporters read them in seconds, so a Deployment's 10000 (10 s)
+    would let one export hang for hours: the value is read here and given to the exporter."""
+    for name in TIMEOUT_VARIABLES:
+        raw = environ.get(name, "").strip()
+        if not raw:
+            continue
+        if not raw.isdigit() or int(raw) == 0:
+            raise TracingError(f"{name}={raw!r}: expected milliseconds, a whole number above 0")
+        return int(raw) / 1000
+    return None
+
+
 def _otlp_exporter(settings: TracingSettings) -> Any:
     endpoint = settings.endpoint
+    options: dict[str, Any] = {}
+    timeout = export_timeout(os.environ)
+    if timeout is not None:
+        options["timeout"] = timeout
     if settings.protocol == "grpc":
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 
-        if endpoint is None:
-            return OTLPSpanExporter()
-        return OTLPSpanExporter(endpoint=endpoint, insecure=endpoint.startswith("http://"))
+        if endpoint is not None:
+            options.update(endpoint=endpoint, insecure=endpoint.startswith("http://"))
+        return OTLPSpanExporter(**options)
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
         OTLPSpanExporter as HttpExporter,
     )
 
-    return HttpExporter() if endpoint is None else HttpExporter(endpoint=endpoint)
+    if endpoint is not None:
+        options["endpoint"] = endpoint
+    return HttpExporter(**options)
 
 
 class _TracedBackend:

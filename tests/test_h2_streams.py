@@ -188,32 +188,34 @@ def _fed(conn: Connection, data: bytes) -> list[Frame]:
     return written
 
 
-async def test_h2spec_5_1_2_gets_answered_at_once_leave_no_stream_open_to_refuse(
-    raw: Peer,
-) -> None:
+async def test_h2spec_5_1_2_the_get_past_the_limit_is_refused(raw: Peer) -> None:
     """h2spec's case "http2/5.1.2: Sends HEADERS frames that causes their advertised concurrent
     stream limit to be exceeded", frame for frame through the server: a window of 0, then one
-    GET more than the advertised limit, each HEADERS ending its stream. Each GET is answered at
-    once, trailers-only (405, UNIMPLEMENTED), a HEADERS frame that ends the stream and that no
-    window holds back, so each stream is closed before the next one opens and none is refused:
-    h2spec, which waits for a RST_STREAM, reports a failure (its case assumes an answer with
-    DATA, held by the window it set to 0: the next test)."""
+    GET more than the advertised limit, each HEADERS ending its stream. Each GET is answered as
+    plain HTTP, a 405 whose body the window of 0 holds after its HEADERS, so every stream stays
+    half-closed (remote) and counts, and the GET past the limit gets RST_STREAM REFUSED_STREAM,
+    which h2spec waits for. Once the window opens each body ends its stream."""
     advertised = await _advertised(raw)
     block = raw.block(_H2SPEC_GET)  # sent on every stream, as h2spec sends it
     ids, frames = _h2spec_5_1_2(advertised, lambda stream_id: _get(stream_id, block))
     raw.send(frames)
-    await raw.until(lambda p: all(p.ended(stream_id) for stream_id in ids))
+    await stream_error(raw, ids[-1], REFUSED_STREAM)
+    await raw.until(lambda p: all(p.on(stream_id) for stream_id in ids[:-1]))
+    assert [raw.kinds(stream_id) for stream_id in ids[:-1]] == [["HeadersFrame"]] * advertised
+    assert {raw.trailers(stream_id)[b":status"] for stream_id in ids[:-1]} == {b"405"}
 
-    assert raw.of(RstStreamFrame) == []
-    assert [raw.kinds(stream_id) for stream_id in ids] == [["HeadersFrame"]] * len(ids)
-    assert {(raw.trailers(s)[b":status"], raw.trailers(s)[b"grpc-status"]) for s in ids} == {
-        (b"405", b"12")
-    }
+    raw.send(_DEFAULT_WINDOW)
+    await raw.until(lambda p: all(p.ended(stream_id) for stream_id in ids[:-1]))
+    bodies = {b"".join(f.data for f in raw.of(DataFrame) if f.stream_id == s) for s in ids[:-1]}
+    assert bodies == {b"gRPC calls are POST, not GET\n"}
+    assert [f.stream_id for f in raw.of(RstStreamFrame)] == [ids[-1]]
 
 
 def test_h2spec_5_1_2_at_the_default_limit_on_the_state_machine() -> None:
     """h2spec's 5.1.2 case against the sans-IO Connection at its default limit of 1,024: the
-    1,025 GETs are 1,025 answers and no RST_STREAM, and no stream is left open."""
+    first 1,024 GETs are answered with a 405's HEADERS, their bodies held by the window of 0,
+    and the 1,025th is refused; a SETTINGS that opens the window sends each body, ending its
+    stream, and no stream is left open."""
     conn, decoder = _sans_io(answer_at_once=False), hpack.Decoder()
     block = hpack.Encoder().encode(_H2SPEC_GET)
     ids, frames = _h2spec_5_1_2(
@@ -221,10 +223,16 @@ def test_h2spec_5_1_2_at_the_default_limit_on_the_state_machine() -> None:
     )
     written = _fed(conn, frames)
 
-    assert [type(f).__name__ for f in written] == ["SettingsFrame"] + ["HeadersFrame"] * len(ids)
+    kinds = ["SettingsFrame"] + ["HeadersFrame"] * (len(ids) - 1) + ["RstStreamFrame"]
+    assert [type(f).__name__ for f in written] == kinds
     assert [f.stream_id for f in written[1:]] == ids
+    assert (written[-1].error_code, len(conn.streams)) == (REFUSED_STREAM, len(ids) - 1)
+    assert {dict(decoder.decode(f.data, raw=True))[b":status"] for f in written[1:-1]} == {b"405"}
+
+    written = _fed(conn, _DEFAULT_WINDOW)
+    assert [type(f).__name__ for f in written] == ["SettingsFrame"] + ["DataFrame"] * (len(ids) - 1)
+    assert [f.stream_id for f in written[1:]] == ids[:-1]
     assert all("END_STREAM" in f.flags for f in written[1:])
-    assert {dict(decoder.decode(f.data, raw=True))[b":status"] for f in written[1:]} == {b"405"}
     assert conn.streams == {} and not conn.closed
 
 
@@ -442,8 +450,6 @@ async def test_data_on_a_stream_the_server_reset_is_ignored(raw: Peer) -> None:
 @pytest.mark.parametrize(
     ("headers", "body", "status", "grpc_status"),
     [
-        (_with(_BASE, **{":method": b"GET"}), grpc_message(b"x"), b"405", b"12"),
-        (_with(_BASE, content_type=b"text/plain"), grpc_message(b"x"), b"415", b"3"),
         (_with(_BASE, grpc_encoding=b"gzip"), grpc_message(b"x"), b"200", b"12"),
         (_BASE, b"\x00\x00", b"200", b"13"),
         (_BASE, grpc_message(b"x", flag=1), b"200", b"13"),
@@ -452,8 +458,6 @@ async def test_data_on_a_stream_the_server_reset_is_ignored(raw: Peer) -> None:
         (_BASE, struct.pack(">BL", 0, 5 << 20), b"200", b"8"),
     ],
     ids=[
-        "get",
-        "not-grpc-content-type",
         "unsupported-grpc-encoding",
         "no-message-prefix",
         "compressed-flag",
@@ -465,9 +469,9 @@ async def test_data_on_a_stream_the_server_reset_is_ignored(raw: Peer) -> None:
 async def test_a_request_the_server_cannot_call_is_answered_with_a_status(
     raw: Peer, headers: Headers, body: bytes, status: bytes, grpc_status: bytes
 ) -> None:
-    """A request the server cannot call (wrong method or content type, an unsupported encoding, a
-    body that is not exactly one uncompressed message, a message over 4 MiB) is answered with the
-    HTTP and gRPC statuses gRPC names for it, and a message."""
+    """A gRPC request the server cannot call (an unsupported encoding, a body that is not
+    exactly one uncompressed message, a message over 4 MiB) is answered with the HTTP and gRPC
+    statuses gRPC names for it, and a message."""
     raw.send(
         raw_frame(HEADERS, END_HEADERS, 1, raw.block(headers)),
         raw_frame(DATA, END_STREAM, 1, body),
@@ -476,6 +480,37 @@ async def test_a_request_the_server_cannot_call_is_answered_with_a_status(
 
     assert (trailers[b":status"], trailers[b"grpc-status"]) == (status, grpc_status)
     assert trailers[b"grpc-message"]
+
+
+@pytest.mark.parametrize(
+    ("request_", "status", "allow", "body"),
+    [
+        (_H2SPEC_GET, b"405", b"POST", b"gRPC calls are POST, not GET\n"),
+        (
+            _with(_BASE, content_type=b"text/plain"),
+            b"415",
+            None,
+            b"content-type must be application/grpc, not text/plain\n",
+        ),
+    ],
+    ids=["get", "not-grpc-content-type"],
+)
+async def test_a_request_that_is_not_grpc_gets_a_plain_http_answer(
+    raw: Peer, request_: Headers, status: bytes, allow: bytes | None, body: bytes
+) -> None:
+    """A request that is not gRPC (a GET, a POST of another content type) is answered as HTTP:
+    HEADERS with the status gRPC names for it (405 with `allow: POST`, 415), a text/plain
+    content type and no gRPC status, then the reason as a body in DATA that ends the stream."""
+    raw.send(_get(1, raw.block(request_)))
+    head = await answered(raw, 1)
+
+    assert raw.kinds(1) == ["HeadersFrame", "DataFrame"]
+    (data,) = raw.of(DataFrame)
+    assert "END_STREAM" in data.flags and data.data == body
+    assert (head[b":status"], head[b"content-type"]) == (status, b"text/plain; charset=utf-8")
+    assert head.get(b"allow") == allow
+    assert b"grpc-status" not in head
+    assert raw.of(RstStreamFrame) == []
 
 
 async def test_a_body_larger_than_a_message_may_be_is_answered_before_it_ends(

@@ -10,19 +10,16 @@ from __future__ import annotations
 import asyncio
 import fnmatch
 import json
-import os
 import re
 import shutil
-import signal
 import sys
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 import pytest
+from support.logged_process import Logged, logged_process, python_env
 from support.servers import free_port
 
 from sidecar.cli import image
@@ -30,9 +27,8 @@ from sidecar.cli import image
 ROOT = Path(__file__).resolve().parent.parent
 DOCKERFILE = ROOT / "Dockerfile"
 START_TIMEOUT = 30.0
-#: What a process of the image needs of the tests' environment to run Python at all (PYTHONPATH
-#: and PYTHONSAFEPATH carry the compiled build under SIDECAR_BUILD); nothing else leaks in.
-_PYTHON_RUNTIME = ("PATH", "PYTHONPATH", "PYTHONSAFEPATH", "HOME", "LANG")
+#: Seconds a container has to stop after SIGTERM before it is killed.
+STOP_GRACE = 10.0
 
 
 def final_stage() -> list[str]:
@@ -73,69 +69,19 @@ def program(name: str) -> str:
     return found
 
 
-@dataclass
-class Container:
-    """A process started as Docker starts the image's container."""
-
-    process: asyncio.subprocess.Process
-    env: dict[str, str]
-    lines: list[str] = field(default_factory=list)
-    started: dict[str, Any] = field(default_factory=dict)
-
-    def output(self) -> str:
-        return "\n".join(self.lines)
-
-
-def container_env(env: Mapping[str, str]) -> dict[str, str]:
-    runtime = {name: os.environ[name] for name in _PYTHON_RUNTIME if name in os.environ}
-    return {**runtime, **env}
-
-
 @asynccontextmanager
-async def docker_run(command: list[str], env: Mapping[str, str]) -> AsyncIterator[Container]:
+async def docker_run(command: list[str], env: Mapping[str, str]) -> AsyncIterator[Logged]:
     """ENTRYPOINT followed by `command` (CMD, or what replaces it), with `env` (`-e`), until its
     `started` event; stopped by its PID (SIGTERM, as `docker stop`; killed if it lingers)."""
     entrypoint = exec_form("ENTRYPOINT")
     argv = [program(entrypoint[0]), *entrypoint[1:], *command]
-    environment = container_env(env)
-    process = await asyncio.create_subprocess_exec(
-        *argv,
-        stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.DEVNULL,
-        stderr=asyncio.subprocess.PIPE,
-        env=environment,
-    )
-    container = Container(process, environment)
-    ready = asyncio.Event()
-
-    async def read() -> None:
-        assert process.stderr is not None
-        while line := await process.stderr.readline():
-            text = line.decode(errors="replace").rstrip("\n")
-            container.lines.append(text)
-            if '"started"' in text:
-                container.started = json.loads(text)
-                ready.set()
-        ready.set()
-
-    reader = asyncio.create_task(read())
-    try:
-        await asyncio.wait_for(ready.wait(), START_TIMEOUT)
-        if not container.started:
-            raise AssertionError(f"{argv} did not serve:\n{container.output()}")
+    async with logged_process(
+        argv, env, start_timeout=START_TIMEOUT, stop_grace=STOP_GRACE
+    ) as container:
         yield container
-    finally:
-        if process.returncode is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                await asyncio.wait_for(process.wait(), 10)
-            except TimeoutError:
-                process.kill()
-        await process.wait()
-        await reader
 
 
-async def health(container: Container) -> tuple[int, str]:
+async def health(container: Logged) -> tuple[int, str]:
     """/healthcheck on the port the container bound."""
     url = f"http://127.0.0.1:{container.started['http_port']}/healthcheck"
     async with aiohttp.ClientSession() as http, http.get(url) as answer:
@@ -152,7 +98,7 @@ async def docker_healthcheck(env: Mapping[str, str]) -> tuple[int, str]:
         stdin=asyncio.subprocess.DEVNULL,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.STDOUT,
-        env=container_env(env),
+        env=python_env(env),
     )
     out, _ = await process.communicate()
     assert process.returncode is not None
@@ -192,7 +138,7 @@ def own_env(http_port: int) -> dict[str, str]:
     }
 
 
-async def serves_and_is_healthy(container: Container, backend: str) -> None:
+async def serves_and_is_healthy(container: Logged, backend: str) -> None:
     assert container.started["backend"] == backend
     assert await health(container) == (200, "OK")
     status, printed = await docker_healthcheck(container.env)

@@ -5,6 +5,7 @@ gets, and dynamic metadata, which Envoy's access log records under its rate limi
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -62,10 +63,11 @@ def three_calls_through_envoy(
     rules_text: str,
     flags: list[str],
     log_format: str = LOG_FORMAT,
+    request_headers: Mapping[str, str] | None = None,
 ) -> tuple[list[Response], list[str], float]:
-    """Three calls of one client through the real Envoy to a sidecar serving `rules_text` with
-    `flags`, all in one hour: the responses, Envoy's access log lines (in `log_format`) and
-    the time of the last answer."""
+    """Three calls of one client (a new `x-app-id`, and `request_headers`) through the real
+    Envoy to a sidecar serving `rules_text` with `flags`, all in one hour: the responses,
+    Envoy's access log lines (in `log_format`) and the time of the last answer."""
     rules = tmp_path / "rules.yaml"
     rules.write_text(rules_text)
     access_log = tmp_path / "access.log"
@@ -94,7 +96,7 @@ def three_calls_through_envoy(
         upstream.stop()
         raise
     try:
-        headers = {"x-app-id": unique("app")}
+        headers = {"x-app-id": unique("app"), **(request_headers or {})}
         inside_one_window(3600, needed=10)
         responses = [get(port, "/api/orders/x", headers) for _ in range(3)]
         ended = time.time()

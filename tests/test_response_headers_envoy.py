@@ -51,3 +51,53 @@ def test_the_reference_headers_and_metadata_reach_the_client_and_the_access_log(
         "200 domain=gateway backend=primary name=-",
         "429 domain=gateway backend=- name=per-client-hourly",
     ]
+
+
+#: Two descriptors per request on /api/orders: the client's, 2 an hour, and the user's on the
+#: orders interface, 100 a day.
+TWO_UNITS = """\
+domain: gateway
+descriptors:
+  - key: app
+    descriptors:
+      - key: remote_address
+        rate_limit: {unit: hour, requests_per_unit: 2}
+      - key: user
+        descriptors:
+          - key: interface
+            value: orders
+            rate_limit: {unit: day, requests_per_unit: 100}
+"""
+
+
+def test_every_descriptors_limit_and_remaining_reach_the_client(
+    envoy_binary: str, tmp_path: Path
+) -> None:
+    """With `--response-headers-all-descriptors` (the reference's
+    LIMIT_ALL_DESCRIPTORS_HEADERS_ENABLED) each response carries ratelimit-limit-hours and
+    ratelimit-remaining-hours of the hourly descriptor and ratelimit-limit-days and
+    ratelimit-remaining-days of the daily one, the 429 too, and none of the closest
+    descriptor's three headers."""
+    responses, _, _ = three_calls_through_envoy(
+        envoy_binary,
+        tmp_path,
+        TWO_UNITS,
+        ["--response-headers-all-descriptors"],
+        request_headers={"x-user-id": "alice"},
+    )
+    assert [r.status for r in responses] == [200, 200, 429]
+    names = ("ratelimit-limit-hours", "ratelimit-remaining-hours")
+    assert [tuple(r.headers[name] for name in names) for r in responses] == [
+        ("2", "1"),
+        ("2", "0"),
+        ("2", "0"),
+    ]
+    names = ("ratelimit-limit-days", "ratelimit-remaining-days")
+    assert [tuple(r.headers[name] for name in names) for r in responses] == [
+        ("100", "99"),
+        ("100", "98"),
+        ("100", "97"),
+    ]
+    for response in responses:
+        assert "ratelimit-limit" not in response.headers
+        assert "ratelimit-reset" not in response.headers

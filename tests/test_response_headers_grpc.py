@@ -81,3 +81,54 @@ async def test_both_transports_answer_plainly_with_the_options_off(
         answer = await rls.should_rate_limit(request("test", [("user", "v")]))
     assert list(answer.response_headers_to_add) == []
     assert not answer.HasField("dynamic_metadata")
+
+
+ALL_UNITS = """\
+domain: test
+descriptors:
+  - key: user
+    rate_limit: {unit: minute, requests_per_unit: 2}
+  - key: app
+    rate_limit: {unit: hour, requests_per_unit: 100}
+  - key: region
+    rate_limit: {unit: minute, requests_per_unit: 10}
+  - key: internal
+    rate_limit: {unlimited: true}
+"""
+
+
+async def test_both_transports_answer_with_every_descriptors_limit_and_remaining(
+    tmp_path: Path, transport: str
+) -> None:
+    """With `response_headers_all_descriptors` (the reference's
+    LIMIT_ALL_DESCRIPTORS_HEADERS_ENABLED, PR #1190) every answer, OVER_LIMIT too, carries
+    ratelimit-limit-<unit>s and ratelimit-remaining-<unit>s of each descriptor with a limit, in
+    request order (two of one unit give the names twice), and nothing for a descriptor with no
+    rule or an unlimited one. It replaces the closest descriptor's three headers, which
+    `response_headers` also asks for, as the reference's setting does."""
+    rules = write_rules(tmp_path, ALL_UNITS)
+    call = request(
+        "test", [("user", "u")], [("nothing", "x")], [("app", "a")], [("internal", "i")],
+        [("region", "r")],
+    )  # fmt: skip
+    options = {"response_headers_all_descriptors": True, "response_headers": True}
+    async with (
+        running_app(rules, transport=transport, **options) as app,
+        client(app.grpc_port) as rls,
+    ):
+        answers = [await rls.should_rate_limit(call) for _ in range(3)]
+
+    codes = [a.overall_code for a in answers]
+    assert codes == [RateLimitResponse.OK, RateLimitResponse.OK, RateLimitResponse.OVER_LIMIT]
+    headers = [[(h.key, h.value) for h in a.response_headers_to_add] for a in answers]
+    assert headers == [
+        [
+            ("ratelimit-limit-minutes", "2"),
+            ("ratelimit-remaining-minutes", str(max(0, 2 - n))),
+            ("ratelimit-limit-hours", "100"),
+            ("ratelimit-remaining-hours", str(100 - n)),
+            ("ratelimit-limit-minutes", "10"),
+            ("ratelimit-remaining-minutes", str(10 - n)),
+        ]
+        for n in (1, 2, 3)
+    ]

@@ -55,14 +55,33 @@ MERGE_DOMAIN_CONFIG TRACING_ENABLED TRACING_SERVICE_NAME TRACING_SERVICE_NAMESPA
 TRACING_SERVICE_INSTANCE_ID TRACING_EXPORTER_PROTOCOL TRACING_SAMPLING_RATE
 """.split()  # noqa: SIM905 (a block of names reads like the source it is checked against)
 
-#: Variables the reference's settings.go read after that snapshot, from its merged PRs:
-#: #1191 (REDIS_CLOSE_CONNECTION_ON_READONLY_ERROR), #1206 (USE_CALENDAR_MONTH_RATE_LIMIT);
-#: and from its open #1230 (ENABLE_NEGATIVE_HITS), which puts refunds behind a switch.
+#: Variables the reference's settings.go read after that snapshot, from its PRs: #1191
+#: (REDIS_CLOSE_CONNECTION_ON_READONLY_ERROR), #1206 (USE_CALENDAR_MONTH_RATE_LIMIT), #1190
+#: (LIMIT_ALL_DESCRIPTORS_HEADERS_ENABLED); and from its open #1230 (ENABLE_NEGATIVE_HITS),
+#: which puts refunds behind a switch.
 LATER_VARIABLES = [
     "REDIS_CLOSE_CONNECTION_ON_READONLY_ERROR",
     "USE_CALENDAR_MONTH_RATE_LIMIT",
+    "LIMIT_ALL_DESCRIPTORS_HEADERS_ENABLED",
     "ENABLE_NEGATIVE_HITS",
 ]
+#: The standard OpenTelemetry variables the reference reads since its PR #1171: those its
+#: src/settings/tracing_config.go reads in place of unset TRACING_* ones, and the exporter's
+#: its README names.
+OTEL_VARIABLES = """
+OTEL_SDK_DISABLED OTEL_TRACES_EXPORTER OTEL_EXPORTER_OTLP_PROTOCOL OTEL_SERVICE_NAME
+OTEL_RESOURCE_ATTRIBUTES OTEL_TRACES_SAMPLER OTEL_TRACES_SAMPLER_ARG OTEL_EXPORTER_OTLP_ENDPOINT
+OTEL_EXPORTER_OTLP_TRACES_ENDPOINT OTEL_EXPORTER_OTLP_HEADERS OTEL_EXPORTER_OTLP_CERTIFICATE
+OTEL_EXPORTER_OTLP_TIMEOUT
+""".split()  # noqa: SIM905 (as REFERENCE_VARIABLES)
+#: Of those, the ones the OTLP exporter reads itself, whichever flags are set.
+EXPORTER_VARIABLES = {
+    "OTEL_EXPORTER_OTLP_ENDPOINT",
+    "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+    "OTEL_EXPORTER_OTLP_HEADERS",
+    "OTEL_EXPORTER_OTLP_CERTIFICATE",
+    "OTEL_EXPORTER_OTLP_TIMEOUT",
+}
 
 RULES = """\
 domain: helm
@@ -660,6 +679,19 @@ def test_response_header_and_metadata_variables_map_onto_their_flags() -> None:
     assert flagged["response_limit_header"] == "X-Quota"
 
 
+def test_all_descriptors_headers_come_from_limit_all_descriptors_headers_enabled() -> None:
+    """LIMIT_ALL_DESCRIPTORS_HEADERS_ENABLED turns on --response-headers-all-descriptors,
+    without LIMIT_RESPONSE_HEADERS_ENABLED too, as the reference reads it; a value that is not
+    a boolean stops the start."""
+    assert serve({}, *CONFIG)["response_headers_all_descriptors"] is False
+    args = serve({"LIMIT_ALL_DESCRIPTORS_HEADERS_ENABLED": "true"}, *CONFIG)
+    assert (args["response_headers_all_descriptors"], args["response_headers"]) == (True, False)
+    off = serve({"LIMIT_ALL_DESCRIPTORS_HEADERS_ENABLED": "false"}, *CONFIG)
+    assert off["response_headers_all_descriptors"] is False
+    with pytest.raises(SystemExit):
+        serve({"LIMIT_ALL_DESCRIPTORS_HEADERS_ENABLED": "all"}, *CONFIG)
+
+
 def test_a_response_header_name_that_is_not_a_token_stops_the_start(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
@@ -710,12 +742,14 @@ def test_every_reference_variable_is_in_the_table_and_in_readme() -> None:
     """The table covers exactly the variables the reference reads, and README shows it as
     `settings.markdown()` renders it (regenerate README's table from it after a change)."""
     assert sorted(v.name for v in settings.VARIABLES) == sorted(
-        REFERENCE_VARIABLES + LATER_VARIABLES
+        REFERENCE_VARIABLES + LATER_VARIABLES + OTEL_VARIABLES
     )
+    assert {v.name for v in settings.VARIABLES if v.standard} == set(OTEL_VARIABLES)
     read = {name for flag in settings.FLAGS for name in flag.reads}
     supported = {v.name for v in settings.VARIABLES if v.support is settings.Support.SUPPORTED}
-    # A supported variable is read by some flag, except the ones that only qualify another.
-    assert supported - read <= {"USE_PROMETHEUS"}
+    # A supported variable is read by some flag, except the ones that only qualify another,
+    # and the exporter's own.
+    assert supported - read <= {"USE_PROMETHEUS", *EXPORTER_VARIABLES}
     readme = (ROOT / "README.md").read_text()
     table = re.search(r"<!-- settings table -->\n(.*?)<!-- end of settings table -->", readme, re.S)
     assert table is not None, "README.md lost its settings table markers"

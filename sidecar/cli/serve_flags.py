@@ -259,6 +259,15 @@ SERVE_FLAGS: tuple[Flag, ...] = (
         field="response_headers",
     ),
     Flag(
+        "--response-headers-all-descriptors",
+        "instead, the reference's headers of every descriptor (LIMIT_ALL_DESCRIPTORS_HEADERS_"
+        "ENABLED): ratelimit-limit-UNITS and ratelimit-remaining-UNITS (seconds, minutes, ...) "
+        "of each descriptor with a limit, in request order, on every answer; no reset header",
+        action="store_true",
+        default=False,
+        field="response_headers_all_descriptors",
+    ),
+    Flag(
         "--response-limit-header",
         "the name of the RateLimit-Limit header of --response-headers (LIMIT_LIMIT_HEADER)",
         default="RateLimit-Limit",

@@ -1,7 +1,8 @@
 """What an answer may carry beside its statuses, each asked for by a `serve` flag and off by
 default: the name of the limit that refused it (`--response-limit-name`), and the reference's
-response headers (`--response-headers`) and dynamic metadata (`--response-dynamic-metadata`),
-as envoyproxy/ratelimit writes them (REFERENCE.md 2.11, 2.12).
+response headers (`--response-headers`, or one pair per descriptor with
+`--response-headers-all-descriptors`) and dynamic metadata (`--response-dynamic-metadata`), as
+envoyproxy/ratelimit writes them (REFERENCE.md 2.11, 2.12; its PR #1190).
 
 `Extras.encode` writes them after `convert.response_bytes`' statuses, straight to the wire
 format as that does: `RateLimitResponse` field 3 `response_headers_to_add` (HeaderValue: 1 key,
@@ -39,23 +40,36 @@ from sidecar.rls.convert import response_bytes, varint
 class Extras:
     """What `serve` puts in an answer beside its statuses, each off by default: the limit's
     name on OVER_LIMIT (`limit_name`), the reference's three headers (`headers`, their names)
-    and its dynamic metadata (`dynamic_metadata`).
+    or its limit and remaining headers of every descriptor (`all_descriptors_headers`, which
+    then replace the three, as the reference's LIMIT_ALL_DESCRIPTORS_HEADERS_ENABLED does), and
+    its dynamic metadata (`dynamic_metadata`).
 
-    Their headers come in that order: the reference's three, then `RateLimit-Policy`. Their
-    dynamic metadata is one Struct holding the fields of both.
+    Their headers come in that order: the reference's, then `RateLimit-Policy`. Their dynamic
+    metadata is one Struct holding the fields of both.
     """
 
     limit_name: bool = False
     headers: HeaderNames | None = None
     dynamic_metadata: bool = False
+    all_descriptors_headers: bool = False
 
     @property
     def any(self) -> bool:
-        return self.limit_name or self.headers is not None or self.dynamic_metadata
+        return (
+            self.limit_name
+            or self.headers is not None
+            or self.dynamic_metadata
+            or self.all_descriptors_headers
+        )
 
     def encode(self, request: Request, decision: Decision) -> bytes:
         """The wire bytes of the `RateLimitResponse` for `decision`, an answer to `request`."""
-        headers = b"" if self.headers is None else rate_limit_headers(decision, self.headers)
+        if self.all_descriptors_headers:
+            headers = all_descriptors_headers(decision)
+        elif self.headers is not None:
+            headers = rate_limit_headers(decision, self.headers)
+        else:
+            headers = b""
         fields = reference_metadata(request, decision) if self.dynamic_metadata else b""
         if self.limit_name:
             policy_header, name_fields = limit_name_fields(decision)
@@ -203,6 +217,30 @@ def rate_limit_headers(decision: Decision, names: HeaderNames) -> bytes:
         + _header(names.remaining, str(status.limit_remaining))
         + _header(names.reset, str(reset))
     )
+
+
+#: The plural, lower-case word of each unit in the names of `all_descriptors_headers`.
+_UNIT_WORDS = {unit: unit.name.lower() + "s" for unit in Unit}
+
+
+def all_descriptors_headers(decision: Decision) -> bytes:
+    """The reference's headers of every descriptor (its LIMIT_ALL_DESCRIPTORS_HEADERS_ENABLED,
+    PR #1190): for each status with a `current_limit`, in request order, `ratelimit-limit-<unit>`
+    (its `requests_per_unit`) and `ratelimit-remaining-<unit>` (its `limit_remaining`), the unit
+    its `current_limit` carries in the plural (`seconds`, `minutes`, ..., `years`; a window of
+    `unit_multiplier` 5 minutes is `minutes`, as its `current_limit` says). No reset header; two
+    descriptors of one unit give each name twice, as the reference's do. Nothing when no status
+    has a `current_limit` (no rule, a replaced one, `unlimited`)."""
+    headers = b""
+    for status in decision.statuses:
+        limit = status.limit
+        if limit is None or limit.unlimited:
+            continue
+        window = status.window or limit.windows[0]
+        word = _UNIT_WORDS[window.unit]
+        headers += _header("ratelimit-limit-" + word, str(window.requests_per_unit))
+        headers += _header("ratelimit-remaining-" + word, str(status.limit_remaining))
+    return headers
 
 
 def _header(key: str, value: str) -> bytes:

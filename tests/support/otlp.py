@@ -1,6 +1,7 @@
 """OTLP trace receivers in the test process: http (POST /v1/traces, protobuf) and grpc
 (`opentelemetry.proto.collector.trace.v1.TraceService/Export`), both on free loopback ports.
-Every span they receive is kept with its resource's attributes."""
+Every span they receive is kept with its resource's attributes, and the grpc receivers keep
+each export's metadata (the exporter's headers)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ class Span:
     parent_span_id: str
     kind: int
     attributes: dict[str, Any]
+    resource: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -33,6 +35,8 @@ class Received:
     requests: int = 0
     endpoint: str = ""
     port: int = 0
+    #: Each grpc export's metadata, in the order received.
+    metadata: list[dict[str, str]] = field(default_factory=list)
 
     def take(self, request: trace_service_pb2.ExportTraceServiceRequest) -> None:
         self.requests += 1
@@ -49,6 +53,7 @@ class Received:
                             parent_span_id=span.parent_span_id.hex(),
                             kind=span.kind,
                             attributes={a.key: _value(a.value) for a in span.attributes},
+                            resource=resource,
                         )
                     )
 
@@ -99,6 +104,7 @@ async def grpc_receiver() -> AsyncIterator[Received]:
         async def Export(
             self, request: trace_service_pb2.ExportTraceServiceRequest, context: Any
         ) -> trace_service_pb2.ExportTraceServiceResponse:
+            received.metadata.append(dict(context.invocation_metadata()))
             received.take(request)
             return trace_service_pb2.ExportTraceServiceResponse()
 
@@ -123,6 +129,7 @@ def threaded_grpc_receiver() -> Iterator[Received]:
         def Export(
             self, request: trace_service_pb2.ExportTraceServiceRequest, context: Any
         ) -> trace_service_pb2.ExportTraceServiceResponse:
+            received.metadata.append(dict(context.invocation_metadata()))
             received.take(request)
             return trace_service_pb2.ExportTraceServiceResponse()
 

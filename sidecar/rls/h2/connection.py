@@ -454,10 +454,13 @@ class Connection(Streams):
             raise H2StreamError(stream.id, ErrorCode.PROTOCOL_ERROR, "body under content-length")
         rejection = head.rejection
         if rejection is not None:
-            block = fields.trailers_only(
-                rejection.grpc_status, rejection.message, rejection.http_status
-            )
-            self.answer(stream, block)
+            if rejection.http_status == 200:
+                self.answer(stream, fields.trailers_only(rejection.grpc_status, rejection.message))
+            else:
+                # Not gRPC (a GET, another content type): a plain HTTP answer with a body, as
+                # HTTP clients and h2spec expect; its DATA waits for window like any answer's.
+                body = rejection.message.encode("utf-8", "replace") + b"\n"
+                self.answer(stream, fields.plain_response(rejection.http_status), body)
             return
         if body is None:
             body = stream.take_body()

@@ -38,7 +38,10 @@ _REQUEST_PSEUDO: Final = frozenset((b":method", b":scheme", b":path", b":authori
 
 @dataclass(frozen=True, slots=True)
 class Rejection:
-    """A well-formed request the server answers itself, without calling a method."""
+    """A well-formed request the server answers itself, without calling a method: with
+    `http_status` 200, a gRPC request it cannot serve, answered with `grpc_status` (gRPC's
+    Trailers-Only); otherwise a request that is not gRPC (not a POST, or not application/grpc),
+    answered in plain HTTP with that status and `message` as a text body (`plain_response`)."""
 
     http_status: int
     grpc_status: int
@@ -254,6 +257,19 @@ def trailers(grpc_status: int, message: str = "") -> bytes:
 def trailers_only(grpc_status: int, message: str, http_status: int = 200) -> bytes:
     """A whole response in one block: an error with no message (gRPC's Trailers-Only)."""
     return _status(http_status) + _CONTENT_TYPE + trailers(grpc_status, message)
+
+
+#: `content-type: text/plain; charset=utf-8`, for the body of a plain HTTP answer.
+_TEXT_PLAIN = _integer(31, 4, 0) + _string(b"text/plain; charset=utf-8")
+#: `allow: POST`: what a 405 must name (RFC 9110 §15.5.6); its name is static entry 22.
+_ALLOW_POST = _integer(22, 4, 0) + _string(b"POST")
+
+
+def plain_response(http_status: int) -> bytes:
+    """The header block of a plain HTTP answer to a request that is not gRPC: `http_status`, a
+    text body to follow in DATA, and for 405 the one method there is."""
+    block = _status(http_status) + _TEXT_PLAIN
+    return block + _ALLOW_POST if http_status == 405 else block
 
 
 def percent_encode(message: str) -> bytes:

@@ -2,9 +2,10 @@
 
 `Streams` keeps the open streams, the calls in flight, the send windows and the queue of
 answers waiting for window; `Connection` (the receive side) builds on it. An answer is
-HEADERS, DATA and trailers. When the windows allow, the three frames go out at once;
-otherwise DATA leaves in pieces as WINDOW_UPDATEs arrive, and the trailers follow the last
-piece.
+HEADERS, DATA and trailers (a gRPC answer), or HEADERS and DATA that ends the stream (the
+plain HTTP answer to a request that is not gRPC). When the windows allow, the frames go out at
+once; otherwise DATA leaves in pieces as WINDOW_UPDATEs arrive, and the trailers follow the
+last piece (or the last piece ends the stream).
 
 A call whose stream the peer reset stays counted against MAX_CONCURRENT_STREAMS until its
 answer comes back (and is dropped): opening and resetting streams cannot pile up work.
@@ -32,6 +33,7 @@ _FRAME: Final = frames.HEADER.pack
 _HEADERS: Final = frames.HEADERS
 _DATA: Final = frames.DATA
 _END_HEADERS: Final = frames.END_HEADERS
+_END_STREAM: Final = frames.END_STREAM
 _END_ALL: Final = frames.END_HEADERS | frames.END_STREAM
 _RESPONSE_HEADERS: Final = fields.RESPONSE_HEADERS
 _TRAILERS_OK: Final = fields.TRAILERS_OK
@@ -68,7 +70,7 @@ class Stream:
         self.body: bytes | bytearray = b""
         self.size = 0  # bytes buffered in `body`
         self.pending = b""  # answer DATA waiting for window
-        self.trailers = b""  # sent after `pending`
+        self.trailers = b""  # sent after `pending`; none: its last DATA ends the stream
 
     def add(self, data: bytes) -> None:
         body = self.body
@@ -194,7 +196,8 @@ class Streams:
     def answer(
         self, stream: Stream, block: bytes, data: bytes = b"", trailers: bytes = b""
     ) -> None:
-        """Send `block` and, unless it ends the stream itself, `data` and then `trailers`."""
+        """Send `block` and, unless it ends the stream itself, `data` and then `trailers`; without
+        `trailers`, `data` ends the stream."""
         stream_id = stream.id
         if self._size_update:
             block = self._size_update + block
@@ -207,14 +210,23 @@ class Streams:
         if size <= stream.send_window and size <= self.send_window and size <= self.peer_max_frame:
             self.send_window -= size
             stream.send_window -= size
+            # Without trailers (`data` ends the stream) the DATA frame carries END_STREAM.
             self.out.append(
                 b"".join(
                     (
                         _FRAME(0, len(block), _HEADERS, _END_HEADERS, stream_id),
                         block,
-                        _FRAME(size >> 16, size & 0xFFFF, _DATA, 0, stream_id),
+                        _FRAME(
+                            size >> 16,
+                            size & 0xFFFF,
+                            _DATA,
+                            0 if trailers else _END_STREAM,
+                            stream_id,
+                        ),
                         data,
-                        _FRAME(0, len(trailers), _HEADERS, _END_ALL, stream_id),
+                        _FRAME(0, len(trailers), _HEADERS, _END_ALL, stream_id)
+                        if trailers
+                        else b"",
                         trailers,
                     )
                 )
@@ -227,19 +239,23 @@ class Streams:
         self._send_pending(stream)
 
     def _send_pending(self, stream: Stream) -> None:
-        pending = stream.pending
+        pending, trailers = stream.pending, stream.trailers
         while pending:
             size = min(len(pending), stream.send_window, self.send_window, self.peer_max_frame)
             if size <= 0:
                 stream.pending = pending
                 return
-            self.out.append(frames.frame(_DATA, 0, stream.id, pending[:size]))
+            last = size == len(pending) and not trailers
+            self.out.append(
+                frames.frame(_DATA, _END_STREAM if last else 0, stream.id, pending[:size])
+            )
             pending = pending[size:]
             stream.send_window -= size
             self.send_window -= size
         stream.pending = b""
         del self._blocked[stream.id]
-        self.out.append(frames.frame(_HEADERS, _END_ALL, stream.id, stream.trailers))
+        if trailers:
+            self.out.append(frames.frame(_HEADERS, _END_ALL, stream.id, trailers))
         self.closed_stream(stream)
 
     def send_blocked(self) -> None:
