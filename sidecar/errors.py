@@ -3,7 +3,7 @@
     SidecarError
     ├── ConfigError        a rules file is wrong: names the file, the path inside it and the fix
     ├── InvalidRequest     a request Envoy (or a client) sent cannot be answered
-    ├── UnknownDomain      a frequency-cap call names a domain without caps
+    ├── UnknownDomain      a frequency-cap or operator call names a domain the rules lack
     ├── StorageError       a backend call failed or timed out; transient, the failure mode decides
     ├── Overloaded         the backend answers, but not this call in time
     └── InjectionError     a pod (or manifest) cannot get a working sidecar from its annotations
@@ -41,8 +41,9 @@ class InvalidRequest(SidecarError):
 
 class UnknownDomain(SidecarError):
     """A frequency-cap call names a domain no rules file declares, or one without `user` → `ad`
-    rules. Envoy's own service answers an unknown domain OK instead (the reference does), but an
-    ad server asking about caps that do not exist has a configuration to fix."""
+    rules, or an operator's counters call (`sidecar.counter_admin`) names a domain no rules
+    declare. Envoy's own service answers an unknown domain OK instead (the reference does), but
+    an ad server or an operator asking about limits that do not exist has something to fix."""
 
 
 class StorageError(SidecarError):

@@ -4,7 +4,7 @@ and the HTTP status a call is answered with, for both gRPC transports (`sidecar.
 
     error            gRPC                HTTP
     InvalidRequest   INVALID_ARGUMENT    400   the caller must fix its request
-    UnknownDomain    NOT_FOUND           404   a frequency-cap call names a domain without caps
+    UnknownDomain    NOT_FOUND           404   a frequency-cap or operator call names no known domain
     StorageError     UNAVAILABLE         503   the backend failed (frequency caps only, see below)
     Overloaded       UNAVAILABLE         503   the backend answers, but not this call in time
     anything else    INTERNAL            500   a bug: logged once per type, with its traceback
