@@ -33,6 +33,7 @@ from sidecar.frequency.caps import DEDUPE_HORIZON, FrequencyCaps
 from sidecar.frequency.service import FrequencyService
 from sidecar.health import Health
 from sidecar.limiter import FailureMode, Limiter, RejectedHits, Settings
+from sidecar.operator_port import OperatorCollector, OperatorError, OperatorPort, OperatorSettings
 from sidecar.quota.service import (
     DEFAULT_TTL_MS,
     STORE_TIMEOUT_MS,
@@ -185,6 +186,8 @@ class Options:
     metrics_path: str = "/metrics"
     #: Another listener for /rlconfig and /metrics, as the reference's DEBUG_PORT.
     debug_address: str | None = None
+    #: The operator port (`sidecar.operator_port`: counters read and reset); None: not served.
+    operator: OperatorSettings | None = None
 
     def extras(self) -> Extras:
         """What answers carry beside their statuses; raises InvalidOption for a header name
@@ -277,6 +280,9 @@ class App:
         #: Bound ports of --metrics-address and --debug-address (0 when not opened).
         self.metrics_port = 0
         self.debug_port = 0
+        self._operator: OperatorPort | None = None
+        #: Bound port of the operator port (0 when not opened).
+        self.operator_port = 0
         self._stopped = False
         #: Whether this app owns the process's collector (`run`): then what it keeps is frozen
         #: after it starts and after each change of rules (`_settle`).
@@ -416,6 +422,9 @@ class App:
                     self.metrics_port = bound
                 else:
                     self.debug_port = bound
+            if options.operator is not None:
+                self._operator = self._operator_port(options.operator, limiter)
+                self.operator_port = await self._operator.start()
         except BaseException:
             await self.stop()
             raise
@@ -452,6 +461,7 @@ class App:
             rlqs_port=self.rlqs_port or None,
             metrics_port=self.metrics_port or None,
             debug_port=self.debug_port or None,
+            operator_port=self.operator_port or None,
             rules="xds" if options.xds is not None else "files",
             grpc_address=options.grpc_address,
             http_address=options.http_address,
@@ -513,6 +523,25 @@ class App:
         aggregated.start()
         self.registry.register(AggregationCollector(aggregated))
         return aggregated
+
+    def _operator_port(self, settings: OperatorSettings, limiter: Limiter) -> OperatorPort:
+        """The operator port, on the store the limiter decides on (without tracing's wrapper);
+        a reset also clears the counters from this process's over-limit cache."""
+        cache = limiter.over_limit_cache
+        assert self._backend is not None
+        try:
+            port = OperatorPort(
+                settings,
+                lambda: self.rules,
+                self._backend,
+                forget=cache.forget if cache is not None else lambda names: None,
+                clock=self._clock,
+                reuse_port=self.options.reuse_port,
+            )
+        except OperatorError as exc:
+            raise InvalidOption(str(exc)) from exc
+        self.registry.register(OperatorCollector(port.stats))
+        return port
 
     def _rls_server(
         self, service: RateLimitService, frequency_service: FrequencyService
@@ -723,6 +752,8 @@ class App:
             # this one restarted) and keep their assignments meanwhile.
             stops.append(self._rlqs.stop(min(grace, 1.0)))
         stops.extend(side.stop() for side in self._side_ports)
+        if self._operator is not None:
+            stops.append(self._operator.stop())
         await asyncio.gather(*stops)
         if self._statsd is not None:
             await self._statsd.stop()  # what the last calls counted goes out too

@@ -131,6 +131,16 @@ class OverLimitCache:
                 ends.clear()
         ends[counter] = end_ms
 
+    def forget(self, names: Sequence[tuple[bytes, bytes]]) -> int:
+        """Forget the counters named (key, field), whatever limit each was found over at: an
+        operator reset them (`sidecar.counter_admin`), so they are asked of the backend again.
+        Returns how many were known. Walks the whole cache: an operator's call, not a decision's."""
+        named = set(names)
+        stale = [counter for counter in self.ends if (counter[0], counter[1]) in named]
+        for counter in stale:
+            del self.ends[counter]
+        return len(stale)
+
     def clear(self) -> None:
         """Forget every counter known to be over (new rules: each is asked again); the pending
         hits stay, to be added."""

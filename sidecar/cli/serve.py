@@ -32,6 +32,7 @@ from sidecar.cli.flags import (
     socket_mode,
 )
 from sidecar.errors import ConfigError
+from sidecar.operator_port import TOKEN_VARIABLE, OperatorSettings
 from sidecar.rls.tls import TlsFiles
 from sidecar.statsd import StatsdError, StatsdSettings
 from sidecar.tracing import TracingSettings
@@ -455,6 +456,33 @@ def register(commands: Any) -> Flags:
         metavar="HOST:PORT",
     )
     serve.add(
+        "--operator-address",
+        "serve the operator API on this address: GET /v1/counters (a descriptor's counters, "
+        "limits, remaining and resets) and POST /v1/counters/reset, for `ratelimit-sidecar "
+        "counters`; never on the gRPC or HTTP port. Not served unless set; an address beyond "
+        "loopback needs --operator-token-file (or RLS_OPERATOR_TOKEN) or "
+        "--operator-tls-client-ca",
+        type=address,
+        metavar="HOST:PORT",
+    )
+    serve.add(
+        "--operator-token-file",
+        "require 'Authorization: Bearer TOKEN' on the operator port, the token read from this "
+        "file at start (RLS_OPERATOR_TOKEN holds it instead, if you must)",
+        metavar="PATH",
+    )
+    serve.add(
+        "--operator-tls-cert",
+        "serve the operator port over HTTPS with this PEM certificate chain",
+        metavar="PATH",
+    )
+    serve.add("--operator-tls-key", "the PEM private key of --operator-tls-cert", metavar="PATH")
+    serve.add(
+        "--operator-tls-client-ca",
+        "mTLS on the operator port: require a client certificate signed by a CA in this file",
+        metavar="PATH",
+    )
+    serve.add(
         "--reference-env",
         "also read envoyproxy/ratelimit's environment variables (REDIS_URL, HOST, PORT, "
         "RUNTIME_ROOT, ...; README lists them), beneath RLS_* variables and flags, as "
@@ -510,9 +538,10 @@ def resolve(
         )
     if args.config and args.xds_server:
         fail(flags.parser, "--config and --xds-server exclude each other: rules come from one")
-    problem = _tls_problem(args)
+    problem = _tls_problem(args) or _operator_problem(args)
     if problem:
         fail(flags.parser, problem)
+    args.operator = operator_settings(args, environ)
     try:
         args.statsd = statsd_settings(args, environ)
     except StatsdError as exc:
@@ -572,6 +601,43 @@ def _tls_problem(args: argparse.Namespace) -> str | None:
     if args.grpc_tls_client_san and not args.grpc_tls_client_ca:
         return "--grpc-tls-client-san needs --grpc-tls-client-ca (the CA that verifies clients)"
     return None
+
+
+def _operator_problem(args: argparse.Namespace) -> str | None:
+    """What is missing from the operator port's flags, if anything."""
+    cert, key = args.operator_tls_cert, args.operator_tls_key
+    if (cert is None) != (key is None):
+        return "--operator-tls-cert needs --operator-tls-key, and the reverse"
+    if cert is None and args.operator_tls_client_ca:
+        return "--operator-tls-client-ca needs --operator-tls-cert and --operator-tls-key"
+    uses = (args.operator_token_file, cert)
+    if args.operator_address is None and any(use is not None for use in uses):
+        return "the --operator-token-file and --operator-tls-* flags need --operator-address"
+    return None
+
+
+def operator_settings(
+    args: argparse.Namespace, environ: Mapping[str, str]
+) -> OperatorSettings | None:
+    """The operator port's settings from `serve`'s flags and RLS_OPERATOR_TOKEN; None when
+    it is not served."""
+    if args.operator_address is None:
+        return None
+    host, _, port = args.operator_address.rpartition(":")
+    cert = args.operator_tls_cert
+    return OperatorSettings(
+        host=host.strip("[]") or "0.0.0.0",
+        port=int(port),
+        token_file=Path(args.operator_token_file) if args.operator_token_file else None,
+        token=environ.get(TOKEN_VARIABLE) or None,
+        tls=None
+        if cert is None
+        else TlsFiles(
+            Path(cert),
+            Path(args.operator_tls_key),
+            client_ca=Path(args.operator_tls_client_ca) if args.operator_tls_client_ca else None,
+        ),
+    )
 
 
 def tracing_settings(args: argparse.Namespace) -> TracingSettings | None:
@@ -643,6 +709,7 @@ def run(args: argparse.Namespace) -> int:
         metrics_address=args.metrics_address,
         metrics_path=args.metrics_path,
         debug_address=args.debug_address,
+        operator=args.operator,
         tls=tls_files(args),
         statsd=args.statsd,
         tracing=tracing_settings(args),
