@@ -14,7 +14,10 @@ The hits refused here are still counted: the limiter adds them to the backend af
 ahead of any later call to the same backend. So the counters hold what they would hold without
 the cache, as the reference's do with its cache off (its default), and a counter read with
 another limit (an override, a reload that raised the limit, another sidecar with other rules)
-gets the answer it would get there. What a flood of refused requests costs the backend is one
+gets the answer it would get there. The reply to those adds is read too (`Added`): a counter
+that was under its limit before them was reset meanwhile (an operator's reset, through this
+sidecar or any other sharing the store), and the cache forgets it, so a reset lifts a limit
+on every sidecar after at most one turn of refusals each. What a flood of refused requests costs the backend is one
 small write per counter per turn instead of a call each. The cache is not used with
 `--rejected-hits skip`, where a refused request must still be judged as a whole and adds
 nothing.
@@ -145,6 +148,28 @@ class OverLimitCache:
         """Forget every counter known to be over (new rules: each is asked again); the pending
         hits stay, to be added."""
         self.ends.clear()
+
+
+class Added:
+    """What the limiter hands the backend with the refused hits it adds (`OverLimitCache.flush`):
+    reads the reply. A counter the reply finds under its limit before these hits (its
+    `left_before`) cannot be over, so it was reset since it was cached: the cache forgets it.
+    An object rather than a closure, which would leave a cycle for the collector per flush."""
+
+    __slots__ = ("cache", "hits")
+
+    def __init__(self, cache: OverLimitCache, hits: Sequence[Hit]) -> None:
+        self.cache = cache
+        self.hits = hits
+
+    def __call__(self, outcomes: list[Outcome] | Exception) -> None:
+        if isinstance(outcomes, Exception):
+            added(outcomes)
+            return
+        ends = self.cache.ends
+        for hit, outcome in zip(self.hits, outcomes, strict=True):
+            if outcome.left_before > 0:
+                ends.pop(hit.counter, None)
 
 
 def added(outcomes: list[Outcome] | Exception) -> None:
