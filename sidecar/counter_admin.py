@@ -53,6 +53,7 @@ class Located:
     def addresses(self) -> list[Address]:
         """Every value its windows read: each counter and the previous window's, once."""
         where = [address(hit.key, hit.field) for hit in self.hits]
+        # A token bucket under its own key has no previous (`Hit.previous` empty).
         where += [address(hit.previous, hit.previous_field) for hit in self.hits if hit.previous]
         return list(dict.fromkeys(where))
 

@@ -22,7 +22,7 @@ import hmac
 import ipaddress
 import json
 import time
-from collections.abc import Awaitable, Callable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from pathlib import Path
@@ -30,6 +30,7 @@ from typing import Any
 
 import structlog
 from aiohttp import web
+from multidict import MultiMapping
 from prometheus_client import Metric
 from prometheus_client.registry import Collector
 
@@ -277,7 +278,7 @@ class OperatorPort:
                 "counters_reset",
                 **_who(request, self._admitted_by),
                 domain=domain,
-                entries={e.key: e.value for e in entries},
+                entries=[f"{e.key}={e.value}" for e in entries],
                 rule=located.found.limit.rule_key,
                 counters_deleted=deleted,
             )
@@ -312,18 +313,17 @@ class _NoRule(Exception):
         super().__init__(f"no rule of domain {domain!r} limits {shown or 'no entries'}")
 
 
-def _query(query: Mapping[str, str]) -> tuple[str, tuple[Entry, ...]]:
+def _query(query: MultiMapping[str]) -> tuple[str, tuple[Entry, ...]]:
     """The descriptor a GET names: `domain` once, `entry=KEY=VALUE` once per entry, in order
     (the first '=' ends the key, so a value may hold any character)."""
-    multi: Any = query
     unknown = sorted(set(query) - {"domain", "entry"})
     if unknown:
         raise InvalidRequest(f"unknown parameter {unknown[0]!r} (expected domain and entry)")
-    domains = multi.getall("domain", [])
+    domains = query.getall("domain", [])
     if len(domains) != 1 or not domains[0]:
         raise InvalidRequest("expected one domain: ?domain=D&entry=KEY=VALUE")
     entries = []
-    for text in multi.getall("entry", []):
+    for text in query.getall("entry", []):
         key, equals, value = text.partition("=")
         if not equals or not key:
             raise InvalidRequest(f"entry {text!r}: expected KEY=VALUE")

@@ -157,7 +157,7 @@ async def test_a_token_bucket_reports_its_tokens_and_a_reset_fills_it(
     assert await hit(limiter, pairs, hits=4) is Code.OK
     (window,) = (await state(limiter, clock, pairs))["windows"]
     assert window["tokens"] == 0
-    await reset(limiter, clock, pairs)
+    assert await reset(limiter, clock, pairs) == 1
     (window,) = (await state(limiter, clock, pairs))["windows"]
     assert window["tokens"] == 4
 
@@ -291,3 +291,41 @@ def test_a_descriptor_the_service_would_refuse_is_refused_with_its_reason(
     shop = config.parse(RULES, "rules.yaml")
     with pytest.raises(InvalidRequest, match=re.escape(reason)):
         counter_admin.locate(Rules({"shop": shop}), domain, entries(pairs), 0)
+
+
+PER_SECOND = """\
+domain: shop
+descriptors:
+  - key: burst
+    rate_limit: {unit: second, requests_per_unit: 2}
+  - key: slow
+    rate_limit: {unit: minute, requests_per_unit: 2}
+"""
+
+
+@pytest.mark.redis
+async def test_a_per_second_store_is_read_and_reset_where_the_decision_path_keeps_them(
+    redis_url: str, clock: Clock
+) -> None:
+    """With `--backend-per-second`, a descriptor whose windows are all in seconds is counted on
+    the second store: its state is read there (OVER_LIMIT), and its reset deletes it there; a
+    minute descriptor's stays on the main store."""
+    from sidecar import config
+    from sidecar.rules import Rules
+    from sidecar.storage.backends import open_backend
+    from sidecar.storage.per_second import PerSecond
+
+    backend = PerSecond(
+        open_backend(redis_url, timeout_ms=1000), open_backend(redis_url + "/1", timeout_ms=1000)
+    )
+    shop = config.parse(PER_SECOND, "rules.yaml")
+    limiter = Limiter(Rules({"shop": shop}), backend, clock=clock)
+    try:
+        for pairs in ([("burst", "a")], [("slow", "a")]):
+            await hit(limiter, pairs, hits=3)
+            assert (await state(limiter, clock, pairs))["code"] == "OVER_LIMIT"
+            assert await reset(limiter, clock, pairs) == 1
+            assert (await state(limiter, clock, pairs))["code"] == "OK"
+            assert await hit(limiter, pairs) is Code.OK
+    finally:
+        await backend.close()

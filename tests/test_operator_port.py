@@ -113,7 +113,7 @@ async def test_an_operator_finds_why_a_client_is_refused_and_until_when_and_lift
     assert len(resets) == 1
     (reset,) = resets
     assert reset["domain"] == "gateway"
-    assert reset["entries"] == {"remote_address": CLIENT}
+    assert reset["entries"] == [f"remote_address={CLIENT}"]
     assert reset["rule"] == "gateway.remote_address"
     assert reset["counters_deleted"] == 1
     assert reset["admitted_by"] == "token"
