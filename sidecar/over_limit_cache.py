@@ -14,13 +14,13 @@ The hits refused here are still counted: the limiter adds them to the backend af
 ahead of any later call to the same backend. So the counters hold what they would hold without
 the cache, as the reference's do with its cache off (its default), and a counter read with
 another limit (an override, a reload that raised the limit, another sidecar with other rules)
-gets the answer it would get there. The reply to those adds is read too (`Added`): a counter
-that was under its limit before them was reset meanwhile (an operator's reset, through this
-sidecar or any other sharing the store), and the cache forgets it, so a reset lifts a limit
-on every sidecar after at most one turn of refusals each. What a flood of refused requests costs the backend is one
-small write per counter per turn instead of a call each. The cache is not used with
-`--rejected-hits skip`, where a refused request must still be judged as a whole and adds
-nothing.
+gets the answer it would get there. What a flood of refused requests costs the backend is one
+small write per counter per turn instead of a call each. The reply to those writes is read
+(`Added`): a counter that was under its limit before them was reset meanwhile (an operator's
+reset, `sidecar.counter_admin`, through this sidecar or any other sharing the store), and the
+cache forgets it, so a reset lifts a limit on every sidecar after one turn of refusals each.
+The cache is not used with `--rejected-hits skip`, where a refused request must still be
+judged as a whole and adds nothing.
 """
 
 from __future__ import annotations

@@ -87,8 +87,8 @@ class PerSecond:
         return await self.main.read(addresses, now_ms)
 
     async def reset(self, addresses: Sequence[Address]) -> int:
-        """Deleted on both stores: an address lives on the one its descriptor's windows chose
-        (`split`), and deleting what is not there costs nothing."""
+        """Deleted on both stores at once: an address lives on the one its descriptor's windows
+        chose (`split`), and deleting it where it is not changes nothing."""
         main, per_second = await asyncio.gather(
             self.main.reset(addresses), self.per_second.reset(addresses)
         )
