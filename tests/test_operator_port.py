@@ -332,3 +332,58 @@ async def test_with_mtls_only_a_client_certificate_of_the_ca_is_served_and_named
     (event,) = [e for e in logs if e["event"] == "counters_reset"]
     assert event["admitted_by"] == "client certificate"
     assert event["client_certificate"] == "commonName=oncall"
+
+
+@pytest.mark.parametrize(
+    ("flags", "environ", "message"),
+    [
+        (
+            ["--operator-tls-cert", "c.pem"],
+            {},
+            "--operator-tls-cert needs --operator-tls-key, and the reverse",
+        ),
+        (
+            ["--operator-tls-cert", "c", "--operator-tls-key", "k"],
+            {},
+            "the --operator-token-file and --operator-tls-* flags need --operator-address",
+        ),
+        (
+            ["--operator-address", "127.0.0.1:0", "--operator-tls-client-ca", "ca"],
+            {},
+            "--operator-tls-client-ca needs --operator-tls-cert and --operator-tls-key",
+        ),
+    ],
+)
+def test_operator_flags_that_cannot_work_stop_serve_with_one_line(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    flags: list[str],
+    environ: dict[str, str],
+    message: str,
+) -> None:
+    """Incomplete operator flags stop `serve` before it starts, exit status 2, one line."""
+    from sidecar.cli import parse_args
+
+    rules = str(write_rules(tmp_path, RULES))
+    with pytest.raises(SystemExit) as stopped:
+        parse_args(["serve", "--config", rules, *flags], environ)
+    assert stopped.value.code == 2
+    assert capsys.readouterr().err == f"ratelimit-sidecar serve: {message}\n"
+
+
+def test_the_token_comes_from_its_variable_which_is_not_an_unknown_setting(
+    tmp_path: Path,
+) -> None:
+    """RLS_OPERATOR_TOKEN gives the operator port its token (no flag carries it, so `ps`
+    never shows it), and is not reported as an unknown RLS_* variable."""
+    from sidecar.cli import parse_args
+
+    rules = str(write_rules(tmp_path, RULES))
+    args = parse_args(
+        ["serve", "--config", rules, "--operator-address", "127.0.0.1:8082"],
+        {"RLS_OPERATOR_TOKEN": TOKEN},
+    )
+    assert args.operator == OperatorSettings("127.0.0.1", 8082, token=TOKEN)
+    assert args.operator.secret() == TOKEN.encode()
+    assert args.unknown_variables == []
+    assert TOKEN not in repr(args.operator)
