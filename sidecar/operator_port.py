@@ -268,7 +268,7 @@ class OperatorPort:
 
         async def reset() -> dict[str, Any]:
             located = counter_admin.locate(self._rules(), domain, entries, self._now_ms())
-            if located.found is None:
+            if located.found is None or located.found.limit.unlimited:
                 raise _NoRule(domain, entries)
             deleted = await counter_admin.reset(self._backend, located)
             names = [w if isinstance(w, tuple) else (w, b"") for w in located.addresses]
@@ -306,7 +306,8 @@ class OperatorPort:
 
 
 class _NoRule(Exception):
-    """A reset names a descriptor no rule limits: there is nothing of it to reset."""
+    """A reset names a descriptor no rule limits (none applies, or an unlimited one): there is
+    nothing of it to reset."""
 
     def __init__(self, domain: str, entries: tuple[Entry, ...]) -> None:
         shown = ",".join(f"{e.key}={e.value}" for e in entries)
