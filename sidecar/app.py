@@ -121,6 +121,7 @@ class App:
     rlqs_port = property(lambda self: self.assembly.listeners.ports.get("rlqs", 0))
     metrics_port = property(lambda self: self.assembly.listeners.ports.get("metrics", 0))
     debug_port = property(lambda self: self.assembly.listeners.ports.get("debug", 0))
+    operator_port = property(lambda self: self.assembly.listeners.ports.get("operator", 0))
 
     @property
     def _limiter(self) -> Limiter | None:

@@ -33,6 +33,7 @@ from sidecar.frequency.caps import FrequencyCaps
 from sidecar.frequency.service import FrequencyService
 from sidecar.health import Health
 from sidecar.limiter import Limiter, Settings
+from sidecar.operator_port import OperatorCollector, OperatorError, OperatorPort
 from sidecar.options import InvalidOption, Options, split_address
 from sidecar.parts import Listener, Listeners, Part, background, closing, reading_rules
 from sidecar.quota.service import STORE_TIMEOUT_MS, QuotaCollector, QuotaServer, QuotaService
@@ -183,6 +184,7 @@ class Assembly:
         self.parts.append(reading_rules("admin", functools.partial(setattr, admin, "rules")))
         self._quota(store)
         self._side_ports()
+        self._operator_port(limiter)
         self.parts.append(self.listeners.part())
         self._watches(backend, limiter, marks)
         self.parts.append(self._health_part(health, grpc))
@@ -196,6 +198,7 @@ class Assembly:
             "rlqs_port": ports.get("rlqs"),
             "metrics_port": ports.get("metrics"),
             "debug_port": ports.get("debug"),
+            "operator_port": ports.get("operator"),
             "rules": "xds" if options.xds is not None else "files",
             "grpc_address": options.grpc_address,
             "http_address": options.http_address,
@@ -459,6 +462,30 @@ class Assembly:
                 reuse_port=options.reuse_port,
             )
             self.listeners.listeners.append(Listener(name, side.start, _graceless(side.stop)))
+
+    def _operator_port(self, limiter: Limiter) -> None:
+        """The operator port (`--operator-address`: counters read and reset), on the store the
+        limiter decides on (without tracing's wrapper); a reset also clears the counters from
+        this process's over-limit cache."""
+        settings = self.options.operator
+        if settings is None:
+            return
+        assert self.backend is not None
+        cache = limiter.over_limit_cache
+        host = self.host
+        try:
+            port = OperatorPort(
+                settings,
+                lambda: host.rules,
+                self.backend,
+                forget=cache.forget_named if cache is not None else lambda names: None,
+                clock=host.clock,
+                reuse_port=self.options.reuse_port,
+            )
+        except OperatorError as exc:
+            raise InvalidOption(str(exc)) from exc
+        host.registry.register(OperatorCollector(port.stats))
+        self.listeners.listeners.append(Listener("operator", port.start, _graceless(port.stop)))
 
     def _watches(
         self, backend: Backend, limiter: Limiter, marks: tuple[tuple[str, int, int, int], ...]

@@ -4,7 +4,7 @@
     ├── ConfigError        a rules file is wrong: names the file, the path inside it and the fix
     ├── InvalidRequest     a request Envoy (or a client) sent cannot be answered
     │   └── NegativeHitsRefused   a refund (is_negative_hits) this sidecar does not take
-    ├── UnknownDomain      a frequency-cap call names a domain without caps
+    ├── UnknownDomain      a frequency-cap or operator call names a domain the rules lack
     ├── StorageError       a backend call failed or timed out; transient, the failure mode decides
     ├── Overloaded         the backend answers, but not this call in time
     ├── OverBound          a caller asked for more than a stated bound allows
@@ -50,8 +50,9 @@ class NegativeHitsRefused(InvalidRequest):
 
 class UnknownDomain(SidecarError):
     """A frequency-cap call names a domain no rules file declares, or one without `user` → `ad`
-    rules. Envoy's own service answers an unknown domain OK instead (the reference does), but an
-    ad server asking about caps that do not exist has a configuration to fix."""
+    rules, or an operator's counters call (`sidecar.counter_admin`) names a domain no rules
+    declare. Envoy's own service answers an unknown domain OK instead (the reference does), but
+    an ad server or an operator asking about limits that do not exist has something to fix."""
 
 
 class StorageError(SidecarError):

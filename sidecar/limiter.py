@@ -42,7 +42,7 @@ from sidecar.model import (
     Window,
     new,
 )
-from sidecar.over_limit_cache import OverLimitCache, added
+from sidecar.over_limit_cache import Added, OverLimitCache
 from sidecar.plan import Counted, Plan, prepare
 from sidecar.rules import Rules
 from sidecar.stats import Stats
@@ -417,8 +417,11 @@ class Limiter:
         )
 
     def _count_refused(self, hits: list[Hit]) -> None:
-        """Add `hits`, which the over-limit cache refused, to the store (see `OverLimitCache`)."""
-        self.backend.apply_then(hits, False, int(self._clock() * 1000), added)
+        """Add `hits`, which the over-limit cache refused, to the store (see `OverLimitCache`);
+        the reply tells the cache which of them were reset meanwhile (`Added`)."""
+        cache = self.over_limit_cache
+        assert cache is not None  # only the cache refuses hits to add
+        self.backend.apply_then(hits, False, int(self._clock() * 1000), Added(cache, hits))
 
     def _on_backend_failure(self, exc: StorageError, waiting: _Waiting) -> Decision:
         """Answer by the failure mode; log the first failure of a run, not every request.

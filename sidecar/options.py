@@ -14,6 +14,7 @@ from typing import Literal
 
 from sidecar.frequency.caps import DEDUPE_HORIZON
 from sidecar.limiter import FailureMode, RejectedHits
+from sidecar.operator_port import OperatorSettings
 from sidecar.quota.service import DEFAULT_TTL_MS
 from sidecar.rls.extras import Extras, HeaderNames
 from sidecar.rls.h2.server import unix_path
@@ -119,6 +120,8 @@ class Options:
     metrics_path: str = "/metrics"
     #: Another listener for /rlconfig and /metrics, as the reference's DEBUG_PORT.
     debug_address: str | None = None
+    #: The operator port (`sidecar.operator_port`: counters read and reset); None: not served.
+    operator: OperatorSettings | None = None
 
     def extras(self) -> Extras:
         """What answers carry beside their statuses; raises InvalidOption for a header name

@@ -18,9 +18,12 @@ ahead of any later call to the same backend. So the counters hold what they woul
 the cache, as the reference's do with its cache off (its default), and a counter read with
 another limit (an override, a reload that raised the limit, another sidecar with other rules)
 gets the answer it would get there. What a flood of refused requests costs the backend is one
-small write per counter per turn instead of a call each. The cache is not used with
-`--rejected-hits skip`, where a refused request must still be judged as a whole and adds
-nothing.
+small write per counter per turn instead of a call each. The reply to those writes is read
+(`Added`): a counter that was under its limit before them was reset meanwhile (an operator's
+reset, `sidecar.counter_admin`, through this sidecar or any other sharing the store), and the
+cache forgets it, so a reset lifts a limit on every sidecar after one turn of refusals each.
+The cache is not used with `--rejected-hits skip`, where a refused request must still be
+judged as a whole and adds nothing.
 """
 
 from __future__ import annotations
@@ -138,10 +141,42 @@ class OverLimitCache:
         """`counter` is no longer known to be over (a refund took it back under its limit)."""
         self.ends.pop(counter, None)
 
+    def forget_named(self, names: Sequence[tuple[bytes, bytes]]) -> int:
+        """Forget the counters named (key, field), whatever limit each was found over at: an
+        operator reset them (`sidecar.counter_admin`), so they are asked of the backend again.
+        Returns how many were known. Walks the whole cache: an operator's call, not a decision's."""
+        named = set(names)
+        stale = [counter for counter in self.ends if (counter[0], counter[1]) in named]
+        for counter in stale:
+            del self.ends[counter]
+        return len(stale)
+
     def clear(self) -> None:
         """Forget every counter known to be over (new rules: each is asked again); the pending
         hits stay, to be added."""
         self.ends.clear()
+
+
+class Added:
+    """What the limiter hands the backend with the refused hits it adds (`OverLimitCache.flush`):
+    reads the reply. A counter the reply finds under its limit before these hits (its
+    `left_before`) cannot be over, so it was reset since it was cached: the cache forgets it.
+    An object rather than a closure, which would leave a cycle for the collector per flush."""
+
+    __slots__ = ("cache", "hits")
+
+    def __init__(self, cache: OverLimitCache, hits: Sequence[Hit]) -> None:
+        self.cache = cache
+        self.hits = hits
+
+    def __call__(self, outcomes: list[Outcome] | Exception) -> None:
+        if isinstance(outcomes, Exception):
+            added(outcomes)
+            return
+        ends = self.cache.ends
+        for hit, outcome in zip(self.hits, outcomes, strict=True):
+            if outcome.left_before > 0:
+                ends.pop(hit.counter, None)
 
 
 def added(outcomes: list[Outcome] | Exception) -> None:

@@ -14,7 +14,7 @@ import redis
 from support.callbacks import should_rate_limit
 from support.clock import Clock
 
-from sidecar import config
+from sidecar import config, counter_admin
 from sidecar.limiter import Limiter, Settings
 from sidecar.model import Code, Decision, Descriptor, Entry, Override, Request, Unit
 from sidecar.rules import Rules
@@ -270,3 +270,40 @@ async def test_the_cache_keeps_its_answer_when_redis_fails(redis_url: str) -> No
         await dead.close()
     finally:
         await backend.close()
+
+
+async def test_a_reset_through_another_sidecar_is_learned_from_the_reply_to_refused_hits(
+    redis_url: str,
+) -> None:
+    """Two sidecars sharing Redis both know (k, v) over; an operator resets it through a third.
+    The next call the second answers from its cache is still refused (it cannot know yet), but
+    the reply to adding that hit shows the counter was under its limit before it: the cache
+    forgets the counter, and the call after is asked of Redis and admitted (2 of 2). The
+    first sidecar's next refusal from its cache finds the counter over again, and keeps it."""
+    clock = Clock()
+    stores = [open_backend(redis_url, timeout_ms=1000) for _ in range(3)]
+    first, second = (Limiter(RULES, s, clock=clock, over_limit_cache=1000) for s in stores[:2])
+    try:
+        for limiter, calls in ((first, 3), (second, 1)):
+            for _ in range(calls):
+                last = await should_rate_limit(limiter, one("k", "v"))
+            assert last.overall_code is Code.OVER_LIMIT
+            assert limiter.over_limit_cache is not None and len(limiter.over_limit_cache) == 1
+        located = counter_admin.locate(RULES, "c", [Entry("k", "v")], int(clock() * 1000))
+        assert await counter_admin.reset(stores[2], located) == 1
+
+        async def refused_from_cache(limiter: Limiter) -> int:
+            """One call refused from the cache, then the entries it keeps once the reply to
+            adding its hit is in (a call sent after it comes back after it)."""
+            assert (await should_rate_limit(limiter, one("k", "v"))).overall_code is Code.OVER_LIMIT
+            await turn()
+            await should_rate_limit(limiter, one("k", "other"))
+            assert limiter.over_limit_cache is not None
+            return len(limiter.over_limit_cache)
+
+        assert await refused_from_cache(second) == 0
+        assert (await should_rate_limit(second, one("k", "v"))).overall_code is Code.OK
+        assert await refused_from_cache(first) == 1
+    finally:
+        for store in stores:
+            await store.close()

@@ -21,8 +21,10 @@ from collections.abc import Mapping, Sequence
 from sidecar import __version__
 from sidecar.cli import check, query, serve
 from sidecar.cli.flags import PROG, Flags, unknown
+from sidecar.counters_command import register as register_counters
 from sidecar.envoy_config.commands import register as register_envoy_config
 from sidecar.injector.commands import register as register_injector
+from sidecar.operator_port import TOKEN_VARIABLE
 from sidecar.usage_command import register as register_usage
 
 # grpc's C core writes its own lines to stderr; keep them to errors so the log stays one format.
@@ -66,6 +68,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Flags]]:
     register_injector(commands)
     register_envoy_config(commands)
     register_usage(commands)
+    register_counters(commands)
     return parser, env_flags
 
 
@@ -101,6 +104,7 @@ def parse_args(
     if flags is not None and args.command == "serve":
         serve.resolve(flags, args, environ, reference_defaults)
         known = set().union(*(command.variables() for command in env_flags.values()))
+        known.add(TOKEN_VARIABLE)  # the operator token: a secret, so no flag of its own
         args.unknown_variables = unknown(environ, known)
         args.rls_read = sorted(name for name in flags.variables() if environ.get(name))
     elif flags is not None:

@@ -18,6 +18,7 @@ from sidecar import logs, settings, statsd
 from sidecar.cli.flags import ENV_PREFIX, PROG, Flags, boolean, fail
 from sidecar.cli.serve_flags import SERVE_FLAGS
 from sidecar.errors import ConfigError
+from sidecar.operator_port import TOKEN_VARIABLE, OperatorSettings
 from sidecar.rls.tls import TlsFiles
 from sidecar.statsd import StatsdError, StatsdSettings
 from sidecar.tracing import TracingSettings
@@ -122,9 +123,10 @@ def resolve(
         )
     if args.config and args.xds_server:
         fail(flags.parser, "--config and --xds-server exclude each other: rules come from one")
-    problem = _tls_problem(args)
+    problem = _tls_problem(args) or _operator_problem(args)
     if problem:
         fail(flags.parser, problem)
+    args.operator = operator_settings(args, environ)
     try:
         args.statsd = statsd_settings(args, environ)
     except StatsdError as exc:
@@ -186,6 +188,43 @@ def _tls_problem(args: argparse.Namespace) -> str | None:
     return None
 
 
+def _operator_problem(args: argparse.Namespace) -> str | None:
+    """What is missing from the operator port's flags, if anything."""
+    cert, key = args.operator_tls_cert, args.operator_tls_key
+    if (cert is None) != (key is None):
+        return "--operator-tls-cert needs --operator-tls-key, and the reverse"
+    if cert is None and args.operator_tls_client_ca:
+        return "--operator-tls-client-ca needs --operator-tls-cert and --operator-tls-key"
+    uses = (args.operator_token_file, cert)
+    if args.operator_address is None and any(use is not None for use in uses):
+        return "the --operator-token-file and --operator-tls-* flags need --operator-address"
+    return None
+
+
+def operator_settings(
+    args: argparse.Namespace, environ: Mapping[str, str]
+) -> OperatorSettings | None:
+    """The operator port's settings from `serve`'s flags and RLS_OPERATOR_TOKEN; None when
+    it is not served."""
+    if args.operator_address is None:
+        return None
+    host, _, port = args.operator_address.rpartition(":")
+    cert = args.operator_tls_cert
+    return OperatorSettings(
+        host=host.strip("[]") or "0.0.0.0",
+        port=int(port),
+        token_file=Path(args.operator_token_file) if args.operator_token_file else None,
+        token=environ.get(TOKEN_VARIABLE) or None,
+        tls=None
+        if cert is None
+        else TlsFiles(
+            Path(cert),
+            Path(args.operator_tls_key),
+            client_ca=Path(args.operator_tls_client_ca) if args.operator_tls_client_ca else None,
+        ),
+    )
+
+
 def tracing_settings(args: argparse.Namespace) -> TracingSettings | None:
     """`serve`'s OpenTelemetry settings; None when tracing is off."""
     if not args.tracing:
@@ -233,6 +272,7 @@ BUILT: dict[str, Callable[[argparse.Namespace], Any]] = {
     "statsd": lambda args: args.statsd,  # made, and checked, by `resolve`
     "tracing": lambda args: tracing_settings(args),
     "xds": xds_flags.options,
+    "operator": lambda args: args.operator,  # made, and checked, by `resolve`
 }
 
 

@@ -529,6 +529,42 @@ SERVE_FLAGS: tuple[Flag, ...] = (
         field="debug_address",
     ),
     Flag(
+        "--operator-address",
+        "serve the operator API on this address: GET /v1/counters (a descriptor's counters, "
+        "limits, remaining and resets) and POST /v1/counters/reset, for `ratelimit-sidecar "
+        "counters`; never on the gRPC or HTTP port. Not served unless set; an address beyond "
+        "loopback needs --operator-token-file (or RLS_OPERATOR_TOKEN) or "
+        "--operator-tls-client-ca",
+        type=address,
+        metavar="HOST:PORT",
+        field="operator",
+    ),
+    Flag(
+        "--operator-token-file",
+        "require 'Authorization: Bearer TOKEN' on the operator port, the token read from this "
+        "file at start (RLS_OPERATOR_TOKEN holds it instead, if you must)",
+        metavar="PATH",
+        field="operator",
+    ),
+    Flag(
+        "--operator-tls-cert",
+        "serve the operator port over HTTPS with this PEM certificate chain",
+        metavar="PATH",
+        field="operator",
+    ),
+    Flag(
+        "--operator-tls-key",
+        "the PEM private key of --operator-tls-cert",
+        metavar="PATH",
+        field="operator",
+    ),
+    Flag(
+        "--operator-tls-client-ca",
+        "mTLS on the operator port: require a client certificate signed by a CA in this file",
+        metavar="PATH",
+        field="operator",
+    ),
+    Flag(
         "--reference-env",
         "also read envoyproxy/ratelimit's environment variables (REDIS_URL, HOST, PORT, "
         "RUNTIME_ROOT, ...; README lists them), beneath RLS_* variables and flags, as "

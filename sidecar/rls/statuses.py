@@ -6,7 +6,7 @@ endpoints (`sidecar.admin`).
     error            gRPC                HTTP
     InvalidRequest   INVALID_ARGUMENT    400   the caller must fix its request
     NegativeHitsRefused UNIMPLEMENTED  501   a refund, which this sidecar is not set to take
-    UnknownDomain    NOT_FOUND           404   a frequency-cap call names a domain without caps
+    UnknownDomain    NOT_FOUND           404   a frequency-cap or operator call names no known domain
     StorageError     UNAVAILABLE         503   the backend failed (frequency caps only, see below)
     Overloaded       UNAVAILABLE         503   the backend answers, but not this call in time
     OverBound        RESOURCE_EXHAUSTED  413   more than a stated bound (buckets on a quota stream);

@@ -129,10 +129,13 @@ class ServerTls:
     Raises TlsError at construction when the files cannot be used.
     """
 
-    def __init__(self, files: TlsFiles) -> None:
+    def __init__(self, files: TlsFiles, alpn: Sequence[str] = ("h2",)) -> None:
         if files.client_san and files.client_ca is None:
             raise TlsError("a client SAN to pin needs a client CA (mTLS) to verify clients with")
         self.files = files
+        #: The protocols offered by ALPN: `h2` on the gRPC port, `http/1.1` on the operator
+        #: port (`sidecar.operator_port`), whose server speaks only that.
+        self._alpn = list(alpn)
         self._marks = _marks_or_error(files)
         self.current = self._context()
         self._pem = self._pem_files()
@@ -155,7 +158,7 @@ class ServerTls:
         context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         context.minimum_version = ssl.TLSVersion.TLSv1_2
         context.set_ciphers(HTTP2_CIPHERS)
-        context.set_alpn_protocols(["h2"])
+        context.set_alpn_protocols(self._alpn)
         context.options |= ssl.OP_NO_RENEGOTIATION
         try:
             context.load_cert_chain(files.cert, files.key)

@@ -368,6 +368,14 @@ class Aggregated:
     async def read(self, addresses: Sequence[Address], now_ms: int) -> list[State | None]:
         return await self.backend.read(addresses, now_ms)
 
+    async def reset(self, addresses: Sequence[Address]) -> int:
+        """Forget this sidecar's views of the counters at `addresses`, with their hits not yet
+        synced (which would bring the counts back), then delete them in the store. Other
+        sidecars' views learn the reset within `fresh_ms`; their unsynced hits still arrive."""
+        for where in addresses:
+            self._counts.pop(where if isinstance(where, tuple) else (where, b""), None)
+        return await self.backend.reset(addresses)
+
     async def ping(self) -> bool:
         return await self.backend.ping()
 

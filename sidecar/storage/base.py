@@ -57,6 +57,13 @@ class Backend(Protocol):
         check judges these in Python (`decide`, read only), which answers as the script would."""
         ...
 
+    async def reset(self, addresses: Sequence[Address]) -> int:
+        """Delete the values at `addresses` (an operator lifting a limit, `sidecar.counter_admin`):
+        counters and buckets under their own keys, or fields of a grouped hash, whose other
+        fields stay. Returns how many existed. One round trip per hash slot; never on the
+        decision path."""
+        ...
+
     async def ping(self) -> bool:
         """Whether the store answers now (for health checks)."""
         ...

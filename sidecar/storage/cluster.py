@@ -37,6 +37,7 @@ from sidecar.storage.scripts import (
     read_commands,
     read_values,
     record_commands,
+    reset_commands,
     run_script,
 )
 from sidecar.usage import as_refused
@@ -359,6 +360,16 @@ class RedisClusterBackend:
         replies raise); for the quota service's own keys (`sidecar.quota.store`), whose caller
         keeps the deadline."""
         return await self._client.execute(*args)
+
+    async def reset(self, addresses: Sequence[Address]) -> int:
+        """Delete `addresses` (see `Backend.reset`): a DEL per hash slot, an HDEL per hash."""
+        commands = reset_commands(addresses)
+        try:
+            async with asyncio.timeout(self._timeout):
+                replies = await gather_all(self._client.execute(*command) for command in commands)
+        except Exception as exc:  # every failure, see `failure`
+            raise failure(self.name, self._timeout_ms, exc) from exc
+        return sum(int(reply) for reply in replies)
 
     async def peers(self, name: bytes) -> int:
         """Register this sidecar as `name` and count the sidecars sharing the counters

@@ -560,6 +560,13 @@ class Leased:
     async def usage_unique(self, groups: Sequence[Sequence[bytes]]) -> list[int]:
         return await self.backend.usage_unique(groups)  # type: ignore[attr-defined, no-any-return]
 
+    async def reset(self, addresses: Sequence[Address]) -> int:
+        """Delete the values at `addresses` in the store (an operator lifting a limit). A leased
+        window's budget is counted apart, in what `lua/lease.lua` has lent of it, which this
+        does not touch (blocks held by other sidecars cannot be taken back): under `--lease-ms`
+        a reset does not lift a leased rule's limit before its window ends."""
+        return await self.backend.reset(addresses)
+
     async def ping(self) -> bool:
         return await self.backend.ping()
 

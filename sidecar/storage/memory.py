@@ -145,6 +145,11 @@ class MemoryBackend:
             for where in addresses
         ]
 
+    async def reset(self, addresses: Sequence[Address]) -> int:
+        # The heap entries of the values dropped are skipped when they come up (`_evict`).
+        values = self._values
+        return sum(values.pop(where, None) is not None for where in set(addresses))
+
     def _remember(self, dedupe: Dedupe, now_ms: int) -> list[bool]:
         """Add each id unseen in either bucket to the current one; True for the ids seen."""
         values = self._values

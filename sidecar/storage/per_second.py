@@ -18,7 +18,7 @@ import asyncio
 from collections.abc import Sequence
 
 from sidecar.algorithms.decide import Address, State
-from sidecar.model import Dedupe, Hit, Outcome, Unit
+from sidecar.model import Dedupe, Hit, Outcome, Unit, Window
 from sidecar.storage.base import Applied, Backend, ReportsFaults
 from sidecar.storage.peers import CountsPeers
 
@@ -85,6 +85,20 @@ class PerSecond:
 
     async def read(self, addresses: Sequence[Address], now_ms: int) -> list[State | None]:
         return await self.main.read(addresses, now_ms)
+
+    async def reset(self, addresses: Sequence[Address]) -> int:
+        """Deleted on both stores at once: an address lives on the one its descriptor's windows
+        chose (`split`), and deleting it where it is not changes nothing."""
+        main, per_second = await asyncio.gather(
+            self.main.reset(addresses), self.per_second.reset(addresses)
+        )
+        return main + per_second
+
+    def store_for(self, windows: Sequence[Window]) -> Backend:
+        """The store that decides a descriptor with these windows (as `split` routes its hits)."""
+        if all(window.unit is Unit.SECOND for window in windows):
+            return self.per_second
+        return self.main
 
     async def usage_hashes(self, pattern: str) -> list[tuple[bytes, dict[bytes, int]]]:
         """Usage lives on `main` (its hits are of a day, never per second)."""

@@ -42,6 +42,7 @@ from sidecar.storage.scripts import (
     read_commands,
     read_values,
     record_commands,
+    reset_commands,
     run_script,
 )
 
@@ -135,6 +136,16 @@ class RedisBackend:
         except Exception as exc:  # every failure, see `failure`
             raise failure(self.name, self._timeout_ms, exc) from exc
         return read_values(len(addresses), positions, replies)
+
+    async def reset(self, addresses: Sequence[Address]) -> int:
+        """Delete `addresses` (see `Backend.reset`): a DEL per hash slot, an HDEL per hash."""
+        commands = reset_commands(addresses)
+        try:
+            async with asyncio.timeout(self._timeout):
+                replies = await gather_all(self._client.execute(*command) for command in commands)
+        except Exception as exc:  # every failure, see `failure`
+            raise failure(self.name, self._timeout_ms, exc) from exc
+        return sum(int(reply) for reply in replies)
 
     async def peers(self, name: bytes) -> int:
         """Register this sidecar as `name` and count the sidecars sharing the counters

@@ -311,6 +311,20 @@ def read_commands(addresses: Sequence[Address]) -> tuple[list[list[Any]], list[l
     return [command for command, _ in reads.values()], [indexes for _, indexes in reads.values()]
 
 
+def reset_commands(addresses: Sequence[Address]) -> list[list[Any]]:
+    """The commands that delete `addresses`: one HDEL per grouped hash, one DEL per slot's
+    string keys (a DEL of keys in several slots is refused by a cluster). Each replies with
+    how many it deleted."""
+    commands: dict[bytes | int, list[Any]] = {}
+    for where in dict.fromkeys(addresses):
+        if isinstance(where, tuple):
+            key, field = where
+            commands.setdefault(key, ["HDEL", key]).append(field)
+        else:
+            commands.setdefault(key_slot(where), ["DEL"]).append(where)
+    return list(commands.values())
+
+
 def read_values(
     count: int, positions: list[list[int]], replies: Sequence[list[bytes | None]]
 ) -> list[State | None]:
