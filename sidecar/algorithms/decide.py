@@ -25,7 +25,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from sidecar.algorithms import fixed_window, sliding_window, token_bucket
+from sidecar.algorithms import fixed_window, sliding_window, token_bucket, windows
 from sidecar.algorithms.token_bucket import Bucket
 from sidecar.model import Algorithm, Hit, Outcome, Role, Window
 
@@ -119,8 +119,6 @@ def decide(
         algorithm = code(hit.window)
         applied = force or (not blocked and (algorithm == PLAIN or not group_over[hit.group]))
         remaining, reset_ms = j.after if applied else j.before
-        if algorithm != BUCKET:
-            reset_ms = hit.end_ms - now_ms
         outcomes.append(Outcome(j.over, remaining, reset_ms, applied, j.before[0]))
         if applied and hit.hits > 0:
             if algorithm == BUCKET:
@@ -172,6 +170,13 @@ def _judge(
             max(0, math.floor(bucket.tokens)),
             token_bucket.reset_ms(bucket.tokens, rate, period_ms, capacity),
         )
+        if taken.over:
+            # Refused: its reset is when it would be admitted (see `token_bucket`).
+            wait = token_bucket.wait_ms(
+                stored if isinstance(stored, Bucket) else None,
+                bucket, cost, rate, period_ms, capacity, window.borrow,
+            )  # fmt: skip
+            before = (before[0], wait)
         if (force or not taken.over) and cost > 0:
             seen[here] = taken.state
         return _Judged(taken.over, before, (taken.remaining, taken.reset_ms), taken.state)
@@ -196,7 +201,24 @@ def _judge(
     if algorithm == PLAIN or not over or force:
         seen[here] = current + cost
     reset_ms = hit.end_ms - now_ms
+    if over and algorithm != PLAIN:
+        reset_ms = _wait_ms(hit, algorithm, previous, current, now_ms)
     return _Judged(over, (before_left, reset_ms), (after_left, reset_ms), None)
+
+
+def _wait_ms(hit: Hit, algorithm: int, previous: int, current: int, now_ms: int) -> int:
+    """When a sliding or borrowing window that refuses `hit` would admit it (see their modules),
+    from the counts it was judged on."""
+    window = hit.window
+    if algorithm == SLIDING:
+        return sliding_window.wait_ms(
+            previous, current, now_ms - hit.start_ms, window.seconds * 1000,
+            hit.hits, window.requests_per_unit,
+        )  # fmt: skip
+    wait = hit.end_ms - now_ms
+    if fixed_window.next_window_wait(current, hit.hits, window.requests_per_unit, window.borrow):
+        wait += windows.next_length_ms(window, hit.end_ms)
+    return wait
 
 
 def _count(stored: State | None) -> int:
