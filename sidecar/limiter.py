@@ -304,6 +304,8 @@ class Limiter:
                     _OVER_LIMIT if over and not shadow else _OK,
                     limit,
                     remaining,
+                    # Rounded up: Envoy rounds it down for Retry-After, and a client that waits
+                    # that long must find the hit admitted (see the algorithms' wait_ms).
                     -(-reset_ms // 1000),
                     window,
                 ),

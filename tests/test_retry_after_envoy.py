@@ -94,7 +94,8 @@ class Gateway:
 
 
 def with_retry_after(config_text: str) -> str:
-    """The gateway's bootstrap with the rate limit filter's `enable_retry_after_header` on."""
+    """The gateway's bootstrap with the rate limit filter's `enable_retry_after_header` on, and
+    failing closed: a 200 is the sidecar's admission, never Envoy giving up on a late answer."""
     config: dict[str, Any] = yaml.safe_load(config_text)
     manager = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
     (limit,) = [
@@ -102,6 +103,7 @@ def with_retry_after(config_text: str) -> str:
         if f["name"] == "envoy.filters.http.ratelimit"
     ]  # fmt: skip
     limit["typed_config"]["enable_retry_after_header"] = True
+    limit["typed_config"]["failure_mode_deny"] = True
     return yaml.safe_dump(config)
 
 
@@ -125,7 +127,8 @@ async def gateway(envoy_binary: str, tmp_path: Path, backend: Backend) -> AsyncI
         async with running_app(rules, backend=backend, clock=clock) as app:
             port, admin_port = free_port(), free_port()
             config = tmp_path / "envoy.yaml"
-            text = bootstrap(rules, app.grpc_port, port, admin_port, upstream.port)
+            # A generous timeout: this shared machine can be slow, and a late answer is a 500.
+            text = bootstrap(rules, app.grpc_port, port, admin_port, upstream.port, timeout=10.0)
             config.write_text(with_retry_after(text))
             envoy = Envoy(envoy_binary, config, admin_port, tmp_path / "envoy.log")
             await asyncio.to_thread(envoy.start)

@@ -5,7 +5,8 @@ order), so memory, Redis and Redis Cluster give identical answers; keep the two 
 
 Three phases:
 1. Each hit is judged against its window (`over`), and its state after the hit is worked out.
-   A counter repeated in one request sees the earlier hits on it as added.
+   A counter repeated in one request sees the earlier hits on it as added. A refused hit's
+   reset is when its window would admit it (each algorithm's `wait_ms`: Envoy's Retry-After).
 2. A descriptor is over when any of its windows is; the request is OVER_LIMIT when a blocking
    descriptor is over, or when it has quota descriptors and all of them are (shadow ones never).
 3. Hits are applied (usage hits, roles USAGE and UNIQUE, are not judged: they count the request

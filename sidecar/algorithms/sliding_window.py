@@ -59,7 +59,8 @@ def wait_ms(
 
     The time worked out in floats is moved by a millisecond until it is the first one at which
     `judge`'s own expression admits the hit (a client that waits it is admitted, one a
-    millisecond earlier is not); the estimate only falls with time, so the moves end."""
+    millisecond earlier is not). The estimate only falls with time, so the moves are bounded:
+    forward by the next window's end, where it is 0, backward by 1 ms (the hit is refused now)."""
     need = cost if cost > 0 else 1
     if need > limit:
         return window_ms - elapsed_ms

@@ -119,8 +119,9 @@ def wait_ms(
 
     The time worked out in floats can miss the refill's own rounding by a millisecond either way;
     it is moved until it is the first millisecond at which `refill` and `admits` admit the hit,
-    so a client that waits it is admitted and one a millisecond earlier is not. Both moves stop
-    at the time until full, where `refill` admits by its own branch.
+    so a client that waits it is admitted and one a millisecond earlier is not. The moves are
+    bounded: forward by the time until full, where `refill` admits by its own branch, backward
+    by 0.
     """
     need = cost if cost > 0 else 1
     now_ms = bucket.stamp_ms

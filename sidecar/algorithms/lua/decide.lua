@@ -42,7 +42,8 @@
 -- Returns, in modes 0 to 2, 5 integers per hit: over (0/1), remaining, reset ms (buckets; for
 -- windows 0, the window's end, which the caller knows, unless a sliding or borrowing window
 -- refuses the hit: then the time until it would admit it), applied (0/1), and what the window
--- admitted before this request. Mode 3 returns one integer per impression: 1 when its id was seen before, else 0.
+-- admitted before this request. Mode 3 returns one integer per impression: 1 when its id was
+-- seen before, else 0.
 --
 -- A grouped hash that gets a new field is pruned of the fields whose keep-until (plus the grace)
 -- has passed, and its expiry is pushed out to cover the fields written, so the hash stays small
