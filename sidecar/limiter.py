@@ -359,6 +359,8 @@ class Limiter:
                     _OVER_LIMIT if over and not shadow else _OK,
                     limit,
                     remaining,
+                    # Rounded up: Envoy rounds it down for Retry-After, and a client that waits
+                    # that long must find the hit admitted (see the algorithms' wait_ms).
                     -(-reset_ms // 1000),
                     window,
                 ),
@@ -533,15 +535,23 @@ class Judged(Protocol):
     @property
     def remaining(self) -> int: ...
 
+    @property
+    def reset_ms(self) -> int: ...
+
 
 def most_restrictive(outcomes: Sequence[Judged]) -> int:
-    """The window a descriptor reports, by its position among the descriptor's `outcomes`: the
-    first over its limit, else the one with least left."""
+    """The window a descriptor reports, by its position among the descriptor's `outcomes`: of
+    those over their limit, the one whose reset is latest (an over window's reset is when it
+    would admit the hit, and the descriptor is admitted only once all of them do: its
+    `duration_until_reset`, Envoy's Retry-After, must be the longest); else the one with least
+    left."""
     chosen = 0
+    over = False
     for position, outcome in enumerate(outcomes):
         if outcome.over:
-            return position
-        if outcome.remaining < outcomes[chosen].remaining:
+            if not over or outcome.reset_ms > outcomes[chosen].reset_ms:
+                chosen, over = position, True
+        elif not over and outcome.remaining < outcomes[chosen].remaining:
             chosen = position
     return chosen
 

@@ -366,7 +366,8 @@ class Outcome(NamedTuple):
 
     over: the window would not admit the hit (a check: one more hit).
     remaining: what the window admits after this request (its `limit_remaining`).
-    reset_ms: time until the window resets (see each algorithm for what reset means).
+    reset_ms: time until the window resets (see each algorithm for what reset means); for a hit
+    the window refuses, until it would admit it.
     applied: whether the hit was added to the counter.
     left_before: what the window admitted before this request (for the statistics' near-limit
     accounting, which needs the count before the hits).

@@ -111,7 +111,7 @@ async def test_token_bucket_lends_then_repays(
     assert (status.code, status.limit_remaining, status.duration_until_reset) == (
         Code.OVER_LIMIT,
         0,
-        3,  # 2.5 s until full again (debt included), in whole seconds
+        1,  # refused: 0.6 s until a whole token (the debt of 5 repaid first), rounded up
     )
     clock.now = start + 0.25
     assert await admitted(limiter, d("api_key=k"), 1) == 0
@@ -159,13 +159,19 @@ async def test_sliding_window_closes_the_boundary_gap(
 async def test_sliding_window_of_several_units(
     make_limiter: Callable[..., Limiter], clock: Clock
 ) -> None:
-    """unit_multiplier: a 5-minute sliding window of 10; the reset is the window's end."""
+    """unit_multiplier: a 5-minute sliding window of 10. Full one minute in, a refused hit
+    waits 240 s for the window's end, then 30 s more until a tenth of its 10 hits has slid out
+    of the estimate; a hit 1 s earlier is still refused."""
     limiter = make_limiter(RULES)
-    clock.now = (clock.now // 300) * 300 + 60
+    start = clock.now = (clock.now // 300) * 300 + 60
     assert await admitted(limiter, d("five_minutes=x"), 12) == 10
     status = (await ask(limiter, d("five_minutes=x", hits=0))).statuses[0]
-    assert status.duration_until_reset == 240
+    assert status.duration_until_reset == 270
     assert status.limit is not None and status.limit.unit is Unit.MINUTE
+    clock.now = start + 269
+    assert await admitted(limiter, d("five_minutes=x"), 1) == 0
+    clock.now = start + 270
+    assert await admitted(limiter, d("five_minutes=x"), 2) == 1
 
 
 async def test_calendar_day_and_month_in_shanghai(

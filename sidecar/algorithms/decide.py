@@ -5,7 +5,8 @@ order), so memory, Redis and Redis Cluster give identical answers; keep the two 
 
 Three phases:
 1. Each hit is judged against its window (`over`), and its state after the hit is worked out.
-   A counter repeated in one request sees the earlier hits on it as added.
+   A counter repeated in one request sees the earlier hits on it as added. A refused hit's
+   reset is when its window would admit it (each algorithm's `wait_ms`: Envoy's Retry-After).
 2. A descriptor is over when any of its windows is; the request is OVER_LIMIT when a blocking
    descriptor is over, or when it has quota descriptors and all of them are (shadow ones never).
    A refund (`hits < 0`, `refunds`) is never over: its counter's state after it is worked out.
@@ -30,7 +31,14 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from sidecar.algorithms import anchored, fixed_window, refunds, sliding_window, token_bucket
+from sidecar.algorithms import (
+    anchored,
+    fixed_window,
+    refunds,
+    sliding_window,
+    token_bucket,
+    windows,
+)
 from sidecar.algorithms.anchored import Span
 from sidecar.algorithms.token_bucket import Bucket
 from sidecar.model import Algorithm, Hit, Outcome, Role, Window
@@ -131,8 +139,6 @@ def decide(
         algorithm = code(hit.window)
         applied = force or (not blocked and (algorithm == PLAIN or not group_over[hit.group]))
         remaining, reset_ms = j.after if applied else j.before
-        if algorithm < BUCKET:
-            reset_ms = hit.end_ms - now_ms
         outcomes.append(Outcome(j.over, remaining, reset_ms, applied, j.before[0]))
         if applied and hit.hits > 0:
             if algorithm >= BUCKET:
@@ -199,6 +205,13 @@ def _judge(
             max(0, math.floor(bucket.tokens)),
             token_bucket.reset_ms(bucket.tokens, rate, period_ms, capacity),
         )
+        if taken.over:
+            # Refused: its reset is when it would be admitted (see `token_bucket`).
+            wait = token_bucket.wait_ms(
+                stored if isinstance(stored, Bucket) else None,
+                bucket, cost, rate, period_ms, capacity, window.borrow,
+            )  # fmt: skip
+            before = (before[0], wait)
         if (force or not taken.over) and cost > 0:
             seen[here] = taken.state
         return _Judged(taken.over, before, (taken.remaining, taken.reset_ms), taken.state)
@@ -223,6 +236,8 @@ def _judge(
     if algorithm == PLAIN or not over or force:
         seen[here] = current + cost
     reset_ms = hit.end_ms - now_ms
+    if over and algorithm != PLAIN:
+        reset_ms = _wait_ms(hit, algorithm, previous, current, now_ms)
     return _Judged(over, (before_left, reset_ms), (after_left, reset_ms), None)
 
 
@@ -277,6 +292,21 @@ def _refund(
         seen[here] = left
     reset_ms = hit.end_ms - now_ms
     return _Judged(False, (before_left, reset_ms), (after_left, reset_ms), None, left - current)
+
+
+def _wait_ms(hit: Hit, algorithm: int, previous: int, current: int, now_ms: int) -> int:
+    """When a sliding or borrowing window that refuses `hit` would admit it (see their modules),
+    from the counts it was judged on."""
+    window = hit.window
+    if algorithm == SLIDING:
+        return sliding_window.wait_ms(
+            previous, current, now_ms - hit.start_ms, window.seconds * 1000,
+            hit.hits, window.requests_per_unit,
+        )  # fmt: skip
+    wait = hit.end_ms - now_ms
+    if fixed_window.next_window_wait(current, hit.hits, window.requests_per_unit, window.borrow):
+        wait += windows.next_length_ms(window, hit.end_ms)
+    return wait
 
 
 def _count(stored: State | None) -> int:

@@ -23,7 +23,13 @@ rejected hit.
 
 `limit_remaining` is what the window still admits: ``limit - used`` (borrowing:
 ``limit + B - used``, or ``limit - debt - used`` in debt), never below 0.
-`duration_until_reset` is the time until the window ends (``W - now % W`` for epoch windows).
+`duration_until_reset` is the time until the window ends (``W - now % W`` for epoch windows),
+on OK and on OVER_LIMIT alike for a plain window: the next window admits any cost up to the
+limit. A borrowing window that refuses a hit reports the time until it would be admitted, if
+nothing else is counted: the window's end when the next window, in debt by what this one
+borrowed, still admits the cost; else the next window's end, once the borrowed part is repaid.
+A cost no window admits (above the limit, or above ``limit + B`` when borrowing) reports the
+window's end.
 """
 
 from __future__ import annotations
@@ -43,6 +49,15 @@ def judge(previous: int, current: int, cost: int, limit: int, borrow: int) -> tu
     need = cost if cost > 0 else 1
     over = current + need > capacity
     return over, max(0, capacity - current), max(0, capacity - current - cost)
+
+
+def next_window_wait(current: int, cost: int, limit: int, borrow: int) -> bool:
+    """Whether a borrowing window that refuses a hit of `cost` at `current` makes it wait past
+    the next window (see the module): the next window starts in debt for whatever `current`
+    borrowed, and admits ``limit - debt``, or ``limit + borrow`` without one."""
+    need = cost if cost > 0 else 1
+    debt = current - limit
+    return need <= limit + borrow and need > (limit - debt if debt > 0 else limit + borrow)
 
 
 def request_is_over(over: Sequence[bool], roles: Sequence[Role]) -> bool:

@@ -15,9 +15,14 @@ is full and may lend 5 again.
 A cost above `capacity + borrow` is never admitted. A check (cost 0) asks whether one more hit
 would be, and changes nothing. A rejected hit never consumes (a bucket that charged rejections
 would never refill for a client that keeps knocking).
-`limit_remaining` is the whole tokens available now (0 while in debt); `duration_until_reset` is
-the time until the bucket is full again, debt included. The state is kept until then: a full
-bucket and no state are the same thing. `lua/decide.lua` mirrors this arithmetic operation for
+`limit_remaining` is the whole tokens available now (0 while in debt). `duration_until_reset`,
+on OK, is the time until the bucket is full again, debt included; on OVER_LIMIT it is the time
+until this hit (its cost, or one hit for a check) would be admitted, if nothing else takes
+tokens: until enough tokens have refilled (the debt repaid first) for the cost to fit in them and
+what is left of the credit line, or, when the credit drawn is past the line (forced hits) or the
+cost needs more than the line can ever lend before the bucket is full, until it is full. A cost
+above `capacity + borrow`, which no wait admits, reports the time until full. The state is kept
+until full: a full bucket and no state are the same thing. `lua/decide.lua` mirrors this arithmetic operation for
 operation, so Redis and memory agree to the last bit.
 """
 
@@ -92,3 +97,47 @@ def take(
     return Taken(
         over, max(0, math.floor(tokens)), reset_ms(tokens, rate, period_ms, capacity), bucket
     )
+
+
+def admits(bucket: Bucket, need: int, borrow: int) -> bool:
+    """Whether a refilled `bucket` admits `need` tokens (`take`'s test)."""
+    return not bucket.drawn + max(0.0, need - max(bucket.tokens, 0.0)) > borrow
+
+
+def wait_ms(
+    state: Bucket | None,
+    bucket: Bucket,
+    cost: int,
+    rate: int,
+    period_ms: int,
+    capacity: int,
+    borrow: int,
+) -> int:
+    """Milliseconds from `bucket.stamp_ms` until a hit of `cost` that `bucket` refuses would be
+    admitted (see the module), if nothing else takes tokens. `state` is the stored state that
+    `bucket` was refilled from (None: a full bucket), which the next request refills from too.
+
+    The time worked out in floats can miss the refill's own rounding by a millisecond either way;
+    it is moved until it is the first millisecond at which `refill` and `admits` admit the hit,
+    so a client that waits it is admitted and one a millisecond earlier is not. The moves are
+    bounded: forward by the time until full, where `refill` admits by its own branch, backward
+    by 0.
+    """
+    need = cost if cost > 0 else 1
+    now_ms = bucket.stamp_ms
+    full = reset_ms(bucket.tokens, rate, period_ms, capacity)
+    if state is not None:
+        full = max(0, state.stamp_ms + reset_ms(state.tokens, rate, period_ms, capacity) - now_ms)
+    target = need - (borrow - bucket.drawn)
+    if state is None or bucket.drawn > borrow or target >= capacity or need > capacity + borrow:
+        return full
+    wait = min(full, max(0, math.ceil((target - bucket.tokens) * period_ms / rate)))
+    while wait < full and not admits(
+        refill(state, now_ms + wait, rate, period_ms, capacity), need, borrow
+    ):
+        wait += 1
+    while wait > 0 and admits(
+        refill(state, now_ms + wait - 1, rate, period_ms, capacity), need, borrow
+    ):
+        wait -= 1
+    return wait

@@ -94,3 +94,13 @@ def bounds(window: Window, now: int) -> tuple[int, int]:
     if window.calendar:
         return calendar_window(now, window.unit, window.timezone, window.week_start)
     return epoch_window(now, window.seconds)
+
+
+def next_length_ms(window: Window, end_ms: int) -> int:
+    """How long the window that follows the one ending at `end_ms` lasts, in milliseconds: its
+    `seconds` for epoch blocks, the calendar's next day, week, month or year otherwise (a
+    borrowing window that refuses a hit may have to wait for its end)."""
+    if not window.calendar:
+        return window.seconds * 1000
+    start, end = bounds(window, end_ms // 1000)
+    return (end - start) * 1000

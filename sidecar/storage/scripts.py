@@ -22,7 +22,7 @@ from typing import Any, Final
 import hiredis
 from redis.crc import key_slot
 
-from sidecar.algorithms import anchored, decide
+from sidecar.algorithms import anchored, decide, windows
 from sidecar.algorithms.anchored import Span
 from sidecar.algorithms.decide import Address, State
 from sidecar.algorithms.token_bucket import Bucket
@@ -131,6 +131,10 @@ def _hit_args(hit: Hit, quota_as_shadow: bool = False) -> tuple[Any, ...]:
         params = (hit.end_ms, 0, 0, 0)
     elif algorithm == decide.SLIDING:
         params = (window.requests_per_unit, 0, hit.start_ms, window.seconds * 1000)
+    elif algorithm == decide.BORROWING:
+        # Its end and the next window's length: a refused hit may have to wait for both.
+        following = windows.next_length_ms(window, hit.end_ms)
+        params = (window.requests_per_unit, hit.end_ms, window.borrow, following)
     else:
         params = (window.requests_per_unit, 0, window.borrow, 0)
     # int(): an IntEnum must travel as its number.
@@ -386,7 +390,7 @@ def _count_outcome(hit: Hit, count: int, now_ms: int) -> Outcome:
 
 
 def decide_outcomes(hits: Sequence[Hit], reply: Reply, now_ms: int) -> list[Outcome]:
-    """`decide.lua`'s five integers per hit, as Outcomes (window resets come from the hit)."""
+    """`decide.lua`'s five integers per hit, as Outcomes (a window's end comes from the hit)."""
     if len(hits) == 1:  # the common call, without the slicing
         over, remaining, reset_ms, applied, left_before = reply
         end_ms = hits[0].end_ms
@@ -396,7 +400,7 @@ def decide_outcomes(hits: Sequence[Hit], reply: Reply, now_ms: int) -> list[Outc
                 (
                     over == 1,
                     remaining,
-                    end_ms - now_ms if end_ms else reset_ms,
+                    end_ms - now_ms if end_ms and not reset_ms else reset_ms,
                     applied == 1,
                     left_before,
                 ),
@@ -405,7 +409,9 @@ def decide_outcomes(hits: Sequence[Hit], reply: Reply, now_ms: int) -> list[Outc
     outcomes = []
     for index, hit in enumerate(hits):
         over, remaining, reset_ms, applied, left_before = reply[5 * index : 5 * index + 5]
-        if hit.end_ms:  # a window (a bucket has no end: the script works out its reset)
+        if hit.end_ms and not reset_ms:
+            # A window's end (a bucket has no end, and a refused hit on a sliding or borrowing
+            # window its own wait: the script works those out).
             reset_ms = hit.end_ms - now_ms
         outcomes.append(new(Outcome, (over == 1, remaining, reset_ms, applied == 1, left_before)))
     return outcomes

@@ -30,7 +30,8 @@
 --              KEYS[2i-1] when the request is admitted, to field `previous` when it is refused;
 --              a unique count adds the member `field` to the HyperLogLog KEYS[2i-1]; either
 --              makes its key expire at p1 (Unix ms) when it changes it. Answered 0 0 0 applied 0.
---   p1..p4     windows: limit, unused, borrow (1) or the window's start, Unix ms (2), window ms (2)
+--   p1..p4     windows: limit, unused (0, 2) or the window's end, Unix ms (1), borrow (1) or the
+--              window's start, Unix ms (2), the next window's ms (1) or the window's ms (2)
 --              buckets: rate, period ms, capacity, borrow
 --              anchored: limit, interval ms (0: none), ends, Unix ms (0: none), 1 when each hit
 --              restarts the interval (a cooldown)
@@ -43,9 +44,11 @@
 -- ARGV[5 + 11n]      mode 3 only: milliseconds the current id hash must live
 -- ARGV[6 + 11n + g]  mode 3 only: the id of impression g
 --
--- Returns, in modes 0 to 2, 5 integers per hit: over (0/1), remaining, reset ms (buckets; 0 for
--- windows, whose reset the caller knows), applied (0/1), and what the window admitted before this
--- request. Mode 3 returns one integer per impression: 1 when its id was seen before, else 0.
+-- Returns, in modes 0 to 2, 5 integers per hit: over (0/1), remaining, reset ms (buckets; for
+-- windows 0, the window's end, which the caller knows, unless a sliding or borrowing window
+-- refuses the hit: then the time until it would admit it), applied (0/1), and what the window
+-- admitted before this request. Mode 3 returns one integer per impression: 1 when its id was
+-- seen before, else 0.
 --
 -- A grouped hash that gets a new field is pruned of the fields whose keep-until (plus the grace)
 -- has passed, and its expiry is pushed out to cover the fields written, so the hash stays small
@@ -102,6 +105,71 @@ local function span(key, field)
   if type(v) == 'table' then return v end
   local c, e = string.match(v, '^(%S+) (%S+)')
   return {tonumber(c), tonumber(e)}
+end
+
+-- When a refused hit would be admitted, in ms from now, if nothing else is counted (the
+-- algorithms' wait_ms, see their modules): the reset a refused hit answers.
+
+-- A stored bucket `b` refilled to `at` admits `need` (token_bucket.refill, then admits).
+local function bucket_admits(b, at, need, rate, period, capacity, borrow)
+  local elapsed = at - b[2]
+  if elapsed < 0 then elapsed = 0 end
+  if elapsed >= math.ceil((capacity - b[1]) * period / rate) then
+    return not (math.max(0, need - capacity) > borrow)
+  end
+  local tokens = math.min(capacity, b[1] + elapsed * rate / period)
+  local drawn = b[3]
+  if tokens >= capacity then drawn = 0 end
+  return not (drawn + math.max(0, need - math.max(tokens, 0)) > borrow)
+end
+
+-- token_bucket.wait_ms: `tokens` and `drawn` are `b` refilled to now.
+local function bucket_wait(b, tokens, drawn, need, rate, period, capacity, borrow)
+  local full = math.ceil((capacity - tokens) * period / rate)
+  if b ~= nil then
+    full = math.max(0, b[2] + math.ceil((capacity - b[1]) * period / rate) - now)
+  end
+  local target = need - (borrow - drawn)
+  if b == nil or drawn > borrow or target >= capacity or need > capacity + borrow then
+    return full
+  end
+  local wait = math.min(full, math.max(0, math.ceil((target - tokens) * period / rate)))
+  while wait < full and not bucket_admits(b, now + wait, need, rate, period, capacity, borrow) do
+    wait = wait + 1
+  end
+  while wait > 0 and bucket_admits(b, now + wait - 1, need, rate, period, capacity, borrow) do
+    wait = wait - 1
+  end
+  return wait
+end
+
+-- sliding_window.over_at and wait_ms.
+local function sliding_over(previous, current, elapsed, window, need, limit)
+  local estimate
+  if elapsed < window then
+    estimate = previous * (window - elapsed) / window + current
+  else
+    estimate = current * (2 * window - elapsed) / window
+  end
+  return estimate + need > limit
+end
+
+local function sliding_wait(previous, current, elapsed, window, need, limit)
+  if need > limit then return window - elapsed end
+  local at
+  if current + need <= limit then
+    at = window - (limit - current - need) * window / previous
+  else
+    at = 2 * window - (limit - need) * window / current
+  end
+  local wait = math.max(1, math.ceil(at) - elapsed)
+  while sliding_over(previous, current, elapsed + wait, window, need, limit) do
+    wait = wait + 1
+  end
+  while wait > 1 and not sliding_over(previous, current, elapsed + wait - 1, window, need, limit) do
+    wait = wait - 1
+  end
+  return wait
 end
 
 -- Mode 3: settle which impressions are new before anything is judged.
@@ -292,6 +360,9 @@ for i = 1, n do
       before_reset[i] = math.ceil((capacity - tokens) * period / rate)
       local credit = math.max(0, need - math.max(tokens, 0))
       is_over = drawn + credit > borrow
+      if is_over then
+        before_reset[i] = bucket_wait(b, tokens, drawn, need, rate, period, capacity, borrow)
+      end
       if (force or not is_over) and cost > 0 then
         tokens = tokens - cost
         drawn = drawn + credit
@@ -303,18 +374,31 @@ for i = 1, n do
     else
       local limit = p1
       local current = count(key, field)
-      local capacity, estimate = limit, current
+      local capacity, estimate, previous = limit, current, 0
       if algorithm == 1 then
         local debt = math.max(0, count(KEYS[2 * i], ARGV[base + 10]) - limit)
         if debt > 0 then capacity = limit - debt else capacity = limit + p3 end
       elseif algorithm == 2 then
         local elapsed = now - p3
-        estimate = count(KEYS[2 * i], ARGV[base + 10]) * (p4 - elapsed) / p4 + current
+        previous = count(KEYS[2 * i], ARGV[base + 10])
+        estimate = previous * (p4 - elapsed) / p4 + current
       end
       is_over = estimate + need > capacity
       before_left[i] = math.max(0, math.floor(capacity - estimate))
       after_left[i] = math.max(0, math.floor(capacity - estimate - cost))
       before_reset[i], after_reset[i] = 0, 0
+      if is_over and algorithm == 2 then
+        local wait = sliding_wait(previous, current, now - p3, p4, need, limit)
+        before_reset[i], after_reset[i] = wait, wait
+      elseif is_over and algorithm == 1 then
+        -- fixed_window.next_window_wait: the next window, p4 ms long, must end first.
+        local debt = current - limit
+        local next_capacity = limit + p3
+        if debt > 0 then next_capacity = limit - debt end
+        if need <= limit + p3 and need > next_capacity then
+          before_reset[i], after_reset[i] = p2 - now + p4, p2 - now + p4
+        end
+      end
       if algorithm == 0 or not is_over or force then
         seen[key][field] = tostring(current + cost)
       end
