@@ -45,12 +45,15 @@ from support.h2peer import (
 from sidecar import config
 from sidecar.app import Options
 from sidecar.limiter import Limiter
+from sidecar.model import Descriptor, Hit, Request
+from sidecar.plan import Plan
 from sidecar.rls.fast import FastServer
 from sidecar.rls.h2.server import _Protocol
 from sidecar.rls.server import METHOD
 from sidecar.rls.service import RateLimitService
 from sidecar.rules import Rules
 from sidecar.storage.backends import open_backend
+from sidecar.storage.redis_client import Reply
 
 #: Calls measured, after WARM_UP calls that open the backend's connections, load its scripts
 #: and fill whatever is made once.
@@ -245,6 +248,35 @@ async def test_calls_leave_no_garbage_cycle(sidecar: Sidecar) -> None:
         f"{len(garbage)} objects in cycles after {CALLS} calls "
         f"({len(garbage) / CALLS:.1f} per call): {_kinds(garbage)}"
     )
+
+
+def _alive(kinds: tuple[type, ...]) -> int:
+    """How many objects of `kinds` the collector tracks now (none collected first)."""
+    return sum(1 for each in gc.get_objects() if isinstance(each, kinds))
+
+
+async def test_a_call_on_a_new_body_leaves_nothing_of_it_alive(sidecar: Sidecar) -> None:
+    """Calls on bodies never seen before leave none of their plans, hits, packed script
+    arguments or Redis replies alive once answered: freed by their reference counts as each
+    call ends, they are never walked or promoted by a young collection. (The packed arguments
+    were kept in a table by the hit's identity, which kept about 2,000 one-off hits alive; the
+    Redis client kept each call's deadline entry and Reply until its deadline timer came up.)
+    Only a body seen twice gets its plan kept (`sidecar.rls.service`), and no body here is."""
+    for data in sidecar.prepare(WARM_UP):
+        await sidecar.feed(data)
+    reads = sidecar.prepare(CALLS)
+    kinds = (Hit, Plan, Request, Descriptor, Reply)
+    gc.collect()
+    gc.disable()
+    try:
+        before = _alive(kinds)
+        for data in reads:
+            await sidecar.feed(data)
+        after = _alive(kinds)
+    finally:
+        gc.enable()
+    assert sidecar.decided() == 2 * (WARM_UP + CALLS)
+    assert after - before <= 0, f"{after - before} more alive after {CALLS} calls on new bodies"
 
 
 async def test_a_closed_connection_leaves_no_garbage_cycle(sidecar: Sidecar) -> None:

@@ -18,7 +18,7 @@ from sidecar.plan import prepare
 from sidecar.rls.service import SEEN_BODIES, RateLimitService
 from sidecar.rules import Rules
 from sidecar.storage.memory import MemoryBackend
-from sidecar.storage.scripts import ApplyPacker, apply_command, counts
+from sidecar.storage.scripts import apply_command, counts, packed_command
 
 RULES = """
 domain: d
@@ -170,15 +170,14 @@ def test_packed_script_call_is_hiredis_packing_of_the_arguments() -> None:
         Hit(b"rl{d|u|\xc3\xa9}|60|0", 2, Window(5, Unit.MINUTE), 2, ttl=60),
     ]
     assert counts(adding, 0) and not counts(adding, 1) and not counts(hits, 0)
-    packer = ApplyPacker(size=2)  # smaller than the request: the cache starts over mid-call
     for request in (hits, adding):
         for mode in (0, 1, 0):
             for now_ms in (0, 1_800_000_000_123):
                 expected = hiredis.pack_command(tuple(apply_command(request, mode, now_ms)))
-                assert packer.command(request, mode, now_ms) == expected
+                assert packed_command(request, mode, now_ms) == expected
                 for hit in request:  # a call on one hit, kept whole (but for decide's mode, time)
                     expected = hiredis.pack_command(tuple(apply_command([hit], mode, now_ms)))
-                    assert packer.command([hit], mode, now_ms) == expected
+                    assert packed_command([hit], mode, now_ms) == expected
 
 
 def test_an_overrides_stats_key_names_an_empty_value_by_its_key_alone() -> None:

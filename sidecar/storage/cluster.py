@@ -26,7 +26,6 @@ from sidecar.storage.scripts import (
     MODE_ADD,
     MODE_ALL_OR_NOTHING,
     MODE_READ,
-    ApplyPacker,
     Reply,
     applied,
     apply_command,
@@ -34,6 +33,7 @@ from sidecar.storage.scripts import (
     decide_command,
     duplicates,
     outcomes_of,
+    packed_command,
     read_commands,
     read_values,
     record_commands,
@@ -75,7 +75,6 @@ class RedisClusterBackend:
         self._client = client
         self._timeout_ms = timeout_ms
         self._timeout = timeout_ms / 1000
-        self._packer = ApplyPacker()
         # `apply_then` calls running `_apply`'s coroutine (kept: the loop holds tasks weakly).
         self._tasks: set[asyncio.Task[None]] = set()
         # Requests whose usage counts were lost since the last `usage_not_counted`, and when.
@@ -202,7 +201,7 @@ class RedisClusterBackend:
                 self._client.refresh_soon()  # as `PipelinedCluster.execute_packed` does
             applied(self.name, self._timeout_ms, hits, mode, now_ms, reply, done)
 
-        master.call_packed(self._packer.command(hits, mode, now_ms), deadline, replied)
+        master.call_packed(packed_command(hits, mode, now_ms), deadline, replied)
 
     def _master_of_all(self, hits: Sequence[Hit]) -> PipelinedRedis | None:
         """The master of the one slot all `hits` share, if the slot map names it; else None."""
@@ -337,14 +336,14 @@ class RedisClusterBackend:
         deadline: float,
         quota_as_shadow: bool = False,
     ) -> Reply:
-        """Run the script on one slot's hits, packed by `ApplyPacker` (see `RedisBackend`)."""
+        """Run the script on one slot's hits, packed by `packed_command` (see `RedisBackend`)."""
         # The packer keeps each hit's own role (count.lua, which `outcomes_of` reads when it
         # `counts` the hits, ignores roles).
         if quota_as_shadow and not counts(hits, mode):
             command = decide_command(hits, mode, now_ms, quota_as_shadow)
             return await self._run(slot, command, deadline)
         send = functools.partial(self._client.execute_packed, slot, deadline=deadline)
-        packed = self._packer.command(hits, mode, now_ms)
+        packed = packed_command(hits, mode, now_ms)
         reply: Reply = await run_script(send, packed, apply_command, hits, mode, now_ms)
         return reply
 

@@ -32,13 +32,13 @@ from sidecar.storage.redis_client import PipelinedRedis
 from sidecar.storage.scripts import (
     MODE_ADD,
     MODE_ALL_OR_NOTHING,
-    ApplyPacker,
     Reply,
     applied,
     apply_command,
     as_eval,
     duplicates,
     lost,
+    packed_command,
     read_commands,
     read_values,
     record_commands,
@@ -52,7 +52,7 @@ class RedisBackend:
 
     Calls go through the pipelined client (`redis_client.py`): every script call of an event-loop
     tick in one write, ticks taking turns on its connections, each call's script arguments
-    packed once per window (`ApplyPacker`) and its deadline kept by the client.
+    packed once per window (`packed_command`) and its deadline kept by the client.
     """
 
     name: str
@@ -63,7 +63,6 @@ class RedisBackend:
         self._client = client
         self._timeout_ms = timeout_ms
         self._timeout = timeout_ms / 1000
-        self._packer = ApplyPacker()
         # What the last ping raised (None once one answers), for `fault`.
         self._ping_error: Exception | None = None
 
@@ -98,7 +97,7 @@ class RedisBackend:
         mode = MODE_ALL_OR_NOTHING if all_or_nothing else MODE_ADD
         deadline = self._client.time() + self._timeout
         replied = _Replied(self, hits, mode, now_ms, deadline, done)
-        self._client.call_packed(self._packer.command(hits, mode, now_ms), deadline, replied)
+        self._client.call_packed(packed_command(hits, mode, now_ms), deadline, replied)
 
     async def record(
         self, batches: Sequence[tuple[Sequence[Hit], Dedupe]], now_ms: int

@@ -200,7 +200,7 @@ class _Protocol(asyncio.Protocol):
         self.flush_scheduled = False
         # (deadline, order, future, `reads` when sent) of the calls with a deadline of their
         # own, and the timer set for the earliest; entries whose future is done are dropped
-        # when they come up.
+        # when they come up, as a read answers them or as the timer fires.
         self.deadlines: list[tuple[float, int, Waiter, int]] = []
         # Reads of the server's replies so far.
         self.reads = 0
@@ -227,6 +227,17 @@ class _Protocol(asyncio.Protocol):
                     future.set_result(reply)
                 if type(reply) is RedisReplyError:
                     self.error_reply(reply)
+            # Let go of the answered calls' deadlines now, not when the timer next comes up:
+            # replies come in the order the calls were sent, whose deadlines are in the same
+            # order when they share a timeout, so the answered ones are at the top of the heap.
+            # Freed here by their reference counts, an entry and its Reply never outlive the
+            # read that answered them, and no collection has them to walk (kept until the
+            # timer, a deadline's worth of calls was always alive: about 1,000 objects at
+            # 10,000 calls/s and a 50 ms deadline, each young collection walking and promoting
+            # them).
+            deadlines = self.deadlines
+            while deadlines and deadlines[0][2].done():
+                heapq.heappop(deadlines)
         except (hiredis.ProtocolError, IndexError) as exc:
             # A reply nobody asked for, or bytes that are not RESP: the stream is out of step.
             self.close(ConnectionLost(f"redis protocol error: {exc!r}"))

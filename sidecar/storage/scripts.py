@@ -1,5 +1,5 @@
 """The contract between the Redis backends and their Lua scripts: what a call sends (the EVALSHA
-arguments each script's header lays out, packed once per hit by `ApplyPacker`) and what its
+arguments each script's header lays out, packed once per hit by `packed_command`) and what its
 reply means (Outcomes, record flags, read values).
 
 The scripts are `decide.lua`, which knows every algorithm and mode, and `count.lua`, which only
@@ -150,86 +150,78 @@ def _hit_args(hit: Hit, quota_as_shadow: bool = False) -> tuple[Any, ...]:
     )
 
 
-#: How many hits' packed arguments `ApplyPacker` keeps before it starts over. Each entry keeps
-#: its hit alive for the collector to walk, and most hits of real traffic are new and never
-#: come back, so the bound is near what the plan cache can hold (`PARSED_CACHE_SIZE` plans,
-#: most with one or two hits), not more. Measured (`python -m bench.distinct`, compiled,
-#: Redis, 10,000 calls/s, 100,000 users uniform / Zipf, one descriptor, two runs each, back
-#: to back): at 16,384 p99 1.32 and 1.39 / 1.43 and 1.32 ms, longest GC pause up to 5 ms; at
-#: 1,024 1.04 and 0.88 / 0.69 and 0.68 ms, up to 2.5 ms; at 2,048 (two hits a cached plan)
-#: 1.10 and 0.83 / 0.78 and 0.81 ms, beside 1.24 / 0.92 at 16,384 in the same minutes.
-PACKED_HITS: Final = 2_048
 _EVALSHA: Final = b"$7\r\nEVALSHA\r\n$40\r\n" + SHA.encode() + b"\r\n"
 _EVALSHA_COUNT: Final = b"$7\r\nEVALSHA\r\n$40\r\n" + COUNT_SHA.encode() + b"\r\n"
 
 
-class ApplyPacker:
-    """The RESP bytes of an apply call, each hit's part packed once.
+def packed_command(hits: Sequence[Hit], mode: int, now_ms: int) -> bytes:
+    """The RESP bytes of an apply call (`apply_command`'s, as hiredis would pack them), each
+    hit's part packed once.
 
     A request's hits are the same objects for every call in their window (`sidecar.plan`), so
-    their keys and arguments are packed the first time and kept by the hit's identity (the
-    entry keeps the hit alive, so its id cannot be reused while the entry exists); only
-    `decide.lua`'s mode and time are packed per call. A call on one hit, the common request, is
-    kept whole (`count.lua`'s) or whole around those two (`decide.lua`'s). The bytes equal
-    hiredis's packing of `apply_command`.
+    their keys and arguments are packed on the first call and kept on the hit (`Hit.packed`);
+    only `decide.lua`'s mode and time are packed per call. A call on one hit, the common
+    request, is kept whole (`count.lua`'s) or whole around those two (`decide.lua`'s).
+
+    Kept on the hit, the parts live as long as it does and no longer: a new body's hits and
+    their parts are freed by their reference counts as its call ends, so the collector never
+    sees them. (They were kept in a table by the hit's identity, which kept each hit alive
+    until the table started over: most hits of real traffic never come back, and each call
+    left two objects for the young collections to walk and promote; see README, "Garbage
+    collection".)
     """
-
-    def __init__(self, size: int = PACKED_HITS) -> None:
-        self._size = size
-        self._parts: dict[int, _Parts] = {}
-
-    def command(self, hits: Sequence[Hit], mode: int, now_ms: int) -> bytes:
-        if len(hits) == 1:
-            parts = self._parts.get(id(hits[0])) or self._pack(hits[0])
-            if counts(hits, mode):
-                return parts.count_alone
-            decided = parts.decided()
-            return b"".join(
-                (decided.alone_head, _SMALL_BULKS[mode], _now(now_ms), decided.alone_tail)
-            )
-        every = [self._parts.get(id(hit)) or self._pack(hit) for hit in hits]
-        n = len(hits)
+    if len(hits) == 1:
+        hit = hits[0]
+        parts = _parts(hit)
         if counts(hits, mode):
-            return b"".join(
-                (
-                    _count_head(n),
-                    *[parts.count_key for parts in every],
-                    *[parts.count_args for parts in every],
-                )
-            )
-        decided_every = [parts.decided() for parts in every]
-        count = _SMALL_BULKS[n] if n < _SMALL else _bulk(n)
+            return parts.count_alone
+        decided = parts.decided(hit)
+        return b"".join((decided.alone_head, _SMALL_BULKS[mode], _now(now_ms), decided.alone_tail))
+    every = [_parts(hit) for hit in hits]
+    n = len(hits)
+    if counts(hits, mode):
         return b"".join(
             (
-                _head(n),
-                *[decided.keys for decided in decided_every],
-                _SMALL_BULKS[mode],
-                _now(now_ms),
-                count,
-                _GRACE,
-                *[decided.args for decided in decided_every],
+                _count_head(n),
+                *[parts.count_key for parts in every],
+                *[parts.count_args for parts in every],
             )
         )
+    decided_every = [parts.decided(hit) for parts, hit in zip(every, hits, strict=True)]
+    count = _SMALL_BULKS[n] if n < _SMALL else _bulk(n)
+    return b"".join(
+        (
+            _head(n),
+            *[decided.keys for decided in decided_every],
+            _SMALL_BULKS[mode],
+            _now(now_ms),
+            count,
+            _GRACE,
+            *[decided.args for decided in decided_every],
+        )
+    )
 
-    def _pack(self, hit: Hit) -> _Parts:
-        if len(self._parts) >= self._size:
-            self._parts.clear()
-        parts = self._parts[id(hit)] = _Parts(hit)
-        return parts
+
+def _parts(hit: Hit) -> _Parts:
+    """The hit's packed parts, made on its first call."""
+    parts: _Parts | None = hit.packed
+    if parts is None:
+        parts = hit.packed = _Parts(hit)
+    return parts
 
 
 class _Parts:
     """One hit's parts of either script's call, each packed once, when first needed (see
-    `ApplyPacker`).
+    `packed_command`).
 
     `count.lua`'s parts are packed at once for a hit that only adds (`Hit.adds_only`: the usual
     request, which never needs `decide.lua`'s), and never for another (`count.lua` cannot take
     it); `decide.lua`'s, the larger, only when a call asks for them. Most hits of a gateway's
-    traffic are new and used once, so what they do not need is not packed.
+    traffic are new and used once, so what they do not need is not packed. The parts do not
+    refer to their hit, which refers to them: a reference back would make a cycle per hit.
     """
 
     def __init__(self, hit: Hit) -> None:
-        self.hit = hit
         self._decided: _DecideParts | None = None
         # count.lua: the hit's key, its two arguments, and a whole call on it alone.
         if hit.adds_only:
@@ -239,11 +231,11 @@ class _Parts:
         else:
             self.count_key = self.count_args = self.count_alone = b""
 
-    def decided(self) -> _DecideParts:
-        """decide.lua's parts of the hit (packed on the first call)."""
+    def decided(self, hit: Hit) -> _DecideParts:
+        """decide.lua's parts of `hit`, whose parts these are (packed on the first call)."""
         decided = self._decided
         if decided is None:
-            decided = self._decided = _DecideParts(self.hit)
+            decided = self._decided = _DecideParts(hit)
         return decided
 
 
