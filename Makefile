@@ -126,6 +126,8 @@ bench-aggregation: venv test-deps
 bench-instructions: venv test-deps compiled
 	@command -v valgrind >/dev/null || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq valgrind >/dev/null; }
 	$(BIN)/python -m bench.instructions --build $(COMPILED)
+	$(BIN)/python -m bench.collector
+	$(BIN)/python -m bench.collector --build $(COMPILED)
 
 ## The benchmarks use the tests' programs (h2load, wrk, redis-server); test-deps installs them.
 bench-deps: test-deps

@@ -29,6 +29,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -52,14 +53,19 @@ def _body(user: str = "u1") -> bytes:
     return b"\x00" + len(message).to_bytes(4, "big") + message
 
 
-async def replay(url: str, rounds: int, distinct: bool = False) -> None:
+async def replay(
+    url: str, rounds: int, distinct: bool = False, ready: Callable[[], None] | None = None
+) -> None:
     """Record CALLS calls once with a live h2 client, then replay their bytes `rounds` times,
     each on a new connection, waiting for every answer of a read before the next read.
 
     `distinct`: every call of every pass names a user of its own, so no body is seen twice and
     each call is planned anew (matching, counter names, a new counter), as most calls of a
     gateway's real traffic are. The bytes of MAX_ROUNDS + 1 passes are written before any is
-    sent, whatever `rounds` is, so that writing them cancels out of the difference."""
+    sent, whatever `rounds` is, so that writing them cancels out of the difference.
+
+    `ready` is called once all is made and recorded, before the calls replayed: what it starts
+    (`bench.collector`'s watch of the cycle collector) sees the calls alone."""
     import h2.config
     import h2.connection
     import h2.events
@@ -128,7 +134,11 @@ async def replay(url: str, rounds: int, distinct: bool = False) -> None:
         ("te", "trailers"),
     ]
     if distinct:
-        passes = [_distinct_pass(headers, first * CALLS) for first in range(MAX_ROUNDS + 1)]
+        passes = [
+            _distinct_pass(headers, first * CALLS) for first in range(max(rounds, MAX_ROUNDS) + 1)
+        ]
+        if ready is not None:
+            ready()
         for preface, reads in passes[: rounds + 1]:
             transport, protocol = connect()
             await feed(transport, protocol, preface)
@@ -151,6 +161,8 @@ async def replay(url: str, rounds: int, distinct: bool = False) -> None:
         reads.append(client.data_to_send())
         await feed(transport, protocol, reads[-1])
         reads[-1] += client.data_to_send()  # WINDOW_UPDATEs for the answers, as a peer sends
+    if ready is not None:
+        ready()
     for _ in range(rounds):
         transport, protocol = connect()
         await feed(transport, protocol, preface)
