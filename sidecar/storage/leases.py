@@ -291,6 +291,7 @@ class Leased:
         self.returned_units = 0
         self.expired_units = 0
         self.lost_units = 0
+        self.refunded_units = 0
 
     def __len__(self) -> int:
         return len(self._counts)
@@ -308,6 +309,9 @@ class Leased:
         counts = self._counts
         for position, hit in enumerate(hits):
             if not hit.window.leased:
+                continue
+            if hit.hits < 0:
+                request.outcomes[position] = self._refund_hit(hit, now_ms)
                 continue
             count = counts.get(hit.key)
             if count is None or count.hit.end_ms != hit.end_ms:
@@ -336,6 +340,19 @@ class Leased:
                 self._renew_soon(count)
         if request.waiting == 0:
             self._leased_answered(request)
+
+    def _refund_hit(self, hit: Hit, now_ms: int) -> Outcome:
+        """A refund (`is_negative_hits`) of a leased window: its units back to this sidecar's
+        lease of the window, never beyond what the lease spent (`Lease.refunded`); never over.
+        With no lease of the window here (spent through another sidecar's, or in a window that
+        ended), nothing comes back, and nothing of the window is known to report."""
+        count = self._counts.get(hit.key)
+        if count is None or count.hit.end_ms != hit.end_ms:
+            return new(Outcome, (False, 0, max(0, hit.end_ms - now_ms), False, 0))
+        before = count.remaining()
+        count.refunded(-hit.hits)
+        self.refunded_units += count.remaining() - before
+        return new(Outcome, (False, count.remaining(), max(0, hit.end_ms - now_ms), True, before))
 
     def _leased_answered(self, request: _Request) -> None:
         """Every leased hit has its outcome: undo the units of descriptors another leased window
@@ -656,6 +673,7 @@ class LeaseCollector(Collector):
             ("returned_units", "Units given back (idle counters, stops).", a.returned_units),
             ("expired_units", "Units held when their window ended (unspent).", a.expired_units),
             ("lost_units", "Units whose return failed, not sent again (unspent).", a.lost_units),
+            ("refunded_units", "Units refunds gave back to leases.", a.refunded_units),
         ):
             yield CounterMetricFamily(f"ratelimit_sidecar_lease_{name}", text, value=value)
         yield GaugeMetricFamily(
