@@ -13,7 +13,7 @@ import pytest
 from conftest import BACKENDS
 from support.callbacks import should_rate_limit
 
-from sidecar import config
+from sidecar import config, counter_admin
 from sidecar.limiter import Limiter, Settings
 from sidecar.model import Code, Descriptor, Entry, Request
 from sidecar.rules import Rules
@@ -96,3 +96,21 @@ async def test_a_refund_gives_units_back_to_the_lease_never_beyond_what_it_spent
     assert await admitted(limiter, "alice", LIMIT + 1) == LIMIT
     assert await refund(limiter, "bob", 5) is Code.OK
     assert await admitted(limiter, "bob", LIMIT + 1) == LIMIT
+
+
+@every_backend
+async def test_a_reset_drops_the_serving_sidecars_leases_of_the_descriptor(
+    make: Callable[[Clock], Limiter],
+) -> None:
+    """A leased user refused for the rest of its window: an operator's reset (the operator
+    port's `counter_admin.reset`) deletes what the store lent and drops this sidecar's lease,
+    so that the next hits get a fresh budget (the limit again) instead of the spent lease's
+    refusals. Another user's lease is left as it was."""
+    clock = Clock()
+    limiter = make(clock)
+    assert await admitted(limiter, "alice", LIMIT + 1) == LIMIT
+    assert await admitted(limiter, "carol", 3) == 3
+    located = counter_admin.locate(limiter.rules, "shop", user("alice"), int(clock() * 1000))
+    await counter_admin.reset(limiter.backend, located)
+    assert await admitted(limiter, "alice", LIMIT + 1) == LIMIT
+    assert await admitted(limiter, "carol", LIMIT) == LIMIT - 3

@@ -192,6 +192,15 @@ class MemoryLeases:
             for ask in asks
         ]
 
+    def forget(self, keys: set[bytes]) -> int:
+        """Forget the counts of `keys` (an operator's reset); returns how many there were."""
+        forgotten = 0
+        for key in keys:
+            forgotten += (self._taken.pop(key, None) is not None) + (
+                self._buckets.pop(key, None) is not None
+            )
+        return forgotten
+
     def _window(self, ask: Ask, now_ms: int) -> tuple[int, int]:
         limit, expires_ms = ask.p1, ask.p3 + LATE_MS
         taken, expires_ms = self._taken.get(ask.key, (0, expires_ms))
@@ -578,11 +587,24 @@ class Leased:
         return await self.backend.usage_unique(groups)  # type: ignore[attr-defined, no-any-return]
 
     async def reset(self, addresses: Sequence[Address]) -> int:
-        """Delete the values at `addresses` in the store (an operator lifting a limit). A leased
-        window's budget is counted apart, in what `lua/lease.lua` has lent of it, which this
-        does not touch (blocks held by other sidecars cannot be taken back): under `--lease-ms`
-        a reset does not lift a leased rule's limit before its window ends."""
-        return await self.backend.reset(addresses)
+        """Delete the values at `addresses` in the store (an operator lifting a limit), and drop
+        this sidecar's leases of them. A leased window's budget is what `lua/lease.lua` lent of
+        it, kept at the counter's own key (on memory://, in `MemoryLeases`): deleted, the store
+        lends the whole limit again. The dropped leases are not given back (a return would come
+        off what the store lends from now on), and what they held is counted as expired: this
+        sidecar's next hits take a fresh block. Other sidecars sharing the store cannot be told:
+        they decide from the blocks they hold until those run out or their window ends, and
+        their next renewal takes from the fresh budget."""
+        deleted = await self.backend.reset(addresses)
+        keys = {where if isinstance(where, bytes) else where[0] for where in addresses}
+        if isinstance(self.leases, MemoryLeases):
+            deleted += self.leases.forget(keys)
+        for key in keys:
+            count = self._counts.pop(key, None)
+            self._due.pop(key, None)
+            if count is not None:
+                self.expired_units += count.held
+        return deleted
 
     async def ping(self) -> bool:
         return await self.backend.ping()
