@@ -202,7 +202,7 @@ def test_leases_share_what_is_left_by_demand_as_the_window_turns() -> None:
     blocks = []
     for name in "abc":
         others = [h for n, h in holders.items() if n != name]
-        owed = lease_owed(holders[name], 0, start, start, report=False)
+        owed, _ = lease_owed(holders[name], 0, start, start, report=False)
         got, holders[name] = allocate(
             Budget(600, window), name, None, others, 0, start, 6_000, owed=owed,
             current=holders[name],
@@ -218,29 +218,31 @@ def test_a_lease_covers_the_demand_until_the_next_report() -> None:
     assert got.max_tokens == 50
 
 
-def test_a_replaced_buckets_remainder_stays_reserved_while_its_successor_travels() -> None:
-    """At a report, what the Envoy's bucket may still hold (100 leased, 30 reported since: 70)
-    is reserved with its new block, for Envoy spends it until the new bucket arrives: with 200
-    of 300 used, the new block is at most 30, and the two together fit in what is left."""
+def test_a_bucket_that_may_hold_more_than_a_new_block_is_kept() -> None:
+    """At a report, what the Envoy's bucket may still hold (100 leased, 30 counted since: 70)
+    against what a new block would give: its demand of 10 a second over a TTL, 50, is less, so
+    the bucket is sent unchanged (Envoy keeps its tokens) and commits the 70; a demand of 50 a
+    second gets a new block, all that is left (100)."""
     current = Holder("a", 50.0, NOW - 5_000, NOW - 5_000, LEASE_RATE, 100, NOW + 1_000)
-    owed = lease_owed(current, 30, START, NOW, report=True)
-    assert owed == 70
-    got, stored = allocate(Budget(300, HOUR), "a", 50.0, [], 200, NOW, TTL, owed=owed,
-                           current=current)  # fmt: skip
-    assert got.blanket is Blanket.TOKEN_BUCKET
-    assert stored.commitment(START, START + HOUR) <= 300 - 200
-    # The block it would get (30) is less than its bucket may still hold (70): kept, so Envoy
-    # keeps its tokens, committing what they may be.
-    assert (got.max_tokens, got.tokens_per_fill) == (100, 1)
+    owed, holds = lease_owed(current, 30, START, NOW, report=True)
+    assert (owed, holds) == (0, 70)
+    got, stored = allocate(Budget(300, HOUR), "a", 10.0, [], 200, NOW, TTL, owed=owed,
+                           current=current, holds=holds)  # fmt: skip
+    assert (got.max_tokens, got.tokens_per_fill, got.fill_interval) == (100, 1, LEASE_FILL_INTERVAL)
     assert stored.commitment(START, START + HOUR) == 70
+    got, stored = allocate(Budget(300, HOUR), "a", 50.0, [], 200, NOW, TTL, owed=owed,
+                           current=current, holds=holds)  # fmt: skip
+    assert got.max_tokens == 99  # all that is left, one less than the bucket Envoy has
+    assert stored.commitment(START, START + HOUR) == 99
 
 
 def test_a_new_block_differs_from_the_bucket_envoy_has() -> None:
     """Envoy keeps a bucket sent unchanged: a new block the size of the current one is sent one
     smaller, so that Envoy starts it full."""
     current = Holder("a", 10.0, NOW - 5_000, NOW - 5_000, LEASE_RATE, 50, NOW + 1_000)
-    got, _ = allocate(Budget(600, MINUTE), "a", 10.0, [], 100, NOW, TTL,
-                      owed=lease_owed(current, 50, START, NOW, report=True), current=current)  # fmt: skip
+    owed, holds = lease_owed(current, 50, START, NOW, report=True)
+    got, _ = allocate(Budget(600, MINUTE), "a", 10.0, [], 100, NOW, TTL, owed=owed,
+                      current=current, holds=holds)  # fmt: skip
     assert got.max_tokens == 49
 
 
@@ -308,7 +310,9 @@ def test_no_window_admits_more_than_its_limit(
         if report:
             # Whole requests, as Envoy reports them (the fluid's fractions rounded up).
             allowed = counted(envoy.holder, math.ceil(envoy.allowed), window, now)
-            owed = 0.0 if pace else lease_owed(envoy.holder, allowed, window, now, report=True)
+            owed, holds = 0.0, 0.0
+            if not pace:
+                owed, holds = lease_owed(envoy.holder, allowed, window, now, report=True)
             used[window] = used.get(window, 0) + allowed
             elapsed = (now - envoy.reported_ms) / 1000 if envoy.reported_ms else 0
             asked = (envoy.allowed + envoy.denied) / elapsed if elapsed else None
@@ -324,12 +328,13 @@ def test_no_window_admits_more_than_its_limit(
                 ttl_ms,
                 owed=owed,
                 current=envoy.holder,
+                holds=holds,
             )
         elif envoy.holder is not None:
             if pace:
                 owed = owed_since(envoy.holder, window, now)
             else:
-                owed = lease_owed(envoy.holder, 0, window, now, report=False)
+                owed, _ = lease_owed(envoy.holder, 0, window, now, report=False)
             assignment, envoy.holder = allocate(
                 budget,
                 name,

@@ -21,24 +21,33 @@ A lease: the block is the Envoy's share (its demand over the fleet's, as below) 
 window has left, and no more than its demand over the next `ttl_ms` (what covers it until its
 next report); at least `MIN_BURST` while the budget lasts, so an idle Envoy can admit its next
 request and report its demand; a new Envoy, whose demand is not known yet, takes its share of
-what is left at once (alone, the whole of it). A lease never outlives its window: its TTL ends
-with the window, and the service pushes the next window's lease as the window turns. At each decision the Envoy either keeps its bucket (sent again unchanged, Envoy
-keeps its tokens: when the bucket may still hold as much as a new block would give, or no new
-block fits) or gets a new block (a bucket with another `max_tokens`, which Envoy starts full).
+what is left at once (alone, the whole of it); the Envoys that share are those whose lease
+ended within a TTL too (as a window turns, each is about to get the next). A lease never
+outlives its window: its TTL ends with the window, and the service pushes the next window's
+lease as the window turns. At each decision the Envoy either keeps its bucket (sent again
+unchanged, Envoy keeps its tokens: when the bucket may still hold as much as a new block would
+give, or no new block fits) or gets a new block (a bucket with another `max_tokens`, which
+Envoy starts full; a block the size of the current bucket is sent one smaller).
 
 Leases never promise the budget twice, counted in whole requests (a token bucket admits a
-request per whole token, and a lease's never fills one in its term):
-``used + owed + block + the other Envoys' commitments <= limit`` for every new block, where
-`owed` is what the Envoy may still admit that no report counted: at a report, what its current
-bucket may still hold (its `max_tokens` at most; the new block replaces it once it reaches
-Envoy, and the old one may be spent until then, so it stays reserved until the next report);
-at a refresh, everything its buckets let it admit since its last report. A kept bucket commits
-`owed` alone. The Envoy's next report counts what it admitted from both, so
-``used + every commitment`` bounds what the window admits at every step. A kept bucket is only
-sent while its assignment has `KEEP_MARGIN_MS` left to live (one that reached Envoy after the
-old one expired would start full: the only timing the bound assumes). Under-admission: what
-the leases held when the window ended, and what is reserved for a bucket replaced while its
-new block travels (at most the Envoy's last block, until its next report).
+request per whole token, and a lease's never fills one in its term): a new block fits in
+``limit - used - owed - the other Envoys' commitments`` (`owed`: at a refresh, what the Envoy
+may have admitted since its last report), and a kept bucket commits what it may still hold
+(at a report: what it was given less what the reports counted since, `holds`), so
+``used + every commitment`` bounds what the window admits. One thing a report cannot tell: of
+what it counts, how much the Envoy's old bucket admitted after the report was sent and before
+its new block arrived (a new block replaces the old bucket on arrival; the old one's remainder
+may be spent meanwhile). Taking it as nothing, a window admits at most its limit plus that
+(the Envoy's demand times the network latency, per new block, at most what the old bucket
+held); keeping it reserved instead would hold every block's remainder until its window ends
+(the report never says it was not spent), a block per Envoy that the others cannot use. A
+kept bucket is only sent while its assignment has `KEEP_MARGIN_MS` left to live (one that
+reached Envoy after the old one expired would start full). Under-admission: what the leases
+held when the window ended; and, after a window
+whose lease was not spent, what the Envoy admitted between its last report and that window's
+end, which `counted` may count in the next window (up to the new block). Tested:
+`tests/test_quota_allocator.py` (the bound on random fleets, leased and paced) and, through
+real Envoys, `tests/test_quota_e2e.py`.
 
 Pacing: each Envoy gets a token bucket (`tokens_per_fill` every `fill_interval`, at most
 `max_tokens` at once) whose rate is its share of the budget's pace:
@@ -246,6 +255,7 @@ def allocate(
     *,
     owed: float = 0.0,
     current: Holder | None = None,
+    holds: float = 0.0,
 ) -> tuple[Assignment, Holder]:
     """The next assignment of `envoy`, and its Holder to store.
 
@@ -280,7 +290,9 @@ def allocate(
         # Leases end with their window: the Envoys whose lease ended within a TTL are still
         # sharing (as the window turns, each is about to get the next one).
         sharing = [h for h in held if h.expires_ms + ttl_ms > now_ms]
-        chosen, owed = _lease(budget, left, demand, sharing, held, owed, now_ms, ttl_ms, current)
+        chosen, owed = _lease(
+            budget, left, demand, sharing, held, owed, holds, now_ms, ttl_ms, current
+        )
     else:
         room = _room(budget, left, owed, held, now_ms, ttl_ms)
         pace = _pace(left, held, owed, now_ms, start, end)
@@ -349,22 +361,22 @@ def owed_since(current: Holder, start_ms: int, now_ms: int) -> float:
 
 def lease_owed(
     current: Holder | None, counted: int, start_ms: int, now_ms: int, report: bool
-) -> float:
-    """A leased bucket's `owed` for `allocate`: what `current`'s Envoy may admit in the window
-    that began at `start_ms` that no report counted, in whole requests. At a report, what its
-    bucket may still hold: what its assignments let it admit in the window (`owed` too: its
-    earlier bucket's remainder, spent before this one arrived, is in the report) less what the
-    report `counted` there, and no more than the bucket's `max_tokens`. (A report spanning the
-    window's start may count there some of what was admitted before it: `used` then holds what
-    the remainder lacks, and the two together still bound the window.) At a refresh (`report`
-    False), everything its assignments let it admit in the window since its last report. A
-    lease that ended as the window began commits nothing in it."""
+) -> tuple[float, float]:
+    """A leased bucket's (`owed`, `holds`) for `allocate`, in whole requests, in the window that
+    began at `start_ms`. At a report, `holds`: what its bucket may still hold, what its
+    assignment let it admit in the window (and what it owed before it) less what the report
+    `counted` there, no more than its `max_tokens`; nothing is owed, the report counted it.
+    (A report spanning the window's start may count there some of what was admitted before
+    it: `used` then holds what the remainder lacks, and the two together still bound the
+    window.) At a refresh (`report` False), `owed`: everything its assignments let it admit in
+    the window since its last report. A lease that ended as the window began commits nothing
+    in it."""
     if current is None or current.expires_ms <= start_ms:
-        return 0.0
+        return 0.0, 0.0
     since = math.floor(owed_since(current, start_ms, now_ms) + 1e-9)
     if not report:
-        return float(since)
-    return float(max(0, min(current.burst, since - counted)))
+        return float(since), 0.0
+    return 0.0, float(max(0, min(current.burst, since - counted)))
 
 
 def _lease(
@@ -374,13 +386,14 @@ def _lease(
     sharing: list[Holder],
     held: list[Holder],
     owed: float,
+    holds: float,
     now_ms: int,
     ttl_ms: int,
     current: Holder | None,
 ) -> tuple[Assignment, float]:
     """The next lease of an Envoy, and the `owed` its Holder keeps (see the module docstring):
     a new block, its current bucket kept, or DENY_ALL when neither fits. `sharing`: the other
-    Envoys whose demand shares the budget."""
+    Envoys whose demand shares the budget; `owed` and `holds` as `lease_owed` gives them."""
     _, end = budget.window(now_ms)
     # Never past the window: the next one's lease is pushed as it begins, with nothing of this
     # one's left to commit there (Envoy's expired_assignment_behavior meanwhile, milliseconds).
@@ -399,14 +412,16 @@ def _lease(
         current is not None
         and current.rate == LEASE_RATE
         and current.expires_ms - now_ms >= KEEP_MARGIN_MS
-        and room[0][0] >= -1e-9
+        and room[0][0] >= holds - 1e-9
         and all(current.burst <= free + 1e-9 for free, _ in room[1:])
     )
-    if keep and current is not None and (block <= min(owed, current.burst) or block < 1):
+    if keep and current is not None and (block <= min(owed + holds, current.burst) or block < 1):
+        # Kept, it commits what it may still hold (and what it owes): its Holder's `owed` is
+        # that less its `max_tokens`.
         kept = Assignment(
             Blanket.TOKEN_BUCKET, term, 1, LEASE_FILL_INTERVAL, current.burst, turns=turns
         )
-        return kept, owed - current.burst
+        return kept, owed + holds - current.burst
     if block < 1:
         return Assignment(Blanket.DENY_ALL, term, constrained=True, turns=turns), owed
     if current is not None and current.rate == LEASE_RATE and current.burst == block:

@@ -201,9 +201,9 @@ class QuotaService:
         start, _ = budget.window(now_ms)
         if not budget.shadow_mode:  # shadow: Envoy admitted under ALLOW_ALL, count it all
             allowed = counted(held.holder, allowed, start, now_ms)
-        owed = 0.0
+        owed = holds = 0.0
         if not budget.pace:
-            owed = lease_owed(held.holder, allowed, start, now_ms, report)
+            owed, holds = lease_owed(held.holder, allowed, start, now_ms, report)
         elif demand is None and held.holder is not None:
             owed = owed_since(held.holder, start, now_ms)
         try:
@@ -221,6 +221,7 @@ class QuotaService:
                     self.ttl_ms,
                     owed=owed,
                     current=held.holder,
+                    holds=holds,
                 )
                 # Holders whose assignments ended before this window commit nothing any more.
                 # (A lease ends with its window: kept a TTL more, its Envoy shares the next.)
