@@ -202,9 +202,9 @@ class Holder:
     `assigned_ms`, `rate`, `burst`, `expires_ms`: its current assignment (rate and burst 0 for a
     blanket rule). `owed`: at most what it admitted between its last report (or the window's
     start, if later) and `assigned_ms`, under an assignment replaced by a refresh (0 after a
-    report; see `owed_since`). A lease's `owed` is what it may admit that no report counted
-    besides its new block (see `lease_owed`); a kept lease bucket's is that less its
-    `max_tokens`, below 0 when the bucket holds less than it (its commitment is `owed` alone).
+    report; see `owed_since`). A kept lease bucket's `owed` is what it may still hold (and
+    owed before) less its `max_tokens`, below 0 when it holds less: its commitment is then what
+    it may still hold (see `lease_owed`).
     """
 
     envoy: str

@@ -11,7 +11,8 @@ Every report is answered with one action per bucket it lists.
 Between reports the stream pushes what Envoy would otherwise miss: a refresh `REFRESH_MARGIN_MS`
 before an assignment expires (counting what the Envoy may have admitted since its report), a
 second decision `RETRY_MS` after a constrained one (once per report), the
-next window's assignment as a spent window's DENY_ALL ends, and an `abandon_action` for a bucket
+next window's assignment as a spent window's DENY_ALL ends or as a lease ends with its window,
+and an `abandon_action` for a bucket
 whose rule was removed. A bucket no rule limits gets ALLOW_ALL (as ShouldRateLimit answers OK),
 refreshed likewise without touching the store.
 

@@ -28,6 +28,11 @@ had handed out: `lease.lua` then grants nothing more for the windows that starte
 (see its header), which costs the rest of each such window, never an over-admission; a bucket
 it forgot is empty, not full, until a lease after its start.
 
+A refund (`is_negative_hits`) of a leased window gives its units back to this sidecar's lease
+of the window, never beyond what it spent (`Lease.refunded`). An operator's reset (`reset`)
+deletes what the store lent and drops this sidecar's leases of the counters; other sidecars
+keep theirs until they run out or their window ends.
+
 A token bucket's lease has no window: it may spend what it took for `lease_ms` from its ask (its
 term), then gives back what it holds with its next call; once the bucket has no whole token
 left, it refuses until the next token is due (`period / rate`), then asks again.
