@@ -47,6 +47,7 @@ from sidecar.quota.allocator import (
     Holder,
     allocate,
     counted,
+    lease_owed,
     owed_since,
 )
 from sidecar.quota.service import RETRY_MS
@@ -136,8 +137,12 @@ class Server:
         # Envoy reports whole requests: the fluid's fraction waits for the next report.
         whole = math.floor(gateway.allowed + gateway.carry)
         gateway.carry += gateway.allowed - whole
-        allowed = counted(self.holders.get(name), whole, window, now_ms)
+        current = self.holders.get(name)
+        allowed = counted(current, whole, window, now_ms)
         self.used[window] = self.used.get(window, 0) + allowed
+        holds = 0.0
+        if not self.budget.pace:
+            _, holds = lease_owed(current, allowed, window, now_ms, report=True)
         elapsed = (now_ms - gateway.reported_ms) / 1000 if gateway.reported_ms else 0
         demand = (gateway.allowed + gateway.denied) / elapsed if elapsed else None
         gateway.allowed = gateway.denied = 0.0
@@ -151,16 +156,29 @@ class Server:
             self.used[window],
             now_ms,
             self.ttl_ms,
-            current=self.holders.get(name),
+            current=current,
+            holds=holds,
         )
         self.holders[name] = holder
         self.operations += OPS_PER_REPORT
         gateway.receive(assignment, now_ms)
-        if assignment.constrained:
+        self.schedule(name, assignment, now_ms)
+
+    def schedule(
+        self, name: str, assignment: Assignment, now_ms: int, retried: bool = False
+    ) -> None:
+        """A constrained assignment is decided again soon (once per report); a lease that ends
+        with its window, as the window turns (as the service does)."""
+        if assignment.constrained and not retried:
             self.retries[name] = now_ms + RETRY_MS
+        elif assignment.turns:
+            self.retries[name] = now_ms + assignment.ttl_ms
+        else:
+            self.retries.pop(name, None)
 
     def retry(self, now_ms: int, fleet: Sequence[Gateway]) -> None:
-        """Decide again the constrained assignments due by `now_ms` (without a report)."""
+        """Decide again the assignments due by `now_ms` (without a report): constrained ones, and
+        leases as their window turns."""
         for name, due in list(self.retries.items()):
             if due > now_ms:
                 continue
@@ -176,11 +194,16 @@ class Server:
                 self.used.get(window, 0),
                 now_ms,
                 self.ttl_ms,
-                owed=owed_since(current, window, now_ms),
+                owed=(
+                    owed_since(current, window, now_ms)
+                    if self.budget.pace
+                    else lease_owed(current, 0, window, now_ms, report=False)[0]
+                ),
                 current=current,
             )
             self.operations += OPS_PER_REPORT
             fleet[int(name)].receive(assignment, now_ms)
+            self.schedule(name, assignment, now_ms, retried=True)
 
 
 Demand = Callable[[int, int, random.Random], float]
@@ -344,13 +367,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--load", type=float, default=3.0, help="demand over the limit's pace")
     parser.add_argument("--only", default="", help="comma-separated scenario names")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument(
+        "--pace", action="store_true", help="a `pace: true` rule's budget (else leased)"
+    )
     args = parser.parse_args(argv)
-    budget = Budget(args.limit, args.window * 1000)
+    budget = Budget(args.limit, args.window * 1000, pace=args.pace)
     total = args.load * args.limit / args.window
     print(
         f"{args.gateways} gateways, limit {args.limit} per {args.window} s, demand "
         f"{args.load:g}× ({total:,.0f}/s), reports every {args.report_interval:g} s, "
-        f"TTL {args.ttl:g} s, {args.seconds} s each"
+        f"TTL {args.ttl:g} s, {args.seconds} s each, {'paced' if args.pace else 'leased'}"
     )
     print(
         f"{'scenario':<10} {'overshoot':>9} {'use':>6} {'jain':>6} {'worst':>6} "

@@ -50,6 +50,7 @@ _DESCRIPTOR_KEYS = (
     "group_counters",
     "approximate",
     "leased",
+    "pace",
     "metadata",
     "identifiers",
 )
@@ -87,7 +88,8 @@ _REFERENCE_KEYS = frozenset(
         *(
             key
             for key in _DESCRIPTOR_KEYS
-            if key not in ("rate_limits", "group_counters", "approximate", "leased", "identifiers")
+            if key
+            not in ("rate_limits", "group_counters", "approximate", "leased", "pace", "identifiers")
         ),
     )
 )
@@ -531,6 +533,7 @@ class _Parser:
                 "group_counters",
                 "approximate",
                 "leased",
+                "pace",
             )
         }
         wildcard = value is not None and "*" in value
@@ -576,6 +579,8 @@ class _Parser:
             limit = self.approximate(limit, item, path, rule_key)
         if flags["leased"]:
             limit = self.leased(limit, item, path, rule_key, flags["approximate"])
+        if flags["pace"]:
+            limit = self.paced(limit, path, rule_key)
         if metadata and limit is not None:
             limit = dataclasses.replace(limit, metadata=metadata)
         children = self.level(item.get("descriptors"), f"{path}.descriptors", rule_key, depth + 1)
@@ -794,6 +799,16 @@ class _Parser:
                 )
             windows.append(dataclasses.replace(window, leased=True))
         return dataclasses.replace(limit, windows=tuple(windows))
+
+    def paced(self, limit: Limit | None, path: str, rule_key: str) -> Limit:
+        """`limit` whose RLQS budget is paced over its window (`sidecar.quota.allocator`)."""
+        if limit is None or limit.unlimited:
+            raise self.error(
+                f"{path}.pace",
+                f"pace applies to a rate limit, but '{rule_key}' has "
+                f"{'an unlimited one' if limit is not None else 'none'} (remove 'pace')",
+            )
+        return dataclasses.replace(limit, pace=True)
 
     def window(self, raw: object, path: str) -> tuple[Window, bool, tuple[str, ...]]:
         """One window: (window, unlimited, names it replaces). Its parts are checked in the

@@ -11,7 +11,9 @@ read-only mode does (`algorithms.decide`), as a frequency-cap check does; nothin
 `reset` deletes each window's counter and the previous window's (a borrowing window's debt, a
 sliding window's weight), or a token bucket's state, which leaves it full.
 
-What it cannot see: the hits an `approximate` window's sidecars have not synced yet, and a
+What it cannot see: the hits an `approximate` window's sidecars have not synced yet, a
+`leased` window's blocks other sidecars hold (a reset drops the serving sidecar's leases; the
+others' run until they run out or their window ends, `sidecar.storage.leases`), and a
 per-descriptor `limit` override Envoy sends (its counters are named by the entries alike, so a
 reset reaches them; the state reports the rules' limit).
 """

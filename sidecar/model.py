@@ -209,7 +209,9 @@ class Limit:
 
     `rule_key` is the rule's place in the tree (`domain.key_value.subkey`), shown by `/rlconfig`.
     The rule's `approximate` flag is kept on its windows (a Hit carries its window, not its
-    limit): `approximate` says whether they have it. `metadata` is the descriptor's `metadata`
+    limit): `approximate` says whether they have it. `pace` (its rule's `pace: true`) paces its
+    budget over each window for Envoys on RLQS, instead of leasing it (`sidecar.quota.allocator`);
+    ShouldRateLimit does not read it. `metadata` is the descriptor's `metadata`
     map from the rules, returned as dynamic metadata (`--response-dynamic-metadata`); it takes
     no part in comparing limits.
     """
@@ -221,6 +223,7 @@ class Limit:
     shadow_mode: bool = False
     quota_mode: bool = False
     rule_key: str = ""
+    pace: bool = False
     metadata: Mapping[str, Any] | None = field(default=None, compare=False, repr=False)
     #: How the limit's over-limit result weighs on the request (see `Role`), worked out once.
     role: Role = field(init=False, repr=False, compare=False)

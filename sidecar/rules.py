@@ -154,6 +154,8 @@ def describe(limit: Limit) -> str:
         line += ", approximate: true"
     if limit.leased:
         line += ", leased: true"
+    if limit.pace:
+        line += ", pace: true"
     return line
 
 

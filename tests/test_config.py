@@ -214,6 +214,11 @@ ERRORS = {
         "'group_counters')"
     ),
     "leased_not_a_flag.yaml": "descriptors[0].leased: leased must be true or false, got 'yes'",
+    "pace_unlimited.yaml": (
+        "descriptors[0].pace: pace applies to a rate limit, but 'api.client_internal' has "
+        "an unlimited one (remove 'pace')"
+    ),
+    "pace_not_a_flag.yaml": "descriptors[0].pace: pace must be true or false, got 'yes'",
     "usage_not_a_list.yaml": "usage: usage must be a list of maps like {by: [app]} (or remove 'usage')",
     "usage_not_a_map.yaml": "usage[0]: a usage dimension is a map like {by: [app]}, got 'app'",
     "usage_empty_by.yaml": "usage[0].by: by must be a list of distinct descriptor keys, like [app, interface]",

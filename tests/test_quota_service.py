@@ -50,6 +50,11 @@ descriptors:
     rate_limit:
       unit: minute
       requests_per_unit: 60
+  - key: paced
+    pace: true
+    rate_limit:
+      unit: minute
+      requests_per_unit: 600
   - key: health
     rate_limit:
       unlimited: true
@@ -83,9 +88,12 @@ def test_a_bucket_id_is_matched_in_the_order_that_walks_the_rules() -> None:
 
 
 def test_the_rules_limit_is_the_buckets_budget_per_window() -> None:
-    """A one-entry bucket takes its rule's limit per its window, whatever its algorithm."""
+    """A one-entry bucket takes its rule's limit per its window, whatever its algorithm; leased
+    unless its rule says `pace: true`."""
     bucket = resolve(rules(), "quota", {"tenant": "acme"})
     assert bucket is not None and bucket.budget == Budget(600, 60_000)
+    paced = resolve(rules(), "quota", {"paced": "acme"})
+    assert paced is not None and paced.budget == Budget(600, 60_000, pace=True)
 
 
 def test_several_windows_give_the_lowest_rate() -> None:
@@ -242,13 +250,30 @@ async def quota_app(tmp_path: Path, backend_url: str, **options: Any) -> AsyncIt
         yield app
 
 
-async def test_a_new_bucket_gets_its_share_at_once(tmp_path: Path, backend_url: str) -> None:
-    """The first report of a limited bucket is answered with a token bucket at the pace that
-    spends the window's budget: 600 a minute, 30 s into it, 599 left, about 20 a second."""
+async def test_a_new_bucket_leases_what_is_left(tmp_path: Path, backend_url: str) -> None:
+    """The first report of a limited bucket, its Envoy alone, is answered with a lease of what
+    the window has left: 600 a minute, 1 reported, a token bucket of 599 that does not refill
+    (a token every 10**8 s), living to the end of its TTL. Reported spent, the bucket is
+    DENY_ALL to the window's end."""
     async with quota_app(tmp_path, backend_url) as app, stream(app) as envoy:
         response = await envoy.report(({"tenant": "acme"}, 1, 0))
         action = response.bucket_action[0]
-        assert dict(action.bucket_id.bucket) == {"tenant": "acme"}
+        assert action.quota_assignment_action.assignment_time_to_live.ToMilliseconds() == 6_000
+        bucket = strategy(response).token_bucket
+        assert bucket.max_tokens == 599
+        assert (bucket.tokens_per_fill.value, bucket.fill_interval.seconds) == (1, 10**8)
+        spent = await envoy.report(({"tenant": "acme"}, 599, 400))
+        assert strategy(spent).blanket_rule == RateLimitStrategy.DENY_ALL
+
+
+async def test_a_paced_bucket_gets_its_share_of_the_pace(tmp_path: Path, backend_url: str) -> None:
+    """With `pace: true`, the first report of a limited bucket is answered with a token bucket
+    at the pace that spends the window's budget: 600 a minute, 30 s into it, 599 left, about 20
+    a second."""
+    async with quota_app(tmp_path, backend_url) as app, stream(app) as envoy:
+        response = await envoy.report(({"paced": "acme"}, 1, 0))
+        action = response.bucket_action[0]
+        assert dict(action.bucket_id.bucket) == {"paced": "acme"}
         assert action.quota_assignment_action.assignment_time_to_live.ToMilliseconds() == 6_000
         bucket = strategy(response).token_bucket
         rate = bucket.tokens_per_fill.value / bucket.fill_interval.seconds
@@ -297,10 +322,10 @@ def commitment(response: RateLimitQuotaResponse, seconds: float) -> float:
     return bucket.max_tokens + bucket.tokens_per_fill.value / bucket.fill_interval.seconds * seconds
 
 
-async def test_two_sidecars_share_one_budget(tmp_path: Path, shared_url: str) -> None:
-    """Two sidecars on one Redis, an Envoy on each: the second sees the first's report and
-    assignment, so the two buckets together promise no more than is left, and once the reports
-    reach the limit both Envoys are denied."""
+async def test_two_sidecars_share_one_lease_budget(tmp_path: Path, shared_url: str) -> None:
+    """Two sidecars on one Redis, an Envoy on each: the first Envoy's lease holds what is left,
+    so the second is denied until the first reports; what the first's bucket may still hold
+    stays its own (kept, not lent again); once the reports reach the limit both are denied."""
     async with (
         quota_app(tmp_path, shared_url) as first,
         quota_app(tmp_path, shared_url) as second,
@@ -308,16 +333,41 @@ async def test_two_sidecars_share_one_budget(tmp_path: Path, shared_url: str) ->
         stream(second) as envoy_b,
     ):
         a = await envoy_a.report(({"tenant": "acme"}, 100, 0))
-        b = await envoy_b.report(({"tenant": "acme"}, 80, 0))
+        assert strategy(a).token_bucket.max_tokens == 500
+        b = await envoy_b.report(({"tenant": "acme"}, 0, 1))
+        assert strategy(b).blanket_rule == RateLimitStrategy.DENY_ALL
+        # 300 of its 500 spent: 200 may be left in its bucket, all that is left of the window.
+        kept = await envoy_a.report(({"tenant": "acme"}, 300, 0))
+        assert strategy(kept).token_bucket == strategy(a).token_bucket
+        b = await envoy_b.report(({"tenant": "acme"}, 0, 5))
+        assert strategy(b).blanket_rule == RateLimitStrategy.DENY_ALL
+        spent = await envoy_a.report(({"tenant": "acme"}, 200, 0))
+        assert strategy(spent).blanket_rule == RateLimitStrategy.DENY_ALL
+        also = await envoy_b.report(({"tenant": "acme"}, 0, 5))
+        assert strategy(also).blanket_rule == RateLimitStrategy.DENY_ALL
+
+
+async def test_two_sidecars_share_one_paced_budget(tmp_path: Path, shared_url: str) -> None:
+    """Two sidecars on one Redis, an Envoy on each, a `pace: true` rule: the second sees the
+    first's report and assignment, so the two buckets together promise no more than is left,
+    and once the reports reach the limit both Envoys are denied."""
+    async with (
+        quota_app(tmp_path, shared_url) as first,
+        quota_app(tmp_path, shared_url) as second,
+        stream(first) as envoy_a,
+        stream(second) as envoy_b,
+    ):
+        a = await envoy_a.report(({"paced": "acme"}, 100, 0))
+        b = await envoy_b.report(({"paced": "acme"}, 80, 0))
         # 180 of 600 used, 30 s left; each assignment lives 10 s, and both together fit.
         assert commitment(a, 10) + commitment(b, 10) <= 600 - 180
         # Neither demand known yet: the second gets half the pace, (600 - 180) / 30 s / 2, less
         # the buckets' bursts spread over the 30 s.
         bucket = strategy(b).token_bucket
         assert 6.5 <= bucket.tokens_per_fill.value / bucket.fill_interval.seconds <= 7
-        spent = await envoy_a.report(({"tenant": "acme"}, 420, 0))
+        spent = await envoy_a.report(({"paced": "acme"}, 420, 0))
         assert strategy(spent).blanket_rule == RateLimitStrategy.DENY_ALL
-        also = await envoy_b.report(({"tenant": "acme"}, 0, 0))
+        also = await envoy_b.report(({"paced": "acme"}, 0, 0))
         assert strategy(also).blanket_rule == RateLimitStrategy.DENY_ALL
 
 

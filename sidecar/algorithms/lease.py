@@ -34,6 +34,10 @@ and adds it to `taken`. Rules, each tested in `tests/test_lease.py`:
   ends, where every block ends: a lease is never used past its window.
 - Exhausted: an answer that leaves nothing (``limit - taken == 0``) tells the holder the window
   is spent; it refuses the rest of the window without asking again.
+- Refunds (Envoy's `is_negative_hits`): the units go back to the holder's lease, never beyond
+  what it spent in its window (`refunded`): the store's `taken` does not change (the units are
+  still out of it, held now instead of spent), so a refund never lends a unit twice, whoever
+  sends it. A refund of units another holder spent gives nothing back here.
 
 Token buckets (`settle_bucket`) are leased the same way, their tokens for the budget: a block is
 at most two thirds of the whole tokens the bucket holds after what comes back, and a holder may
@@ -164,6 +168,14 @@ class Lease:
         """Undo an admitted hit the request did not use (another of its windows refused it)."""
         self.held += cost
         self.spent -= cost
+
+    def refunded(self, units: int) -> int:
+        """A refund of `units`: what it spent comes back to what it holds, never more than it
+        spent; returns how many came back. Its demand is untouched (it was asked for)."""
+        back = min(units, max(0, self.spent))
+        self.held += back
+        self.spent -= back
+        return back
 
     def due(self, lead_ms: int) -> bool:
         """Whether to ask for a block now: what is held would last less than `lead_ms`."""

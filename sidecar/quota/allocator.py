@@ -7,8 +7,50 @@ report, every `reporting_interval`, how many requests they allowed and denied; t
 the allowed ones to the window's `used` and keep one `Holder` per Envoy: what it was asked for
 (its demand, in requests per second) and what it was last assigned.
 
-Each Envoy gets a token bucket (`tokens_per_fill` every `fill_interval`, at most `max_tokens`
-at once) whose rate is its share of the budget's pace:
+Two ways to hand the budget out, by the rule:
+
+- Leases (the default): each Envoy's assignment is a block of the window's budget, a token
+  bucket whose `max_tokens` is the block and that does not refill (one token per
+  `LEASE_FILL_INTERVAL` seconds, a whole token never within an assignment's term), so the
+  window's budget is spent as fast as the fleet asks for it, as the same rule means through
+  ShouldRateLimit (`_lease` below).
+- Pace (a rule's `pace: true`): each Envoy's token bucket refills at its share of the pace that
+  spends what is left of the window evenly until it ends.
+
+A lease: the block is the Envoy's share (its demand over the fleet's, as below) of what the
+window has left, and no more than its demand over the next `ttl_ms` (what covers it until its
+next report); at least `MIN_BURST` while the budget lasts, so an idle Envoy can admit its next
+request and report its demand; a new Envoy, whose demand is not known yet, takes its share of
+what is left at once (alone, the whole of it); the Envoys that share are those whose lease
+ended within a TTL too (as a window turns, each is about to get the next). A lease never
+outlives its window: its TTL ends with the window, and the service pushes the next window's
+lease as the window turns. At each decision the Envoy either keeps its bucket (sent again
+unchanged, Envoy keeps its tokens: when the bucket may still hold as much as a new block would
+give, or no new block fits) or gets a new block (a bucket with another `max_tokens`, which
+Envoy starts full; a block the size of the current bucket is sent one smaller).
+
+Leases never promise the budget twice, counted in whole requests (a token bucket admits a
+request per whole token, and a lease's never fills one in its term): a new block fits in
+``limit - used - owed - the other Envoys' commitments`` (`owed`: at a refresh, what the Envoy
+may have admitted since its last report), and a kept bucket commits what it may still hold
+(at a report: what it was given less what the reports counted since, `holds`), so
+``used + every commitment`` bounds what the window admits. One thing a report cannot tell: of
+what it counts, how much the Envoy's old bucket admitted after the report was sent and before
+its new block arrived (a new block replaces the old bucket on arrival; the old one's remainder
+may be spent meanwhile). Taking it as nothing, a window admits at most its limit plus that
+(the Envoy's demand times the network latency, per new block, at most what the old bucket
+held); keeping it reserved instead would hold every block's remainder until its window ends
+(the report never says it was not spent), a block per Envoy that the others cannot use. A
+kept bucket is only sent while its assignment has `KEEP_MARGIN_MS` left to live (one that
+reached Envoy after the old one expired would start full). Under-admission: what the leases
+held when the window ended; and, after a window
+whose lease was not spent, what the Envoy admitted between its last report and that window's
+end, which `counted` may count in the next window (up to the new block). Tested:
+`tests/test_quota_allocator.py` (the bound on random fleets, leased and paced) and, through
+real Envoys, `tests/test_quota_e2e.py`.
+
+Pacing: each Envoy gets a token bucket (`tokens_per_fill` every `fill_interval`, at most
+`max_tokens` at once) whose rate is its share of the budget's pace:
 
 - Pace: what the whole fleet may admit per second from now on to spend what is left of the
   window's budget evenly until the window ends (`left / seconds_left`, `left` net of what the
@@ -82,6 +124,14 @@ WINDOW_GRACE_MS = 1_000
 #: bucket whenever its assignment changes, and a full bucket is burst. (Never a rate below the
 #: target: kept, it would leave budget unspent report after report.)
 STEADY = 0.1
+#: A lease's token bucket fills one token per this many seconds (about three years): Envoy's
+#: bucket must fill (`tokens_per_fill` above 0), and at this rate it never fills a whole token
+#: within an assignment's term. Under 10**9, for the nanos `convert` repeats it in.
+LEASE_FILL_INTERVAL = 100_000_000
+LEASE_RATE = 1 / LEASE_FILL_INTERVAL
+#: A lease's bucket is kept (sent again unchanged: Envoy keeps its tokens) only while its
+#: assignment has this long to live; one that reached Envoy after it expired would start full.
+KEEP_MARGIN_MS = 500
 
 
 class Blanket(enum.Enum):
@@ -97,11 +147,13 @@ class Budget:
     """A bucket's global limit: `limit` requests per epoch-aligned window of `window_ms`.
 
     `limit` None: the rule is `unlimited`. `shadow_mode`: decided and reported, never enforced.
+    `pace`: the rule's `pace: true`, the budget paced over the window (else leased).
     """
 
     limit: int | None
     window_ms: int
     shadow_mode: bool = False
+    pace: bool = False
 
     def window(self, now_ms: int) -> tuple[int, int]:
         """The start and the end (Unix ms) of the window that holds `now_ms`."""
@@ -119,6 +171,8 @@ class Assignment:
     `spent`: a DENY_ALL because the window's budget is spent, until the window ends.
     `constrained`: less than the Envoy's share, for the other Envoys' assignments left no more
     room; deciding again once they have reported (and released it) gives it its share.
+    `turns`: a lease whose TTL ends with its window: the next window's lease is pushed as the
+    window turns.
     """
 
     blanket: Blanket
@@ -129,6 +183,7 @@ class Assignment:
     enforced: Assignment | None = None
     spent: bool = False
     constrained: bool = False
+    turns: bool = False
 
     @property
     def rate(self) -> float:
@@ -147,7 +202,9 @@ class Holder:
     `assigned_ms`, `rate`, `burst`, `expires_ms`: its current assignment (rate and burst 0 for a
     blanket rule). `owed`: at most what it admitted between its last report (or the window's
     start, if later) and `assigned_ms`, under an assignment replaced by a refresh (0 after a
-    report; see `owed_since`).
+    report; see `owed_since`). A kept lease bucket's `owed` is what it may still hold (and
+    owed before) less its `max_tokens`, below 0 when it holds less: its commitment is then what
+    it may still hold (see `lease_owed`).
     """
 
     envoy: str
@@ -162,6 +219,12 @@ class Holder:
     def live(self, now_ms: int) -> bool:
         return self.expires_ms > now_ms
 
+    def filled(self, span_ms: float) -> float:
+        """What its bucket fills in `span_ms`: ``rate * seconds``; a lease's in whole tokens
+        (none in its term), for Envoy admits a request per whole token."""
+        fill = self.rate * span_ms / 1000
+        return math.floor(fill + 1e-9) if self.rate == LEASE_RATE else fill
+
     def commitment(self, start_ms: int, end_ms: int) -> float:
         """The most its assignment (and `owed`) lets it admit in the window [start, end) that is
         not reported yet: ``owed + burst + rate * seconds`` from the assignment (or the window's
@@ -172,7 +235,7 @@ class Holder:
         until = min(self.expires_ms, end_ms)
         if until <= since:
             return owed
-        return owed + self.burst + self.rate * (until - since) / 1000
+        return owed + self.burst + self.filled(until - since)
 
     def unreported(self, now_ms: int, start_ms: int) -> float:
         """What it probably admitted in this window since its last report (its rate since then)."""
@@ -192,6 +255,7 @@ def allocate(
     *,
     owed: float = 0.0,
     current: Holder | None = None,
+    holds: float = 0.0,
 ) -> tuple[Assignment, Holder]:
     """The next assignment of `envoy`, and its Holder to store.
 
@@ -222,6 +286,13 @@ def allocate(
     if left <= 0:
         # Spent: deny until the window ends, when the budget comes back.
         chosen = Assignment(Blanket.DENY_ALL, end - now_ms + WINDOW_GRACE_MS, spent=True)
+    elif not budget.pace:
+        # Leases end with their window: the Envoys whose lease ended within a TTL are still
+        # sharing (as the window turns, each is about to get the next one).
+        sharing = [h for h in held if h.expires_ms + ttl_ms > now_ms]
+        chosen, owed = _lease(
+            budget, left, demand, sharing, held, owed, holds, now_ms, ttl_ms, current
+        )
     else:
         room = _room(budget, left, owed, held, now_ms, ttl_ms)
         pace = _pace(left, held, owed, now_ms, start, end)
@@ -268,7 +339,7 @@ def counted(current: Holder | None, allowed: int, start_ms: int, now_ms: int) ->
     if current is None or current.reported_ms >= start_ms or current.expires_ms < now_ms:
         return allowed
     since = max(start_ms, current.assigned_ms)
-    most = current.burst + current.rate * max(0, now_ms - since) / 1000
+    most = current.burst + current.filled(max(0, now_ms - since))
     if current.assigned_ms > start_ms:
         most += current.owed
     return min(allowed, math.ceil(most))
@@ -285,7 +356,89 @@ def owed_since(current: Holder, start_ms: int, now_ms: int) -> float:
         return owed
     since = max(current.assigned_ms, start_ms)
     seconds = max(0, min(now_ms, current.expires_ms) - since) / 1000
-    return owed + current.burst + current.rate * seconds
+    return owed + current.burst + current.filled(seconds * 1000)
+
+
+def lease_owed(
+    current: Holder | None, counted: int, start_ms: int, now_ms: int, report: bool
+) -> tuple[float, float]:
+    """A leased bucket's (`owed`, `holds`) for `allocate`, in whole requests, in the window that
+    began at `start_ms`. At a report, `holds`: what its bucket may still hold, what its
+    assignment let it admit in the window (and what it owed before it) less what the report
+    `counted` there, no more than its `max_tokens`; nothing is owed, the report counted it.
+    (A report spanning the window's start may count there some of what was admitted before
+    it: `used` then holds what the remainder lacks, and the two together still bound the
+    window.) At a refresh (`report` False), `owed`: everything its assignments let it admit in
+    the window since its last report. A lease that ended as the window began commits nothing
+    in it."""
+    if current is None or current.expires_ms <= start_ms:
+        return 0.0, 0.0
+    since = math.floor(owed_since(current, start_ms, now_ms) + 1e-9)
+    if not report:
+        return float(since), 0.0
+    return 0.0, float(max(0, min(current.burst, since - counted)))
+
+
+def _lease(
+    budget: Budget,
+    left: int,
+    demand: float | None,
+    sharing: list[Holder],
+    held: list[Holder],
+    owed: float,
+    holds: float,
+    now_ms: int,
+    ttl_ms: int,
+    current: Holder | None,
+) -> tuple[Assignment, float]:
+    """The next lease of an Envoy, and the `owed` its Holder keeps (see the module docstring):
+    a new block, its current bucket kept, or DENY_ALL when neither fits. `sharing`: the other
+    Envoys whose demand shares the budget; `owed` and `holds` as `lease_owed` gives them."""
+    _, end = budget.window(now_ms)
+    # Never past the window: the next one's lease is pushed as it begins, with nothing of this
+    # one's left to commit there (Envoy's expired_assignment_behavior meanwhile, milliseconds).
+    term = min(ttl_ms, end - now_ms)
+    turns = term < ttl_ms
+    room = _room(budget, left, owed, held, now_ms, term)
+    wanted = _share(demand, sharing) * left
+    if demand is not None:  # what covers it until its next report, a TTL away at most
+        wanted = min(wanted, demand * ttl_ms / 1000)
+    wanted = max(MIN_BURST, math.ceil(wanted - 1e-9))
+    # A lease never fills a whole token in its term: its commitment is its block in every
+    # window it overlaps (and `owed` in this one, already out of `room`).
+    block = min(wanted, math.floor(min(free for free, _ in room) + 1e-9))
+    constrained = block < wanted * (1 - STEADY)
+    keep = (
+        current is not None
+        and current.rate == LEASE_RATE
+        and current.expires_ms - now_ms >= KEEP_MARGIN_MS
+        and room[0][0] >= holds - 1e-9
+        and all(current.burst <= free + 1e-9 for free, _ in room[1:])
+    )
+    if keep and current is not None and (block <= min(owed + holds, current.burst) or block < 1):
+        # Kept, it commits what it may still hold (and what it owes): its Holder's `owed` is
+        # that less its `max_tokens`.
+        kept = Assignment(
+            Blanket.TOKEN_BUCKET, term, 1, LEASE_FILL_INTERVAL, current.burst, turns=turns
+        )
+        return kept, owed + holds - current.burst
+    if block < 1:
+        return Assignment(Blanket.DENY_ALL, term, constrained=True, turns=turns), owed
+    if current is not None and current.rate == LEASE_RATE and current.burst == block:
+        # Envoy keeps a bucket sent unchanged: a new block must differ to start full.
+        if block == 1:
+            return Assignment(Blanket.DENY_ALL, term, constrained=True, turns=turns), owed
+        block -= 1
+    fresh = Assignment(
+        Blanket.TOKEN_BUCKET,
+        term,
+        1,
+        LEASE_FILL_INTERVAL,
+        block,
+        constrained=constrained,
+        turns=turns,
+    )
+    return fresh, owed
 
 
 def _pace(left: int, held: list[Holder], owed: float, now_ms: int, start: int, end: int) -> float:
@@ -316,7 +469,12 @@ Room = list[tuple[float, float]]
 
 
 def _room(
-    budget: Budget, left: int, owed: float, held: list[Holder], now_ms: int, ttl_ms: int
+    budget: Budget,
+    left: int,
+    owed: float,
+    held: list[Holder],
+    now_ms: int,
+    ttl_ms: int,
 ) -> Room:
     """What an assignment from `now_ms` for `ttl_ms` may commit in each window it overlaps:
     this window's budget left less `owed` and the others' commitments in it; each later

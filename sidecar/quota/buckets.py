@@ -56,12 +56,13 @@ def resolve(
 
 
 def budget_of(limit: Limit, shadow_mode: bool = False) -> Budget:
-    """A rule's budget: unlimited, or the window with the lowest rate."""
+    """A rule's budget: unlimited, or the window with the lowest rate; leased unless the rule
+    asks for `pace`."""
     shadow = shadow_mode or limit.shadow_mode
     if limit.unlimited:
         return Budget(None, 1_000, shadow)
     window = min(limit.windows, key=lambda w: w.requests_per_unit / w.seconds)
-    return Budget(window.requests_per_unit, window.seconds * 1_000, shadow)
+    return Budget(window.requests_per_unit, window.seconds * 1_000, shadow, limit.pace)
 
 
 def state_key(domain: str, parts: Sequence[tuple[str, str]]) -> bytes:

@@ -11,7 +11,8 @@ Every report is answered with one action per bucket it lists.
 Between reports the stream pushes what Envoy would otherwise miss: a refresh `REFRESH_MARGIN_MS`
 before an assignment expires (counting what the Envoy may have admitted since its report), a
 second decision `RETRY_MS` after a constrained one (once per report), the
-next window's assignment as a spent window's DENY_ALL ends, and an `abandon_action` for a bucket
+next window's assignment as a spent window's DENY_ALL ends or as a lease ends with its window,
+and an `abandon_action` for a bucket
 whose rule was removed. A bucket no rule limits gets ALLOW_ALL (as ShouldRateLimit answers OK),
 refreshed likewise without touching the store.
 
@@ -55,6 +56,7 @@ from sidecar.quota.allocator import (
     Holder,
     allocate,
     counted,
+    lease_owed,
     owed_since,
 )
 from sidecar.quota.buckets import Bucket, resolve
@@ -181,9 +183,16 @@ class QuotaService:
             self.stats.streams -= 1
 
     async def decide(
-        self, envoy: str, held: _Held, allowed: int, demand: float | None, now_ms: int
+        self,
+        envoy: str,
+        held: _Held,
+        allowed: int,
+        demand: float | None,
+        now_ms: int,
+        report: bool = True,
     ) -> Assignment | None:
-        """The next assignment of a limited bucket, or None when the store failed."""
+        """The next assignment of a limited bucket, or None when the store failed. `report`:
+        answering Envoy's report (else a refresh pushed between reports)."""
         bucket = held.bucket
         assert bucket is not None
         budget = bucket.budget
@@ -193,8 +202,10 @@ class QuotaService:
         start, _ = budget.window(now_ms)
         if not budget.shadow_mode:  # shadow: Envoy admitted under ALLOW_ALL, count it all
             allowed = counted(held.holder, allowed, start, now_ms)
-        owed = 0.0
-        if demand is None and held.holder is not None:
+        owed = holds = 0.0
+        if not budget.pace:
+            owed, holds = lease_owed(held.holder, allowed, start, now_ms, report)
+        elif demand is None and held.holder is not None:
             owed = owed_since(held.holder, start, now_ms)
         try:
             for _ in range(ATTEMPTS):
@@ -211,9 +222,11 @@ class QuotaService:
                     self.ttl_ms,
                     owed=owed,
                     current=held.holder,
+                    holds=holds,
                 )
                 # Holders whose assignments ended before this window commit nothing any more.
-                drop = [h.envoy for h in others if h.expires_ms <= start]
+                # (A lease ends with its window: kept a TTL more, its Envoy shares the next.)
+                drop = [h.envoy for h in others if h.expires_ms + self.ttl_ms <= start]
                 keep_ms = 2 * budget.window_ms + self.ttl_ms
                 if await self.store.assign(bucket.key, holder, reported.version, drop, keep_ms):
                     held.holder = holder
@@ -303,7 +316,7 @@ class _Session:
                 now = self.service.now_ms()
                 for bucket_id, held in list(self.buckets.items()):
                     if held.refresh_ms is not None and held.refresh_ms <= now:
-                        action = await self._action(bucket_id, held, 0, None, now)
+                        action = await self._action(bucket_id, held, 0, None, now, report=False)
                         if action is not None:
                             actions.append(action)
                 await self._send(actions)
@@ -331,12 +344,13 @@ class _Session:
         allowed: int,
         demand: float | None,
         now_ms: int,
+        report: bool = True,
     ) -> Any | None:
         service = self.service
         if held.bucket is None:
             assignment: Assignment | None = Assignment(Blanket.ALLOW_ALL, service.ttl_ms)
         else:
-            assignment = await service.decide(self.envoy, held, allowed, demand, now_ms)
+            assignment = await service.decide(self.envoy, held, allowed, demand, now_ms, report)
         if assignment is None:
             # Try again at the next report, or in a second if the assignment runs out first.
             held.refresh_ms = now_ms + TICK_MS
@@ -351,6 +365,7 @@ class _Session:
             max_tokens=assignment.max_tokens,
             ttl_ms=assignment.ttl_ms,
             report=demand is not None or allowed > 0,
+            demand=held.holder.demand if held.holder is not None else None,
         )
         held.refresh_ms = _refresh_at(assignment, now_ms)
         if assignment.constrained and not held.retried:
@@ -366,10 +381,12 @@ class _Session:
 
 def _refresh_at(assignment: Assignment, now_ms: int) -> int:
     """When to push this bucket's next assignment if Envoy does not report before: as a spent
-    window turns, or a little before the assignment expires."""
+    window (or one whose lease ends with it) turns, or a little before the assignment expires."""
     expires = now_ms + assignment.ttl_ms
     if assignment.spent:
         return expires - WINDOW_GRACE_MS
+    if assignment.turns:  # a lease that ends with its window: the next one's, as it begins
+        return expires
     return expires - min(REFRESH_MARGIN_MS, assignment.ttl_ms // 4)
 
 

@@ -28,6 +28,11 @@ had handed out: `lease.lua` then grants nothing more for the windows that starte
 (see its header), which costs the rest of each such window, never an over-admission; a bucket
 it forgot is empty, not full, until a lease after its start.
 
+A refund (`is_negative_hits`) of a leased window gives its units back to this sidecar's lease
+of the window, never beyond what it spent (`Lease.refunded`). An operator's reset (`reset`)
+deletes what the store lent and drops this sidecar's leases of the counters; other sidecars
+keep theirs until they run out or their window ends.
+
 A token bucket's lease has no window: it may spend what it took for `lease_ms` from its ask (its
 term), then gives back what it holds with its next call; once the bucket has no whole token
 left, it refuses until the next token is due (`period / rate`), then asks again.
@@ -192,6 +197,15 @@ class MemoryLeases:
             for ask in asks
         ]
 
+    def forget(self, keys: set[bytes]) -> int:
+        """Forget the counts of `keys` (an operator's reset); returns how many there were."""
+        forgotten = 0
+        for key in keys:
+            forgotten += (self._taken.pop(key, None) is not None) + (
+                self._buckets.pop(key, None) is not None
+            )
+        return forgotten
+
     def _window(self, ask: Ask, now_ms: int) -> tuple[int, int]:
         limit, expires_ms = ask.p1, ask.p3 + LATE_MS
         taken, expires_ms = self._taken.get(ask.key, (0, expires_ms))
@@ -291,6 +305,7 @@ class Leased:
         self.returned_units = 0
         self.expired_units = 0
         self.lost_units = 0
+        self.refunded_units = 0
 
     def __len__(self) -> int:
         return len(self._counts)
@@ -308,6 +323,9 @@ class Leased:
         counts = self._counts
         for position, hit in enumerate(hits):
             if not hit.window.leased:
+                continue
+            if hit.hits < 0:
+                request.outcomes[position] = self._refund_hit(hit, now_ms)
                 continue
             count = counts.get(hit.key)
             if count is None or count.hit.end_ms != hit.end_ms:
@@ -336,6 +354,19 @@ class Leased:
                 self._renew_soon(count)
         if request.waiting == 0:
             self._leased_answered(request)
+
+    def _refund_hit(self, hit: Hit, now_ms: int) -> Outcome:
+        """A refund (`is_negative_hits`) of a leased window: its units back to this sidecar's
+        lease of the window, never beyond what the lease spent (`Lease.refunded`); never over.
+        With no lease of the window here (spent through another sidecar's, or in a window that
+        ended), nothing comes back, and nothing of the window is known to report."""
+        count = self._counts.get(hit.key)
+        if count is None or count.hit.end_ms != hit.end_ms:
+            return new(Outcome, (False, 0, max(0, hit.end_ms - now_ms), False, 0))
+        before = count.remaining()
+        count.refunded(-hit.hits)
+        self.refunded_units += count.remaining() - before
+        return new(Outcome, (False, count.remaining(), max(0, hit.end_ms - now_ms), True, before))
 
     def _leased_answered(self, request: _Request) -> None:
         """Every leased hit has its outcome: undo the units of descriptors another leased window
@@ -561,11 +592,24 @@ class Leased:
         return await self.backend.usage_unique(groups)  # type: ignore[attr-defined, no-any-return]
 
     async def reset(self, addresses: Sequence[Address]) -> int:
-        """Delete the values at `addresses` in the store (an operator lifting a limit). A leased
-        window's budget is counted apart, in what `lua/lease.lua` has lent of it, which this
-        does not touch (blocks held by other sidecars cannot be taken back): under `--lease-ms`
-        a reset does not lift a leased rule's limit before its window ends."""
-        return await self.backend.reset(addresses)
+        """Delete the values at `addresses` in the store (an operator lifting a limit), and drop
+        this sidecar's leases of them. A leased window's budget is what `lua/lease.lua` lent of
+        it, kept at the counter's own key (on memory://, in `MemoryLeases`): deleted, the store
+        lends the whole limit again. The dropped leases are not given back (a return would come
+        off what the store lends from now on), and what they held is counted as expired: this
+        sidecar's next hits take a fresh block. Other sidecars sharing the store cannot be told:
+        they decide from the blocks they hold until those run out or their window ends, and
+        their next renewal takes from the fresh budget."""
+        deleted = await self.backend.reset(addresses)
+        keys = {where if isinstance(where, bytes) else where[0] for where in addresses}
+        if isinstance(self.leases, MemoryLeases):
+            deleted += self.leases.forget(keys)
+        for key in keys:
+            count = self._counts.pop(key, None)
+            self._due.pop(key, None)
+            if count is not None:
+                self.expired_units += count.held
+        return deleted
 
     async def ping(self) -> bool:
         return await self.backend.ping()
@@ -656,6 +700,7 @@ class LeaseCollector(Collector):
             ("returned_units", "Units given back (idle counters, stops).", a.returned_units),
             ("expired_units", "Units held when their window ended (unspent).", a.expired_units),
             ("lost_units", "Units whose return failed, not sent again (unspent).", a.lost_units),
+            ("refunded_units", "Units refunds gave back to leases.", a.refunded_units),
         ):
             yield CounterMetricFamily(f"ratelimit_sidecar_lease_{name}", text, value=value)
         yield GaugeMetricFamily(
