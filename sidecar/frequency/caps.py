@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from sidecar.algorithms.decide import State
-from sidecar.counters import field_hit, window_hit
+from sidecar.counters import grouped_hits, window_hit
 from sidecar.errors import InvalidRequest, UnknownDomain
 from sidecar.frequency.checks import Cap, Check, Sum, Template, verdict, verdict_of
 from sidecar.frequency.identities import (
@@ -276,10 +276,10 @@ class FrequencyCaps:
         values = await self.backend.read(addresses, now_ms) if addresses else []
         split: list[Sequence[State | None]] = []
         for check in checks:
-            split.append(values[: len(check.addresses)])
+            mine = values[: len(check.addresses)]
             values = values[len(check.addresses) :]
-            if check.addresses:
-                check.judge(split[-1])
+            # (With the counts of packed windows after the values read: a Sum reads them.)
+            split.append(check.judge(mine) if check.addresses else mine)
         for each in found.values():
             if isinstance(each, Sum):
                 each.judge(split)
@@ -475,10 +475,7 @@ def _template_hits(
     limit = template.limit
     if template.grouped:
         key = prefix.encode()
-        return [
-            field_hit(key, template.head, window, 1, group, limit.role, now_ms)
-            for window in limit.windows
-        ]
+        return grouped_hits(key, template.head, limit, 1, group, limit.role, now_ms)
     return [
         window_hit(f"{prefix}|{template.head}", window, 1, group, limit.role, now_ms)
         for window in limit.windows
