@@ -14,7 +14,6 @@ from support.clock import Clock
 
 from sidecar import config, packing
 from sidecar.counters import grouped_hits
-from sidecar.errors import ConfigError
 from sidecar.frequency.caps import Candidate, FrequencyCaps, Impression, Verdict
 from sidecar.limiter import Limiter
 from sidecar.model import Descriptor, Entry, Limit, Request, Role, Unit, Window
@@ -89,16 +88,6 @@ def test_a_limit_too_large_for_the_cap_is_not_packed() -> None:
     """Counts stop at the cap; a limit at or past it keeps its fields, so judging stays exact."""
     huge = (Window(1 << 24, Unit.DAY), Window(1, Unit.MONTH))
     assert packing.plan(huge) is None
-
-
-def test_group_counters_takes_true_false_or_packed() -> None:
-    """Anything else is refused, naming the file, the path and the choices."""
-    with pytest.raises(ConfigError) as error:
-        config.parse(RULES.replace("group_counters: packed", "group_counters: tight"), "r.yaml")
-    assert str(error.value) == (
-        "r.yaml: descriptors[0].group_counters: group_counters must be true, false or packed, "
-        "got 'tight'"
-    )
 
 
 def test_values_round_trip_and_small_counts_stay_small() -> None:
