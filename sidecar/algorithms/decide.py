@@ -22,7 +22,9 @@ Three phases:
    for a counter or bucket that holds nothing.
 
 A counter is addressed by its key, or by (hash key, field) when its tree groups its counters
-in one hash (`group_counters`, see `storage.keys`).
+in one hash (`group_counters`, see `storage.keys`). With `group_counters: packed` one field
+holds several plain windows of a descriptor (`Hit.packed`, `sidecar.packing`): each is judged on
+its own count, and applying it writes what it adds to the field's integer.
 """
 
 from __future__ import annotations
