@@ -199,3 +199,42 @@ async def test_checks_of_new_ads_leave_the_collector_nothing_to_walk(
         gc.set_debug(0)
         gc.garbage.clear()
     assert len(gc.get_objects()) - tracked < 100
+
+
+PERSON_RULES = """
+domain: ads
+descriptors:
+  - key: person
+    identifiers: [user, device]
+    group_counters: packed
+    descriptors:
+      - key: ad
+        rate_limits:
+          - {unit: day, requests_per_unit: 2}
+          - {unit: month, requests_per_unit: 3}
+"""
+
+
+async def test_a_persons_packed_caps_sum_its_identifiers(backend_url: str, clock: Clock) -> None:
+    """Impressions recorded under a person's phone and under their login count together in a
+    check naming both, day and month alike; another person's count is their own."""
+    made = Sidecar(backend_url, clock, PERSON_RULES)
+    try:
+        clock.now = MONTH_START + 2 * DAY + 50
+        await made.caps.record(
+            "ads",
+            [
+                Impression("i1", "", "a1", identities=[("device", "d1")]),
+                Impression("i2", "u1", "a1"),
+            ],
+        )
+        both = [("user", "u1"), ("device", "d1")]
+        (verdict,) = await made.caps.check("ads", "", [Candidate("a1")], identities=both)
+        assert (verdict.allowed, verdict.remaining) == (False, 0)
+        clock.now += DAY
+        (verdict,) = await made.caps.check("ads", "", [Candidate("a1")], identities=both)
+        assert (verdict.allowed, verdict.remaining) == (True, 1)  # the month: 2 of 3
+        (other,) = await made.check("u2", Candidate("a1"))
+        assert (other.allowed, other.remaining) == (True, 2)
+    finally:
+        await made.backend.close()
