@@ -172,7 +172,7 @@ def measure(
     try:
         probe.wait_until_ok(server, port, keyspace.message(0, row.shape), timeout)
         _generate(port, warmup, pace)
-        before = _scrape(metrics)
+        before = scrape(metrics)
         server_ticks = server.cpu_ticks()
         redis_ticks = redis.cpu_ticks() if redis else 0
         generator_before = time.process_time()
@@ -181,12 +181,12 @@ def measure(
         result.server_us = _us(server.cpu_ticks() - server_ticks, tally.calls)
         if redis is not None and "redis" in scenario.services:
             result.redis_us = _us(redis.cpu_ticks() - redis_ticks, tally.calls)
-        after = _scrape(metrics)
+        after = scrape(metrics)
         result.tally = tally
         if metrics is not None:
             result.failure_mode = int(after.get(FAILURE_MODE, 0) - before.get(FAILURE_MODE, 0))
             result.overloaded = int(after.get(OVERLOADED, 0) - before.get(OVERLOADED, 0))
-            pause = _longest_pause(before, after)
+            pause = longest_pause(before, after)
             result.gc_pause_ms = None if pause is None else pause * 1000
             result.gc_pause_bound = any(name.startswith(GC_PAUSES) for name in after)
         probe.wait_until_ok(server, port, keyspace.message(1, row.shape), 5.0)
@@ -205,7 +205,7 @@ def _generate(port: int, bodies: list[bytes], pace: h2client.Pace) -> h2client.T
             raise BenchError(f"load generator: {exc}") from exc
 
 
-def _scrape(url: str | None) -> dict[str, float]:
+def scrape(url: str | None) -> dict[str, float]:
     """The sidecar's /metrics samples by name and labels; a metric with several samples also
     under its bare name, the largest (the GC gauge, whatever its labels)."""
     if url is None:
@@ -227,7 +227,7 @@ def _scrape(url: str | None) -> dict[str, float]:
     return samples
 
 
-def _longest_pause(before: Mapping[str, float], after: Mapping[str, float]) -> float | None:
+def longest_pause(before: Mapping[str, float], after: Mapping[str, float]) -> float | None:
     """The longest GC pause in seconds: during the row, as the smallest histogram bound that
     holds every pause the row added (all generations); else the gauge; None without either."""
     added: dict[float, float] = {}

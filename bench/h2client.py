@@ -57,13 +57,13 @@ _HEADER = frames.HEADER
 _STATIC_NAMES = {b":authority": 1, b":method": 2, b":path": 4, b":scheme": 6}
 
 
-def header_block(authority: str) -> bytes:
+def header_block(authority: str, path: bytes = PATH) -> bytes:
     """The request's header block: every field a literal without indexing (§6.2.2), the
     pseudo-headers' names by their static table index, no Huffman coding."""
     fields = (
         (b":method", b"POST"),
         (b":scheme", b"http"),
-        (b":path", PATH),
+        (b":path", path),
         (b":authority", authority.encode()),
         (b"content-type", b"application/grpc"),
         (b"te", b"trailers"),
@@ -341,8 +341,11 @@ def event_loop() -> asyncio.AbstractEventLoop:
     return asyncio.SelectorEventLoop(selectors.SelectSelector())
 
 
-async def run(host: str, port: int, bodies: Sequence[bytes], pace: Pace) -> Tally:
-    """Send every body in `bodies` to host:port as a ShouldRateLimit call, as `pace` says.
+async def run(
+    host: str, port: int, bodies: Sequence[bytes], pace: Pace, path: bytes = PATH
+) -> Tally:
+    """Send every body in `bodies` to host:port as a call of `path` (ShouldRateLimit unless
+    told otherwise), as `pace` says.
 
     Run it on `event_loop()`'s loop. The collector is off during the run (what the run allocates is freed by reference counting;
     the bodies are frozen out of its sight), so the generator's own pauses do not land on the
@@ -353,7 +356,7 @@ async def run(host: str, port: int, bodies: Sequence[bytes], pace: Pace) -> Tall
     gc.freeze()
     gc.disable()
     calls = _Run(bodies, pace)
-    block = header_block(f"{host}:{port}")
+    block = header_block(f"{host}:{port}", path)
     connections: list[_Connection] = []
     try:
         for _ in range(pace.connections):

@@ -26,7 +26,7 @@ from typing import Any
 
 import yaml
 
-from sidecar import lists, usage
+from sidecar import lists, packing, usage
 from sidecar.algorithms.windows import check_zone, is_calendar_unit
 from sidecar.counters import code, kind
 from sidecar.errors import ConfigError
@@ -397,6 +397,8 @@ class _Parser:
         # While parsing a group_counters tree: each window code in it, with the kind of window
         # that has it and where it was declared (two kinds must never share a code).
         self.codes: dict[str, tuple[tuple[object, ...], Window]] | None = None
+        # While parsing a `group_counters: packed` tree (`sidecar.packing`).
+        self.packed = False
         # While parsing the tree of a descriptor with `identifiers`: its rule key (its caps are
         # summed across identifiers, which only plain fixed windows allow).
         self.summed: str | None = None
@@ -530,12 +532,12 @@ class _Parser:
                 "detailed_metric",
                 "value_to_metric",
                 "share_threshold",
-                "group_counters",
                 "approximate",
                 "leased",
                 "pace",
             )
         }
+        flags["group_counters"], packed = self.grouping(item, path)
         wildcard = value is not None and "*" in value
         if flags["share_threshold"] and not wildcard and "*" in key:
             # The reference takes it (its check reads the joined `key_value`); nothing here
@@ -572,6 +574,7 @@ class _Parser:
         identifiers = self.identifiers(item, path, key, value, depth)
         if grouped:
             self.codes = {}
+            self.packed = packed
         if identifiers:
             self.summed = rule_key
         limit = self.limit(item, path, rule_key, flags["shadow_mode"], flags["quota_mode"])
@@ -583,9 +586,12 @@ class _Parser:
             limit = self.paced(limit, path, rule_key)
         if metadata and limit is not None:
             limit = dataclasses.replace(limit, metadata=metadata)
+        if self.packed and limit is not None:
+            limit = dataclasses.replace(limit, packing=packing.plan(limit.windows))
         children = self.level(item.get("descriptors"), f"{path}.descriptors", rule_key, depth + 1)
         if grouped:
             self.codes = None
+            self.packed = False
         self.summed = None if identifiers else self.summed
         node = Node(
             key=key,
@@ -653,6 +659,19 @@ class _Parser:
         if isinstance(raw, int):
             return str(raw)
         raise self.error(path, f"must be a string, got {type(raw).__name__} {raw!r}")
+
+    def grouping(self, item: dict[Any, Any], path: str) -> tuple[bool, bool]:
+        """`group_counters`: (whether the tree groups its counters, whether it packs several
+        windows of a descriptor in one field: `packed`, see `sidecar.packing`)."""
+        if item.get("group_counters") == "packed":
+            return True, True
+        raw = item.get("group_counters")
+        if raw is not None and not isinstance(raw, bool):
+            raise self.error(
+                f"{path}.group_counters",
+                f"group_counters must be true, false or packed, got {raw!r}",
+            )
+        return bool(raw), False
 
     def flag(self, mapping: dict[Any, Any], name: str, path: str) -> bool:
         raw = mapping.get(name)

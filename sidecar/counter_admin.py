@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+from sidecar import packing
 from sidecar.algorithms import token_bucket
 from sidecar.algorithms.decide import Address, State, address, decide
 from sidecar.algorithms.token_bucket import Bucket
@@ -193,8 +194,11 @@ def _stored(hit: Hit, values: dict[Address, State | None], now_ms: int) -> dict[
         )
         # Below zero while in debt (`borrow`).
         return {"tokens": math.floor(bucket.tokens * 1000) / 1000}
+    count = current if isinstance(current, int) else 0
+    if hit.packed is not None:  # the window's share of a packed field (`sidecar.packing`)
+        count = packing.count(hit.packed, count)
     stored: dict[str, Any] = {
-        "count": current if isinstance(current, int) else 0,
+        "count": count,
         "window_start": _iso(hit.start_ms),
         "window_end": _iso(hit.end_ms),
     }

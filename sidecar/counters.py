@@ -15,7 +15,8 @@ from functools import lru_cache
 from typing import Final
 
 from sidecar.algorithms.windows import FIELD_GRACE, bounds
-from sidecar.model import Algorithm, Hit, Role, Unit, Window
+from sidecar.model import Algorithm, Hit, Limit, Packing, Role, Slot, Unit, Window
+from sidecar.packing import slots as packing_slots
 from sidecar.storage.keys import (
     ANCHORED_FIELD_END,
     BUCKET_FIELD_END,
@@ -217,6 +218,74 @@ def field_hit(
         counter_field(head, window_code, keep_until_id(next_end, window.seconds < 60)),
         counter_field(head, window_code, keep_until_id(end, window.seconds < 60)),
     )
+
+
+def grouped_hits(
+    key: bytes, head: str, limit: Limit, cost: int, group: int, role: Role, now_ms: int
+) -> list[Hit]:
+    """The Hits for every window of `limit` on a grouped counter (`field_hit`), the windows
+    its `packing` puts together in one field (`packed_hits`) in their order among the others."""
+    packing = limit.packing
+    windows = limit.windows
+    if packing is None:
+        return [field_hit(key, head, w, cost, group, role, now_ms) for w in windows]
+    packed = packed_hits(key, head, limit, packing, cost, group, role, now_ms)
+    shared = dict(zip(packing.windows, packed, strict=True))
+    return [
+        shared[index] if index in shared else field_hit(key, head, w, cost, group, role, now_ms)
+        for index, w in enumerate(windows)
+    ]
+
+
+def packed_hits(
+    key: bytes,
+    head: str,
+    limit: Limit,
+    packing: Packing,
+    cost: int,
+    group: int,
+    role: Role,
+    now_ms: int,
+) -> list[Hit]:
+    """The Hits of the windows `packing` shares in one field (shortest first): field
+    ``head|<their codes><the longest's keep-until>`` of hash `key` (see `sidecar.packing`), kept
+    as long as the longest window."""
+    now = now_ms // 1000
+    windows = [limit.windows[index] for index in packing.windows]
+    field, end, slots = packed_field(head, packing, tuple(windows), now)
+    ttl = end - now + FIELD_GRACE
+    hits = []
+    for window, slot in zip(windows, slots, strict=True):
+        start = now - now % window.seconds
+        hits.append(
+            Hit(
+                key,
+                cost,
+                window,
+                group,
+                role,
+                key,
+                ttl,
+                start * 1000,
+                (start + window.seconds) * 1000,
+                field,
+                field,
+                slot,
+            )
+        )
+    return hits
+
+
+def packed_field(
+    head: str, packing: Packing, windows: tuple[Window, ...], now: int
+) -> tuple[bytes, int, tuple[Slot, ...]]:
+    """The packed field of `windows` (shortest first) at `now` (Unix seconds), the end of its
+    longest window, and each window's Slot in it."""
+    end, slots = packing_slots(packing, tuple(w.seconds for w in windows), now)
+    longest = windows[-1]
+    codes = "".join(code(w) for w in windows)
+    suffix = field_suffix(codes, keep_until_id(end, longest.seconds < 60))
+    return named(head, suffix), end, slots
 
 
 def plain_suffix(window: Window, now: int, grouped: bool) -> tuple[str, int, int]:

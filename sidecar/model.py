@@ -203,6 +203,36 @@ class Window:
 
 
 @dataclass(frozen=True, slots=True)
+class Packing:
+    """How several windows of a limit share one grouped field (`group_counters: packed`, see
+    `sidecar.packing`): which windows of a limit share a field (indexes into `Limit.windows`, shortest first),
+    and the field's arithmetic: `unit` seconds per offset step, `spread` offsets, counts
+    saturating at `cap`."""
+
+    windows: tuple[int, ...]
+    unit: int
+    spread: int
+    cap: int
+
+
+@dataclass(frozen=True, slots=True)
+class Slot:
+    """One window's place in a packed field at one instant: its `position` among the field's
+    counts, every window's start as an offset (`starts`, in the field's order), and the offset
+    a write now leaves (`now`)."""
+
+    position: int
+    spread: int
+    cap: int
+    now: int
+    starts: tuple[int, ...]
+
+    def argument(self) -> str:
+        """The slot as `decide.lua` reads it: ``spread cap now start_1 ... start_n``."""
+        return " ".join(str(n) for n in (self.spread, self.cap, self.now, *self.starts))
+
+
+@dataclass(frozen=True, slots=True)
 class Limit:
     """A rule's limit (`rate_limit`, or every window of `rate_limits`), with the descriptor flags that
     shape its outcome.
@@ -225,6 +255,9 @@ class Limit:
     rule_key: str = ""
     pace: bool = False
     metadata: Mapping[str, Any] | None = field(default=None, compare=False, repr=False)
+    #: Which of its windows share a field, in a `group_counters: packed` tree (None: a field
+    #: or a key each).
+    packing: Packing | None = None
     #: How the limit's over-limit result weighs on the request (see `Role`), worked out once.
     role: Role = field(init=False, repr=False, compare=False)
 
@@ -289,7 +322,8 @@ class Hit:
     `field` is empty for a counter stored under its own key (the reference's layout). Otherwise
     the counter is one field of the hash at `key` (`group_counters`, see `storage.keys`), and
     `previous_field` names the previous window's field in that hash; `ttl` is then how long the
-    hash must live at least for this field.
+    hash must live at least for this field. `packed` is set when the field holds several
+    windows of the descriptor (`sidecar.packing`): the window's place in it, at this second.
 
     `counter` is what the over-limit cache knows the counter by: its key, its field and the
     window's limit (worked out once, as `Window.plain` is: it is read on every call).
@@ -316,6 +350,7 @@ class Hit:
     end_ms: int = 0
     field: bytes = b""
     previous_field: bytes = b""
+    packed: Slot | None = None
     # (`field` here is the attribute above: the function is reached through its module.)
     counter: tuple[bytes, bytes, int] = dataclasses.field(init=False, repr=False, compare=False)
     adds_only: bool = dataclasses.field(init=False, repr=False, compare=False)
@@ -334,6 +369,7 @@ class Hit:
         end_ms: int = 0,
         field: bytes = b"",
         previous_field: bytes = b"",
+        packed: Slot | None = None,
     ) -> None:
         self.key = key
         self.hits = hits
@@ -346,7 +382,10 @@ class Hit:
         self.end_ms = end_ms
         self.field = field
         self.previous_field = previous_field
-        self.counter = (key, field, window.requests_per_unit)
+        self.packed = packed
+        # A packed field holds several windows: each is a counter of its own to the cache.
+        counter_field = field if packed is None else b"%s#%d" % (field, packed.position)
+        self.counter = (key, counter_field, window.requests_per_unit)
         self.adds_only = window.plain and not field and hits > 0
         self.packed = None
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Final
 
-from sidecar.counters import field_hit, window_hit
+from sidecar.counters import grouped_hits, window_hit
 from sidecar.errors import InvalidRequest
 from sidecar.lists import Listed
 from sidecar.matching import Match, entry_label, match
@@ -268,7 +268,7 @@ def descriptor_hits(domain: str, found: Match, cost: int, group: int, now_ms: in
     if found.grouped:
         key = group_key(domain, parts)
         head = field_head(parts)
-        return [field_hit(key, head, w, cost, group, role, now_ms) for w in limit.windows]
+        return grouped_hits(key, head, limit, cost, group, role, now_ms)
     prefix = descriptor_prefix(domain, parts)
     return [window_hit(prefix, w, cost, group, role, now_ms) for w in limit.windows]
 

@@ -152,6 +152,9 @@ ERRORS = {
         "descriptor, but found it on 'ads.user.ad' (move it to the first-level descriptor whose "
         "values own the counters, like 'key: user')"
     ),
+    "group_counters_not_a_layout.yaml": (
+        "descriptors[0].group_counters: group_counters must be true, false or packed, got 'tight'"
+    ),
     "group_counters_with_value.yaml": (
         "descriptors[0].group_counters: group_counters applies to a key-only descriptor, but "
         "found key 'user_vip' (remove 'value', or group_counters)"

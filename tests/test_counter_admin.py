@@ -40,6 +40,13 @@ descriptors:
         rate_limits:
           - {unit: minute, requests_per_unit: 2}
           - {algorithm: token_bucket, unit: hour, requests_per_unit: 5, burst: 3}
+  - key: member
+    group_counters: packed
+    descriptors:
+      - key: ad
+        rate_limits:
+          - {unit: minute, requests_per_unit: 2}
+          - {unit: hour, requests_per_unit: 4}
   - key: path
     value: /api/*
     share_threshold: true
@@ -59,6 +66,7 @@ LIMITED = [
     ([("bucket", "a")], 4),
     ([("several", "a")], 3),
     ([("user", "u1"), ("ad", "7")], 2),
+    ([("member", "m1"), ("ad", "7")], 2),
     ([("path", "/api/orders")], 2),
 ]
 
@@ -174,6 +182,19 @@ async def test_a_shared_counter_is_named_by_its_pattern_and_reset_for_every_valu
     assert answer["counted_as"] == [{"key": "path", "value": "/api/*"}]
     await reset(limiter, clock, [("path", "/api/c")])
     assert await hit(limiter, [("path", "/api/b")]) is Code.OK
+
+
+async def test_windows_sharing_a_packed_field_report_their_own_counts(
+    make_limiter: Callable[..., Limiter], clock: Clock
+) -> None:
+    """A minute and an hour in one field (`group_counters: packed`): after 2 hits and a minute,
+    the minute's count is 0 and the hour's 2."""
+    limiter = make_limiter(RULES)
+    pairs = [("member", "m1"), ("ad", "7")]
+    await hit(limiter, pairs, hits=2)
+    clock.now += 60
+    minute, hour = (await state(limiter, clock, pairs))["windows"]
+    assert (minute["count"], hour["count"]) == (0, 2)
 
 
 async def test_a_reset_leaves_the_other_descriptors_of_a_grouped_hash(

@@ -6,7 +6,7 @@ a real Redis and a real Redis Cluster, which must all answer with the same Outco
 mix every algorithm: plain and borrowing fixed windows, sliding windows, token buckets with burst
 and borrowing, calendar days, weeks and months in zones with DST changes (New York, Berlin) and
 without (Shanghai), and descriptors with several windows; counters are stored a key each or as
-fields of a grouped hash. Start times sit just before window boundaries and DST changes, so
+fields of a grouped hash, a descriptor's nesting plain windows packed in one field or not. Start times sit just before window boundaries and DST changes, so
 sequences cross them.
 
 Every example uses keys of its own (the domain carries the example's number) instead of flushing.
@@ -29,9 +29,9 @@ from hypothesis import strategies as st
 from support.callbacks import apply
 from support.model_store import Model
 
-from sidecar import counters, usage
+from sidecar import counters, packing, usage
 from sidecar.algorithms import hyperloglog
-from sidecar.model import Algorithm, Hit, Outcome, Role, Unit, Window
+from sidecar.model import Algorithm, Hit, Limit, Outcome, Role, Unit, Window
 from sidecar.storage import Backend
 from sidecar.storage.backends import open_backend
 from sidecar.storage.keys import descriptor_prefix, field_head, group_key, hash_tag
@@ -129,6 +129,9 @@ class Scenario:
     #: admitted or refused, and a unique member; only where every hit shares one slot, as a
     #: request's usage hits share its first counter's (see `usage_hits`).
     usage: bool = False
+    #: Grouped counters pack a descriptor's nesting plain windows in one field
+    #: (`group_counters: packed`, `sidecar.packing`).
+    packed: bool = False
 
 
 _windows = st.one_of(
@@ -146,9 +149,21 @@ _descriptors = st.builds(
 _costs = st.sampled_from([0, 1, 1, 1, 2, 3, 9, -1, -2, -9])
 
 
+#: Descriptors whose windows all pack in one field: 5, 10 and 60 minutes nest.
+_packed_descriptors = st.builds(
+    Descriptor,
+    windows=st.lists(st.sampled_from(PLAIN[:3]), min_size=2, max_size=3, unique=True).map(tuple),
+    role=st.sampled_from([Role.BLOCKING, Role.SHADOW, Role.QUOTA]),
+)
+
+
 @st.composite
-def _scenarios(draw: st.DrawFn) -> Scenario:
-    descriptors = draw(st.lists(_descriptors, min_size=1, max_size=3).map(tuple))
+def _scenarios(
+    draw: st.DrawFn,
+    kinds: st.SearchStrategy[Descriptor] = _descriptors,
+    packed: bool | None = None,
+) -> Scenario:
+    descriptors = draw(st.lists(kinds, min_size=1, max_size=3).map(tuple))
     # The pace follows one of the windows (a bucket's period): requests come often enough to
     # fill it and far enough apart to cross into the next one.
     window = draw(st.sampled_from([w for d in descriptors for w in d.windows]))
@@ -174,10 +189,11 @@ def _scenarios(draw: st.DrawFn) -> Scenario:
         start=draw(st.sampled_from(STARTS)),
         offset_ms=-offset_ms,
         one_slot=draw(st.booleans()),
-        grouped=draw(st.booleans()),
+        grouped=packed or draw(st.booleans()),
         descriptors=descriptors,
         steps=draw(st.lists(step, min_size=1, max_size=25).map(tuple)),
         usage=draw(st.booleans()),
+        packed=draw(st.booleans()) if packed is None else packed,
     )
 
 
@@ -202,7 +218,13 @@ def requests(scenario: Scenario) -> list[tuple[list[Hit], bool, int]]:
         hits = []
         for group, (index, cost) in enumerate(step.hits):
             role = scenario.descriptors[index].role
-            for window in scenario.descriptors[index].windows:
+            windows = scenario.descriptors[index].windows
+            if scenario.grouped and scenario.packed:
+                limit = Limit(windows, packing=packing.plan(windows))
+                key, head = group_key(domain, parts[index]), field_head(parts[index])
+                hits += counters.grouped_hits(key, head, limit, cost, group, role, now_ms)
+                continue
+            for window in windows:
                 if scenario.grouped:
                     key, head = group_key(domain, parts[index]), field_head(parts[index])
                     hit = counters.field_hit(key, head, window, cost, group, role, now_ms)
@@ -313,6 +335,17 @@ async def test_memory_backend_matches_the_model(scenario: Scenario) -> None:
 @given(scenario=_scenarios())
 async def test_redis_matches_the_model(scenario: Scenario, redis_backend: Backend) -> None:
     """The Lua script on Redis answers every request exactly as the Python decision does."""
+    await assert_agree(scenario, {"memory": MemoryBackend(), "redis": redis_backend})
+
+
+@pytest.mark.redis
+@settings(_settings, max_examples=100)
+@given(scenario=_scenarios(_packed_descriptors, packed=True))
+async def test_packed_fields_agree_on_redis_and_memory(
+    scenario: Scenario, redis_backend: Backend
+) -> None:
+    """Windows sharing a packed field are judged, counted and refunded alike by the Lua script
+    and the Python decision, across their boundaries."""
     await assert_agree(scenario, {"memory": MemoryBackend(), "redis": redis_backend})
 
 

@@ -22,7 +22,9 @@ Three phases:
    for a counter or bucket that holds nothing.
 
 A counter is addressed by its key, or by (hash key, field) when its tree groups its counters
-in one hash (`group_counters`, see `storage.keys`).
+in one hash (`group_counters`, see `storage.keys`). With `group_counters: packed` one field
+holds several plain windows of a descriptor (`Hit.packed`, `sidecar.packing`): each is judged on
+its own count, and applying it writes what it adds to the field's integer.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from sidecar import packing
 from sidecar.algorithms import (
     anchored,
     fixed_window,
@@ -41,7 +44,7 @@ from sidecar.algorithms import (
 )
 from sidecar.algorithms.anchored import Span
 from sidecar.algorithms.token_bucket import Bucket
-from sidecar.model import Algorithm, Hit, Outcome, Role, Window
+from sidecar.model import Algorithm, Hit, Outcome, Role, Slot, Window
 
 #: Algorithm codes, as the Lua script knows them. A bucket and an anchored window keep a state
 #: and work out their own reset; the others are counters in windows on the clock.
@@ -99,6 +102,9 @@ class _Judged:
     state: Bucket | Span | None
     #: A refund's change to a window's counter (0 or less).
     given_back: int = 0
+    #: What applying the hit adds to its stored value, when that is not its cost: a packed
+    #: field's (`sidecar.packing`).
+    amount: int | None = None
 
 
 def decide(
@@ -145,9 +151,8 @@ def decide(
                 if j.state is not None:
                     writes.append(Write(hit.key, state=j.state, ttl_ms=j.after[1], field=hit.field))
             else:
-                writes.append(
-                    Write(hit.key, amount=hit.hits, ttl_ms=hit.ttl * 1000, field=hit.field)
-                )
+                amount = hit.hits if j.amount is None else j.amount
+                writes.append(Write(hit.key, amount=amount, ttl_ms=hit.ttl * 1000, field=hit.field))
         elif applied and hit.hits < 0:
             if j.state is not None:
                 writes.append(Write(hit.key, state=j.state, ttl_ms=j.after[1], field=hit.field))
@@ -216,6 +221,8 @@ def _judge(
             seen[here] = taken.state
         return _Judged(taken.over, before, (taken.remaining, taken.reset_ms), taken.state)
 
+    if hit.packed is not None:
+        return _judge_packed(hit, hit.packed, value(here), here, seen, now_ms)
     current = _count(value(here))
     limit = window.requests_per_unit
     if algorithm == SLIDING:
@@ -272,6 +279,8 @@ def _refund(
         after = refunds.bucket_answer(after_state, rate, period_ms, capacity)
         return _Judged(False, before, after, after_state)
 
+    if hit.packed is not None:
+        return _refund_packed(hit, hit.packed, stored, here, seen, now_ms)
     current = _count(stored)
     left = refunds.counter(current, refund)
     limit = window.requests_per_unit
@@ -292,6 +301,52 @@ def _refund(
         seen[here] = left
     reset_ms = hit.end_ms - now_ms
     return _Judged(False, (before_left, reset_ms), (after_left, reset_ms), None, left - current)
+
+
+def _judge_packed(
+    hit: Hit,
+    slot: Slot,
+    stored: State | None,
+    here: Address,
+    seen: dict[Address, State | None],
+    now_ms: int,
+) -> _Judged:
+    """A plain window sharing a packed field (`sidecar.packing`): judged on its own count, its
+    hits added to the field's value (a check changes nothing)."""
+    value = _count(stored)
+    current = packing.count(slot, value)
+    over, before_left, after_left = fixed_window.judge(
+        0, current, hit.hits, hit.window.requests_per_unit, 0
+    )
+    amount = 0
+    if hit.hits > 0:
+        after = packing.add(slot, value, hit.hits)
+        seen[here] = after
+        amount = after - value
+    reset_ms = hit.end_ms - now_ms
+    return _Judged(over, (before_left, reset_ms), (after_left, reset_ms), None, 0, amount)
+
+
+def _refund_packed(
+    hit: Hit,
+    slot: Slot,
+    stored: State | None,
+    here: Address,
+    seen: dict[Address, State | None],
+    now_ms: int,
+) -> _Judged:
+    """A refund on a window sharing a packed field: its count down, floored at 0."""
+    value = _count(stored)
+    limit = hit.window.requests_per_unit
+    current = packing.count(slot, value)
+    left = refunds.counter(current, -hit.hits)
+    after = packing.add(slot, value, left - current)
+    if after != value:
+        seen[here] = after
+    _, before_left, _ = fixed_window.judge(0, current, 0, limit, 0)
+    _, after_left, _ = fixed_window.judge(0, left, 0, limit, 0)
+    reset_ms = hit.end_ms - now_ms
+    return _Judged(False, (before_left, reset_ms), (after_left, reset_ms), None, after - value)
 
 
 def _wait_ms(hit: Hit, algorithm: int, previous: int, current: int, now_ms: int) -> int:

@@ -16,12 +16,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from sidecar import packing
 from sidecar.algorithms import fixed_window
 from sidecar.algorithms.decide import Address, State, address, decide
 from sidecar.algorithms.fixed_window import request_is_over
-from sidecar.counters import field_hit, plain_suffix, window_hit
+from sidecar.counters import field_hit, packed_field, plain_suffix, window_hit
 from sidecar.limiter import most_restrictive
-from sidecar.model import UNLIMITED_REMAINING, Hit, Limit, Outcome, Role, Window
+from sidecar.model import UNLIMITED_REMAINING, Hit, Limit, Outcome, Role, Slot, Window
 from sidecar.storage.keys import descriptor_prefix
 
 
@@ -80,6 +81,11 @@ class Check:
         self._hits: list[Hit] = []
         # Per (limit, grouped): each window's name suffix, limit and reset, None if not plain.
         self._specs: dict[tuple[int, bool], list[tuple[str, int, int] | None]] = {}
+        # Per packed limit: its field's suffix, and each packed window's Slot, reset and limit.
+        self._packed: dict[int, tuple[str, dict[int, tuple[Slot, int, int]]]] = {}
+        # The windows read from packed fields: (address index, slot), judged from the counts
+        # `judge` appends to the values, last first (window k's count at index -1 - k).
+        self._unpack: list[tuple[int, Slot]] = []
 
     def add(self, template: Template) -> Cap:
         limit, grouped = template.limit, template.grouped
@@ -91,7 +97,21 @@ class Check:
         head = template.head if grouped else f"{self._user}|{template.head}"
         cap = Cap(limit.role, id(specs))
         addresses, windows, counters = self.addresses, cap.windows, cap.counters
-        for window, spec in zip(limit.windows, specs, strict=True):
+        packed = self._packed_specs(limit) if grouped and limit.packing is not None else None
+        field_index = -1
+        for position, (window, spec) in enumerate(zip(limit.windows, specs, strict=True)):
+            if packed is not None and position in packed[1]:
+                # A window of the packed field: its count is unpacked from the field's value.
+                if field_index < 0:
+                    field_index = len(addresses)
+                    addresses.append((self._hash, (head + packed[0]).encode()))
+                slot, reset_ms, allowed = packed[1][position]
+                virtual = -1 - len(self._unpack)
+                self._unpack.append((field_index, slot))
+                if counters is not None:
+                    counters.append(virtual)
+                windows.append((virtual, allowed, reset_ms))
+                continue
             if spec is not None:
                 suffix, reset_ms, allowed = spec
                 if counters is not None:
@@ -111,6 +131,28 @@ class Check:
         self._caps.append(cap)
         return cap
 
+    def _packed_specs(self, limit: Limit) -> tuple[str, dict[int, tuple[Slot, int, int]]]:
+        """A packed limit's field suffix and, per packed window (by its place in the limit),
+        its Slot, reset and limit, the same for every descriptor."""
+        known = self._packed.get(id(limit))
+        if known is not None:
+            return known
+        packing = limit.packing
+        assert packing is not None
+        windows = tuple(limit.windows[index] for index in packing.windows)
+        field, _, slots = packed_field("", packing, windows, self.now_ms // 1000)
+        now = self.now_ms // 1000
+        places = {
+            index: (
+                slot,
+                (now - now % window.seconds + window.seconds) * 1000 - self.now_ms,
+                window.requests_per_unit,
+            )
+            for index, window, slot in zip(packing.windows, windows, slots, strict=True)
+        }
+        known = self._packed[id(limit)] = ("|" + field.decode(), places)
+        return known
+
     def _spec(self, window: Window, grouped: bool) -> tuple[str, int, int] | None:
         """A plain window's name suffix, reset and limit, the same for every descriptor."""
         if not window.plain:
@@ -118,11 +160,19 @@ class Check:
         suffix, _, end = plain_suffix(window, self.now_ms // 1000, grouped)
         return suffix, end * 1000 - self.now_ms, window.requests_per_unit
 
-    def judge(self, values: Sequence[State | None]) -> None:
-        """Judge every cap added from the values read at `addresses`."""
+    def judge(self, values: Sequence[State | None]) -> Sequence[State | None]:
+        """Judge every cap added from the values read at `addresses`; the values, with the
+        counts of packed windows after them (as a `Sum` reads them)."""
+        if self._unpack:
+            unpack = packing.count
+            unpacked = [
+                unpack(slot, value if isinstance(value := values[index], int) else 0)
+                for index, slot in self._unpack
+            ]
+            values = [*values, *reversed(unpacked)]
         outcomes: list[Outcome] = []
         if self._hits:
-            stored = dict(zip(self.addresses, values, strict=True))
+            stored = dict(zip(self.addresses, values[: len(self.addresses)], strict=True))
             outcomes, _ = decide(stored.get, self._hits, self.now_ms, False, read_only=True)
         judge = fixed_window.judge
         # Caps of one rule with the same counts are judged alike: most ads of a check are at 0.
@@ -149,6 +199,7 @@ class Check:
             cap.over = any(state.over for state in states)
             # The most restrictive of an ad's windows is the most restrictive of its caps'.
             cap.chosen = states[0] if len(states) == 1 else states[most_restrictive(states)]
+        return values
 
 
 class Sum:

@@ -80,7 +80,12 @@ class MemoryBackend:
 
     def _apply(self, hits: Sequence[Hit], all_or_nothing: bool, now_ms: int) -> list[Outcome]:
         self._evict(now_ms)
-        if len(hits) == 1 and hits[0].window.plain and hits[0].role is not _USAGE:
+        if (
+            len(hits) == 1
+            and hits[0].window.plain
+            and hits[0].role is not _USAGE
+            and hits[0].packed is None
+        ):
             return [self._apply_plain(hits[0], all_or_nothing, now_ms)]
         return self._decide(hits, all_or_nothing, now_ms, False, force=False)
 

@@ -135,6 +135,21 @@ def _hit_args(hit: Hit, quota_as_shadow: bool = False) -> tuple[Any, ...]:
         # Its end and the next window's length: a refused hit may have to wait for both.
         following = windows.next_length_ms(window, hit.end_ms)
         params = (window.requests_per_unit, hit.end_ms, window.borrow, following)
+    elif hit.packed is not None:
+        # A window sharing a packed field: its place in it, and the field's arithmetic.
+        return (
+            algorithm,
+            hit.hits,
+            hit.group,
+            int(role),
+            window.requests_per_unit,
+            hit.packed.position + 1,
+            0,
+            0,
+            hit.ttl,
+            hit.field,
+            hit.packed.argument(),
+        )
     else:
         params = (window.requests_per_unit, 0, window.borrow, 0)
     # int(): an IntEnum must travel as its number.

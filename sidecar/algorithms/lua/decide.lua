@@ -30,8 +30,9 @@
 --              KEYS[2i-1] when the request is admitted, to field `previous` when it is refused;
 --              a unique count adds the member `field` to the HyperLogLog KEYS[2i-1]; either
 --              makes its key expire at p1 (Unix ms) when it changes it. Answered 0 0 0 applied 0.
---   p1..p4     windows: limit, unused (0, 2) or the window's end, Unix ms (1), borrow (1) or the
---              window's start, Unix ms (2), the next window's ms (1) or the window's ms (2)
+--   p1..p4     windows: limit, the window's place in a packed field, from 1 (0, 0: a field or key
+--              of its own) or the window's end, Unix ms (1), borrow (1) or the window's start,
+--              Unix ms (2), the next window's ms (1) or the window's ms (2)
 --              buckets: rate, period ms, capacity, borrow
 --              anchored: limit, interval ms (0: none), ends, Unix ms (0: none), 1 when each hit
 --              restarts the interval (a cooldown)
@@ -40,7 +41,8 @@
 --              named `...|<code><keep until>` (see sidecar/storage/keys.py): the keep-until in
 --              five base-36 digits of minutes since 2020, or `.` and base-36 Unix seconds;
 --              a bucket's field ends in `_` instead, an anchored window's in `^`
---   previous   the previous window's field in that hash (or the field itself)
+--   previous   the previous window's field in that hash (or the field itself); for a window in a
+--              packed field (sidecar/packing.py), "spread cap now start_1 ... start_n"
 -- ARGV[5 + 11n]      mode 3 only: milliseconds the current id hash must live
 -- ARGV[6 + 11n + g]  mode 3 only: the id of impression g
 --
@@ -49,6 +51,10 @@
 -- refuses the hit: then the time until it would admit it), applied (0/1), and what the window
 -- admitted before this request. Mode 3 returns one integer per impression: 1 when its id was
 -- seen before, else 0.
+--
+-- A packed field (`group_counters: packed`, sidecar/packing.py) holds several windows of one
+-- descriptor as one integer, offset + spread * (their counts, bits interleaved), which every hit
+-- on it changes by HINCRBY of the difference; the hits of one field come in one call.
 --
 -- A grouped hash that gets a new field is pruned of the fields whose keep-until (plus the grace)
 -- has passed, and its expiry is pushed out to cover the fields written, so the hash stays small
@@ -106,6 +112,85 @@ local function span(key, field)
   local c, e = string.match(v, '^(%S+) (%S+)')
   return {tonumber(c), tonumber(e)}
 end
+
+-- A packed field's value as {offset, counts} (packing.decode).
+local function unpack_value(v, spread, n)
+  local counts = {}
+  for j = 1, n do counts[j] = 0 end
+  if v <= 0 then return 0, counts end
+  local offset = v % spread
+  local mixed = (v - offset) / spread
+  local place = 1
+  while mixed > 0 do
+    for j = 1, n do
+      local b = mixed % 2
+      if b == 1 then counts[j] = counts[j] + place end
+      mixed = (mixed - b) / 2
+    end
+    place = place * 2
+  end
+  return offset, counts
+end
+
+-- packing.encode: 0 when every count is 0.
+local function pack_value(offset, counts, spread)
+  local left, more = {}, false
+  for j = 1, #counts do
+    left[j] = counts[j]
+    if counts[j] > 0 then more = true end
+  end
+  if not more then return 0 end
+  local mixed, place = 0, 1
+  while more do
+    more = false
+    for j = 1, #left do
+      local b = left[j] % 2
+      mixed = mixed + b * place
+      left[j] = (left[j] - b) / 2
+      if left[j] > 0 then more = true end
+      place = place * 2
+    end
+  end
+  return offset + spread * mixed
+end
+
+-- A packed slot's parameters: spread, cap, the offset of now, each window's start.
+local function slot_of(text)
+  local words = {}
+  for w in string.gmatch(text, '%S+') do words[#words + 1] = tonumber(w) end
+  local starts = {}
+  for j = 4, #words do starts[#starts + 1] = words[j] end
+  return words[1], words[2], words[3], starts
+end
+
+-- packing.count: window `position`'s count in the stored value `v`.
+local function packed_count(v, position, text)
+  if v <= 0 then return 0 end
+  local spread, _, _, starts = slot_of(text)
+  local offset, counts = unpack_value(v, spread, #starts)
+  if offset <= starts[position] then return counts[position] end
+  return 0
+end
+
+-- packing.add: the value after `cost` on window `position` (a refund below 0).
+local function packed_add(v, position, cost, text)
+  local spread, cap, at, starts = slot_of(text)
+  local offset, counts = unpack_value(v, spread, #starts)
+  if v <= 0 then offset = at end
+  if cost < 0 then
+    if offset > starts[position] or counts[position] == 0 then return v end
+    counts[position] = math.max(0, counts[position] + cost)
+    return pack_value(offset, counts, spread)
+  end
+  for j = 1, #starts do
+    if offset > starts[j] then counts[j] = 0 end
+  end
+  counts[position] = math.min(cap, counts[position] + cost)
+  return pack_value(math.min(offset, at), counts, spread)
+end
+
+-- What each packed hit adds to its field's value, when applied.
+local change = {}
 
 -- When a refused hit would be admitted, in ms from now, if nothing else is counted (the
 -- algorithms' wait_ms, see their modules): the reset a refused hit answers.
@@ -249,6 +334,18 @@ local function judge_refund(i, base, algorithm, cost)
     return
   end
   local limit = p1
+  if algorithm == 0 and p2 > 0 then
+    local raw = count(key, field)
+    local current = packed_count(raw, p2, ARGV[base + 10])
+    local left = math.max(0, current + cost)
+    local after = packed_add(raw, p2, left - current, ARGV[base + 10])
+    before_left[i] = math.max(0, limit - current)
+    after_left[i] = math.max(0, limit - left)
+    before_reset[i], after_reset[i] = 0, 0
+    refunded[i] = after - raw
+    if after ~= raw then seen[key][field] = string.format('%d', after) end
+    return
+  end
   local current = count(key, field)
   local left = current + cost
   if left < 0 then left = 0 end
@@ -286,7 +383,7 @@ local function give_back(i, algorithm, key, field)
   elseif (refunded[i] or 0) ~= 0 then
     if field == '' then
       if redis.call('INCRBY', key, refunded[i]) <= 0 then redis.call('DEL', key) end
-    elseif redis.call('HINCRBY', key, field, refunded[i]) <= 0 then
+    elseif redis.call('HINCRBY', key, field, string.format('%d', refunded[i])) <= 0 then
       redis.call('HDEL', key, field)
     end
   end
@@ -304,6 +401,14 @@ for i = 1, n do
     -- Recorded, a window counts the impression whatever it holds: nothing to read or judge
     -- (decide.py judges it anyway; mode 3 answers no outcome, so nobody can tell).
     over[i] = false
+    local position = tonumber(ARGV[base + 5])
+    if ARGV[base] == '0' and position > 0 and tonumber(ARGV[base + 1]) > 0 then
+      local key, field = KEYS[2 * i - 1], ARGV[base + 9]
+      local raw = count(key, field)
+      local after = packed_add(raw, position, tonumber(ARGV[base + 1]), ARGV[base + 10])
+      seen[key][field] = string.format('%d', after)
+      change[i] = after - raw
+    end
   elseif tonumber(ARGV[base + 1]) < 0 then
     judge_refund(i, base, tonumber(ARGV[base]), tonumber(ARGV[base + 1]))
     over[i] = false
@@ -373,7 +478,10 @@ for i = 1, n do
       after_reset[i] = math.ceil((capacity - tokens) * period / rate)
     else
       local limit = p1
-      local current = count(key, field)
+      local packed = algorithm == 0 and p2 > 0
+      local raw = count(key, field)
+      local current = raw
+      if packed then current = packed_count(raw, p2, ARGV[base + 10]) end
       local capacity, estimate, previous = limit, current, 0
       if algorithm == 1 then
         local debt = math.max(0, count(KEYS[2 * i], ARGV[base + 10]) - limit)
@@ -399,7 +507,13 @@ for i = 1, n do
           before_reset[i], after_reset[i] = p2 - now + p4, p2 - now + p4
         end
       end
-      if algorithm == 0 or not is_over or force then
+      if packed then
+        if cost > 0 then
+          local after = packed_add(raw, p2, cost, ARGV[base + 10])
+          seen[key][field] = string.format('%d', after)
+          change[i] = after - raw
+        end
+      elseif algorithm == 0 or not is_over or force then
         seen[key][field] = tostring(current + cost)
       end
     end
@@ -490,6 +604,11 @@ for i = 1, n do
       elseif field == '' then
         if redis.call('INCRBY', key, cost) == cost then
           redis.call('EXPIRE', key, ARGV[base + 8])
+        end
+      elseif change[i] ~= nil then
+        local delta = change[i]
+        if delta ~= 0 and redis.call('HINCRBY', key, field, string.format('%d', delta)) == delta then
+          touch(key, 1000 * tonumber(ARGV[base + 8]), true)
         end
       elseif redis.call('HINCRBY', key, field, cost) == cost then
         touch(key, 1000 * tonumber(ARGV[base + 8]), true)
