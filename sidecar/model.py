@@ -330,7 +330,7 @@ class Hit:
     `adds_only` (worked out once too) says the hit adds to a plain window's counter stored under
     its own key: unless the request is all or nothing, adding is then all a backend has to do,
     and the answer follows from what the counter comes to (Redis runs `lua/count.lua`).
-    `packed` is the Redis backends' encoding of the hit for the script's call
+    `script_parts` is the Redis backends' encoding of the hit for the script's call
     (`storage.scripts.packed_command`), made on the hit's first call and kept on it, so that it
     lives exactly as long as the hit: a cached plan's hits keep theirs, and a new body's are
     freed with its plan, by their reference counts, as its call ends. Nothing else reads it.
@@ -354,7 +354,7 @@ class Hit:
     # (`field` here is the attribute above: the function is reached through its module.)
     counter: tuple[bytes, bytes, int] = dataclasses.field(init=False, repr=False, compare=False)
     adds_only: bool = dataclasses.field(init=False, repr=False, compare=False)
-    packed: Any = dataclasses.field(init=False, repr=False, compare=False)
+    script_parts: Any = dataclasses.field(init=False, repr=False, compare=False)
 
     def __init__(
         self,
@@ -387,7 +387,7 @@ class Hit:
         counter_field = field if packed is None else b"%s#%d" % (field, packed.position)
         self.counter = (key, counter_field, window.requests_per_unit)
         self.adds_only = window.plain and not field and hits > 0
-        self.packed = None
+        self.script_parts = None
 
     @property
     def limit(self) -> int:

@@ -174,7 +174,7 @@ def packed_command(hits: Sequence[Hit], mode: int, now_ms: int) -> bytes:
     hit's part packed once.
 
     A request's hits are the same objects for every call in their window (`sidecar.plan`), so
-    their keys and arguments are packed on the first call and kept on the hit (`Hit.packed`);
+    their keys and arguments are packed on the first call and kept on the hit (`Hit.script_parts`);
     only `decide.lua`'s mode and time are packed per call. A call on one hit, the common
     request, is kept whole (`count.lua`'s) or whole around those two (`decide.lua`'s).
 
@@ -219,9 +219,9 @@ def packed_command(hits: Sequence[Hit], mode: int, now_ms: int) -> bytes:
 
 def _parts(hit: Hit) -> _Parts:
     """The hit's packed parts, made on its first call."""
-    parts: _Parts | None = hit.packed
+    parts: _Parts | None = hit.script_parts
     if parts is None:
-        parts = hit.packed = _Parts(hit)
+        parts = hit.script_parts = _Parts(hit)
     return parts
 
 
