@@ -974,7 +974,7 @@ class _Parser:
                 path,
                 "a concurrency limit needs a lease from 1s to 24h, how long a start counts "
                 "when no refund closes it (set it above your longest request, as in "
-                f"{{algorithm: concurrency, requests_per_unit: 10, lease: 30s}}), got "
+                "{algorithm: concurrency, requests_per_unit: 10, lease: 30s}), got "
                 + ("none" if raw is None else repr(raw)),
             )
         return seconds

@@ -24,19 +24,21 @@ starts whose refunds are still to come (a count, kept until a lease after the la
   bound on the wait, reached earlier when refunds come.
 
 The bound, and its price. A refund does not say which start it closes (Envoy sends the same
-descriptor for every request), so it closes the oldest: then the count never falls below the
-requests really in flight that started less than a lease ago (each refund takes one away and
-ends only ever take starts older than the lease), so no more than `requests_per_unit` of those
-run at once. A request that runs longer than its lease is forgotten at its lease's end, and one
-more may start then: set the lease above the longest request. A lost refund holds its place
-until the oldest start counted ends: at most a lease after the last start admitted once lost
-refunds fill the limit (nothing more is admitted, so nothing newer stays), but under traffic
-that keeps starting requests, each refund passing the place to a newer start, it may hold it
-longer. No rule without request identities can do better: a lost refund and a request still
-running look the same until the lease says otherwise.
+descriptor for every request), so it closes the oldest. Then, while every request ends within
+its lease, the count never falls below the requests really in flight: the starts counted are,
+one for one, no older than the requests still running, which are younger than their lease, so a
+lease ends none of them; no more than `requests_per_unit` run at once. A request that runs
+longer than its lease is forgotten at its lease's end (one more may start then), and its
+refund, when it comes, closes another start: set the lease above the longest request. A lost
+refund holds its place until the oldest start counted ends: at most a lease after the last
+start admitted once lost refunds fill the limit (nothing more is admitted, so nothing newer
+stays), but under traffic that keeps starting requests, each refund passing the place on to a
+newer start, it may hold it longer. Without request identities a lost refund and a request
+still running look the same until the lease tells them apart; this rule errs on the side of
+never admitting past the limit.
 
 Storage: the starts in flight cost one entry each, at most `requests_per_unit` (starts past it
-are refused, so a hostile client can add none), 8 bytes each here and a sorted set member of
+are refused, so a hostile client can add none): an int in a tuple here, a sorted set member of
 about 60 bytes on Redis; the refused count is one small value. `lua/decide.lua` (algorithm 5)
 mirrors this operation for operation: a sorted set of ends at the counter's key, trimmed of
 those past, and the refused count at its second key.
