@@ -128,10 +128,10 @@ def take(
     end = now_ms + lease_ms
     counted = None
     if force or not over:
-        ends = list(state.ends)
-        for _ in range(cost):
-            bisect.insort(ends, end)
-        counted = InFlight(tuple(ends), state.refused, state.refused_until)
+        # After every start that ends no later (another sidecar's clock may run ahead).
+        at = bisect.bisect_right(state.ends, end)
+        ends = state.ends[:at] + (end,) * cost + state.ends[at:]
+        counted = InFlight(ends, state.refused, state.refused_until)
     refused = InFlight(state.ends, state.refused + cost, end)
     after = answer(counted, limit, now_ms) if counted is not None else before
     return Judged(over, before, after, counted, refused)

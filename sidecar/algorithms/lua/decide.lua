@@ -418,13 +418,12 @@ for i = 1, n do
         local finish = now + lease
         refused_state[i] = {ends, f[2] + cost, finish}
         if force or not is_over then
+          local at = count + 1
+          while at > 1 and ends[at - 1] > finish do at = at - 1 end
           local grown = {}
-          for j = 1, count do grown[j] = ends[j] end
-          for _ = 1, cost do
-            local at = #grown + 1
-            while at > 1 and grown[at - 1] > finish do at = at - 1 end
-            table.insert(grown, at, finish)
-          end
+          for j = 1, at - 1 do grown[#grown + 1] = ends[j] end
+          for _ = 1, cost do grown[#grown + 1] = finish end
+          for j = at, count do grown[#grown + 1] = ends[j] end
           flights[key] = {grown, f[2], f[3]}
           after_left[i], after_reset[i] = flight_answer(grown, limit)
         else
@@ -582,11 +581,12 @@ for i = 1, n do
         -- Each start a member of its own: its end, and a number that no live member has.
         redis.call('ZREMRANGEBYSCORE', key, '-inf', ARGV[2])
         local finish = now + tonumber(ARGV[base + 5])
+        local n = 0
         for _ = 1, cost do
-          local n = 0
           while redis.call('ZADD', key, 'NX', finish, string.format('%d:%d', finish, n)) == 0 do
             n = n + 1
           end
+          n = n + 1
         end
         local last = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
         redis.call('PEXPIRE', key, tonumber(last[2]) - now)
