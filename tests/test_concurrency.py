@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from support.callbacks import apply, should_rate_limit
 from support.clock import Clock
 from support.model_store import Model
+from support.servers import RedisServer
 
 from sidecar import config, counters
 from sidecar.errors import NegativeHitsRefused
@@ -351,3 +352,24 @@ def test_outcome_of_a_refused_start_is_not_applied() -> None:
         model.apply_then([hit], False, 1_800_000_000_000, outcomes.append)  # type: ignore[arg-type]
     assert [o[0].applied for o in outcomes] == [True, False]
     assert outcomes[1][0] == Outcome(True, 0, 30_000, False, 0)
+
+
+@pytest.mark.redis
+@pytest.mark.parametrize("backend_url", ["redis"], indirect=True)
+async def test_on_redis_the_starts_live_no_longer_than_their_lease_and_leave_nothing_behind(
+    make_limiter: Callable[..., Limiter], redis_server: RedisServer, redis_url: str
+) -> None:
+    """Each start is a member of the descriptor's sorted set, whose key lives until the last
+    start's lease ends; a refused start's count lives a lease too; once every start and refused
+    start is closed, neither key is left."""
+    del redis_url  # the fixture empties the server
+    limiter = make_limiter(RULES, negative_hits=True)
+    await ask(limiter, start(hits=2))
+    await ask(limiter, start())  # refused
+    with redis_server.client() as client:
+        keys = sorted(client.keys("rl{inflight|client|a}*"))
+        assert keys == [b"rl{inflight|client|a}|n", b"rl{inflight|client|a}|nr"]
+        assert client.zcard(keys[0]) == 2
+        assert all(0 < client.pttl(key) <= 30_000 for key in keys)
+        await ask(limiter, end(hits=3))
+        assert client.keys("rl{inflight|client|a}*") == []
