@@ -38,8 +38,9 @@ still running look the same until the lease tells them apart; this rule errs on 
 never admitting past the limit.
 
 Storage: the starts in flight cost one entry each, at most `requests_per_unit` (starts past it
-are refused, so a hostile client can add none): an int in a tuple here, a sorted set member of
-about 60 bytes on Redis; the refused count is one small value. `lua/decide.lua` (algorithm 5)
+are refused, so a hostile client can add none): an int in a tuple here, a sorted set member on
+Redis (about 32 bytes a start up to 128 of them, about 130 past that: 1.3 MB for 10,000, the
+most a rule may allow); the refused count is one small value. `lua/decide.lua` (algorithm 5)
 mirrors this operation for operation: a sorted set of ends at the counter's key, trimmed of
 those past, and the refused count at its second key.
 """
