@@ -34,6 +34,12 @@ from sidecar.model import Algorithm, Limit, Unit, Window
 from sidecar.rules import ConfigWarning, Domain, Level, Node, Rules, yaml_bool
 
 MAX_REQUESTS_PER_UNIT = 4_294_967_295
+#: A concurrency limit's bounds: each start in flight is stored (`sidecar.algorithms.concurrency`),
+#: so its limit bounds its state; a lease runs from a second to a day.
+MAX_IN_FLIGHT = 10_000
+MAX_LEASE_SECONDS = 86_400
+_LEASE = re.compile(r"(\d+)(s|m|h)")
+_LEASE_SECONDS = {"s": 1, "m": 60, "h": 3_600}
 
 _ROOT_KEYS = ("domain", "descriptors", "usage", "lists")
 _DESCRIPTOR_KEYS = (
@@ -70,6 +76,7 @@ _RATE_LIMIT_KEYS = (
     "timezone",
     "week_start",
     "ends",
+    "lease",
 )
 #: Windows anchored on events (`sidecar.algorithms.anchored`), read by `_Parser.anchored`.
 _ANCHORED = {a.value: a for a in (Algorithm.FIRST_EVENT, Algorithm.COOLDOWN, Algorithm.LIFETIME)}
@@ -699,6 +706,13 @@ class _Parser:
             replaced: list[str] = []
             for index, raw in enumerate(raw_list):
                 window, unlimited, names = self.window(raw, f"{here}[{index}]")
+                if window.algorithm is Algorithm.CONCURRENCY:
+                    raise self.error(
+                        f"{here}[{index}].algorithm",
+                        "a concurrency limit stands alone: put it in rate_limit (every window of "
+                        "a descriptor gets its refunds, so a window beside it would count what is "
+                        "in flight too)",
+                    )
                 if unlimited:
                     raise self.error(
                         f"{here}[{index}].unlimited",
@@ -749,6 +763,13 @@ class _Parser:
         many = "rate_limits" in item
         for index, window in enumerate(limit.windows):
             where = f"rate_limits[{index}]" if many else "rate_limit"
+            if window.algorithm is Algorithm.CONCURRENCY:
+                raise self.error(
+                    here,
+                    f"approximate needs fixed windows, but {where} has algorithm concurrency, "
+                    "whose count goes down with refunds, which a local view that only adds "
+                    "cannot follow (remove 'approximate')",
+                )
             if window.algorithm is not Algorithm.FIXED_WINDOW:
                 raise self.error(
                     here,
@@ -809,6 +830,13 @@ class _Parser:
                     "sliding_window, whose budget depends on the previous window's count "
                     "(remove 'leased', or use algorithm: fixed_window)",
                 )
+            if window.algorithm is Algorithm.CONCURRENCY:
+                raise self.error(
+                    here,
+                    f"leased needs fixed windows or token buckets, but {where} has algorithm "
+                    "concurrency, whose places come back with refunds that a lease cannot see "
+                    "(remove 'leased')",
+                )
             if window.borrow:
                 raise self.error(
                     here,
@@ -854,6 +882,15 @@ class _Parser:
                 self.check_code(window, path)
             self.check_summed(window, path)
             return window, False, replaces
+        if named == Algorithm.CONCURRENCY.value:
+            window = self.concurrency(raw, path, name)
+            self.check_summed(window, path)
+            return window, False, replaces
+        if "lease" in raw:
+            raise self.error(
+                f"{path}.lease",
+                "lease applies to concurrency limits (add 'algorithm: concurrency')",
+            )
         if "ends" in raw:
             raise self.error(
                 f"{path}.ends", "ends applies to lifetime caps (add 'algorithm: lifetime')"
@@ -927,6 +964,54 @@ class _Parser:
         else:
             requests = self.count(raw, "requests_per_unit", path, 0, default=0)
         return Window(requests, unit, algorithm, multiplier, name=name, ends=ends)
+
+    def concurrency(self, raw: dict[Any, Any], path: str, name: str) -> Window:
+        """A concurrency limit (`sidecar.algorithms.concurrency`): `requests_per_unit` requests in
+        flight, each forgotten `lease` after it started (`30s`, `5m`, `1h`, or seconds) unless a
+        refund closed it. It counts no time unit, so it takes none of a window's parts, and its
+        starts must be stored at its own keys (a sorted set each)."""
+        for key in ("unit", "unit_multiplier", "burst", "borrow", "calendar", "timezone",
+                    "week_start", "ends"):  # fmt: skip
+            if key in raw:
+                raise self.error(
+                    f"{path}.{key}",
+                    f"{key} does not apply to concurrency, which counts requests in flight, not "
+                    "per unit of time (remove it; 'lease' says how long a start is kept without "
+                    "its refund)",
+                )
+        if self.codes is not None:
+            raise self.error(
+                f"{path}.algorithm",
+                "concurrency needs its starts at their own keys, but this descriptor is under "
+                "group_counters, whose counters share a hash (remove 'group_counters', or count "
+                "what is in flight in another tree)",
+            )
+        requests = self.count(raw, "requests_per_unit", path, 0, default=0)
+        if requests > MAX_IN_FLIGHT:
+            raise self.error(
+                f"{path}.requests_per_unit",
+                f"a concurrency limit keeps each start in flight, so it admits at most "
+                f"{MAX_IN_FLIGHT} at once, got {requests}",
+            )
+        lease = self.lease(raw.get("lease"), f"{path}.lease")
+        return Window(requests, Unit.SECOND, Algorithm.CONCURRENCY, lease, name=name)
+
+    def lease(self, raw: object, path: str) -> int:
+        """A concurrency limit's lease in seconds: `30s`, `5m`, `1h`, or a number of seconds."""
+        seconds = None
+        if isinstance(raw, int) and not isinstance(raw, bool):
+            seconds = raw
+        elif isinstance(raw, str) and (found := _LEASE.fullmatch(raw.strip())):
+            seconds = int(found.group(1)) * _LEASE_SECONDS[found.group(2)]
+        if seconds is None or not 1 <= seconds <= MAX_LEASE_SECONDS:
+            raise self.error(
+                path,
+                "a concurrency limit needs a lease from 1s to 24h, how long a start counts "
+                "when no refund closes it (set it above your longest request, as in "
+                "{algorithm: concurrency, requests_per_unit: 10, lease: 30s}), got "
+                + ("none" if raw is None else repr(raw)),
+            )
+        return seconds
 
     def ends(self, raw: object, path: str) -> int:
         """A lifetime's end as Unix seconds: a YAML timestamp or date (UTC unless it says), an

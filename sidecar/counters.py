@@ -34,6 +34,11 @@ from sidecar.storage.keys import (
 #: Python 3.11; as finals they are static reads.
 _TOKEN_BUCKET: Final = Algorithm.TOKEN_BUCKET
 _SLIDING_WINDOW: Final = Algorithm.SLIDING_WINDOW
+_CONCURRENCY: Final = Algorithm.CONCURRENCY
+#: The tags of a concurrency limit's two keys: its starts in flight and its refused starts
+#: (`sidecar.algorithms.concurrency`). A limit or lease changed by a reload keeps them.
+IN_FLIGHT_TAG: Final = "n"
+REFUSED_TAG: Final = "nr"
 #: Windows anchored on events (`sidecar.algorithms.anchored`), and their letter in keys and fields.
 _ANCHORED = {Algorithm.FIRST_EVENT: "f", Algorithm.COOLDOWN: "k", Algorithm.LIFETIME: "l"}
 
@@ -42,6 +47,8 @@ def tag(window: Window) -> str:
     """The window kind's part of a counter key (see `storage.keys`)."""
     if window.algorithm is _TOKEN_BUCKET:
         return f"{window.seconds}t{window.requests_per_unit}/{window.capacity}"
+    if window.algorithm is _CONCURRENCY:
+        return IN_FLIGHT_TAG
     letter = _ANCHORED.get(window.algorithm)
     if letter is not None:
         # A lifetime's end tells two flights apart: `l1798675200` (`l1798675200~7776000` with
@@ -80,6 +87,10 @@ def window_hit(prefix: str, window: Window, cost: int, group: int, role: Role, n
     kind = tag(window)
     if window.algorithm is _TOKEN_BUCKET or window.algorithm in _ANCHORED:
         return Hit(bucket_key(prefix, kind), cost, window, group, role)
+    if window.algorithm is _CONCURRENCY:
+        # Its starts in flight, and beside them (same slot) its refused starts.
+        key = bucket_key(prefix, kind)
+        return Hit(key, cost, window, group, role, bucket_key(prefix, REFUSED_TAG))
     start, end = bounds(window, now)
     key = window_key(prefix, kind, start)
     # Borrowing and sliding windows read the previous window, so a counter lives until the end

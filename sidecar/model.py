@@ -155,6 +155,8 @@ class Algorithm(enum.Enum):
     FIRST_EVENT = "first_event"
     COOLDOWN = "cooldown"
     LIFETIME = "lifetime"
+    #: Requests in flight, each forgotten a lease after it started (`sidecar.algorithms.concurrency`).
+    CONCURRENCY = "concurrency"
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,7 +172,9 @@ class Window:
     a sidecar decide it from a lease of its budget (`sidecar.algorithms.lease`) under
     `--lease-ms`; without it, it is decided as any other. `ends` (Unix seconds) is a lifetime
     window's end, its flight's; a lifetime window without an interval (a TTL) has
-    `unit_multiplier` 0, so `seconds` 0.
+    `unit_multiplier` 0, so `seconds` 0. A `concurrency` window counts requests in flight, at
+    most `requests_per_unit`; its lease, in seconds, is `unit_multiplier` (of `Unit.SECOND`), so
+    `seconds` too.
     """
 
     requests_per_unit: int

@@ -273,6 +273,45 @@ ERRORS = {
         "descriptors[0].descriptors[0].rate_limit.borrow: borrow does not apply to first_event "
         "(remove it)"
     ),
+    # Concurrency limits (requests in flight, closed by refunds or their lease).
+    "concurrency_with_unit.yaml": (
+        "descriptors[0].rate_limit.unit: unit does not apply to concurrency, which counts "
+        "requests in flight, not per unit of time (remove it; 'lease' says how long a start is "
+        "kept without its refund)"
+    ),
+    "concurrency_without_lease.yaml": (
+        "descriptors[0].rate_limit.lease: a concurrency limit needs a lease from 1s to 24h, how "
+        "long a start counts when no refund closes it (set it above your longest request, as in "
+        "{algorithm: concurrency, requests_per_unit: 10, lease: 30s}), got none"
+    ),
+    "concurrency_in_rate_limits.yaml": (
+        "descriptors[0].rate_limits[1].algorithm: a concurrency limit stands alone: put it in "
+        "rate_limit (every window of a descriptor gets its refunds, so a window beside it would "
+        "count what is in flight too)"
+    ),
+    "concurrency_approximate.yaml": (
+        "descriptors[0].approximate: approximate needs fixed windows, but rate_limit has "
+        "algorithm concurrency, whose count goes down with refunds, which a local view that only "
+        "adds cannot follow (remove 'approximate')"
+    ),
+    "concurrency_leased.yaml": (
+        "descriptors[0].leased: leased needs fixed windows or token buckets, but rate_limit has "
+        "algorithm concurrency, whose places come back with refunds that a lease cannot see "
+        "(remove 'leased')"
+    ),
+    "concurrency_group_counters.yaml": (
+        "descriptors[0].descriptors[0].rate_limit.algorithm: concurrency needs its starts at "
+        "their own keys, but this descriptor is under group_counters, whose counters share a "
+        "hash (remove 'group_counters', or count what is in flight in another tree)"
+    ),
+    "concurrency_too_many.yaml": (
+        "descriptors[0].rate_limit.requests_per_unit: a concurrency limit keeps each start in "
+        "flight, so it admits at most 10000 at once, got 1000000"
+    ),
+    "lease_without_concurrency.yaml": (
+        "descriptors[0].rate_limit.lease: lease applies to concurrency limits (add 'algorithm: "
+        "concurrency')"
+    ),
 }
 
 

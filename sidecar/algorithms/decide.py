@@ -15,6 +15,9 @@ Three phases:
    behaviour); a token bucket, a borrowing window or a sliding window counts a hit only when its
    descriptor was admitted (so does a window anchored on events, `sidecar.algorithms.anchored`).
    With all-or-nothing, a request that is OVER_LIMIT applies nothing.
+   A concurrency window (`concurrency`) counts a start when its descriptor was admitted, and
+   otherwise remembers it as refused, so that its stream-done refund closes nothing in flight
+   (not when the request is all or nothing and over, nor in read only: no refund follows those).
    With `force` (recording impressions, which are facts) every hit is applied, whatever the
    limits say: windows go past their limit and buckets below their credit line.
    A refund is applied as its descriptor is (never over, it is unless the request is all or
@@ -36,6 +39,7 @@ from dataclasses import dataclass
 from sidecar import packing
 from sidecar.algorithms import (
     anchored,
+    concurrency,
     fixed_window,
     refunds,
     sliding_window,
@@ -43,14 +47,16 @@ from sidecar.algorithms import (
     windows,
 )
 from sidecar.algorithms.anchored import Span
+from sidecar.algorithms.concurrency import InFlight
 from sidecar.algorithms.token_bucket import Bucket
 from sidecar.model import Algorithm, Hit, Outcome, Role, Slot, Window
 
-#: Algorithm codes, as the Lua script knows them. A bucket and an anchored window keep a state
-#: and work out their own reset; the others are counters in windows on the clock.
-PLAIN, BORROWING, SLIDING, BUCKET, ANCHORED = 0, 1, 2, 3, 4
+#: Algorithm codes, as the Lua script knows them. A bucket, an anchored window and a concurrency
+#: window (IN_FLIGHT) keep a state and work out their own reset; the others are counters in
+#: windows on the clock.
+PLAIN, BORROWING, SLIDING, BUCKET, ANCHORED, IN_FLIGHT = 0, 1, 2, 3, 4, 5
 
-State = int | Bucket | Span
+State = int | Bucket | Span | InFlight
 #: Where a value is stored: a key, or (hash key, field) for a grouped counter.
 Address = bytes | tuple[bytes, bytes]
 
@@ -62,6 +68,7 @@ def address(key: bytes, field: bytes) -> Address:
 #: Read on every call: on Python 3.11 an enum member read through its class is a Python call.
 _TOKEN_BUCKET, _SLIDING_WINDOW = Algorithm.TOKEN_BUCKET, Algorithm.SLIDING_WINDOW
 _FIXED_WINDOW = Algorithm.FIXED_WINDOW
+_CONCURRENCY = Algorithm.CONCURRENCY
 
 
 def code(window: Window) -> int:
@@ -70,7 +77,9 @@ def code(window: Window) -> int:
         return BORROWING if window.borrow else PLAIN
     if algorithm is _TOKEN_BUCKET:
         return BUCKET
-    return SLIDING if algorithm is _SLIDING_WINDOW else ANCHORED
+    if algorithm is _SLIDING_WINDOW:
+        return SLIDING
+    return IN_FLIGHT if algorithm is _CONCURRENCY else ANCHORED
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,7 +90,7 @@ class Write:
 
     key: bytes
     amount: int = 0
-    state: Bucket | Span | None = None
+    state: Bucket | Span | InFlight | None = None
     ttl_ms: int = 0
     field: bytes = b""
     #: A unique count's member, added to the HyperLogLog at `key` (see `sidecar.usage`).
@@ -97,14 +106,16 @@ class _Judged:
     over: bool
     before: tuple[int, int]  # (remaining, reset_ms) if the hit is not applied
     after: tuple[int, int]  # ... if it is
-    #: A bucket's or an anchored window's state after the hit (a refund's: None, nothing to
-    #: write).
-    state: Bucket | Span | None
+    #: A bucket's, an anchored window's or a concurrency window's state after the hit (a
+    #: refund's: None when there is nothing to write).
+    state: Bucket | Span | InFlight | None
     #: A refund's change to a window's counter (0 or less).
     given_back: int = 0
     #: What applying the hit adds to its stored value, when that is not its cost: a packed
     #: field's (`sidecar.packing`).
     amount: int | None = None
+    #: A concurrency window's state when its start is not counted (see `concurrency`).
+    refused: InFlight | None = None
 
 
 def decide(
@@ -146,6 +157,13 @@ def decide(
         applied = force or (not blocked and (algorithm == PLAIN or not group_over[hit.group]))
         remaining, reset_ms = j.after if applied else j.before
         outcomes.append(Outcome(j.over, remaining, reset_ms, applied, j.before[0]))
+        if algorithm == IN_FLIGHT:
+            # Counted, refused or closed: the state kept as long as its last start or refused
+            # count lasts (see `concurrency`).
+            state = j.state if applied else None if hit.hits < 0 else j.refused
+            if isinstance(state, InFlight) and not (blocked and hit.hits > 0):
+                writes.append(Write(hit.key, state=state, ttl_ms=state.keep_ms(now_ms)))
+            continue
         if applied and hit.hits > 0:
             if algorithm >= BUCKET:
                 if j.state is not None:
@@ -193,6 +211,8 @@ def _judge(
         return _refund(hit, algorithm, here, value, seen, now_ms)
     if algorithm >= BUCKET:  # a state, not a count (one comparison for the usual window)
         stored = value(here)
+        if algorithm == IN_FLIGHT:
+            return _start(hit, stored, seen, here, now_ms, force)
         if algorithm == ANCHORED:
             span = anchored.take(
                 stored if isinstance(stored, Span) else None, now_ms, cost, window, force
@@ -248,6 +268,29 @@ def _judge(
     return _Judged(over, (before_left, reset_ms), (after_left, reset_ms), None)
 
 
+def _start(
+    hit: Hit,
+    stored: State | None,
+    seen: dict[Address, State | None],
+    here: Address,
+    now_ms: int,
+    force: bool,
+) -> _Judged:
+    """A concurrency window's start judged (see `concurrency`): its state counted, and refused."""
+    window = hit.window
+    taken = concurrency.take(
+        stored if isinstance(stored, InFlight) else None,
+        now_ms, hit.hits, window.requests_per_unit, window.seconds * 1000, force,
+    )  # fmt: skip
+    # A later hit of the request on this counter sees this one counted, or refused: a start's
+    # descriptor is over exactly when its one window is (a concurrency limit stands alone).
+    if taken.counted is not None and (force or not taken.over):
+        seen[here] = taken.counted
+    elif taken.refused is not None:
+        seen[here] = taken.refused
+    return _Judged(taken.over, taken.before, taken.after, taken.counted, refused=taken.refused)
+
+
 def _refund(
     hit: Hit,
     algorithm: int,
@@ -260,6 +303,15 @@ def _refund(
     window = hit.window
     refund = -hit.hits
     stored = value(here)
+    if algorithm == IN_FLIGHT:
+        limit = hit.window.requests_per_unit
+        state = stored if isinstance(stored, InFlight) else None
+        before = concurrency.answer(concurrency.live(state, now_ms), limit, now_ms)
+        closed = concurrency.refund(state, now_ms, refund)
+        if closed is None:
+            return _Judged(False, before, before, None)
+        seen[here] = closed
+        return _Judged(False, before, concurrency.answer(closed, limit, now_ms), closed)
     if algorithm == ANCHORED:
         # A frequency cap's event window counts impressions recorded, not requests in flight:
         # a refund gives nothing back, and is answered as a check of the window.

@@ -4,10 +4,12 @@ A window counter's key reads::
 
     rl{<domain>|<key1>|<value1>}|<key2>|<value2>|...|<tag>|<window start>
 
-and a token bucket's ``rl{...}|...|<tag>``. The tag names the kind of window, so two windows of
-one descriptor never share a counter: the length in seconds for a plain epoch window (``60``,
-the layout of the reference's windows), with a letter for the others (``60b`` borrowing, ``60s``
-sliding, ``1t10/20`` a bucket of 10 per second holding 20, ``d@Asia/Shanghai`` a calendar day).
+and a token bucket's ``rl{...}|...|<tag>`` (a concurrency limit's starts in flight too, tag
+``n``, with its refused starts beside them at ``...|nr``). The tag names the kind of window, so
+two windows of one descriptor never share a counter: the length in seconds for a plain epoch
+window (``60``, the layout of the reference's windows), with a letter for the others (``60b``
+borrowing, ``60s`` sliding, ``1t10/20`` a bucket of 10 per second holding 20,
+``d@Asia/Shanghai`` a calendar day).
 
 The part in braces is the Redis Cluster hash tag, so every counter whose descriptor starts with
 the same first entry lands in one hash slot and one request's counters cost one script call.

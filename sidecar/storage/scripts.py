@@ -126,6 +126,8 @@ def _hit_args(hit: Hit, quota_as_shadow: bool = False) -> tuple[Any, ...]:
         )
     elif algorithm == decide.ANCHORED:
         params = anchored.parameters(window)
+    elif algorithm == decide.IN_FLIGHT:
+        params = (window.requests_per_unit, window.seconds * 1000, 0, 0)
     elif role >= _USAGE:
         # A usage hit (`sidecar.usage`): p1 is when its hash or HyperLogLog expires, Unix ms.
         params = (hit.end_ms, 0, 0, 0)

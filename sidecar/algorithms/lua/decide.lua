@@ -5,7 +5,8 @@
 -- answers must stay this script's.
 --
 -- KEYS[2i-1]  hit i's counter, bucket, or grouped hash   KEYS[2i]  its previous window's counter
---             (or KEYS[2i-1])
+--             (or KEYS[2i-1]); a concurrency window's sorted set of starts in flight (member
+--             unique, score the start's end, Unix ms) and its refused starts ("<count> <until ms>")
 -- KEYS[2n+1], KEYS[2n+2]  mode 3 only: the hashes of impression ids recorded in the current and
 --             in the previous horizon bucket
 -- ARGV[1]     mode: 0 apply (each window counts as its algorithm says); 1 all or nothing (apply
@@ -18,7 +19,8 @@
 -- ARGV[4]     grace, milliseconds a grouped field is kept past its keep-until
 -- ARGV[5 + 11(i-1) ...] for hit i, eleven values:
 --   algorithm  0 plain fixed window, 1 borrowing fixed window, 2 sliding window, 3 token bucket,
---              4 a window anchored on events (sidecar/algorithms/anchored.py)
+--              4 a window anchored on events (sidecar/algorithms/anchored.py), 5 a concurrency
+--              window (sidecar/algorithms/concurrency.py)
 --   cost       hits to add; 0 = a check (would one more hit be admitted?); below 0 a refund: -cost
 --              hits given back (sidecar/algorithms/refunds.py), never over (an anchored window
 --              gives nothing back: a refund on one is answered as a check)
@@ -36,6 +38,7 @@
 --              buckets: rate, period ms, capacity, borrow
 --              anchored: limit, interval ms (0: none), ends, Unix ms (0: none), 1 when each hit
 --              restarts the interval (a cooldown)
+--              concurrency: limit, lease ms, 0, 0
 --   ttl        seconds a new counter key (or the hash, for a new field) must live
 --   field      '' for a counter stored at its own key; else its field in the hash KEYS[2i-1],
 --              named `...|<code><keep until>` (see sidecar/storage/keys.py): the keep-until in
@@ -46,7 +49,8 @@
 -- ARGV[5 + 11n]      mode 3 only: milliseconds the current id hash must live
 -- ARGV[6 + 11n + g]  mode 3 only: the id of impression g
 --
--- Returns, in modes 0 to 2, 5 integers per hit: over (0/1), remaining, reset ms (buckets; for
+-- Returns, in modes 0 to 2, 5 integers per hit: over (0/1), remaining, reset ms (buckets and
+-- concurrency windows; for
 -- windows 0, the window's end, which the caller knows, unless a sliding or borrowing window
 -- refuses the hit: then the time until it would admit it), applied (0/1), and what the window
 -- admitted before this request. Mode 3 returns one integer per impression: 1 when its id was
@@ -192,6 +196,37 @@ end
 -- What each packed hit adds to its field's value, when applied.
 local change = {}
 
+-- A concurrency window's live state, read once per key (sidecar/algorithms/concurrency.py):
+-- {ends of the starts in flight, oldest first; refused starts awaiting their refunds; until}.
+-- Judging works on this table, so a key repeated in one request sees the earlier hits.
+local flights = {}
+-- Per hit: the state after it (a refund's refused count is written from it), and a start's state
+-- once counted or refused.
+local flights_after, refused_state = {}, {}
+local function flight(key, refused_key)
+  local f = flights[key]
+  if f ~= nil then return f end
+  local ends = {}
+  local found = redis.call('ZRANGEBYSCORE', key, '(' .. ARGV[2], '+inf', 'WITHSCORES')
+  for j = 2, #found, 2 do ends[#ends + 1] = tonumber(found[j]) end
+  local refused, till = 0, 0
+  local r = redis.call('GET', refused_key)
+  if r then
+    local c, u = string.match(r, '^(%S+) (%S+)')
+    if tonumber(u) > now then refused, till = tonumber(c), tonumber(u) end
+  end
+  f = {ends, refused, till}
+  flights[key] = f
+  return f
+end
+
+-- concurrency.answer: (remaining, ms until the oldest start ends).
+local function flight_answer(ends, limit)
+  local reset = 0
+  if #ends > 0 then reset = ends[1] - now end
+  return math.max(0, limit - #ends), reset
+end
+
 -- When a refused hit would be admitted, in ms from now, if nothing else is counted (the
 -- algorithms' wait_ms, see their modules): the reset a refused hit answers.
 
@@ -290,10 +325,31 @@ local groups = {}
 -- down, floored at 0 (refunded[i], the change, applied by give_back), a bucket's tokens come
 -- back up to its capacity; nothing written where nothing is stored.
 local refunded = {}
+-- A concurrency window's refund: {refused starts closed, starts in flight closed}.
+local closed = {}
 local function judge_refund(i, base, algorithm, cost)
   local p1, p2, p3, p4 = tonumber(ARGV[base + 4]), tonumber(ARGV[base + 5]),
     tonumber(ARGV[base + 6]), tonumber(ARGV[base + 7])
   local key, field = KEYS[2 * i - 1], ARGV[base + 9]
+  if algorithm == 5 then
+    -- concurrency.refund: refused starts closed first, then the oldest in flight.
+    local f = flight(key, KEYS[2 * i])
+    before_left[i], before_reset[i] = flight_answer(f[1], p1)
+    local given = -cost
+    local from_refused = math.min(given, f[2])
+    local from_ends = math.min(given - from_refused, #f[1])
+    closed[i] = {from_refused, from_ends}
+    if from_refused > 0 or from_ends > 0 then
+      local ends = {}
+      for j = from_ends + 1, #f[1] do ends[#ends + 1] = f[1][j] end
+      local refused, till = f[2] - from_refused, 0
+      if refused > 0 then till = f[3] end
+      flights[key] = {ends, refused, till}
+    end
+    flights_after[i] = flights[key]
+    after_left[i], after_reset[i] = flight_answer(flights[key][1], p1)
+    return
+  end
   if algorithm == 4 then
     -- An event window counts impressions recorded: nothing given back, answered as a check.
     local limit, length, ends = p1, p2, p3
@@ -366,7 +422,23 @@ local function judge_refund(i, base, algorithm, cost)
 end
 
 -- Apply hit i's refund: a counter's change (deleted at 0), or a bucket's state (deleted full).
-local function give_back(i, algorithm, key, field)
+local function give_back(i, algorithm, key, field, refused_key)
+  if algorithm == 5 then
+    local c = closed[i]
+    if c[1] > 0 then
+      local f = flights_after[i]
+      if f[2] > 0 then
+        redis.call('SET', refused_key, string.format('%d %d', f[2], f[3]), 'PX', f[3] - now)
+      else
+        redis.call('DEL', refused_key)
+      end
+    end
+    if c[2] > 0 then
+      redis.call('ZREMRANGEBYSCORE', key, '-inf', ARGV[2])
+      redis.call('ZPOPMIN', key, c[2])
+    end
+    return
+  end
   if algorithm == 3 then
     local s = state[i]
     if s == nil then return end
@@ -426,7 +498,45 @@ for i = 1, n do
     local need = cost
     if need == 0 then need = 1 end
     local is_over
-    if algorithm == 4 then
+    if algorithm == 5 then
+      -- concurrency.take: admitted while the starts in flight and the cost fit the limit.
+      local limit, lease = p1, p2
+      local f = flight(key, KEYS[2 * i])
+      local ends = f[1]
+      local count = #ends
+      is_over = count + need > limit
+      before_left[i], before_reset[i] = flight_answer(ends, limit)
+      if is_over then
+        -- concurrency.wait_ms: until enough of the oldest starts have ended.
+        local wait = 0
+        if count > 0 then
+          if need > limit then
+            wait = ends[count] - now
+          else
+            wait = ends[count + need - limit] - now
+          end
+        end
+        before_reset[i] = wait
+      end
+      after_left[i], after_reset[i] = before_left[i], before_reset[i]
+      if cost > 0 then
+        local finish = now + lease
+        refused_state[i] = {ends, f[2] + cost, finish}
+        if force or not is_over then
+          local at = count + 1
+          while at > 1 and ends[at - 1] > finish do at = at - 1 end
+          local grown = {}
+          for j = 1, at - 1 do grown[#grown + 1] = ends[j] end
+          for _ = 1, cost do grown[#grown + 1] = finish end
+          for j = at, count do grown[#grown + 1] = ends[j] end
+          flights[key] = {grown, f[2], f[3]}
+          after_left[i], after_reset[i] = flight_answer(grown, limit)
+        else
+          flights[key] = refused_state[i]
+        end
+      end
+      flights_after[i] = flights[key]
+    elseif algorithm == 4 then
       local limit, length, ends, restarts = p1, p2, p3, p4
       local fresh = 0
       if length > 0 then fresh = now + length end
@@ -580,7 +690,28 @@ for i = 1, n do
     local cost = tonumber(ARGV[base + 1])
     local applied = force or ((not blocked) and (algorithm == 0 or not group_over[ARGV[base + 2]]))
     local key, field = KEYS[2 * i - 1], ARGV[base + 9]
-    if applied and cost > 0 then
+    if algorithm == 5 then
+      if applied and cost > 0 then
+        -- Each start a member of its own: its end, and a number that no live member has.
+        redis.call('ZREMRANGEBYSCORE', key, '-inf', ARGV[2])
+        local finish = now + tonumber(ARGV[base + 5])
+        local n = 0
+        for _ = 1, cost do
+          while redis.call('ZADD', key, 'NX', finish, string.format('%d:%d', finish, n)) == 0 do
+            n = n + 1
+          end
+          n = n + 1
+        end
+        local last = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
+        redis.call('PEXPIRE', key, tonumber(last[2]) - now)
+      elseif applied and cost < 0 then
+        give_back(i, algorithm, key, field, KEYS[2 * i])
+      elseif cost > 0 and not blocked then
+        -- Refused: its stream-done refund, which Envoy sends all the same, closes this.
+        local f = refused_state[i]
+        redis.call('SET', KEYS[2 * i], string.format('%d %d', f[2], f[3]), 'PX', f[3] - now)
+      end
+    elseif applied and cost > 0 then
       if algorithm == 4 then
         local s = state[i]
         if s ~= nil then
