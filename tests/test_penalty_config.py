@@ -70,8 +70,7 @@ ERRORS = {
         "{block: 10m, escalate: 2, max: 24h, forget_after: 7d}"
     ),
     "without_block.yaml": (
-        "descriptors[0].penalty: penalty needs a block, the first block's length "
-        "(add 'block: 10m')"
+        "descriptors[0].penalty: penalty needs a block, the first block's length (add 'block: 10m')"
     ),
 }
 
