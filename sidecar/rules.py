@@ -154,6 +154,12 @@ def describe(limit: Limit) -> str:
         line += ", approximate: true"
     if limit.leased:
         line += ", leased: true"
+    penalty = limit.penalty
+    if penalty is not None:
+        line += (
+            f", penalty: block={penalty.block_ms}ms escalate={penalty.escalate:g} "
+            f"max={penalty.max_ms}ms forget_after={penalty.forget_after_ms}ms"
+        )
     return line
 
 

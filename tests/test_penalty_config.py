@@ -12,6 +12,7 @@ from sidecar import config
 from sidecar.errors import ConfigError
 from sidecar.matching import match
 from sidecar.model import Entry, Penalty
+from sidecar.rules import describe
 
 FIXTURES = Path(__file__).parent / "config" / "penalty"
 
@@ -91,7 +92,8 @@ def test_every_penalty_fixture_is_asserted() -> None:
 
 def test_a_penalty_loads_with_its_defaults() -> None:
     """`block` alone is a block of that length every time, strikes forgotten after a day;
-    the issue's example reads as written; `algorithm: penalty` is no window a rule can name."""
+    the issue's example reads as written, and `/rlconfig` shows it; `algorithm: penalty` is no
+    window a rule can name."""
     domain = config.parse(
         """\
 domain: d
@@ -111,6 +113,11 @@ descriptors:
         Penalty(90_000, 1.0, 90_000, 86_400_000),
         Penalty(600_000, 2.0, 86_400_000, 7 * 86_400_000),
     ]
+    assert found[1] is not None
+    assert describe(found[1].limit) == (
+        "d.b: unit=MINUTE requests_per_unit=1, shadow_mode: false, quota_mode: false, "
+        "penalty: block=600000ms escalate=2 max=86400000ms forget_after=604800000ms"
+    )
     with pytest.raises(ConfigError, match="algorithm"):
         config.parse(
             "domain: d\ndescriptors:\n  - key: a\n"
