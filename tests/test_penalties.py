@@ -239,8 +239,9 @@ async def test_the_operator_port_shows_a_block_and_a_penalty_reset_lifts_it(
 ) -> None:
     """Through the operator port: GET shows the client OVER_LIMIT until its block ends, with
     the block (until when, level, strikes); POST /v1/penalties/reset, with the token (401
-    without), lifts it and says so, logged as `penalty_reset` and counted as a reset; the
-    client's next call is answered by its window, not the block."""
+    without; 404 for a descriptor no penalty applies to, 400 for a bad body), lifts it and
+    says so, logged as `penalty_reset` and counted as one reset; the client's next call is
+    answered by its window, not the block."""
     clock = Clock()
     settings = OperatorSettings("127.0.0.1", 0, token=TOKEN)
     rules = write_rules(tmp_path, OPERATOR_RULES)
@@ -269,6 +270,14 @@ async def test_the_operator_port_shows_a_block_and_a_penalty_reset_lifts_it(
         reset_url = f"{operator}/v1/penalties/reset"
         refused = await http.post(reset_url, json=BODY)
         assert refused.status == 401
+        unknown = {"domain": "gateway", "entries": [{"key": "nope", "value": "x"}]}
+        missing = await http.post(reset_url, json=unknown, headers=bearer)
+        assert (missing.status, await missing.json()) == (
+            404,
+            {"error": "no rule of domain 'gateway' has a penalty for nope=x"},
+        )
+        bad = await http.post(reset_url, data=b"{", headers=bearer)
+        assert bad.status == 400
         with capture_logs() as logs:
             lifted = await (await http.post(reset_url, json=BODY, headers=bearer)).json()
         assert lifted["penalties_deleted"] == 1
