@@ -55,29 +55,27 @@ def parse(raw: bytes) -> Block:
 
 def length_ms(penalty: Penalty, strikes: int) -> int:
     """The block of the `strikes`-th trip in a row: `block_ms`, then `escalate` times the one
-    before (rounded down), at most `max_ms`. The loop stops once the length stops growing, so
-    it runs at most a few dozen times whatever `strikes` is."""
-    length = penalty.block_ms
-    for _ in range(strikes - 1):
-        grown = min(penalty.max_ms, math.floor(length * penalty.escalate))
-        if grown <= length:
-            break
-        length = grown
-    return length
+    before (rounded down), at most `max_ms`."""
+    return _escalation(penalty, strikes)[0]
 
 
 def level(penalty: Penalty, strikes: int) -> int:
     """Which step of the escalation `strikes` trips in a row reach: 1 for the first block, one
     more each time the block grew, no more once it stopped growing (at `max_ms`)."""
-    step = 1
-    length = penalty.block_ms
+    return _escalation(penalty, strikes)[1]
+
+
+def _escalation(penalty: Penalty, strikes: int) -> tuple[int, int]:
+    """(the block's length, its step) after `strikes` trips in a row. The loop runs at most
+    `strikes - 1` times (one a trip the descriptor served a block for) and stops once the
+    length stops growing, at `max_ms` or when `escalate` is too small to add a millisecond."""
+    length, step = penalty.block_ms, 1
     for _ in range(strikes - 1):
         grown = min(penalty.max_ms, math.floor(length * penalty.escalate))
         if grown <= length:
             break
-        length = grown
-        step += 1
-    return step
+        length, step = grown, step + 1
+    return length, step
 
 
 def remembered(stored: Block | None, penalty: Penalty, now_ms: int) -> Block | None:
