@@ -26,7 +26,7 @@ from typing import Any
 
 import yaml
 
-from sidecar import lists, packing, usage
+from sidecar import lists, packing, penalty_rules, usage
 from sidecar.algorithms.windows import check_zone, is_calendar_unit
 from sidecar.counters import code, kind
 from sidecar.errors import ConfigError
@@ -59,6 +59,7 @@ _DESCRIPTOR_KEYS = (
     "pace",
     "metadata",
     "identifiers",
+    "penalty",
 )
 #: At most this many identifier kinds under one `identifiers` (a request names no more).
 MAX_IDENTIFIERS = 8
@@ -80,7 +81,7 @@ _RATE_LIMIT_KEYS = (
 )
 #: Windows anchored on events (`sidecar.algorithms.anchored`), read by `_Parser.anchored`.
 _ANCHORED = {a.value: a for a in (Algorithm.FIRST_EVENT, Algorithm.COOLDOWN, Algorithm.LIFETIME)}
-_ALGORITHMS = {a.value: a for a in Algorithm}
+_ALGORITHMS = {a.value: a for a in Algorithm if a is not Algorithm.PENALTY}  # not a window
 _WEEK_STARTS = {"monday": 0, "sunday": 6}
 _REPLACES_KEYS = ("name",)
 #: Every key envoyproxy/ratelimit accepts, at any depth of a rules file (its `validKeys`). One of
@@ -96,7 +97,15 @@ _REFERENCE_KEYS = frozenset(
             key
             for key in _DESCRIPTOR_KEYS
             if key
-            not in ("rate_limits", "group_counters", "approximate", "leased", "pace", "identifiers")
+            not in (
+                "rate_limits",
+                "group_counters",
+                "approximate",
+                "leased",
+                "pace",
+                "identifiers",
+                "penalty",
+            )
         ),
     )
 )
@@ -591,6 +600,11 @@ class _Parser:
             limit = self.leased(limit, item, path, rule_key, flags["approximate"])
         if flags["pace"]:
             limit = self.paced(limit, path, rule_key)
+        if "penalty" in item:
+            limit = penalty_rules.read(
+                item["penalty"], self.source, f"{path}.penalty", rule_key, limit,
+                flags["approximate"], flags["leased"],
+            )  # fmt: skip
         if metadata and limit is not None:
             limit = dataclasses.replace(limit, metadata=metadata)
         if self.packed and limit is not None:

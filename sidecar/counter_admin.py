@@ -9,7 +9,9 @@ its own domain and descriptor, never another's). The hits cost 0, a check: `stat
 counters in one backend call per hash slot and judges them in Python exactly as the script's
 read-only mode does (`algorithms.decide`), as a frequency-cap check does; nothing is written.
 `reset` deletes each window's counter and the previous window's (a borrowing window's debt, a
-sliding window's weight), or a token bucket's state, which leaves it full.
+sliding window's weight), or a token bucket's state, which leaves it full, and the rule's
+penalty (`sidecar.algorithms.penalty`: its block and strikes); `reset_penalty` lifts the penalty
+alone. `state` shows the penalty apart from the windows.
 
 What it cannot see: the hits an `approximate` window's sidecars have not synced yet, a
 `leased` window's blocks other sidecars hold (a reset drops the serving sidecar's leases; the
@@ -27,13 +29,14 @@ from datetime import UTC, datetime
 from typing import Any
 
 from sidecar import packing
-from sidecar.algorithms import token_bucket
+from sidecar.algorithms import penalty, token_bucket
 from sidecar.algorithms.decide import Address, State, address, decide
+from sidecar.algorithms.penalty import Block
 from sidecar.algorithms.token_bucket import Bucket
 from sidecar.errors import UnknownDomain
 from sidecar.limiter import most_restrictive
 from sidecar.matching import Match, match
-from sidecar.model import Algorithm, Descriptor, Entry, Hit, Request, Window
+from sidecar.model import Algorithm, Descriptor, Entry, Hit, Penalty, Request, Window
 from sidecar.plan import descriptor_hits, validate
 from sidecar.rules import Rules
 from sidecar.storage import Backend
@@ -126,6 +129,11 @@ async def state(backend: Backend, located: Located) -> dict[str, Any]:
     values = dict(zip(where, await store_of(backend, located).read(where, now_ms), strict=True))
     outcomes, _ = decide(values.get, hits, now_ms, False, read_only=True)
     windows = answer["windows"]
+    limit = located.found.limit if located.found is not None else None
+    if limit is not None and limit.penalty is not None:
+        # The last hit is the penalty's (`plan.descriptor_hits`): shown apart, not a window.
+        answer["penalty"] = _penalty(limit.penalty, values.get(hits[-1].key), now_ms)
+        hits, outcomes = hits[:-1], outcomes[:-1]
     for hit, outcome in zip(hits, outcomes, strict=True):
         windows.append(
             {
@@ -159,6 +167,37 @@ async def reset(backend: Backend, located: Located) -> int:
     if not where:
         return 0
     return await backend.reset(where)
+
+
+async def reset_penalty(backend: Backend, located: Located) -> int:
+    """Lift the descriptor's penalty (`sidecar.algorithms.penalty`): its block and strikes,
+    leaving its counters; returns 1 when there was one. Raises StorageError when the backend
+    fails."""
+    found = located.found
+    if found is None or found.limit.penalty is None or not located.hits:
+        return 0
+    return await store_of(backend, located).reset([located.hits[-1].key])
+
+
+def _penalty(rule: Penalty, stored: State | None, now_ms: int) -> dict[str, Any]:
+    """A penalty as the operator reads it: the rule's terms, and the descriptor's block (until
+    when, at which step of the escalation, after how many trips in a row) if it has one."""
+    block = penalty.remembered(stored if isinstance(stored, Block) else None, rule, now_ms)
+    answer: dict[str, Any] = {
+        "block_seconds": rule.block_ms / 1000,
+        "escalate": rule.escalate,
+        "max_seconds": rule.max_ms / 1000,
+        "forget_after_seconds": rule.forget_after_ms / 1000,
+        "blocked": penalty.blocked(block, now_ms),
+        "strikes": 0,
+        "level": 0,
+    }
+    if block is not None:
+        answer["strikes"] = block.strikes
+        answer["level"] = penalty.level(rule, block.strikes)
+        answer["blocked_until"] = _iso(block.until_ms)
+        answer["block_left_seconds"] = max(0, -(-(block.until_ms - now_ms) // 1000))
+    return answer
 
 
 def _window(window: Window) -> dict[str, Any]:

@@ -60,7 +60,9 @@ def register(subparsers: Any) -> None:
         metavar="K=V",
         help="one entry (repeat, in order); its value may hold ',' and '='",
     )
-    parser.add_argument("--reset", action="store_true", help="delete the descriptor's counters")
+    parser.add_argument(
+        "--reset", action="store_true", help="delete the descriptor's counters and lift its penalty"
+    )
     parser.add_argument("--token-file", metavar="PATH", help="a file holding the bearer token")
     parser.add_argument("--cacert", metavar="PATH", help="HTTPS: the CA of the port's certificate")
     parser.add_argument("--cert", metavar="PATH", help="mTLS: this client's certificate (PEM)")
@@ -185,6 +187,8 @@ def render(answer: dict[str, Any]) -> str:
     elif answer["would_be_over"]:
         verdict += " (over its limit, but in shadow mode)"
     lines.append(verdict)
+    if "penalty" in answer:
+        lines.append(_penalty_line(answer["penalty"]))
     header = ["window", "count", "limit", "remaining", "resets in", "resets at"]
     rows = [header]
     for window in answer["windows"]:
@@ -212,3 +216,16 @@ def render(answer: dict[str, Any]) -> str:
         ]
         lines.append("  " + "  ".join([*cells, row[-1]]).rstrip())
     return "\n".join(lines)
+
+
+def _penalty_line(penalty: dict[str, Any]) -> str:
+    """The descriptor's penalty (`sidecar.algorithms.penalty`): blocked until when, or clear."""
+    if penalty["blocked"]:
+        return (
+            f"  penalty: blocked until {penalty['blocked_until']} "
+            f"(in {penalty['block_left_seconds']} s), level {penalty['level']}, "
+            f"{penalty['strikes']} strikes"
+        )
+    if penalty["strikes"]:
+        return f"  penalty: not blocked, {penalty['strikes']} strikes remembered"
+    return "  penalty: not blocked"

@@ -45,7 +45,7 @@ from sidecar.model import (
 from sidecar.over_limit_cache import Added, OverLimitCache
 from sidecar.plan import Counted, Plan, prepare
 from sidecar.rules import Rules
-from sidecar.stats import Stats
+from sidecar.stats import RuleStats, Stats
 from sidecar.storage import Backend
 from sidecar.storage.memory import MemoryBackend
 
@@ -367,7 +367,11 @@ class Limiter:
             )
             if over:
                 any_over = True
-                if cache is not None:
+                if limit.penalty is not None:
+                    # Its outcome follows its windows'; a window it blocks is not over for the
+                    # over-limit cache, which would answer it with the window's end.
+                    _penalised(rules[found.metric_key], outcomes[first + count], item.cost)
+                elif cache is not None:
                     for position in range(first, first + count):
                         hit = hits[position]
                         if outcomes[position].over and hit.window.plain:
@@ -507,6 +511,15 @@ def refunds_allowed(settings: Settings) -> None:
             "is_negative_hits (a refund) is off: run serve with --negative-hits "
             "(ENABLE_NEGATIVE_HITS=true) to take refunds"
         )
+
+
+def _penalised(rule: RuleStats, penalty: Outcome, cost: int) -> None:
+    """Count a penalty's outcome (`sidecar.algorithms.penalty`) in its rule's stats: a block
+    started (`applied`), or the hits a block refused (`over`; a shadow rule's would-be)."""
+    if penalty.applied:
+        rule.penalty_blocks += 1
+    elif penalty.over:
+        rule.over_limit_with_penalty += cost
 
 
 def _refunded(waiting: _Waiting, outcomes: list[Outcome], cache: OverLimitCache | None) -> None:

@@ -6,8 +6,8 @@ Names follow envoyproxy/ratelimit's `src/stats/prom/default_mapper.yaml`, so das
 the reference keep working:
 
 - per rule, `ratelimit_service_rate_limit_<stat>{domain, key1[, key2]}` for total_hits,
-  over_limit, near_limit, within_limit, shadow_mode, over_limit_with_local_cache and
-  total_negative_hits. The labels are the rule's metric key
+  over_limit, near_limit, within_limit, shadow_mode, over_limit_with_local_cache,
+  total_negative_hits, and (ours) a penalty's penalty_blocks and over_limit_with_penalty. The labels are the rule's metric key
   split on '.': `domain.key1` gives {domain, key1}; three or more parts give {domain, key1,
   key2}, and, as in the mapper, every level after the third folds into the same series.
 - `ratelimit_service_should_rate_limit_error{err_type="redis_error"|"service_error"|"overloaded"}`
@@ -60,6 +60,8 @@ _RULE_STATS: Final = {
     "shadow_mode": "Hits over the rule's limit answered OK because the rule is in shadow_mode.",
     "over_limit_with_local_cache": "Hits over the rule's limit answered from the over-limit cache.",
     "total_negative_hits": "Hits given back to the rule's counters by refunds (is_negative_hits).",
+    "penalty_blocks": "Blocks the rule's penalty started (a descriptor over its limit).",
+    "over_limit_with_penalty": "Hits refused by the rule's penalty while it blocked their descriptor.",
 }
 _METHOD: Final = {"grpc_method": "ShouldRateLimit"}
 

@@ -157,6 +157,21 @@ class Algorithm(enum.Enum):
     LIFETIME = "lifetime"
     #: Requests in flight, each forgotten a lease after it started (`sidecar.algorithms.concurrency`).
     CONCURRENCY = "concurrency"
+    #: Not a window a rule names: a rule's `penalty` (`sidecar.algorithms.penalty`), asked as
+    #: one more hit of its descriptor.
+    PENALTY = "penalty"
+
+
+@dataclass(frozen=True, slots=True)
+class Penalty:
+    """A rule's `penalty`: a descriptor that goes over its limit is blocked `block_ms`, then
+    each time it trips again `escalate` times longer, at most `max_ms`, until it stays clear of
+    blocks for `forget_after_ms` (see `sidecar.algorithms.penalty`)."""
+
+    block_ms: int
+    escalate: float
+    max_ms: int
+    forget_after_ms: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,6 +205,8 @@ class Window:
     approximate: bool = False
     leased: bool = False
     ends: int = 0
+    #: A penalty's window (algorithm PENALTY) carries its penalty; no other window has one.
+    penalty: Penalty | None = None
     #: The reference's algorithm: a fixed window that does not borrow (it counts rejected hits).
     #: Worked out once (see `_derived`), as `Limit.role` is.
     plain: bool = field(init=False, repr=False, compare=False)
@@ -262,10 +279,22 @@ class Limit:
     #: Which of its windows share a field, in a `group_counters: packed` tree (None: a field
     #: or a key each).
     packing: Packing | None = None
+    #: The rule's `penalty` (None: none): its descriptor asks its windows and, last, the
+    #: penalty's window (`penalty_window`, worked out once), in one backend call.
+    penalty: Penalty | None = None
     #: How the limit's over-limit result weighs on the request (see `Role`), worked out once.
     role: Role = field(init=False, repr=False, compare=False)
 
+    #: The window of `penalty` (None without one), the last of the descriptor's hits.
+    penalty_window: Window | None = field(init=False, repr=False, compare=False)
+
     def __post_init__(self) -> None:
+        penalty = self.penalty
+        _derived(
+            self,
+            "penalty_window",
+            None if penalty is None else Window(0, Unit.SECOND, Algorithm.PENALTY, penalty=penalty),
+        )
         role = Role.SHADOW if self.shadow_mode else Role.QUOTA if self.quota_mode else Role.BLOCKING
         _derived(self, "role", role)
 

@@ -4,7 +4,10 @@ operator reads and resets one descriptor's counters (`sidecar.counter_admin`).
 - `GET /v1/counters?domain=D&entry=KEY=VALUE[&entry=...]`: the rule that applies and what
   each of its windows holds; what a check would be answered now, and until when.
 - `POST /v1/counters/reset` with `{"domain": D, "entries": [{"key": K, "value": V}, ...]}`:
-  deletes the descriptor's counters and answers their state after.
+  deletes the descriptor's counters (its penalty's block and strikes too) and answers their
+  state after.
+- `POST /v1/penalties/reset` with the same body: lifts the descriptor's penalty alone
+  (`sidecar.algorithms.penalty`), its counters left; logged as `penalty_reset`.
 
 Who may ask: the listener refuses to open on an address other than loopback unless it asks
 for a bearer token (`Authorization: Bearer T`, compared in constant time; 401 without it) or
@@ -60,7 +63,10 @@ _INDEX = """ratelimit-sidecar operator port
                        the rule for that descriptor, its windows' counts, limits, remaining and
                        resets, and what a check would be answered now
   POST /v1/counters/reset   {"domain": D, "entries": [{"key": K, "value": V}, ...]}
-                       delete that descriptor's counters; answers their state after
+                       delete that descriptor's counters (and lift its penalty); answers their
+                       state after
+  POST /v1/penalties/reset  {"domain": D, "entries": [{"key": K, "value": V}, ...]}
+                       lift that descriptor's penalty (its block and strikes) alone
 """
 
 
@@ -212,6 +218,7 @@ class OperatorPort:
         app.router.add_get("/", self._index)
         app.router.add_get("/v1/counters", self._state)
         app.router.add_post("/v1/counters/reset", self._reset)
+        app.router.add_post("/v1/penalties/reset", self._reset_penalty)
         return app
 
     async def start(self) -> int:
@@ -283,6 +290,37 @@ class OperatorPort:
 
         return await self._answer(reset)
 
+    async def _reset_penalty(self, request: web.Request) -> web.Response:
+        """Lift a descriptor's penalty, its counters left as they are; logged and counted as a
+        reset of its domain."""
+        try:
+            body = await read_body(request, MAX_BODY_BYTES)
+        except BodyRefused as exc:
+            return exc.answer(_error(exc.status, str(exc)))
+        try:
+            domain, entries = _body(body)
+        except InvalidRequest as exc:
+            return _error(HTTPStatus.BAD_REQUEST, str(exc))
+
+        async def reset() -> dict[str, Any]:
+            located = counter_admin.locate(self._rules(), domain, entries, self._now_ms())
+            if located.found is None or located.found.limit.penalty is None:
+                raise _NoRule(domain, entries, "penalty")
+            lifted = await counter_admin.reset_penalty(self._backend, located)
+            self.stats.resets[domain] = self.stats.resets.get(domain, 0) + 1
+            log.info(
+                "penalty_reset",
+                **_who(request, self._admitted_by),
+                domain=domain,
+                entries=[f"{e.key}={e.value}" for e in entries],
+                rule=located.found.limit.rule_key,
+                penalties_deleted=lifted,
+            )
+            after = counter_admin.locate(self._rules(), domain, entries, self._now_ms())
+            return {"penalties_deleted": lifted, **await counter_admin.state(self._backend, after)}
+
+        return await self._answer(reset)
+
     async def _answer(self, work: Callable[[], Awaitable[dict[str, Any]]]) -> web.Response:
         """`work`'s answer as JSON; its error as the status the one table gives it."""
         try:
@@ -305,9 +343,12 @@ class _NoRule(Exception):
     """A reset names a descriptor no rule limits (none applies, or an unlimited one): there is
     nothing of it to reset."""
 
-    def __init__(self, domain: str, entries: tuple[Entry, ...]) -> None:
+    def __init__(self, domain: str, entries: tuple[Entry, ...], what: str = "") -> None:
         shown = ",".join(f"{e.key}={e.value}" for e in entries)
-        super().__init__(f"no rule of domain {domain!r} limits {shown or 'no entries'}")
+        if what:
+            super().__init__(f"no rule of domain {domain!r} has a {what} for {shown}")
+        else:
+            super().__init__(f"no rule of domain {domain!r} limits {shown or 'no entries'}")
 
 
 def _query(query: MultiMapping[str]) -> tuple[str, tuple[Entry, ...]]:

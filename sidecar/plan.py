@@ -30,7 +30,7 @@ from sidecar.model import (
     single,
 )
 from sidecar.rules import Rules
-from sidecar.storage.keys import descriptor_prefix, field_head, group_key
+from sidecar.storage.keys import descriptor_prefix, field_head, group_key, penalty_key
 from sidecar.usage import Tally, tally
 
 #: Bounds on what one request may carry; beyond them it is refused with INVALID_ARGUMENT.
@@ -244,6 +244,7 @@ def prepare(rules: Rules, request: Request) -> Plan:
         and not refunds
         and blocking_only
         and all(len(c.match.limit.windows) == 1 for c in counted)
+        and not any(c.match.limit.penalty for c in counted)  # a penalty is one more hit
     )
     positions = tuple((item, position) for position, item in enumerate(counted)) if straight else ()
     return Plan(
@@ -268,9 +269,15 @@ def descriptor_hits(domain: str, found: Match, cost: int, group: int, now_ms: in
     if found.grouped:
         key = group_key(domain, parts)
         head = field_head(parts)
-        return grouped_hits(key, head, limit, cost, group, role, now_ms)
-    prefix = descriptor_prefix(domain, parts)
-    return [window_hit(prefix, w, cost, group, role, now_ms) for w in limit.windows]
+        hits = grouped_hits(key, head, limit, cost, group, role, now_ms)
+    else:
+        prefix = descriptor_prefix(domain, parts)
+        hits = [window_hit(prefix, w, cost, group, role, now_ms) for w in limit.windows]
+    if limit.penalty_window is not None:
+        # Its state at a key of its own beside the counters (grouped ones too), in their slot.
+        key = penalty_key(descriptor_prefix(domain, parts))
+        hits.append(Hit(key, cost, limit.penalty_window, group, role))
+    return hits
 
 
 def _override(domain: str, descriptor: Descriptor) -> Match:

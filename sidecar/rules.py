@@ -156,6 +156,12 @@ def describe(limit: Limit) -> str:
         line += ", leased: true"
     if limit.pace:
         line += ", pace: true"
+    penalty = limit.penalty
+    if penalty is not None:
+        line += (
+            f", penalty: block={penalty.block_ms}ms escalate={penalty.escalate:g} "
+            f"max={penalty.max_ms}ms forget_after={penalty.forget_after_ms}ms"
+        )
     return line
 
 

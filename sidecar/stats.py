@@ -1,7 +1,8 @@
 """Counters the limiter keeps, named and accounted as the reference's statistics.
 
 Per rule (`ratelimit.service.rate_limit.<metric key>.<stat>`): total_hits, over_limit,
-near_limit, within_limit, shadow_mode, total_negative_hits. Per service: config loads, global
+near_limit, within_limit, shadow_mode, total_negative_hits, and a penalty's penalty_blocks and
+over_limit_with_penalty. Per service: config loads, global
 shadow mode, backend errors, service errors (`refused`: the one place a refused call is
 counted), unknown domains, and requests an allow or deny list decided. Plain integers on the
 hot path; `sidecar.metrics` turns them into Prometheus series at scrape time, so a decision
@@ -30,6 +31,11 @@ class RuleStats:
     over_limit_with_local_cache: int = 0
     #: Hits given back by refunds (`is_negative_hits`), counted in none of the others.
     total_negative_hits: int = 0
+    #: Blocks a rule's `penalty` started (`sidecar.algorithms.penalty`).
+    penalty_blocks: int = 0
+    #: Hits refused by a block (counted in over_limit too; in shadow_mode, the hits a block
+    #: would have refused, counted in shadow_mode too).
+    over_limit_with_penalty: int = 0
 
     def record(self, limit: int, before: int, hits: int, over: bool, shadow: bool) -> None:
         """Account one descriptor's outcome the way the reference does (its near/over split);

@@ -8,7 +8,8 @@ fit (one TCP write, or UDP datagrams of at most 1,432 bytes), on the event loop.
 Names are the reference's (its `src/stats/manager_impl.go` and `src/metrics/metrics.go`):
 
 - `ratelimit.service.rate_limit.<metric key>.total_hits|over_limit|near_limit|within_limit|
-  shadow_mode|over_limit_with_local_cache|total_negative_hits` and
+  shadow_mode|over_limit_with_local_cache|total_negative_hits` (and, ours, a penalty's
+  `penalty_blocks|over_limit_with_penalty`) and
   `ratelimit.service.rate_limit.<domain>.domain_not_found` (and, ours,
   `ratelimit.service.rate_limit.<domain>.<key>.denied_by_list|allowed_by_list`: requests an
   allow or deny list decided, `sidecar.lists`);
@@ -69,6 +70,8 @@ _RULE_STATS = (
     "shadow_mode",
     "over_limit_with_local_cache",
     "total_negative_hits",
+    "penalty_blocks",
+    "over_limit_with_penalty",
 )
 _UNSAFE_NAME = re.compile(r"[:|@#\n\r,]")
 _UNSAFE_TAG_VALUE = re.compile(r"[.:|\n\r,#]")

@@ -41,6 +41,7 @@ from sidecar.algorithms import (
     anchored,
     concurrency,
     fixed_window,
+    penalty,
     refunds,
     sliding_window,
     token_bucket,
@@ -48,15 +49,17 @@ from sidecar.algorithms import (
 )
 from sidecar.algorithms.anchored import Span
 from sidecar.algorithms.concurrency import InFlight
+from sidecar.algorithms.penalty import Block
 from sidecar.algorithms.token_bucket import Bucket
 from sidecar.model import Algorithm, Hit, Outcome, Role, Slot, Window
 
 #: Algorithm codes, as the Lua script knows them. A bucket, an anchored window and a concurrency
 #: window (IN_FLIGHT) keep a state and work out their own reset; the others are counters in
-#: windows on the clock.
-PLAIN, BORROWING, SLIDING, BUCKET, ANCHORED, IN_FLIGHT = 0, 1, 2, 3, 4, 5
+#: windows on the clock. A penalty (`sidecar.algorithms.penalty`) is no window: the last hit of
+#: its descriptor, judged with it.
+PLAIN, BORROWING, SLIDING, BUCKET, ANCHORED, IN_FLIGHT, PENALTY = 0, 1, 2, 3, 4, 5, 6
 
-State = int | Bucket | Span | InFlight
+State = int | Bucket | Span | InFlight | Block
 #: Where a value is stored: a key, or (hash key, field) for a grouped counter.
 Address = bytes | tuple[bytes, bytes]
 
@@ -69,6 +72,7 @@ def address(key: bytes, field: bytes) -> Address:
 _TOKEN_BUCKET, _SLIDING_WINDOW = Algorithm.TOKEN_BUCKET, Algorithm.SLIDING_WINDOW
 _FIXED_WINDOW = Algorithm.FIXED_WINDOW
 _CONCURRENCY = Algorithm.CONCURRENCY
+_PENALTY = Algorithm.PENALTY
 
 
 def code(window: Window) -> int:
@@ -79,6 +83,8 @@ def code(window: Window) -> int:
         return BUCKET
     if algorithm is _SLIDING_WINDOW:
         return SLIDING
+    if algorithm is _PENALTY:
+        return PENALTY
     return IN_FLIGHT if algorithm is _CONCURRENCY else ANCHORED
 
 
@@ -90,7 +96,7 @@ class Write:
 
     key: bytes
     amount: int = 0
-    state: Bucket | Span | InFlight | None = None
+    state: Bucket | Span | InFlight | Block | None = None
     ttl_ms: int = 0
     field: bytes = b""
     #: A unique count's member, added to the HyperLogLog at `key` (see `sidecar.usage`).
@@ -139,11 +145,24 @@ def decide(
     ]
 
     group_over, request_over = fixed_window.groups_over(hits, [j.over for j in judged])
+    penalised: dict[int, _Penalised] | None = None
+    for j in judged:
+        if j is _PENALTY_HIT:  # some descriptor has a penalty: judged once its windows are
+            penalised = _penalties(hits, judged, value, group_over, now_ms, read_only, force)
+            overs = [j.over for j in judged]
+            for position, judged_penalty in penalised.items():
+                overs[position] = judged_penalty.blocked and judged_penalty.enforced
+            group_over, request_over = fixed_window.groups_over(hits, overs)
+            break
 
     outcomes: list[Outcome] = []
     writes: list[Write] = []
     blocked = read_only or (all_or_nothing and request_over)
-    for hit, j in zip(hits, judged, strict=True):
+    for position, (hit, j) in enumerate(zip(hits, judged, strict=True)):
+        if j is _PENALTY_HIT:
+            assert penalised is not None
+            _penalty_answer(hit, penalised.get(position), now_ms, outcomes, writes)
+            continue
         if j is _UNJUDGED:
             # Usage (`sidecar.usage`): counted as the request's answer says, never by a check
             # or a recording (the limiter sends none with them).
@@ -155,8 +174,20 @@ def decide(
             continue
         algorithm = code(hit.window)
         applied = force or (not blocked and (algorithm == PLAIN or not group_over[hit.group]))
+        p = None if penalised is None else _group_penalty(penalised, hit.group)
+        if p is not None and p.blocked and p.enforced:
+            applied = False  # a blocked descriptor's hits count nowhere
         remaining, reset_ms = j.after if applied else j.before
-        outcomes.append(Outcome(j.over, remaining, reset_ms, applied, j.before[0]))
+        if p is None or force:
+            outcomes.append(Outcome(j.over, remaining, reset_ms, applied, j.before[0]))
+        elif p.blocked:
+            outcomes.append(Outcome(True, 0, p.block.until_ms - now_ms, applied, 0))
+        elif p.tripped and j.over:
+            outcomes.append(
+                Outcome(True, remaining, p.block.until_ms - now_ms, applied, j.before[0])
+            )
+        else:
+            outcomes.append(Outcome(j.over, remaining, reset_ms, applied, j.before[0]))
         if algorithm == IN_FLIGHT:
             # Counted, refused or closed: the state kept as long as its last start or refused
             # count lasts (see `concurrency`).
@@ -181,7 +212,91 @@ def decide(
 
 #: Where a usage hit's judgement would be: it has none.
 _UNJUDGED = _Judged(False, (0, 0), (0, 0), None)
-_USAGE, _UNIQUE = Role.USAGE, Role.UNIQUE
+#: Where a penalty's judgement will be: it is judged after its descriptor's windows
+#: (`_penalties`).
+_PENALTY_HIT = _Judged(False, (0, 0), (0, 0), None)
+
+
+@dataclass(frozen=True, slots=True)
+class _Penalised:
+    """A descriptor's penalty judged (`sidecar.algorithms.penalty`): its state after this call,
+    whether it was `blocked` (the hits refused), whether it `tripped` now (a block started),
+    and whether the block is `enforced` (not a shadow rule's)."""
+
+    group: int
+    block: Block
+    blocked: bool
+    tripped: bool
+    enforced: bool
+
+
+def _penalties(
+    hits: Sequence[Hit],
+    judged: list[_Judged],
+    value: Callable[[Address], State | None],
+    group_over: dict[int, bool],
+    now_ms: int,
+    read_only: bool,
+    force: bool,
+) -> dict[int, _Penalised]:
+    """Each penalty hit's judgement, by its position: blocked while its block lasts (a refund
+    never is), tripped when its descriptor's windows are over (`group_over`) and the hit adds
+    (a check, a refund, a read-only or a recording call never trips one)."""
+    found: dict[int, _Penalised] = {}
+    if force:
+        return found  # recordings (impressions) are facts: no penalty applies
+    for position, (hit, j) in enumerate(zip(hits, judged, strict=True)):
+        if j is not _PENALTY_HIT:
+            continue
+        the_penalty = hit.window.penalty
+        assert the_penalty is not None
+        stored = value(hit.key)
+        state = penalty.remembered(
+            stored if isinstance(stored, Block) else None, the_penalty, now_ms
+        )
+        enforced = hit.role is not _SHADOW
+        if hit.hits >= 0 and penalty.blocked(state, now_ms):
+            assert state is not None
+            found[position] = _Penalised(hit.group, state, True, False, enforced)
+        elif hit.hits > 0 and group_over.get(hit.group, False) and not read_only:
+            block = penalty.trip(state, the_penalty, now_ms)
+            found[position] = _Penalised(hit.group, block, False, True, enforced)
+        else:
+            found[position] = _Penalised(hit.group, state or Block(0, 0), False, False, enforced)
+    return found
+
+
+def _group_penalty(penalised: dict[int, _Penalised], group: int) -> _Penalised | None:
+    for p in penalised.values():
+        if p.group == group:
+            return p
+    return None
+
+
+def _penalty_answer(
+    hit: Hit,
+    p: _Penalised | None,
+    now_ms: int,
+    outcomes: list[Outcome],
+    writes: list[Write],
+) -> None:
+    """A penalty hit's Outcome (over: blocked; remaining: the strikes; reset: the time left in
+    the block, blocked or tripped; applied: tripped now) and the write of a new block."""
+    if p is None:  # a recording: no answer is read
+        outcomes.append(Outcome(False, 0, 0, False, 0))
+        return
+    block = p.block
+    reset_ms = block.until_ms - now_ms if p.blocked or p.tripped else 0
+    outcomes.append(Outcome(p.blocked, block.strikes, reset_ms, p.tripped, 0))
+    if p.tripped:
+        the_penalty = hit.window.penalty
+        assert the_penalty is not None
+        writes.append(
+            Write(hit.key, state=block, ttl_ms=penalty.keep_ms(block, the_penalty, now_ms))
+        )
+
+
+_USAGE, _UNIQUE, _SHADOW = Role.USAGE, Role.UNIQUE, Role.SHADOW
 
 
 def _usage_write(hit: Hit, refused: bool, now_ms: int) -> Write:
@@ -208,8 +323,12 @@ def _judge(
     algorithm = code(window)
     here = address(hit.key, hit.field)
     if cost < 0:
+        if algorithm == PENALTY:  # a refund's penalty: never blocked, never tripped
+            return _PENALTY_HIT
         return _refund(hit, algorithm, here, value, seen, now_ms)
     if algorithm >= BUCKET:  # a state, not a count (one comparison for the usual window)
+        if algorithm == PENALTY:
+            return _PENALTY_HIT
         stored = value(here)
         if algorithm == IN_FLIGHT:
             return _start(hit, stored, seen, here, now_ms, force)

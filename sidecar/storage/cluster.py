@@ -26,6 +26,7 @@ from sidecar.storage.scripts import (
     MODE_ADD,
     MODE_ALL_OR_NOTHING,
     MODE_READ,
+    MODE_REFUSED,
     Reply,
     applied,
     apply_command,
@@ -276,7 +277,9 @@ class RedisClusterBackend:
         Phase 1 judges every hit (mode 2, nothing written) and decides the whole request with
         `fixed_window.request_is_over` over its descriptors, exactly as a single script would
         (a descriptor's windows share its hash tag, so they never straddle slots). When it is
-        OVER_LIMIT, nothing is written anywhere. Otherwise phase 2 runs mode 1 on every slot.
+        OVER_LIMIT, nothing is written anywhere, except the blocks of the penalties it trips
+        (mode 4, refused, on every slot, whose answer replaces phase 1's). Otherwise phase 2
+        runs mode 1 on every slot.
 
         The race this leaves: between the phases another request may consume a counter, and
         then the slot holding it refuses its part in phase 2 while the other slots add theirs.
@@ -288,6 +291,11 @@ class RedisClusterBackend:
         """
         phase1 = await self._apply_per_slot(hits, slots, MODE_READ, now_ms, deadline)
         if fixed_window.groups_over(hits, [outcome.over for outcome in phase1])[1]:
+            if any(hit.window.penalty is not None for hit in hits):
+                # Refused, it still trips its descriptors' penalties (`algorithms.penalty`),
+                # as one script would: every slot judges it again as refused, and writes only
+                # the blocks it starts.
+                return await self._apply_per_slot(hits, slots, MODE_REFUSED, now_ms, deadline)
             return phase1
         quota_slots = {
             slot for slot, group in slots.items() for i in group if hits[i].role is Role.QUOTA

@@ -32,7 +32,8 @@ A token bucket's field ends in ``_`` and keeps that time in its value, and so do
 anchored on events (`sidecar.algorithms.anchored`), whose field ends in ``^``. The ids behind
 exactly-once impression counts sit beside the hash, in the same slot:
 ``rl{...}|%ids|<horizon bucket>`` (``%i`` never comes out of `escape`, so no counter key can
-take that name).
+take that name). A descriptor's penalty (`sidecar.algorithms.penalty`) is ``rl{...}|...|%penalty``,
+whatever the layout of its counters.
 """
 
 from __future__ import annotations
@@ -140,6 +141,13 @@ BUCKET_FIELD_END: Final = "_"
 #: The end of an anchored window's field: its end moves with the event that opens (or, for a
 #: cooldown, restarts) it, so its value carries it ("<count> <end ms>").
 ANCHORED_FIELD_END: Final = "^"
+
+
+def penalty_key(prefix: str) -> bytes:
+    """A descriptor's penalty state (`sidecar.algorithms.penalty`), beside its counters in
+    their hash slot, whatever their layout: ``rl{...}|...|%penalty`` (as for ``%ids``, no
+    escaped part can end so)."""
+    return f"{prefix}|%penalty".encode()
 
 
 def dedupe_key(domain: str, first: tuple[str, str], bucket: int) -> bytes:

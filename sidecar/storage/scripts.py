@@ -22,7 +22,7 @@ from typing import Any, Final
 import hiredis
 from redis.crc import key_slot
 
-from sidecar.algorithms import anchored, decide, windows
+from sidecar.algorithms import anchored, decide, penalty, windows
 from sidecar.algorithms.anchored import Span
 from sidecar.algorithms.decide import Address, State
 from sidecar.algorithms.token_bucket import Bucket
@@ -45,6 +45,8 @@ MODE_ADD: Final = 0
 MODE_ALL_OR_NOTHING: Final = 1
 MODE_READ: Final = 2
 MODE_RECORD: Final = 3
+#: A request refused in another slot: nothing applied, penalties tripped (`cluster.py`).
+MODE_REFUSED: Final = 4
 
 #: Enum members read through their class cost a Python-level descriptor call each on
 #: Python 3.11; as finals they are static reads.
@@ -118,7 +120,7 @@ def _hit_args(hit: Hit, quota_as_shadow: bool = False) -> tuple[Any, ...]:
     window = hit.window
     algorithm = decide.code(window)
     if algorithm == decide.BUCKET:
-        params: tuple[int, ...] = (
+        params: tuple[int | str, ...] = (
             window.requests_per_unit,
             window.seconds * 1000,
             window.capacity,
@@ -128,6 +130,9 @@ def _hit_args(hit: Hit, quota_as_shadow: bool = False) -> tuple[Any, ...]:
         params = anchored.parameters(window)
     elif algorithm == decide.IN_FLIGHT:
         params = (window.requests_per_unit, window.seconds * 1000, 0, 0)
+    elif algorithm == decide.PENALTY:
+        assert window.penalty is not None  # a penalty's window carries it
+        params = penalty.parameters(window.penalty)
     elif role >= _USAGE:
         # A usage hit (`sidecar.usage`): p1 is when its hash or HyperLogLog expires, Unix ms.
         params = (hit.end_ms, 0, 0, 0)
@@ -349,11 +354,15 @@ def read_values(
     count: int, positions: list[list[int]], replies: Sequence[list[bytes | None]]
 ) -> list[State | None]:
     """The read replies as `decide` reads values: counts, buckets ("tokens stamp drawn
-    [keep until]") or anchored windows ("count end"), None where nothing is stored."""
+    [keep until]"), anchored windows ("count end") or penalties ("until:strikes"), None where
+    nothing is stored."""
     values: list[State | None] = [None] * count
     for indexes, reply in zip(positions, replies, strict=True):
         for index, raw in zip(indexes, reply, strict=True):
             if raw is None:
+                continue
+            if b":" in raw:  # a penalty's state (`sidecar.algorithms.penalty`)
+                values[index] = penalty.parse(raw)
                 continue
             if b" " in raw:
                 words = raw.split()

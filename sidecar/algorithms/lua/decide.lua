@@ -11,6 +11,8 @@
 --             in the previous horizon bucket
 -- ARGV[1]     mode: 0 apply (each window counts as its algorithm says); 1 all or nothing (apply
 --             nothing when the request is OVER_LIMIT); 2 read only (judge, write nothing);
+--             4 refused (a request found OVER_LIMIT in other slots, sidecar/storage/cluster.py:
+--             apply nothing, as 1 would, but start the blocks of the penalties it trips);
 --             3 record: each impression id found in neither id hash is added to the current one
 --             and every hit of its group is applied whatever the limits say (an impression is a
 --             fact); the hits of an id seen before change nothing
@@ -20,7 +22,9 @@
 -- ARGV[5 + 11(i-1) ...] for hit i, eleven values:
 --   algorithm  0 plain fixed window, 1 borrowing fixed window, 2 sliding window, 3 token bucket,
 --              4 a window anchored on events (sidecar/algorithms/anchored.py), 5 a concurrency
---              window (sidecar/algorithms/concurrency.py)
+--              window (sidecar/algorithms/concurrency.py), 6 a penalty
+--              (sidecar/algorithms/penalty.py): the last hit of its descriptor, its state
+--              "<until ms>:<strikes>" at KEYS[2i-1]
 --   cost       hits to add; 0 = a check (would one more hit be admitted?); below 0 a refund: -cost
 --              hits given back (sidecar/algorithms/refunds.py), never over (an anchored window
 --              gives nothing back: a refund on one is answered as a check)
@@ -39,6 +43,7 @@
 --              anchored: limit, interval ms (0: none), ends, Unix ms (0: none), 1 when each hit
 --              restarts the interval (a cooldown)
 --              concurrency: limit, lease ms, 0, 0
+--              penalty: block ms, escalate, max ms, forget_after ms
 --   ttl        seconds a new counter key (or the hash, for a new field) must live
 --   field      '' for a counter stored at its own key; else its field in the hash KEYS[2i-1],
 --              named `...|<code><keep until>` (see sidecar/storage/keys.py): the keep-until in
@@ -54,7 +59,11 @@
 -- windows 0, the window's end, which the caller knows, unless a sliding or borrowing window
 -- refuses the hit: then the time until it would admit it), applied (0/1), and what the window
 -- admitted before this request. Mode 3 returns one integer per impression: 1 when its id was
--- seen before, else 0.
+-- seen before, else 0. A penalty answers blocked (0/1), its strikes, the ms left in its block
+-- (blocked, or started by this call; else 0), 1 when this call started a block, and 0; while
+-- it blocks, its descriptor's windows answer over, 0 remaining, the ms left, not applied (a
+-- shadow rule's hits are applied as without it) and 0, and when it starts a block, the windows
+-- that are over answer the block's length as their reset.
 --
 -- A packed field (`group_counters: packed`, sidecar/packing.py) holds several windows of one
 -- descriptor as one integer, offset + spread * (their counts, bits interleaved), which every hit
@@ -292,6 +301,17 @@ local function sliding_wait(previous, current, elapsed, window, need, limit)
   return wait
 end
 
+-- penalty.length_ms: the block of the `strikes`-th trip in a row.
+local function penalty_length(strikes, block, escalate, most)
+  local length = block
+  for _ = 2, strikes do
+    local grown = math.min(most, math.floor(length * escalate))
+    if grown <= length then break end
+    length = grown
+  end
+  return length
+end
+
 -- Mode 3: settle which impressions are new before anything is judged.
 local duplicate = {}
 local results = {}
@@ -320,6 +340,44 @@ local usage = {}
 local over, before_left, before_reset, after_left, after_reset, state = {}, {}, {}, {}, {}, {}
 local group_over, group_role = {}, {}
 local groups = {}
+-- Penalties judged (sidecar/algorithms/penalty.py), by hit and by group: {until, strikes,
+-- blocked, tripped, enforced}; `penalties` stays nil for a request without one.
+local penalty_hit, penalties = {}, nil
+
+-- Hit i, a penalty, judged after its descriptor's windows (group_over holds theirs).
+local function judge_penalty(i, base, group, role)
+  if force then
+    skipped[i] = true -- a recording: impressions are facts, no penalty applies
+    return
+  end
+  local cost = tonumber(ARGV[base + 1])
+  local until_ms, strikes = 0, 0
+  local v = stored(KEYS[2 * i - 1], '')
+  if v then
+    local u, s = string.match(v, '^(%d+):(%d+)$')
+    until_ms, strikes = tonumber(u), tonumber(s)
+    -- penalty.remembered: strikes forgotten are as nothing stored (Redis may keep them longer).
+    if until_ms + tonumber(ARGV[base + 7]) <= now then until_ms, strikes = 0, 0 end
+  end
+  if group_over[group] == nil then
+    groups[#groups + 1] = group
+    group_over[group] = false
+  end
+  group_role[group] = role
+  local p = {until_ms, strikes, false, false, role ~= '1'}
+  if cost >= 0 and until_ms > now then
+    p[3] = true
+    if p[5] then group_over[group] = true end
+  elseif cost > 0 and group_over[group] and mode ~= 2 then
+    strikes = strikes + 1
+    p[1] = now + penalty_length(strikes, tonumber(ARGV[base + 4]), tonumber(ARGV[base + 5]),
+      tonumber(ARGV[base + 6]))
+    p[2], p[4] = strikes, true
+  end
+  penalty_hit[i] = p
+  if penalties == nil then penalties = {} end
+  penalties[group] = p
+end
 
 -- A refund (cost below 0, sidecar/algorithms/refunds.py): never over; a window's counter goes
 -- down, floored at 0 (refunded[i], the change, applied by give_back), a bucket's tokens come
@@ -467,6 +525,8 @@ for i = 1, n do
   local role = ARGV[base + 3]
   if role == '3' or role == '4' then
     usage[i] = role
+  elseif ARGV[base] == '6' then
+    judge_penalty(i, base, group, role)
   elseif force and duplicate[tonumber(group)] then
     skipped[i] = true
   elseif force and tonumber(ARGV[base]) < 3 then
@@ -648,7 +708,7 @@ for _, group in ipairs(groups) do
   end
 end
 if quota_seen and quota_all_over then request_over = true end
-local blocked = mode == 2 or (mode == 1 and request_over)
+local blocked = mode == 2 or mode == 4 or (mode == 1 and request_over)
 
 -- Grouped hashes written: {ms they must live at least, whether a field was created}.
 local hashes, hash_order = {}, {}
@@ -684,11 +744,25 @@ for i = 1, n do
     local o = 5 * (i - 1)
     results[o + 1], results[o + 2], results[o + 3], results[o + 5] = 0, 0, 0, 0
     if applied then results[o + 4] = 1 else results[o + 4] = 0 end
+  elseif penalty_hit[i] then
+    local p = penalty_hit[i]
+    local o = 5 * (i - 1)
+    local left = 0
+    if p[3] or p[4] then left = p[1] - now end
+    results[o + 1], results[o + 2], results[o + 3], results[o + 4], results[o + 5] =
+      p[3] and 1 or 0, p[2], left, p[4] and 1 or 0, 0
+    if p[4] then
+      local base = 5 + 11 * (i - 1)
+      redis.call('SET', KEYS[2 * i - 1], string.format('%d:%d', p[1], p[2]), 'PX',
+        p[1] - now + tonumber(ARGV[base + 7]))
+    end
   elseif not skipped[i] then
     local base = 5 + 11 * (i - 1)
     local algorithm = tonumber(ARGV[base])
     local cost = tonumber(ARGV[base + 1])
     local applied = force or ((not blocked) and (algorithm == 0 or not group_over[ARGV[base + 2]]))
+    local p = penalties and penalties[ARGV[base + 2]]
+    if p and p[3] and p[5] then applied = false end -- a blocked descriptor counts nowhere
     local key, field = KEYS[2 * i - 1], ARGV[base + 9]
     if algorithm == 5 then
       if applied and cost > 0 then
@@ -756,6 +830,11 @@ for i = 1, n do
         results[o + 2], results[o + 3], results[o + 4] = before_left[i], before_reset[i], 0
       end
       results[o + 5] = before_left[i]
+      if p and p[3] then
+        results[o + 1], results[o + 2], results[o + 3], results[o + 5] = 1, 0, p[1] - now, 0
+      elseif p and p[4] and over[i] then
+        results[o + 3] = p[1] - now
+      end
     end
   end
 end
