@@ -305,6 +305,32 @@ REFUND_ON_A_MISSING_COUNTER = Scenario(
     ),
 )
 
+#: A bucket and an anchored window beside a borrowing minute that refuses a charge of 9: the
+#: refused charge must not reach their stored state through the request's later hits on them
+#: (a refund, a charge), which were judged with it as added.
+REFUSED_CHARGE_THEN_MORE = Scenario(
+    start=STARTS[0],
+    offset_ms=0,
+    one_slot=True,
+    grouped=False,
+    descriptors=(
+        Descriptor(
+            (
+                Window(4, Unit.MINUTE, borrow=2),
+                Window(5, Unit.MINUTE, Algorithm.TOKEN_BUCKET, burst=8, borrow=3),
+                Window(10, Unit.MINUTE, Algorithm.FIRST_EVENT, unit_multiplier=10),
+            ),
+            Role.BLOCKING,
+        ),
+    ),
+    steps=(
+        Step(0, ((0, 9), (0, -1), (0, 1)), all_or_nothing=False),
+        Step(0, ((0, 0),), all_or_nothing=False),
+        Step(1_000, ((0, 2), (0, 9), (0, -1), (0, 1)), all_or_nothing=False),
+        Step(0, ((0, 0),), all_or_nothing=False),
+    ),
+)
+
 _settings = settings(
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
@@ -328,6 +354,7 @@ async def cluster_backend(cluster_url: str) -> AsyncIterator[Backend]:
 @settings(_settings, max_examples=100)
 @given(scenario=_scenarios())
 @example(scenario=REFUND_ON_A_MISSING_COUNTER)
+@example(scenario=REFUSED_CHARGE_THEN_MORE)
 async def test_memory_backend_matches_the_model(scenario: Scenario) -> None:
     """The memory backend, which evicts expired values, answers as the model that keeps them."""
     await assert_agree(scenario, {"memory": MemoryBackend()})
@@ -337,6 +364,7 @@ async def test_memory_backend_matches_the_model(scenario: Scenario) -> None:
 @settings(_settings, max_examples=100)
 @given(scenario=_scenarios())
 @example(scenario=REFUND_ON_A_MISSING_COUNTER)
+@example(scenario=REFUSED_CHARGE_THEN_MORE)
 async def test_redis_matches_the_model(scenario: Scenario, redis_backend: Backend) -> None:
     """The Lua script on Redis answers every request exactly as the Python decision does."""
     await assert_agree(scenario, {"memory": MemoryBackend(), "redis": redis_backend})
@@ -346,6 +374,7 @@ async def test_redis_matches_the_model(scenario: Scenario, redis_backend: Backen
 @settings(_settings, max_examples=50)
 @given(scenario=_scenarios())
 @example(scenario=REFUND_ON_A_MISSING_COUNTER)
+@example(scenario=REFUSED_CHARGE_THEN_MORE)
 async def test_cluster_matches_the_model(scenario: Scenario, cluster_backend: Backend) -> None:
     """Redis Cluster, one script call per slot and two phases across slots, answers as the model."""
     await assert_agree(scenario, {"cluster": cluster_backend})
@@ -378,6 +407,16 @@ async def test_a_bucket_is_full_the_moment_its_state_expires(
     outcomes = [await apply(model, *request) for request in requests(scenario)]
     assert outcomes[-1] == [Outcome(False, 7, 0, True, 7)]
     await assert_agree(scenario, {"memory": MemoryBackend(), "redis": redis_backend})
+
+
+async def test_a_refused_charge_reaches_no_state_through_later_hits_on_it() -> None:
+    """A bucket's and an event window's state counts only the hits applied: the charge of 9
+    that the borrowing minute refuses is in neither, though the later refund and charge of the
+    request were judged with it as added; each is left with the charge of 1 alone."""
+    model = Model()
+    outcomes = [await apply(model, *request) for request in requests(REFUSED_CHARGE_THEN_MORE)]
+    minute, bucket, event = outcomes[1]
+    assert (minute.remaining, bucket.remaining, event.remaining) == (5, 7, 9)
 
 
 @settings(_settings, max_examples=200)
