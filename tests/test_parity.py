@@ -419,6 +419,31 @@ async def test_a_refused_charge_reaches_no_state_through_later_hits_on_it() -> N
     assert (minute.remaining, bucket.remaining, event.remaining) == (5, 7, 9)
 
 
+def _limits(model: Model) -> dict[object, object]:
+    """The values of limits' counters, buckets and windows: no usage count or unique count."""
+    return {
+        where: value
+        for where, value in model.values.items()
+        if not (isinstance(where, tuple) and b"|%u|" in where[0])
+        and not (isinstance(where, bytes) and b"|%h|" in where)
+    }
+
+
+@settings(_settings, max_examples=300)
+@given(scenario=_scenarios())
+async def test_what_is_stored_is_the_applied_hits_alone(scenario: Scenario) -> None:
+    """After every request the model stores what its applied hits alone, applied one by one,
+    store: a hit that is not applied reaches no counter, bucket or window, even through the
+    later hits of its request that were judged with it as added."""
+    model, replay = Model(), Model()
+    for hits, all_or_nothing, now_ms in requests(scenario):
+        outcomes = await apply(model, hits, all_or_nothing, now_ms)
+        for hit, outcome in zip(hits, outcomes, strict=True):
+            if outcome.applied and hit.role < Role.USAGE:
+                replay.force([hit], now_ms)
+        assert _limits(model) == _limits(replay), hits
+
+
 @settings(_settings, max_examples=200)
 @given(
     limit=st.integers(0, 4),
