@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 from datetime import date, datetime
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from support.callbacks import apply
 from support.model_store import Model
@@ -303,6 +303,56 @@ async def assert_agree(scenario: Scenario, stores: dict[str, Model | Backend]) -
         await assert_same_usage(scenario, model, stores)
 
 
+#: A refund between two charges on a counter that does not exist: the charge of 9 is refused (the
+#: minute window admits at most 6), so the day counter it would have raised stays missing and
+#: the refund gives nothing back; the charge of 1 after it is admitted and counts.
+REFUND_ON_A_MISSING_COUNTER = Scenario(
+    start=STARTS[0],
+    offset_ms=0,
+    one_slot=False,
+    grouped=False,
+    descriptors=(
+        Descriptor(
+            (
+                Window(4, Unit.MINUTE, borrow=2),
+                Window(6, Unit.DAY, calendar=True, timezone="America/New_York", borrow=3),
+            ),
+            Role.BLOCKING,
+        ),
+    ),
+    steps=(
+        Step(0, ((0, 0),), all_or_nothing=False),
+        Step(0, ((0, 9), (0, -1), (0, 1)), all_or_nothing=False),
+        Step(0, ((0, 0),), all_or_nothing=False),
+    ),
+)
+
+#: A bucket and an anchored window beside a borrowing minute that refuses a charge of 9: the
+#: refused charge must not reach their stored state through the request's later hits on them
+#: (a refund, a charge), which were judged with it as added.
+REFUSED_CHARGE_THEN_MORE = Scenario(
+    start=STARTS[0],
+    offset_ms=0,
+    one_slot=True,
+    grouped=False,
+    descriptors=(
+        Descriptor(
+            (
+                Window(4, Unit.MINUTE, borrow=2),
+                Window(5, Unit.MINUTE, Algorithm.TOKEN_BUCKET, burst=8, borrow=3),
+                Window(10, Unit.MINUTE, Algorithm.FIRST_EVENT, unit_multiplier=10),
+            ),
+            Role.BLOCKING,
+        ),
+    ),
+    steps=(
+        Step(0, ((0, 9), (0, -1), (0, 1)), all_or_nothing=False),
+        Step(0, ((0, 0),), all_or_nothing=False),
+        Step(1_000, ((0, 2), (0, 9), (0, -1), (0, 1)), all_or_nothing=False),
+        Step(0, ((0, 0),), all_or_nothing=False),
+    ),
+)
+
 _settings = settings(
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
@@ -325,6 +375,8 @@ async def cluster_backend(cluster_url: str) -> AsyncIterator[Backend]:
 
 @settings(_settings, max_examples=100)
 @given(scenario=_scenarios())
+@example(scenario=REFUND_ON_A_MISSING_COUNTER)
+@example(scenario=REFUSED_CHARGE_THEN_MORE)
 async def test_memory_backend_matches_the_model(scenario: Scenario) -> None:
     """The memory backend, which evicts expired values, answers as the model that keeps them."""
     await assert_agree(scenario, {"memory": MemoryBackend()})
@@ -333,6 +385,8 @@ async def test_memory_backend_matches_the_model(scenario: Scenario) -> None:
 @pytest.mark.redis
 @settings(_settings, max_examples=100)
 @given(scenario=_scenarios())
+@example(scenario=REFUND_ON_A_MISSING_COUNTER)
+@example(scenario=REFUSED_CHARGE_THEN_MORE)
 async def test_redis_matches_the_model(scenario: Scenario, redis_backend: Backend) -> None:
     """The Lua script on Redis answers every request exactly as the Python decision does."""
     await assert_agree(scenario, {"memory": MemoryBackend(), "redis": redis_backend})
@@ -352,6 +406,8 @@ async def test_packed_fields_agree_on_redis_and_memory(
 @pytest.mark.cluster
 @settings(_settings, max_examples=50)
 @given(scenario=_scenarios())
+@example(scenario=REFUND_ON_A_MISSING_COUNTER)
+@example(scenario=REFUSED_CHARGE_THEN_MORE)
 async def test_cluster_matches_the_model(scenario: Scenario, cluster_backend: Backend) -> None:
     """Redis Cluster, one script call per slot and two phases across slots, answers as the model."""
     await assert_agree(scenario, {"cluster": cluster_backend})
@@ -384,6 +440,41 @@ async def test_a_bucket_is_full_the_moment_its_state_expires(
     outcomes = [await apply(model, *request) for request in requests(scenario)]
     assert outcomes[-1] == [Outcome(False, 7, 0, True, 7)]
     await assert_agree(scenario, {"memory": MemoryBackend(), "redis": redis_backend})
+
+
+async def test_a_refused_charge_reaches_no_state_through_later_hits_on_it() -> None:
+    """A bucket's and an event window's state counts only the hits applied: the charge of 9
+    that the borrowing minute refuses is in neither, though the later refund and charge of the
+    request were judged with it as added; each is left with the charge of 1 alone."""
+    model = Model()
+    outcomes = [await apply(model, *request) for request in requests(REFUSED_CHARGE_THEN_MORE)]
+    minute, bucket, event = outcomes[1]
+    assert (minute.remaining, bucket.remaining, event.remaining) == (5, 7, 9)
+
+
+def _limits(model: Model) -> dict[object, object]:
+    """The values of limits' counters, buckets and windows: no usage count or unique count."""
+    return {
+        where: value
+        for where, value in model.values.items()
+        if not (isinstance(where, tuple) and b"|%u|" in where[0])
+        and not (isinstance(where, bytes) and b"|%h|" in where)
+    }
+
+
+@settings(_settings, max_examples=300)
+@given(scenario=_scenarios())
+async def test_what_is_stored_is_the_applied_hits_alone(scenario: Scenario) -> None:
+    """After every request the model stores what its applied hits alone, applied one by one,
+    store: a hit that is not applied reaches no counter, bucket or window, even through the
+    later hits of its request that were judged with it as added."""
+    model, replay = Model(), Model()
+    for hits, all_or_nothing, now_ms in requests(scenario):
+        outcomes = await apply(model, hits, all_or_nothing, now_ms)
+        for hit, outcome in zip(hits, outcomes, strict=True):
+            if outcome.applied and hit.role < Role.USAGE:
+                replay.force([hit], now_ms)
+        assert _limits(model) == _limits(replay), hits
 
 
 @settings(_settings, max_examples=200)

@@ -13,6 +13,7 @@ from support.callbacks import should_rate_limit
 from support.clock import Clock
 
 from sidecar import config
+from sidecar.algorithms.token_bucket import Bucket
 from sidecar.errors import NegativeHitsRefused
 from sidecar.limiter import Limiter, Settings
 from sidecar.metrics import Latency, StatsCollector
@@ -41,6 +42,10 @@ descriptors:
     rate_limit: {unit: minute, requests_per_unit: 5, algorithm: sliding_window}
   - key: bucket
     rate_limit: {unit: minute, requests_per_unit: 6, burst: 10, algorithm: token_bucket}
+  - key: mixed
+    rate_limits:
+      - {unit: minute, requests_per_unit: 4, borrow: 2}
+      - {unit: minute, requests_per_unit: 6, burst: 10, borrow: 3, algorithm: token_bucket}
   - key: grouped
     group_counters: true
     descriptors:
@@ -193,6 +198,22 @@ async def test_a_refund_is_applied_in_the_call_of_the_requests_charges(
     assert decision.overall_code is Code.OK
     assert [s.limit_remaining for s in decision.statuses] == [3, 2]
     assert await stored(limiter, charge("sliding=b"), charge("fixed=a")) == [2, 3]
+
+
+@every_backend
+async def test_a_refused_charge_reaches_no_counter_through_a_later_refund_or_charge(
+    refunds: Callable[..., Limiter],
+) -> None:
+    """A request that charges 9, refunds 1 and charges 1 on one descriptor, whose borrowing
+    minute (at most 6) refuses the 9: the 9 is counted nowhere, though the bucket beside it
+    admitted it and judged the later hits with it; the refund gives back to no counter (there
+    is none) and the charge of 1 counts in both windows."""
+    limiter = refunds()
+    decision = await ask(limiter, charge("mixed=a", 9), refund("mixed=a", 1), charge("mixed=a", 1))
+    assert [s.code for s in decision.statuses] == [Code.OVER_LIMIT, Code.OK, Code.OK]
+    minute, bucket = await stored(limiter, charge("mixed=a"))
+    assert minute == 1
+    assert isinstance(bucket, Bucket) and bucket.tokens == 9
 
 
 @every_backend

@@ -23,6 +23,10 @@ Three phases:
    A refund is applied as its descriptor is (never over, it is unless the request is all or
    nothing and over): a counter's decrease, or a bucket's tokens back, and nothing written
    for a counter or bucket that holds nothing.
+   A hit judged with an earlier hit on its counter as added (phase 1) keeps that judgement,
+   but only applied hits reach the store: a counter takes each applied hit's change, and a
+   bucket's or an anchored window's state, written whole, is worked out again without the
+   earlier hits that were not applied (`_rewrite`).
 
 A counter is addressed by its key, or by (hash key, field) when its tree groups its counters
 in one hash (`group_counters`, see `storage.keys`). With `group_counters: packed` one field
@@ -158,6 +162,12 @@ def decide(
     outcomes: list[Outcome] = []
     writes: list[Write] = []
     blocked = read_only or (all_or_nothing and request_over)
+    # A bucket's or an anchored window's write is its whole state, judged with the request's
+    # earlier hits on it as applied. Where one of those was not (its descriptor refused), the
+    # states written after it are worked out again from what is really there (`_rewrite`):
+    # `presumed` holds such addresses, `states` what this request has written to each.
+    presumed: set[Address] = set()
+    states: dict[Address, Bucket | Span | None] = {}
     for position, (hit, j) in enumerate(zip(hits, judged, strict=True)):
         if j is _PENALTY_HIT:
             assert penalised is not None
@@ -191,20 +201,32 @@ def decide(
         if algorithm == IN_FLIGHT:
             # Counted, refused or closed: the state kept as long as its last start or refused
             # count lasts (see `concurrency`).
-            state = j.state if applied else None if hit.hits < 0 else j.refused
-            if isinstance(state, InFlight) and not (blocked and hit.hits > 0):
-                writes.append(Write(hit.key, state=state, ttl_ms=state.keep_ms(now_ms)))
+            in_flight = j.state if applied else None if hit.hits < 0 else j.refused
+            if isinstance(in_flight, InFlight) and not (blocked and hit.hits > 0):
+                writes.append(Write(hit.key, state=in_flight, ttl_ms=in_flight.keep_ms(now_ms)))
             continue
+        state, ttl_ms = j.state, j.after[1]
+        if algorithm >= BUCKET and hit.hits != 0:
+            here = address(hit.key, hit.field)
+            if not applied:
+                if state is not None and not j.over:
+                    presumed.add(here)
+                continue
+            if here in presumed:
+                real = states[here] if here in states else read(here)
+                state, ttl_ms = _rewrite(hit, algorithm, real, now_ms)
+            if state is not None or here in presumed:
+                states[here] = state
         if applied and hit.hits > 0:
             if algorithm >= BUCKET:
-                if j.state is not None:
-                    writes.append(Write(hit.key, state=j.state, ttl_ms=j.after[1], field=hit.field))
+                if state is not None:
+                    writes.append(Write(hit.key, state=state, ttl_ms=ttl_ms, field=hit.field))
             else:
                 amount = hit.hits if j.amount is None else j.amount
                 writes.append(Write(hit.key, amount=amount, ttl_ms=hit.ttl * 1000, field=hit.field))
         elif applied and hit.hits < 0:
-            if j.state is not None:
-                writes.append(Write(hit.key, state=j.state, ttl_ms=j.after[1], field=hit.field))
+            if state is not None:
+                writes.append(Write(hit.key, state=state, ttl_ms=ttl_ms, field=hit.field))
             elif j.given_back:
                 writes.append(Write(hit.key, amount=j.given_back, field=hit.field))
     return outcomes, writes
@@ -518,6 +540,29 @@ def _refund_packed(
     _, after_left, _ = fixed_window.judge(0, left, 0, limit, 0)
     reset_ms = hit.end_ms - now_ms
     return _Judged(False, (before_left, reset_ms), (after_left, reset_ms), None, after - value)
+def _rewrite(
+    hit: Hit, algorithm: int, real: State | None, now_ms: int
+) -> tuple[Bucket | Span | None, int]:
+    """The state a bucket's or an anchored window's applied `hit` writes, and for how long, worked
+    out again on `real`, what is stored once the request's applied hits before it are: the same
+    steps as `_judge` and `_refund`, taken whatever the limits say (with fewer hits counted
+    before it, a hit admitted on more is admitted on less). None: nothing to write."""
+    window = hit.window
+    if algorithm == ANCHORED:
+        span = anchored.take(
+            real if isinstance(real, Span) else None, now_ms, hit.hits, window, True
+        )
+        return span.state, span.after[1]
+    rate, period_ms, capacity = window.requests_per_unit, window.seconds * 1000, window.capacity
+    stored = real if isinstance(real, Bucket) else None
+    if hit.hits < 0 and stored is None:
+        return None, 0  # no state: full, and a refund writes nothing
+    bucket = token_bucket.refill(stored, now_ms, rate, period_ms, capacity)
+    if hit.hits < 0:
+        after = refunds.bucket(bucket, -hit.hits, rate, period_ms, capacity)
+        return after, token_bucket.reset_ms(after.tokens, rate, period_ms, capacity)
+    taken = token_bucket.take(bucket, hit.hits, rate, period_ms, capacity, window.borrow, True)
+    return taken.state, taken.reset_ms
 
 
 def _wait_ms(hit: Hit, algorithm: int, previous: int, current: int, now_ms: int) -> int:

@@ -206,6 +206,10 @@ class MemoryBackend:
                 else:
                     entry[0], entry[1] = write.state, expires_at
             elif entry is None:
+                if write.amount < 0:
+                    # A refund judged on an earlier charge of this request that was refused
+                    # after all (its descriptor over): nothing stored, nothing to give back.
+                    continue
                 self._store(where, write.amount, now_ms + write.ttl_ms)
             else:
                 entry[0] += write.amount  # type: ignore[operator]

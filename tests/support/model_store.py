@@ -42,6 +42,10 @@ class Model:
             answers.append(duplicates)
         return answers
 
+    def force(self, hits: Sequence[Hit], now_ms: int) -> None:
+        """Apply `hits` whatever the limits say (as `record` does, without its ids)."""
+        self._decide(hits, False, now_ms, force=True)
+
     def _decide(
         self, hits: Sequence[Hit], all_or_nothing: bool, now_ms: int, force: bool
     ) -> list[Outcome]:

@@ -710,6 +710,60 @@ end
 if quota_seen and quota_all_over then request_over = true end
 local blocked = mode == 2 or mode == 4 or (mode == 1 and request_over)
 
+-- A bucket's or an anchored window's write is its whole state, judged with the request's earlier
+-- hits on it as applied. Where one of those was not (its descriptor refused), the states written
+-- after it are worked out again from what is stored by then (decide.py's _rewrite), taken
+-- whatever the limits say: `presumed[key][field]` marks such a bucket or window, and
+-- `rewritten_ttl[i]` is the new state's life (its outcome keeps what hit i was judged on).
+local presumed, rewritten_ttl = {}, {}
+local function rewrite(i, base, algorithm, cost, key, field)
+  local p1, p2, p3, p4 = tonumber(ARGV[base + 4]), tonumber(ARGV[base + 5]),
+    tonumber(ARGV[base + 6]), tonumber(ARGV[base + 7])
+  local v
+  if field == '' then v = redis.call('GET', key) else v = redis.call('HGET', key, field) end
+  state[i] = nil
+  if algorithm == 4 then
+    local limit, length, ends, restarts = p1, p2, p3, p4
+    local fresh = 0
+    if length > 0 then fresh = now + length end
+    if ends > 0 and (fresh == 0 or ends < fresh) then fresh = ends end
+    local held, close = 0, fresh
+    if v then
+      local c, e = string.match(v, '^(%S+) (%S+)')
+      if tonumber(e) > now then held, close = tonumber(c), tonumber(e) end
+    end
+    if restarts == 1 then close = fresh end
+    if cost > 0 and close > now then state[i] = {held + cost, close} end
+    rewritten_ttl[i] = math.max(0, close - now)
+    return
+  end
+  local rate, period, capacity = p1, p2, p3
+  if cost < 0 and not v then
+    rewritten_ttl[i] = 0
+    return
+  end
+  local tokens, drawn = capacity, 0
+  if v then
+    local t, stamp, d = string.match(v, '^(%S+) (%S+) (%S+)')
+    t, stamp, d = tonumber(t), tonumber(stamp), tonumber(d)
+    local elapsed = now - stamp
+    if elapsed < 0 then elapsed = 0 end
+    if elapsed < math.ceil((capacity - t) * period / rate) then
+      tokens = math.min(capacity, t + elapsed * rate / period)
+      if tokens < capacity then drawn = d end
+    end
+  end
+  if cost > 0 then
+    drawn = drawn + math.max(0, cost - math.max(tokens, 0))
+    tokens = tokens - cost
+  else
+    tokens = math.min(capacity, tokens - cost)
+    if tokens >= capacity then drawn = 0 end
+  end
+  state[i] = {tokens, now, drawn}
+  rewritten_ttl[i] = math.ceil((capacity - tokens) * period / rate)
+end
+
 -- Grouped hashes written: {ms they must live at least, whether a field was created}.
 local hashes, hash_order = {}, {}
 local function touch(key, needed, created)
@@ -764,6 +818,18 @@ for i = 1, n do
     local p = penalties and penalties[ARGV[base + 2]]
     if p and p[3] and p[5] then applied = false end -- a blocked descriptor counts nowhere
     local key, field = KEYS[2 * i - 1], ARGV[base + 9]
+    local reported_reset = after_reset[i]
+    if algorithm ~= 5 and algorithm >= 3 and cost ~= 0 then
+      if not applied then
+        if state[i] ~= nil then
+          presumed[key] = presumed[key] or {}
+          presumed[key][field] = true
+        end
+      elseif presumed[key] and presumed[key][field] then
+        rewrite(i, base, algorithm, cost, key, field)
+        after_reset[i] = rewritten_ttl[i]
+      end
+    end
     if algorithm == 5 then
       if applied and cost > 0 then
         -- Each start a member of its own: its end, and a number that no live member has.
@@ -825,7 +891,7 @@ for i = 1, n do
       local o = 5 * (i - 1)
       if over[i] then results[o + 1] = 1 else results[o + 1] = 0 end
       if applied then
-        results[o + 2], results[o + 3], results[o + 4] = after_left[i], after_reset[i], 1
+        results[o + 2], results[o + 3], results[o + 4] = after_left[i], reported_reset, 1
       else
         results[o + 2], results[o + 3], results[o + 4] = before_left[i], before_reset[i], 0
       end
