@@ -167,7 +167,7 @@ def decide(
     # states written after it are worked out again from what is really there (`_rewrite`):
     # `presumed` holds such addresses, `states` what this request has written to each.
     presumed: set[Address] = set()
-    states: dict[Address, Bucket | Span | None] = {}
+    states: dict[Address, Bucket | Span | InFlight | None] = {}
     for position, (hit, j) in enumerate(zip(hits, judged, strict=True)):
         if j is _PENALTY_HIT:
             assert penalised is not None
@@ -540,6 +540,8 @@ def _refund_packed(
     _, after_left, _ = fixed_window.judge(0, left, 0, limit, 0)
     reset_ms = hit.end_ms - now_ms
     return _Judged(False, (before_left, reset_ms), (after_left, reset_ms), None, after - value)
+
+
 def _rewrite(
     hit: Hit, algorithm: int, real: State | None, now_ms: int
 ) -> tuple[Bucket | Span | None, int]:
