@@ -121,7 +121,9 @@ def wait_ms(
     it is moved until it is the first millisecond at which `refill` and `admits` admit the hit,
     so a client that waits it is admitted and one a millisecond earlier is not. The moves are
     bounded: forward by the time until full, where `refill` admits by its own branch, backward
-    by 0.
+    by 0; a hit admitted only once the bucket is full again (its credit spent, or asking more
+    than a full bucket and its credit cover together) waits the time until full, moved back by
+    at most two milliseconds.
     """
     need = cost if cost > 0 else 1
     now_ms = bucket.stamp_ms
@@ -129,14 +131,20 @@ def wait_ms(
     if state is not None:
         full = max(0, state.stamp_ms + reset_ms(state.tokens, rate, period_ms, capacity) - now_ms)
     target = need - (borrow - bucket.drawn)
-    if state is None or bucket.drawn > borrow or target >= capacity or need > capacity + borrow:
+    if state is None:
         return full
-    wait = min(full, max(0, math.ceil((target - bucket.tokens) * period_ms / rate)))
-    while wait < full and not admits(
-        refill(state, now_ms + wait, rate, period_ms, capacity), need, borrow
-    ):
-        wait += 1
-    while wait > 0 and admits(
+    wait, least = full, 0
+    if bucket.drawn > borrow or target >= capacity or need > capacity + borrow:
+        # Admitted once full, or never: `full` itself can be a millisecond past the instant
+        # `refill`'s floats make the bucket full, so two steps back at most.
+        least = max(0, full - 2)
+    else:
+        wait = min(full, max(0, math.ceil((target - bucket.tokens) * period_ms / rate)))
+        while wait < full and not admits(
+            refill(state, now_ms + wait, rate, period_ms, capacity), need, borrow
+        ):
+            wait += 1
+    while wait > least and admits(
         refill(state, now_ms + wait - 1, rate, period_ms, capacity), need, borrow
     ):
         wait -= 1

@@ -259,14 +259,18 @@ local function bucket_wait(b, tokens, drawn, need, rate, period, capacity, borro
     full = math.max(0, b[2] + math.ceil((capacity - b[1]) * period / rate) - now)
   end
   local target = need - (borrow - drawn)
-  if b == nil or drawn > borrow or target >= capacity or need > capacity + borrow then
-    return full
+  if b == nil then return full end
+  local wait, least = full, 0
+  if drawn > borrow or target >= capacity or need > capacity + borrow then
+    -- Admitted once full, or never: two steps back at most, for the refill's rounding.
+    least = math.max(0, full - 2)
+  else
+    wait = math.min(full, math.max(0, math.ceil((target - tokens) * period / rate)))
+    while wait < full and not bucket_admits(b, now + wait, need, rate, period, capacity, borrow) do
+      wait = wait + 1
+    end
   end
-  local wait = math.min(full, math.max(0, math.ceil((target - tokens) * period / rate)))
-  while wait < full and not bucket_admits(b, now + wait, need, rate, period, capacity, borrow) do
-    wait = wait + 1
-  end
-  while wait > 0 and bucket_admits(b, now + wait - 1, need, rate, period, capacity, borrow) do
+  while wait > least and bucket_admits(b, now + wait - 1, need, rate, period, capacity, borrow) do
     wait = wait - 1
   end
   return wait
