@@ -2,7 +2,7 @@
 its share of every limit (limit / N), and goes back to the shared counters when the backend
 answers again. Against a real redis-server, stopped and started on the same port, through both
 ways a caller gets a decision (awaited through `sidecar.callbacks.awaited`, and the callbacks
-of `decide_then`)."""
+of `decide`)."""
 
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ def test_a_share_is_the_limit_divided_rounded_down_but_never_zero_of_a_limit() -
         Settings(failure_mode="local", local_divisor=0)
 
 
-@pytest.fixture(params=["awaited", "decide_then"])
+@pytest.fixture(params=["awaited", "callbacks"])
 async def ask(
     request: pytest.FixtureRequest, restartable_redis: RedisServer, clock: Clock
 ) -> AsyncIterator[tuple[Limiter, Callable[[str], asyncio.Future[Answer]]]]:
@@ -85,7 +85,7 @@ async def ask(
                 (status.code, status.limit_remaining, status.current_limit.requests_per_unit)
             )
 
-        limiter.decide_then(plan, convert.response_bytes, done)
+        limiter.decide(plan, convert.response_bytes, done)
         return answered
 
     yield limiter, ask

@@ -421,7 +421,7 @@ async def test_three_sidecars_under_load_admit_exactly_each_windows_limit(redis_
                     if decision.overall_code is Code.OK:
                         admitted[window] += 1
 
-                limiter.decide_then(plan, lambda d: d, done)
+                limiter.decide(plan, lambda d: d, done)
             await asyncio.sleep(0.004)  # about 400 requests a second each: 4 x the limit in all
 
     try:

@@ -114,7 +114,7 @@ async def test_off_nothing_of_tracing_is_on_the_fast_transports_path(rules: Path
         assert isinstance(fast, FastServer)
         method = fast._server.methods[METHOD]
         assert isinstance(method, CallbackMethod)
-        assert method.handle == fast.service.should_rate_limit_then
+        assert method.handle == fast.service.should_rate_limit
         assert fast._server.kept_fields == frozenset()
     async with http_receiver() as received:
         settings = TracingSettings(endpoint=received.endpoint)
@@ -123,7 +123,7 @@ async def test_off_nothing_of_tracing_is_on_the_fast_transports_path(rules: Path
             assert isinstance(fast, FastServer)
             method = fast._server.methods[METHOD]
             assert isinstance(method, CallbackMethod)
-            assert method.handle != fast.service.should_rate_limit_then
+            assert method.handle != fast.service.should_rate_limit
             assert fast._server.kept_fields
 
 

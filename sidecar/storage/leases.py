@@ -238,7 +238,7 @@ class _Counter(lease.Lease):
 
 
 class _Request:
-    """One `apply_then` call with leased hits, until each has its outcome."""
+    """One `apply` call with leased hits, until each has its outcome."""
 
     __slots__ = ("done", "failed", "hits", "leased", "now_ms", "outcomes", "waiting")
 
@@ -297,12 +297,10 @@ class Leased:
 
     # --- decisions ----------------------------------------------------------------------------
 
-    def apply_then(
-        self, hits: Sequence[Hit], all_or_nothing: bool, now_ms: int, done: Applied
-    ) -> None:
+    def apply(self, hits: Sequence[Hit], all_or_nothing: bool, now_ms: int, done: Applied) -> None:
         """The leased hits judged on their leases, the others by the store (see the module)."""
         if all_or_nothing or not any(hit.window.leased for hit in hits):
-            self.backend.apply_then(hits, all_or_nothing, now_ms, done)
+            self.backend.apply(hits, all_or_nothing, now_ms, done)
             return
         request = _Request(hits, now_ms, done)
         counts = self._counts
@@ -394,7 +392,7 @@ class Leased:
             then()
 
         hits = sent if sent is not None else [request.hits[p] for p in positions]
-        self.backend.apply_then(hits, False, request.now_ms, answered)
+        self.backend.apply(hits, False, request.now_ms, answered)
 
     def _refund(self, request: _Request) -> None:
         """A request that ends in an error admitted nothing: its leased units go back."""
