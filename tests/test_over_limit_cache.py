@@ -209,7 +209,7 @@ async def test_a_reload_forgets_the_counters_known_over(tmp_path: Path, redis_ur
     store = open_backend(redis_url, timeout_ms=1000)
     try:
         async with running_app(rules, backend=store) as app:
-            app_limiter = app._limiter
+            app_limiter = app.assembly.limiter
             assert isinstance(app, App) and app_limiter is not None
             for _ in range(2):
                 await should_rate_limit(app_limiter, one("k", "v"))
