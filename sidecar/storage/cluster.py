@@ -1,5 +1,9 @@
 """Counters in a Redis Cluster: hits grouped by hash slot, one script call per slot, through the
 pipelined cluster client (`cluster_client.py`); the calls and their replies are `scripts.py`'s.
+
+One module past the usual size because it is one class: the backend's two paths (callbacks for
+a request on one slot whose master is known, a coroutine for several slots and redirections)
+share its slot map, its clients and each call's deadline.
 """
 
 from __future__ import annotations

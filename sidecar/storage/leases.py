@@ -38,6 +38,10 @@ slot); the waiters of a lease are requests in flight, bounded by the server's ow
 
 Not with `--rejected-hits skip` (all or nothing is the store's to decide): the app refuses the
 two together, as for `approximate`.
+
+One module past the usual size because `Leased` is one state (the leases, their renewals, the
+hits waiting for a block) that every path through it reads and writes; the stores that settle
+its asks (`LeaseStore`) are small beside it.
 """
 
 from __future__ import annotations

@@ -9,6 +9,10 @@ a third of the server's CPU (`counts` says which script a call runs). Both backe
 (`redis.py`, `cluster.py`) build their calls and read their replies here, and only here; what
 they do when the server has lost a script (NOSCRIPT) is here too, once: `lost` says so, and
 `run_script` sends the call's EVAL form in its place (`as_eval`).
+
+One module past the usual size because it is one contract: every call the backends send a
+script and every reply they read back, so that a change to a script's KEYS, ARGV or reply is
+made in one place beside the script's header.
 """
 
 from __future__ import annotations
