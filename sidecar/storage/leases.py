@@ -69,6 +69,7 @@ from sidecar.errors import Overloaded, StorageError
 from sidecar.model import Algorithm, Dedupe, Hit, Outcome, Role, new
 from sidecar.storage.base import Applied, Backend, ReportsFaults, RunsCommands
 from sidecar.storage.peers import CountsPeers
+from sidecar.storage.scripts import execute_script
 from sidecar.usage import as_refused
 
 log = structlog.get_logger("sidecar.storage.leases")
@@ -166,13 +167,7 @@ class RedisLeases:
         for ask in asks:
             args += (ask.kind, ask.p1, ask.p2, ask.p3, ask.returned, ask.want)
         self.calls += 1
-        try:
-            return await self._client.execute("EVALSHA", SHA, *args)
-        except Exception as exc:
-            if not str(exc).startswith("NOSCRIPT"):
-                raise
-        # The server's script cache is empty (restart, failover): EVAL runs and caches it.
-        return await self._client.execute("EVAL", SCRIPT, *args)
+        return await execute_script(self._client.execute, SHA, SCRIPT, *args)
 
 
 class MemoryLeases:
