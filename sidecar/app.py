@@ -5,7 +5,8 @@
 URL it cannot use), starts every part and reports SERVING once the backend answered a ping.
 `App.stop` is what SIGTERM and SIGINT trigger: unhealthy everywhere first, then no new calls,
 calls in flight get a grace period, then the backend is closed. Every new set of rules (a
-reload, an xDS push) reaches every part that reads rules through `serve_rules`.
+reload, an xDS push) reaches every part that reads rules through one `ServedRules`
+(`sidecar.served_rules`).
 """
 
 from __future__ import annotations
