@@ -140,7 +140,7 @@ async def measure(
             while sent < due:
                 sent += 1
                 demand[(index, window)] += 1
-                limiter.decide_then(plan, lambda d: d, lambda d, w=window: done(d, w))
+                limiter.decide(plan, lambda d: d, lambda d, w=window: done(d, w))
             await asyncio.sleep(TICK_SECONDS)
 
     cpu, redis_ticks = time.process_time(), redis_server.cpu_ticks()

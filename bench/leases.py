@@ -184,7 +184,7 @@ async def measure(
                 where = (user, int(now))
                 demand[where] += 1
                 plan = limiter.prepare(Request("bench", (Descriptor((Entry(key, user),)),)))
-                limiter.decide_then(plan, _same, Done(where))
+                limiter.decide(plan, _same, Done(where))
             await asyncio.sleep(TICK_SECONDS)
 
     cpu, redis_ticks = time.process_time(), redis_server.cpu_ticks()

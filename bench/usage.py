@@ -78,7 +78,7 @@ def limiter(url: str, counted: bool) -> Limiter:
 
 async def decide(limiter: Limiter, body: Request) -> Decision:
     plan = limiter.prepare(body)
-    decision: Decision = await awaited(lambda done: limiter.decide_then(plan, _same, done))
+    decision: Decision = await awaited(lambda done: limiter.decide(plan, _same, done))
     return decision
 
 

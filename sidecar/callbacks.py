@@ -1,8 +1,8 @@
 """Where the decision path's callback form meets coroutines: the one adapter between them.
 
 Every layer of the decision path answers through a callback, once: the backend
-(`Backend.apply_then`), the limiter (`Limiter.decide_then`) and the service
-(`RateLimitService.should_rate_limit_then`). `done` gets the result, or the exception the call
+(`Backend.apply`), the limiter (`Limiter.decide`) and the service
+(`RateLimitService.should_rate_limit`). `done` gets the result, or the exception the call
 ended with; what goes wrong before the store is asked is raised by the call itself. That form is
 the hot path's (no coroutine, task or future per call, which is most of what a call costs in
 Python once the store's own work is small), so it is the one implementation. A caller that

@@ -3,11 +3,11 @@
 prepare (once per request body and rules, `sidecar.plan`): validate, judge it by the allow and
 deny lists (a listed request is answered and counted in stats, and touches no counter), match
 each descriptor to a rule, drop replaced and unlimited rules, name the counters → decide (every
-call): one `backend.apply_then` for all remaining counters → per-descriptor statuses →
+call): one `backend.apply` for all remaining counters → per-descriptor statuses →
 `overall_code` (shadow and quota modes) → stats. The clock is injected; nothing here knows
 about protobuf, gRPC or Redis.
 
-`decide_then` is the decision, through callbacks (`_begin` before the store is waiting,
+`decide` is the decision, through callbacks (`_begin` before the store is waiting,
 `_finish` after; `sidecar.callbacks.awaited` for a coroutine). A straight plan
 (`Plan.straight`: each counted descriptor one window, all blocking), the usual request, skips
 `_begin`'s lookups while no counter is known to be over; every decision is read back by the
@@ -113,7 +113,7 @@ class Limiter:
     backend their counters live in, and how over-limit answers and backend failures are
     treated (`Settings`).
 
-    `prepare` makes a request's plan (cached by the service per body); `decide_then` decides a
+    `prepare` makes a request's plan (cached by the service per body); `decide` decides a
     plan with at most one backend call, through a callback. Beside the backend it keeps the
     over-limit cache (windows known to be over, answered without a call), and under
     `--failure-mode local` this process's own counters, used while the backend fails.
@@ -140,7 +140,7 @@ class Limiter:
             self.settings.rejected_hits == "skip" and not self.settings.shadow_mode
         )
         #: Plain windows known to be over, answered without waiting for the backend (None:
-        #: off), their hits added to it afterwards through `apply_then`.
+        #: off), their hits added to it afterwards through `apply`.
         self.over_limit_cache = (
             OverLimitCache(over_limit_cache, self._count_refused)
             if over_limit_cache and backend.name != "memory"
@@ -180,7 +180,7 @@ class Limiter:
             raise
         return plan
 
-    def decide_then(
+    def decide(
         self,
         plan: Plan,
         encode: Callable[[Decision], T],
@@ -215,7 +215,7 @@ class Limiter:
             waiting = begun
         if cache is not None and cache.pending:
             cache.flush()  # ahead of this call, as they came before it
-        self.backend.apply_then(waiting.hits, self._all_or_nothing, waiting.now_ms, waiting)
+        self.backend.apply(waiting.hits, self._all_or_nothing, waiting.now_ms, waiting)
 
     def _begin(
         self, plan: Plan, encode: Callable[[Decision], Any], done: Callable[[Any], None]
@@ -272,7 +272,7 @@ class Limiter:
     ) -> tuple[Sequence[tuple[Counted, int]], list[Hit]]:
         """The hits one store call sends for `plan`'s counted descriptors at `now_ms`, and each
         descriptor with the position of its first hit among them: the one way a decision
-        gathers its hits (`decide_then` writes out the straight branch, for speed). A
+        gathers its hits (`decide` writes out the straight branch, for speed). A
         descriptor `cache` knows to be over sends none: its status is set in `statuses` and its
         (over, role) added to `judged`. `cache` None: no lookups.
 
@@ -427,7 +427,7 @@ class Limiter:
         the reply tells the cache which of them were reset meanwhile (`Added`)."""
         cache = self.over_limit_cache
         assert cache is not None  # only the cache refuses hits to add
-        self.backend.apply_then(hits, False, int(self._clock() * 1000), Added(cache, hits))
+        self.backend.apply(hits, False, int(self._clock() * 1000), Added(cache, hits))
 
     def _on_backend_failure(self, exc: StorageError, waiting: _Waiting) -> Decision:
         """Answer by the failure mode; log the first failure of a run, not every request.
@@ -486,7 +486,7 @@ class Limiter:
                 )
             local_hits.append(dataclasses.replace(hit, window=share))
         answered: list[list[Outcome] | Exception] = []
-        local.apply_then(local_hits, self._all_or_nothing, now_ms, answered.append)
+        local.apply(local_hits, self._all_or_nothing, now_ms, answered.append)
         (outcomes,) = answered
         if isinstance(outcomes, Exception):  # a bug in the memory backend: raised as one
             raise outcomes
@@ -571,7 +571,7 @@ def most_restrictive(outcomes: Sequence[Judged]) -> int:
 
 class _Waiting:
     """A decision asking the store: what `Limiter._begin` (or the straight path) hands on, and
-    what `Limiter.decide_then` hands the backend to call with its answer.
+    what `Limiter.decide` hands the backend to call with its answer.
 
     It holds the plan, the statuses so far, the (over, role) of descriptors judged without the
     store, the counted descriptors with the position of their first hit, the hits, the time,

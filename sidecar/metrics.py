@@ -24,7 +24,8 @@ the reference keep working:
   `ratelimit_service_global_shadow_mode` and
   `ratelimit_service_rate_limit_domain_not_found{domain}`.
 - the cycle collector's pauses (ours): the histogram `ratelimit_sidecar_gc_pause_seconds{generation}`
-  and the gauge `ratelimit_sidecar_gc_pause_max_seconds`, the longest since start (`GcPauses`).
+  and the gauge `ratelimit_sidecar_gc_pause_max_seconds`, the longest since start
+  (`sidecar.garbage`, registered by the app).
 - each rule's configured limit (ours; the reference has no such stat, its PR #1138 proposing
   one was closed): the gauge `ratelimit_sidecar_rate_limit_requests_per_unit{domain, key1[,
   key2], unit}`, read from the rules served when scraped (`LimitsCollector`).
@@ -36,11 +37,9 @@ would add, because that is what the reference's exporter serves (`render`).
 from __future__ import annotations
 
 import bisect
-import gc
 import math
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
-from time import perf_counter
 from typing import Any, Final
 
 from prometheus_client import CollectorRegistry, Metric
@@ -67,7 +66,7 @@ _METHOD: Final = {"grpc_method": "ShouldRateLimit"}
 
 
 class Latency:
-    """ShouldRateLimit call durations in seconds (and the collector's pauses, `GcPauses`);
+    """ShouldRateLimit call durations in seconds (and the collector's pauses, `garbage.GcPauses`);
     `observe` costs a bisect and two additions."""
 
     #: Upper bounds in seconds: a decision takes tens of microseconds to a few milliseconds.
@@ -282,78 +281,10 @@ class MemoryCollector(Collector):
         )
 
 
-class GcPauses:
-    """The cycle collector's pauses: how long each collection held the event loop, by
-    generation, and the longest, timed from `gc.callbacks` (while `watch`ed).
-
-    A collection stops every call in flight for its length (README, "Garbage collection"):
-    these are what a call's latency can gain that the latency histogram does not show by its
-    cause. Timing one costs two clock reads and a bisect, at most a few hundred times a
-    second however busy the sidecar is.
-    """
-
-    GENERATIONS = 3
-
-    def __init__(self) -> None:
-        self.generations = [Latency() for _ in range(self.GENERATIONS)]
-        #: The longest pause so far, in seconds.
-        self.max = 0.0
-        self._started = 0.0
-
-    def watch(self) -> None:
-        """Time every collection of this process from now on."""
-        if self not in gc.callbacks:
-            gc.callbacks.append(self)
-
-    def unwatch(self) -> None:
-        if self in gc.callbacks:
-            gc.callbacks.remove(self)
-
-    def __call__(self, phase: str, info: dict[str, int]) -> None:
-        """`gc.callbacks`' call, before (`start`) and after (`stop`) each collection."""
-        if phase == "start":
-            self._started = perf_counter()
-            return
-        seconds = perf_counter() - self._started
-        self.generations[info["generation"]].observe(seconds)
-        if seconds > self.max:
-            self.max = seconds
-
-
-class GcCollector(Collector):
-    """The collector's pauses (`GcPauses`) as `ratelimit_sidecar_gc_pause_seconds{generation}`
-    and `ratelimit_sidecar_gc_pause_max_seconds`, read at scrape time."""
-
-    def __init__(self, pauses: GcPauses) -> None:
-        self.pauses = pauses
-
-    def collect(self) -> Iterator[Metric]:
-        histogram = HistogramMetricFamily(
-            "ratelimit_sidecar_gc_pause_seconds",
-            "Pauses of the cycle garbage collector, by generation (2: a full collection), "
-            "each stopping every call in flight for its length.",
-            labels=["generation"],
-        )
-        for generation, pauses in enumerate(self.pauses.generations):
-            histogram.add_metric([str(generation)], pauses.cumulative(), pauses.sum)
-        yield histogram
-        gauge = Metric(
-            "ratelimit_sidecar_gc_pause_max_seconds",
-            "The longest pause of the cycle garbage collector since the sidecar started.",
-            "gauge",
-        )
-        gauge.add_sample("ratelimit_sidecar_gc_pause_max_seconds", {}, self.pauses.max)
-        yield gauge
-
-
-def registry(
-    stats: Stats, latency: Latency | None = None, pauses: GcPauses | None = None
-) -> CollectorRegistry:
+def registry(stats: Stats, latency: Latency | None = None) -> CollectorRegistry:
     """A registry of its own for one sidecar (tests run many side by side in one process)."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(StatsCollector(stats, latency))
-    if pauses is not None:
-        registry.register(GcCollector(pauses))
     return registry
 
 

@@ -13,6 +13,10 @@ into a native constructor, where the one `dataclass` writes is Python code run f
 instance (about 1,300 instructions an Entry, 4,000 a Hit, measured by callgrind). The others
 are frozen dataclasses.
 Names follow Envoy's vocabulary (`domain`, `descriptor`, `entry`, `hits_addend`, `unit`).
+
+One module past the usual size because it is every value the pipeline hands along, each a few
+lines, kept together so the core reads one vocabulary; much of its length is the notes on how
+each is built for the compiled build.
 """
 
 from __future__ import annotations

@@ -187,7 +187,7 @@ class Plan:
     def straight(self) -> bool:
         """Some descriptor is counted, each counted one has one window and all block, so each
         hit's outcome is its status (the usual request, decided in one pass: see
-        `Limiter.decide_then`)."""
+        `Limiter.decide`)."""
         return bool(self.positions)
 
 

@@ -218,7 +218,7 @@ class Tracing:
     # --- the backend span ---------------------------------------------------------------------------
 
     def backend(self, backend: Any) -> Any:
-        """`backend` with each decision's store call (`apply_then`) a child span of the call's
+        """`backend` with each decision's store call (`apply`) a child span of the call's
         span, and everything else as it is."""
         return _TracedBackend(backend, self)
 
@@ -312,10 +312,10 @@ class _TracedBackend:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._backend, name)
 
-    def apply_then(self, hits: Sequence[Any], *args: Any) -> None:
+    def apply(self, hits: Sequence[Any], *args: Any) -> None:
         span = self._tracing._child(hits)
         if span is None:
-            self._backend.apply_then(hits, *args)
+            self._backend.apply(hits, *args)
             return
         *rest, done = args
 
@@ -324,7 +324,7 @@ class _TracedBackend:
             done(outcomes)
 
         try:
-            self._backend.apply_then(hits, *rest, applied)
+            self._backend.apply(hits, *rest, applied)
         except BaseException:
             span.end()
             raise

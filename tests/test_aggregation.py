@@ -68,7 +68,7 @@ def hit(window: Window, now_ms: int, cost: int = 1, prefix: str = "api_client_a"
 
 async def apply(backend: Aggregated, hits: Sequence[Hit], now_ms: int) -> list[Outcome]:
     def start(done: Applied) -> None:
-        backend.apply_then(hits, False, now_ms, done)
+        backend.apply(hits, False, now_ms, done)
 
     return await awaited(start)
 
@@ -298,7 +298,7 @@ async def test_several_sidecars_under_load_admit_the_limit_within_the_stated_ove
                     if decision.overall_code is Code.OK:
                         admitted[window] += 1
 
-                limiter.decide_then(plan, lambda d: d, done)
+                limiter.decide(plan, lambda d: d, done)
             await asyncio.sleep(0.0005)
 
     try:

@@ -133,9 +133,7 @@ class Delayed:
         self.calls: list[tuple[int, Sequence[Hit], int, Applied]] = []
         self.count = 0
 
-    def apply_then(
-        self, hits: Sequence[Hit], all_or_nothing: bool, now_ms: int, done: Applied
-    ) -> None:
+    def apply(self, hits: Sequence[Hit], all_or_nothing: bool, now_ms: int, done: Applied) -> None:
         assert not all_or_nothing
         self.count += 1
         self.calls.append((now_ms + self.latency_ms, hits, now_ms, done))
@@ -144,7 +142,7 @@ class Delayed:
         due = [call for call in self.calls if call[0] <= now_ms]
         self.calls = [call for call in self.calls if call[0] > now_ms]
         for _, hits, made_ms, done in due:
-            self.store.apply_then(hits, False, made_ms, done)
+            self.store.apply(hits, False, made_ms, done)
 
     async def close(self) -> None:
         await self.store.close()
@@ -188,7 +186,7 @@ async def simulate(
             for _ in range(arrivals):
                 hit = window_hit("d_key_value", window, 1, 0, Role.BLOCKING, now_ms)
                 made += 1
-                view.apply_then([hit], False, now_ms, lambda o, s=hit.start_ms: answered(o, s))
+                view.apply([hit], False, now_ms, lambda o, s=hit.start_ms: answered(o, s))
         for _ in range(3):
             await asyncio.sleep(0)
     store.deliver(start_ms + 10_000)

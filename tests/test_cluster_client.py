@@ -477,8 +477,8 @@ async def test_a_silent_master_fails_calls_by_their_own_deadline(own: RedisClust
 # --- the backend through callbacks (the fast transport's path) -------------------------------
 
 
-def applied_then(backend: Any, hits: list[Hit]) -> Awaitable[list[Outcome]]:
-    """`apply_then` on `hits` (no all-or-nothing, at NOW_MS), awaited."""
+def applied(backend: Any, hits: list[Hit]) -> Awaitable[list[Outcome]]:
+    """`apply` on `hits` (no all-or-nothing, at NOW_MS), awaited."""
     return apply(backend, hits, False, NOW_MS)
 
 
@@ -490,14 +490,14 @@ async def test_callbacks_reach_the_master_without_a_coroutine_once_the_map_is_lo
     keys = [key_on(own, node, "direct") for node in own.nodes]
     backend: Any = open_backend(own.url, timeout_ms=2_000)
     try:
-        assert [o.remaining for o in await applied_then(backend, [hit(keys[0], 1, 10)])] == [9]
+        assert [o.remaining for o in await applied(backend, [hit(keys[0], 1, 10)])] == [9]
 
         async def no_coroutine(*args: Any) -> list[Outcome]:
             raise AssertionError("a one-slot request with a known master took the coroutine")
 
         backend._apply = no_coroutine
         reset_stats(own)
-        calls = [applied_then(backend, [hit(key, 1, 10)]) for key in keys for _ in range(2)]
+        calls = [applied(backend, [hit(key, 1, 10)]) for key in keys for _ in range(2)]
         outcomes = await asyncio.gather(*calls)
         assert sorted(o.remaining for [o] in outcomes) == [7, 8, 8, 8, 9, 9]
         for node in own.nodes:
@@ -514,7 +514,7 @@ async def test_moved_through_callbacks_is_followed_and_counted_once(own: RedisCl
     counted = hit(key, 1, 10)
     backend = open_backend(own.url, timeout_ms=2_000)
     try:
-        assert [o.remaining for o in await applied_then(backend, [counted])] == [9]
+        assert [o.remaining for o in await applied(backend, [counted])] == [9]
         slot = key_slot(counted.key)
         source = owner(own, slot)
         target = other_than(own, source)
@@ -522,14 +522,14 @@ async def test_moved_through_callbacks_is_followed_and_counted_once(own: RedisCl
         finish_migration(own, slot, source, target)
         reset_stats(own)
 
-        assert [o.remaining for o in await applied_then(backend, [counted])] == [8]
+        assert [o.remaining for o in await applied(backend, [counted])] == [8]
         with target.client() as sync:
             assert int(sync.get(counted.key)) == 2
         assert stat(target, "cmdstat_evalsha") == 1
         moved = stat(source, "errorstat_MOVED", "count")
         assert moved >= 1
 
-        assert [o.remaining for o in await applied_then(backend, [counted])] == [7]
+        assert [o.remaining for o in await applied(backend, [counted])] == [7]
         assert stat(source, "errorstat_MOVED", "count") == moved
         assert stat(target, "cmdstat_evalsha") == 2
     finally:
@@ -543,11 +543,11 @@ async def test_noscript_through_callbacks_runs_the_script_once(own: RedisCluster
     key = key_on(own, flushed, "noscriptcb")
     backend = open_backend(own.url, timeout_ms=2_000)
     try:
-        assert [o.remaining for o in await applied_then(backend, [hit(key, 1, 10)])] == [9]
+        assert [o.remaining for o in await applied(backend, [hit(key, 1, 10)])] == [9]
         with flushed.client() as sync:
             sync.script_flush()
         reset_stats(own)
-        assert [o.remaining for o in await applied_then(backend, [hit(key, 1, 10)])] == [8]
+        assert [o.remaining for o in await applied(backend, [hit(key, 1, 10)])] == [8]
         assert stat(flushed, "cmdstat_eval") == 1
         with flushed.client() as sync:
             assert int(sync.get(hit(key, 1, 10).key)) == 2
@@ -563,19 +563,19 @@ async def test_a_stopped_master_fails_callbacks_in_time(own: RedisCluster) -> No
     key_down, key_up = key_on(own, down, "downcb"), key_on(own, up, "upcb")
     backend = open_backend(own.url, timeout_ms=DEADLINE_MS)
     try:
-        await applied_then(backend, [hit(key_down, 1, 100)])
+        await applied(backend, [hit(key_down, 1, 100)])
         await asyncio.to_thread(down.stop)
         for _ in range(5):
             started = time.monotonic()
             with pytest.raises(StorageError):
-                await applied_then(backend, [hit(key_down, 1, 100)])
+                await applied(backend, [hit(key_down, 1, 100)])
             assert time.monotonic() - started < DEADLINE_MS / 1000 + SLACK
-            assert (await applied_then(backend, [hit(key_up, 1, 100)]))[0].applied
+            assert (await applied(backend, [hit(key_up, 1, 100)]))[0].applied
         await asyncio.to_thread(down.start)
         deadline = time.monotonic() + 15
         while True:
             try:
-                [outcome] = await applied_then(backend, [hit(key_down, 1, 100)])
+                [outcome] = await applied(backend, [hit(key_down, 1, 100)])
                 break
             except StorageError:  # CLUSTERDOWN for a moment after the restart
                 if time.monotonic() > deadline:

@@ -349,7 +349,7 @@ def test_outcome_of_a_refused_start_is_not_applied() -> None:
     outcomes: list[list[Outcome]] = []
     for cost in (2, 1):
         hit = counters.window_hit(prefix, window, cost, 0, Role.BLOCKING, 1_800_000_000_000)
-        model.apply_then([hit], False, 1_800_000_000_000, outcomes.append)  # type: ignore[arg-type]
+        model.apply([hit], False, 1_800_000_000_000, outcomes.append)  # type: ignore[arg-type]
     assert [o[0].applied for o in outcomes] == [True, False]
     assert outcomes[1][0] == Outcome(True, 0, 30_000, False, 0)
 

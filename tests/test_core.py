@@ -223,9 +223,7 @@ class FailingBackend:
     def __init__(self) -> None:
         self.calls = 0
 
-    def apply_then(
-        self, hits: Sequence[Hit], all_or_nothing: bool, now_ms: int, done: Applied
-    ) -> None:
+    def apply(self, hits: Sequence[Hit], all_or_nothing: bool, now_ms: int, done: Applied) -> None:
         self.calls += 1
         done(StorageError("timed out after 50 ms"))
 

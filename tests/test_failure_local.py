@@ -2,7 +2,7 @@
 its share of every limit (limit / N), and goes back to the shared counters when the backend
 answers again. Against a real redis-server, stopped and started on the same port, through both
 ways a caller gets a decision (awaited through `sidecar.callbacks.awaited`, and the callbacks
-of `decide_then`)."""
+of `decide`)."""
 
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ def test_a_share_is_the_limit_divided_rounded_down_but_never_zero_of_a_limit() -
         Settings(failure_mode="local", local_divisor=0)
 
 
-@pytest.fixture(params=["awaited", "decide_then"])
+@pytest.fixture(params=["awaited", "callbacks"])
 async def ask(
     request: pytest.FixtureRequest, restartable_redis: RedisServer, clock: Clock
 ) -> AsyncIterator[tuple[Limiter, Callable[[str], asyncio.Future[Answer]]]]:
@@ -85,7 +85,7 @@ async def ask(
                 (status.code, status.limit_remaining, status.current_limit.requests_per_unit)
             )
 
-        limiter.decide_then(plan, convert.response_bytes, done)
+        limiter.decide(plan, convert.response_bytes, done)
         return answered
 
     yield limiter, ask
@@ -176,8 +176,8 @@ async def test_auto_divisor_counts_the_sidecars_sharing_the_backend(
         second_context = running_app(rules, backend=open_backend(redis_url), **local)
         second = await second_context.__aenter__()
         try:
-            assert second._limiter is not None and first._limiter is not None
-            assert second._limiter.local_divisor == 2
+            assert second.assembly.limiter is not None and first.assembly.limiter is not None
+            assert second.assembly.limiter.local_divisor == 2
             with redis_server.client() as inspect:
                 assert inspect.zcard(PEERS_KEY) == 2
         finally:
@@ -185,10 +185,10 @@ async def test_auto_divisor_counts_the_sidecars_sharing_the_backend(
         with redis_server.client() as inspect:
             assert inspect.zcard(PEERS_KEY) == 1
         for _ in range(int(PEERS_INTERVAL * 2 / 0.1)):
-            if first._limiter.local_divisor == 1:
+            if first.assembly.limiter.local_divisor == 1:
                 break
             await asyncio.sleep(0.1)
-        assert first._limiter.local_divisor == 1
+        assert first.assembly.limiter.local_divisor == 1
 
 
 @pytest.mark.redis
@@ -199,8 +199,8 @@ async def test_a_fixed_divisor_or_another_failure_mode_registers_nothing(
     rules = write_rules(tmp_path)
     for options in ({"failure_mode": "local", "local_divisor": 3}, {"failure_mode": "allow"}):
         async with running_app(rules, backend=open_backend(redis_url), **options) as app:
-            assert app._limiter is not None
-            assert app._limiter.local_divisor == options.get("local_divisor", 1)
+            assert app.assembly.limiter is not None
+            assert app.assembly.limiter.local_divisor == options.get("local_divisor", 1)
             with redis_server.client() as inspect:
                 assert inspect.zcard(PEERS_KEY) == 0
 

@@ -374,9 +374,7 @@ async def test_http_body_over_1_mib_answers_413(http: aiohttp.ClientSession) -> 
 
 
 class _Unavailable(MemoryBackend):
-    def apply_then(
-        self, hits: Sequence[Hit], all_or_nothing: bool, now_ms: int, done: Applied
-    ) -> None:
+    def apply(self, hits: Sequence[Hit], all_or_nothing: bool, now_ms: int, done: Applied) -> None:
         done(StorageError("redis: no answer within 50 ms"))
 
     async def read(self, addresses: Sequence[Address], now_ms: int) -> list[State | None]:

@@ -88,10 +88,8 @@ class CountingBackend:
         self.name = backend.name
         self.reads = 0
 
-    def apply_then(
-        self, hits: Sequence[Hit], all_or_nothing: bool, now_ms: int, done: Applied
-    ) -> None:
-        self.backend.apply_then(hits, all_or_nothing, now_ms, done)
+    def apply(self, hits: Sequence[Hit], all_or_nothing: bool, now_ms: int, done: Applied) -> None:
+        self.backend.apply(hits, all_or_nothing, now_ms, done)
 
     async def read(self, addresses: Sequence[Address], now_ms: int) -> list[State | None]:
         self.reads += 1

@@ -231,13 +231,11 @@ class _BrokenOnce(MemoryBackend):
         super().__init__()
         self.broken = True
 
-    def apply_then(
-        self, hits: Sequence[Hit], all_or_nothing: bool, now_ms: int, done: Applied
-    ) -> None:
+    def apply(self, hits: Sequence[Hit], all_or_nothing: bool, now_ms: int, done: Applied) -> None:
         if self.broken:
             self.broken = False
             raise ZeroDivisionError("a bug")
-        super().apply_then(hits, all_or_nothing, now_ms, done)
+        super().apply(hits, all_or_nothing, now_ms, done)
 
 
 async def test_an_unexpected_error_is_internal_and_the_server_goes_on(
@@ -360,14 +358,12 @@ class _Gate(MemoryBackend):
         self.waiting = 0
         self.held: set[asyncio.Task[bool]] = set()
 
-    def apply_then(
-        self, hits: Sequence[Hit], all_or_nothing: bool, now_ms: int, done: Applied
-    ) -> None:
+    def apply(self, hits: Sequence[Hit], all_or_nothing: bool, now_ms: int, done: Applied) -> None:
         self.waiting += 1
         held = asyncio.ensure_future(self.gate.wait())
         self.held.add(held)
         held.add_done_callback(
-            lambda _: MemoryBackend.apply_then(self, hits, all_or_nothing, now_ms, done)
+            lambda _: MemoryBackend.apply(self, hits, all_or_nothing, now_ms, done)
         )
 
 

@@ -203,7 +203,7 @@ async def test_a_pinned_client_san_refuses_a_certificate_of_the_ca_without_it(
         assert code == (
             grpc.StatusCode.UNAVAILABLE if transport == "fast" else grpc.StatusCode.UNAUTHENTICATED
         )
-        assert app._tls is not None and app._tls.refused >= 1
+        assert app.assembly.tls is not None and app.assembly.tls.refused >= 1
         assert await call(app.grpc_port, pki.credentials(pki.client)) == OK
 
 
@@ -269,7 +269,7 @@ async def test_a_rotation_under_load_loses_no_call_and_new_connections_get_the_n
         before = calls
         install(secret, *rotated)
         async with asyncio.timeout(10):
-            while app._tls is None or app._tls.generation == 0:
+            while app.assembly.tls is None or app.assembly.tls.generation == 0:
                 await asyncio.sleep(0.02)
         await asyncio.sleep(0.5)
         stop.set()

@@ -121,6 +121,43 @@ async def test_leased_hits_are_judged_on_the_lease_with_no_store_call_until_it_r
         await a.close()
 
 
+def evals(url: str) -> int:
+    """The EVAL commands (a script sent by its text) the server ran so far."""
+    with redis.Redis.from_url(url) as connection:
+        return int(connection.info("commandstats").get("cmdstat_eval", {}).get("calls", 0))
+
+
+async def test_a_server_that_lost_the_lease_script_runs_it_again_from_its_text(
+    redis_url: str,
+) -> None:
+    """After SCRIPT FLUSH (what a restart or a failover leaves: an empty script cache), a lease
+    is still taken: the NOSCRIPT reply is answered by sending lease.lua's text once (EVAL, which
+    caches it again), and the next renewals call it by its hash."""
+    clock = Clock()
+    a = leased(redis_url, clock)
+    try:
+        with redis.Redis.from_url(redis_url) as connection:
+            connection.script_flush()
+        before = evals(redis_url)
+        first = hit(LEASED, clock.ms, prefix="api_client_flushed")
+        (outcome,) = await apply(a, [first], False, clock.ms)
+        assert not outcome.over
+        assert evals(redis_url) == before + 1
+        assert stored(redis_url, first.key) >= 1  # the block lent, counted in Redis
+        assert isinstance(a.leases, RedisLeases)
+        calls = a.leases.calls
+        clock.now += 10.0  # past a quarter of lease_ms: the next hit renews
+        for _ in range(3):
+            (outcome,) = await apply(
+                a, [hit(LEASED, clock.ms, prefix="api_client_flushed")], False, clock.ms
+            )
+            await asyncio.sleep(0)
+        assert a.leases.calls > calls
+        assert evals(redis_url) == before + 1
+    finally:
+        await a.close()
+
+
 async def test_a_request_with_exact_and_leased_windows_gets_its_outcomes_in_order(
     redis_url: str,
 ) -> None:
@@ -421,7 +458,7 @@ async def test_three_sidecars_under_load_admit_exactly_each_windows_limit(redis_
                     if decision.overall_code is Code.OK:
                         admitted[window] += 1
 
-                limiter.decide_then(plan, lambda d: d, done)
+                limiter.decide(plan, lambda d: d, done)
             await asyncio.sleep(0.004)  # about 400 requests a second each: 4 x the limit in all
 
     try:

@@ -134,21 +134,21 @@ def override(limit: int) -> Request:
     return Request("c", (Descriptor((Entry("k", "v"),), None, Override(limit, Unit.MINUTE)),))
 
 
-async def decide_then(limiter: Limiter, request: Request) -> Decision:
-    """The decision as the fast transport gets it: `decide_then` called directly, its answer
+async def decide_directly(limiter: Limiter, request: Request) -> Decision:
+    """The decision as the fast transport gets it: `decide` called directly, its answer
     taken by a future of this test rather than by `sidecar.callbacks.awaited`."""
     answered: asyncio.Future[Decision | Exception] = asyncio.get_running_loop().create_future()
-    limiter.decide_then(limiter.prepare(request), lambda d: d, answered.set_result)
+    limiter.decide(limiter.prepare(request), lambda d: d, answered.set_result)
     answer = await answered
     assert isinstance(answer, Decision), answer
     return answer
 
 
 async def play(
-    url: str, steps: Sequence[Request | Rules], cache: int, then: bool = False
+    url: str, steps: Sequence[Request | Rules], cache: int, directly: bool = False
 ) -> list[tuple[Code, int]]:
     """The (code, limit_remaining) of each request of `steps` on a fresh Redis database, with an
-    over-limit cache of `cache` entries, through `decide_then` called directly when `then`; a
+    over-limit cache of `cache` entries, through `decide` called directly when `directly`; a
     Rules step reloads (as `serve` does on a change)."""
     with redis.Redis.from_url(url) as client:
         client.flushall()
@@ -163,7 +163,7 @@ async def play(
                     limiter.over_limit_cache.clear()
                 continue
             decision = await (
-                decide_then(limiter, step) if then else should_rate_limit(limiter, step)
+                decide_directly(limiter, step) if directly else should_rate_limit(limiter, step)
             )
             answers += [(s.code, s.limit_remaining) for s in decision.statuses]
         # The last refused hits are sent at the end of this turn; a call sent after them comes
@@ -183,7 +183,7 @@ async def test_an_override_sharing_a_counter_sees_every_refused_hit(redis_url: s
     steps = [override(2)] * 4 + [one("k", "v")] * 2 + [override(10)] * 5 + [one("k", "v")]
     with_cache = await play(redis_url, steps, cache=1000)
     assert with_cache == await play(redis_url, steps, cache=0)
-    assert with_cache == await play(redis_url, steps, cache=1000, then=True)
+    assert with_cache == await play(redis_url, steps, cache=1000, directly=True)
     over = (Code.OVER_LIMIT, 0)
     assert with_cache[6:] == [(Code.OK, 3), (Code.OK, 2), (Code.OK, 1), (Code.OK, 0), over, over]
 
@@ -194,7 +194,7 @@ async def test_a_reload_raising_a_limit_mid_window_sees_every_refused_hit(redis_
     steps: list[Request | Rules] = [one("k", "v")] * 6 + [shared_rules(5)] + [one("k", "v")]
     with_cache = await play(redis_url, steps, cache=1000)
     assert with_cache == await play(redis_url, steps, cache=0)
-    assert with_cache == await play(redis_url, steps, cache=1000, then=True)
+    assert with_cache == await play(redis_url, steps, cache=1000, directly=True)
     assert with_cache[-1] == (Code.OVER_LIMIT, 0)
 
 
@@ -209,7 +209,7 @@ async def test_a_reload_forgets_the_counters_known_over(tmp_path: Path, redis_ur
     store = open_backend(redis_url, timeout_ms=1000)
     try:
         async with running_app(rules, backend=store) as app:
-            app_limiter = app._limiter
+            app_limiter = app.assembly.limiter
             assert isinstance(app, App) and app_limiter is not None
             for _ in range(2):
                 await should_rate_limit(app_limiter, one("k", "v"))

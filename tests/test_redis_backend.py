@@ -471,7 +471,7 @@ async def test_script_cache_loss_is_recovered(
 async def test_script_cache_loss_is_recovered_through_callbacks(
     redis_url: str, redis_server: RedisServer, all_or_nothing: bool, sha: str
 ) -> None:
-    """`apply_then` after SCRIPT FLUSH: the EVALSHA's NOSCRIPT is answered by EVAL of the same
+    """`apply` after SCRIPT FLUSH: the EVALSHA's NOSCRIPT is answered by EVAL of the same
     script, by the same deadline, and the outcome is the one `apply` gives."""
     backend = RedisBackend.from_url(redis_url, timeout_ms=TIMEOUT_MS)
     through = backend
@@ -683,7 +683,7 @@ async def test_stopped_redis_fails_in_time_and_recovers(restartable_redis: Redis
 async def test_stopped_or_paused_redis_fails_through_callbacks_in_time(
     restartable_redis: RedisServer,
 ) -> None:
-    """`apply_then` hands its callback a StorageError by the deadline while Redis is stopped or
+    """`apply` hands its callback a StorageError by the deadline while Redis is stopped or
     frozen, and the outcome again once Redis is back."""
     backend = RedisBackend.from_url(restartable_redis.url, timeout_ms=RECOVERY_DEADLINE_MS)
     through: Any = backend

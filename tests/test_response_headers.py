@@ -91,7 +91,7 @@ class Served:
             for key, value in entries:
                 added.entries.add(key=key, value=value)
         answered: asyncio.Future[bytes | Exception] = asyncio.get_running_loop().create_future()
-        self.service.should_rate_limit_then(message.SerializeToString(), answered.set_result)
+        self.service.should_rate_limit(message.SerializeToString(), answered.set_result)
         answer = await answered
         assert isinstance(answer, bytes), answer
         return RateLimitResponse.FromString(answer)
@@ -342,7 +342,7 @@ async def test_with_the_limit_name_every_header_and_one_struct(
     request = RateLimitRequest(domain="web")
     request.descriptors.add().entries.add(key="path", value="/c")
     answered: asyncio.Future[bytes | Exception] = asyncio.get_running_loop().create_future()
-    served.service.should_rate_limit_then(request.SerializeToString(), answered.set_result)
+    served.service.should_rate_limit(request.SerializeToString(), answered.set_result)
     body = await answered
     assert isinstance(body, bytes)
     assert _top_level_fields(body).count(6) == 1

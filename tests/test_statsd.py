@@ -133,7 +133,7 @@ async def test_statsd_over_tcp_sends_the_reference_names_and_values_in_one_batch
         )
         async with running_app(rules, statsd=settings) as app:
             await the_issue_example(app.grpc_port)
-            reporter = app._statsd
+            reporter = app.assembly.statsd
         await settle(received)
     assert reporter is not None and reporter.sent == 1
     assert received.connections == 1

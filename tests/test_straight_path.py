@@ -1,7 +1,7 @@
 """The limiter's straight path decides exactly as its general path.
 
 A plan is straight (`Plan.straight`) when every descriptor the store must decide has one window
-and blocks; `Limiter.decide_then` then reads each hit's outcome as its status in one pass. The
+and blocks; `Limiter.decide` then reads each hit's outcome as its status in one pass. The
 tests here run generated request sequences through two limiters on the same rules, one as it is
 and one whose plans are never straight, and require the same answer bytes, statistics,
 over-limit cache and counters, request after request: on the memory backend and on a real Redis
@@ -101,9 +101,9 @@ def plan(limiter: Limiter, request: Request, straight: bool = True) -> Plan:
 
 
 async def decide(limiter: Limiter, prepared: Plan) -> bytes:
-    """What the fast transport gets for a plan: `decide_then`'s encoded answer."""
+    """What the fast transport gets for a plan: `decide`'s encoded answer."""
     answered: asyncio.Future[bytes | Exception] = asyncio.get_running_loop().create_future()
-    limiter.decide_then(prepared, convert.response_bytes, answered.set_result)
+    limiter.decide(prepared, convert.response_bytes, answered.set_result)
     answer = await answered
     assert isinstance(answer, bytes), answer
     return answer

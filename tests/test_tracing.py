@@ -110,20 +110,20 @@ async def test_off_nothing_of_tracing_is_on_the_fast_transports_path(rules: Path
     """Without --tracing, ShouldRateLimit is the service's own callback (no wrapper) and the
     HTTP/2 server keeps no request field (no per-call work); with it, both change."""
     async with running_app(rules) as app:
-        fast = app._grpc
+        fast = app.assembly.grpc
         assert isinstance(fast, FastServer)
         method = fast._server.methods[METHOD]
         assert isinstance(method, CallbackMethod)
-        assert method.handle == fast.service.should_rate_limit_then
+        assert method.handle == fast.service.should_rate_limit
         assert fast._server.kept_fields == frozenset()
     async with http_receiver() as received:
         settings = TracingSettings(endpoint=received.endpoint)
         async with running_app(rules, tracing=settings) as app:
-            fast = app._grpc
+            fast = app.assembly.grpc
             assert isinstance(fast, FastServer)
             method = fast._server.methods[METHOD]
             assert isinstance(method, CallbackMethod)
-            assert method.handle != fast.service.should_rate_limit_then
+            assert method.handle != fast.service.should_rate_limit
             assert fast._server.kept_fields
 
 

@@ -3,6 +3,10 @@ variables (`sidecar.settings`), beneath both; `--workers N` runs N of it.
 
 Its flags are declared once each, in `sidecar.cli.serve_flags`: `register`, `serve_options`
 and `worker_flags` read that table.
+
+One module just past the usual size because it is the one command every option reaches: the
+flags and the reference's variables resolved into `Options`, each edge's settings checked
+before anything starts, and the workers' command lines.
 """
 
 from __future__ import annotations

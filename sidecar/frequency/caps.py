@@ -38,6 +38,9 @@ character, which no id holds). The look-up, the id and the hits go in one atomic
 
 Limits: at most 100 ads per check and 1,000 impressions per record, 8 identifiers per call; ids
 are 1 to 128 bytes of printable text. `replaces` between caps is not applied here.
+
+One module past the usual size because `FrequencyCaps` is one class whose check and record share
+its cap sets, hit templates and id rules; the docstring above is the feature's semantics.
 """
 
 from __future__ import annotations

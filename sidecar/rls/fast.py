@@ -65,7 +65,7 @@ class FastServer:
         # The hot path: the service's own method, answering through a callback, timed and its
         # errors turned into statuses by the server.
         should_rate_limit = CallbackMethod(
-            service.should_rate_limit_then,
+            service.should_rate_limit,
             errors=self._should_rate_limit_error,
             observe=self.latency.observe,
         )

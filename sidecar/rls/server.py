@@ -115,7 +115,7 @@ class GrpcServer:
     async def _should_rate_limit(self, request: bytes, context: Any) -> bytes:
         started = time.perf_counter()
         try:
-            return await awaited(lambda done: self.service.should_rate_limit_then(request, done))
+            return await awaited(lambda done: self.service.should_rate_limit(request, done))
         except Exception as exc:
             if is_bug(exc):  # the limiter and the service count the refusals they make
                 self.service.stats.refused(exc)

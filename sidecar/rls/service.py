@@ -59,14 +59,12 @@ class RateLimitService:
     def stats(self) -> Stats:
         return self.limiter.stats
 
-    def should_rate_limit_then(
-        self, body: bytes, done: Callable[[bytes | Exception], None]
-    ) -> None:
+    def should_rate_limit(self, body: bytes, done: Callable[[bytes | Exception], None]) -> None:
         """Decide one serialized `RateLimitRequest`, through a callback (the one form, see
         `sidecar.callbacks`): `done` gets the serialized `RateLimitResponse`, or the exception
         the call ended with once the store has answered (Overloaded, or a bug). What goes wrong
         before that (InvalidRequest for a request that breaks the protocol) is raised here."""
-        self.limiter.decide_then(self._plan(body), self._encode, done)
+        self.limiter.decide(self._plan(body), self._encode, done)
 
     def _encoder(self, request: Request) -> Callable[[Decision], bytes]:
         """What writes the answer to `request`."""
@@ -120,7 +118,7 @@ class RateLimitService:
         except json_format.ParseError as exc:
             raise self._refuse(f"malformed RateLimitRequest JSON: {exc}") from exc
         plan = self.limiter.prepare(self._convert(message))
-        decision = await awaited(functools.partial(self.limiter.decide_then, plan, _same))
+        decision = await awaited(functools.partial(self.limiter.decide, plan, _same))
         answer = RateLimitResponse.FromString(self._encoder(plan.request)(decision))
         fields = json_format.MessageToDict(answer)
         return decision.overall_code, json.dumps(fields, separators=(",", ":"))
@@ -143,7 +141,7 @@ class ServiceWithExtras(RateLimitService):
     """The service whose answers carry `extras` beside their statuses (`--response-limit-name`,
     `--response-headers`, `--response-dynamic-metadata`).
 
-    A subclass rather than a test in `should_rate_limit_then`, so that the usual service, with
+    A subclass rather than a test in `should_rate_limit`, so that the usual service, with
     none of them, runs exactly the code it ran before they existed: the dynamic metadata needs
     the request, so the answer's encoder is made per call here.
     """
@@ -152,11 +150,9 @@ class ServiceWithExtras(RateLimitService):
         super().__init__(limiter)
         self.extras = extras
 
-    def should_rate_limit_then(
-        self, body: bytes, done: Callable[[bytes | Exception], None]
-    ) -> None:
+    def should_rate_limit(self, body: bytes, done: Callable[[bytes | Exception], None]) -> None:
         plan = self._plan(body)
-        self.limiter.decide_then(plan, self._encoder(plan.request), done)
+        self.limiter.decide(plan, self._encoder(plan.request), done)
 
     def _encoder(self, request: Request) -> Callable[[Decision], bytes]:
         return functools.partial(self.extras.encode, request)

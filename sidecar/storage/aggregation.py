@@ -9,7 +9,7 @@ other hit goes to the wrapped store as it is: those of other windows, and an app
 whose count is unknown (the first of its window) or stale, whose answer teaches the view the
 count. A request with both waits for the store and hands on the outcomes in order.
 
-Every `interval_ms` (`sync`), the hits counted locally go to the store in one `apply_then` per
+Every `interval_ms` (`sync`), the hits counted locally go to the store in one `apply` per
 FLUSH_HITS counters (one pipelined script call per hash slot), as plain adds, and the store's
 answer is what each counter came to, all sidecars' synced hits included: the view learns the
 global count in the round trip that writes its deltas. A view is fresh for `interval_ms` plus
@@ -125,12 +125,10 @@ class Aggregated:
 
     # --- decisions ----------------------------------------------------------------------------
 
-    def apply_then(
-        self, hits: Sequence[Hit], all_or_nothing: bool, now_ms: int, done: Applied
-    ) -> None:
+    def apply(self, hits: Sequence[Hit], all_or_nothing: bool, now_ms: int, done: Applied) -> None:
         """The approximate hits judged locally, the others by the store (see the module)."""
         if all_or_nothing or self.failing:
-            self.backend.apply_then(hits, all_or_nothing, now_ms, done)
+            self.backend.apply(hits, all_or_nothing, now_ms, done)
             return
         counts = self._counts
         fresh_after = now_ms - self.fresh_ms
@@ -147,9 +145,9 @@ class Aggregated:
                     learning = True
         if not local:
             if learning:
-                self.backend.apply_then(hits, False, now_ms, self._learning(hits, now_ms, done))
+                self.backend.apply(hits, False, now_ms, self._learning(hits, now_ms, done))
             else:
-                self.backend.apply_then(hits, False, now_ms, done)
+                self.backend.apply(hits, False, now_ms, done)
             return
         judged = {position: self._judge(hits[position], now_ms) for position in local}
         self.local_hits += len(local)
@@ -169,7 +167,7 @@ class Aggregated:
             done([judged[at] if at in judged else next(others) for at in range(len(hits))])
 
         learned = self._learning(rest, now_ms, answered) if learning else answered
-        self.backend.apply_then(rest, False, now_ms, learned)
+        self.backend.apply(rest, False, now_ms, learned)
 
     def _with_usage(
         self,
@@ -208,7 +206,7 @@ class Aggregated:
                 outcomes.update(zip(usage_at, answer, strict=True))
                 done([outcomes[at] for at in range(len(hits))])
 
-            self.backend.apply_then(usage, False, now_ms, counted)
+            self.backend.apply(usage, False, now_ms, counted)
 
         if not at_store:
             count_usage()
@@ -222,7 +220,7 @@ class Aggregated:
             count_usage()
 
         limits = [hits[at] for at in at_store]
-        self.backend.apply_then(
+        self.backend.apply(
             limits,
             False,
             now_ms,
@@ -329,7 +327,7 @@ class Aggregated:
         ]
 
         def start(done: Applied) -> None:
-            self.backend.apply_then(hits, False, now_ms, done)
+            self.backend.apply(hits, False, now_ms, done)
 
         try:
             outcomes: list[Outcome] = await awaited(start)

@@ -9,7 +9,7 @@ from typing import Any, Protocol, runtime_checkable
 from sidecar.algorithms.decide import Address, State
 from sidecar.model import Dedupe, Hit, Outcome
 
-#: What `apply_then` hands its callback: the outcomes, or the exception the call ended with
+#: What `apply` hands its callback: the outcomes, or the exception the call ended with
 #: (StorageError when the store failed, Overloaded when it refused the call; anything else is a
 #: bug).
 Applied = Callable[[list[Outcome] | Exception], None]
@@ -18,7 +18,7 @@ Applied = Callable[[list[Outcome] | Exception], None]
 class Backend(Protocol):
     """Decides and applies the hits of one request, atomically for each hash slot.
 
-    `apply_then` hands `done` one Outcome per hit, in order, as `sidecar.algorithms.decide`
+    `apply` hands `done` one Outcome per hit, in order, as `sidecar.algorithms.decide`
     defines them: each window counts as its algorithm says, and with ``all_or_nothing`` a
     request that is OVER_LIMIT applies nothing. `now_ms` is the sidecar's clock, so every
     backend (and every sidecar sharing a Redis) places hits in the same windows. The call ends
@@ -37,7 +37,7 @@ class Backend(Protocol):
 
     name: str
 
-    def apply_then(
+    def apply(
         self, hits: Sequence[Hit], all_or_nothing: bool, now_ms: int, done: Applied
     ) -> None: ...
 

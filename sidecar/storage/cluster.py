@@ -1,5 +1,9 @@
 """Counters in a Redis Cluster: hits grouped by hash slot, one script call per slot, through the
 pipelined cluster client (`cluster_client.py`); the calls and their replies are `scripts.py`'s.
+
+One module past the usual size because it is one class: the backend's two paths (callbacks for
+a request on one slot whose master is known, a coroutine for several slots and redirections)
+share its slot map, its clients and each call's deadline.
 """
 
 from __future__ import annotations
@@ -76,7 +80,7 @@ class RedisClusterBackend:
         self._client = client
         self._timeout_ms = timeout_ms
         self._timeout = timeout_ms / 1000
-        # `apply_then` calls running `_apply`'s coroutine (kept: the loop holds tasks weakly).
+        # `apply` calls running `_apply`'s coroutine (kept: the loop holds tasks weakly).
         self._tasks: set[asyncio.Task[None]] = set()
         # Requests whose usage counts were lost since the last `usage_not_counted`, and when.
         self._usage_lost = 0
@@ -174,10 +178,8 @@ class RedisClusterBackend:
         counts = iter(counted)
         return [next(counts) if hit.role >= Role.USAGE else next(outcomes) for hit in hits]
 
-    def apply_then(
-        self, hits: Sequence[Hit], all_or_nothing: bool, now_ms: int, done: Applied
-    ) -> None:
-        """See `Backend.apply_then`.
+    def apply(self, hits: Sequence[Hit], all_or_nothing: bool, now_ms: int, done: Applied) -> None:
+        """See `Backend.apply`.
 
         The usual request, whose hits share one slot whose master the slot map knows, is one
         `call_packed` on that master's pipeline, with no coroutine. Anything else is `_apply`'s

@@ -43,6 +43,10 @@ slot); the waiters of a lease are requests in flight, bounded by the server's ow
 
 Not with `--rejected-hits skip` (all or nothing is the store's to decide): the app refuses the
 two together, as for `approximate`.
+
+One module past the usual size because `Leased` is one state (the leases, their renewals, the
+hits waiting for a block) that every path through it reads and writes; the stores that settle
+its asks (`LeaseStore`) are small beside it.
 """
 
 from __future__ import annotations
@@ -70,6 +74,7 @@ from sidecar.errors import Overloaded, StorageError
 from sidecar.model import Algorithm, Dedupe, Hit, Outcome, Role, new
 from sidecar.storage.base import Applied, Backend, ReportsFaults, RunsCommands
 from sidecar.storage.peers import CountsPeers
+from sidecar.storage.scripts import execute_script
 from sidecar.usage import as_refused
 
 log = structlog.get_logger("sidecar.storage.leases")
@@ -167,13 +172,7 @@ class RedisLeases:
         for ask in asks:
             args += (ask.kind, ask.p1, ask.p2, ask.p3, ask.returned, ask.want)
         self.calls += 1
-        try:
-            return await self._client.execute("EVALSHA", SHA, *args)
-        except Exception as exc:
-            if not str(exc).startswith("NOSCRIPT"):
-                raise
-        # The server's script cache is empty (restart, failover): EVAL runs and caches it.
-        return await self._client.execute("EVAL", SCRIPT, *args)
+        return await execute_script(self._client.execute, SHA, SCRIPT, *args)
 
 
 class MemoryLeases:
@@ -252,7 +251,7 @@ class _Counter(lease.Lease):
 
 
 class _Request:
-    """One `apply_then` call with leased hits, until each has its outcome."""
+    """One `apply` call with leased hits, until each has its outcome."""
 
     __slots__ = ("done", "failed", "hits", "leased", "now_ms", "outcomes", "waiting")
 
@@ -312,12 +311,10 @@ class Leased:
 
     # --- decisions ----------------------------------------------------------------------------
 
-    def apply_then(
-        self, hits: Sequence[Hit], all_or_nothing: bool, now_ms: int, done: Applied
-    ) -> None:
+    def apply(self, hits: Sequence[Hit], all_or_nothing: bool, now_ms: int, done: Applied) -> None:
         """The leased hits judged on their leases, the others by the store (see the module)."""
         if all_or_nothing or not any(hit.window.leased for hit in hits):
-            self.backend.apply_then(hits, all_or_nothing, now_ms, done)
+            self.backend.apply(hits, all_or_nothing, now_ms, done)
             return
         request = _Request(hits, now_ms, done)
         counts = self._counts
@@ -425,7 +422,7 @@ class Leased:
             then()
 
         hits = sent if sent is not None else [request.hits[p] for p in positions]
-        self.backend.apply_then(hits, False, request.now_ms, answered)
+        self.backend.apply(hits, False, request.now_ms, answered)
 
     def _refund(self, request: _Request) -> None:
         """A request that ends in an error admitted nothing: its leased units go back."""

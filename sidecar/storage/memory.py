@@ -1,6 +1,6 @@
 """Counters in this process's memory: the embedded default, for one sidecar with no Redis.
 
-Decisions are atomic because `apply_then` and `record` never await between reading and writing.
+Decisions are atomic because `apply` and `record` never await between reading and writing.
 Every stored value expires (a window counter after its ttl, a token bucket once it would be full
 again, a grouped counter when its field would be pruned from its Redis hash, the ids of a horizon
 bucket when their time is up), and expired values are evicted, so memory stays bounded by the
@@ -67,10 +67,8 @@ class MemoryBackend:
         # An empty store is still a store: never let `backend or default` replace it.
         return True
 
-    def apply_then(
-        self, hits: Sequence[Hit], all_or_nothing: bool, now_ms: int, done: Applied
-    ) -> None:
-        """Answered at once through `done` (see `Backend.apply_then`)."""
+    def apply(self, hits: Sequence[Hit], all_or_nothing: bool, now_ms: int, done: Applied) -> None:
+        """Answered at once through `done` (see `Backend.apply`)."""
         try:
             outcomes = self._apply(hits, all_or_nothing, now_ms)
         except Exception as exc:  # a bug: answered as one, as the Backend contract says

@@ -43,17 +43,15 @@ class PerSecond:
         minutes_or_more = {hit.group for hit in hits if hit.window.unit is not Unit.SECOND}
         return [hit.group not in minutes_or_more for hit in hits]
 
-    def apply_then(
-        self, hits: Sequence[Hit], all_or_nothing: bool, now_ms: int, done: Applied
-    ) -> None:
-        """Each store's share of `hits` through its own `apply_then`; `done` once, when both
+    def apply(self, hits: Sequence[Hit], all_or_nothing: bool, now_ms: int, done: Applied) -> None:
+        """Each store's share of `hits` through its own `apply`; `done` once, when both
         answered (with the first failure if either failed)."""
         routes = self.split(hits)
         if all(routes):
-            self.per_second.apply_then(hits, all_or_nothing, now_ms, done)
+            self.per_second.apply(hits, all_or_nothing, now_ms, done)
             return
         if not any(routes):
-            self.main.apply_then(hits, all_or_nothing, now_ms, done)
+            self.main.apply(hits, all_or_nothing, now_ms, done)
             return
         seconds = [hit for hit, fast in zip(hits, routes, strict=True) if fast]
         others = [hit for hit, fast in zip(hits, routes, strict=True) if not fast]
@@ -75,8 +73,8 @@ class PerSecond:
 
             return one
 
-        self.per_second.apply_then(seconds, all_or_nothing, now_ms, joined(True))
-        self.main.apply_then(others, all_or_nothing, now_ms, joined(False))
+        self.per_second.apply(seconds, all_or_nothing, now_ms, joined(True))
+        self.main.apply(others, all_or_nothing, now_ms, joined(False))
 
     async def record(
         self, batches: Sequence[tuple[Sequence[Hit], Dedupe]], now_ms: int

@@ -84,10 +84,8 @@ class RedisBackend:
         )
         return cls(client, timeout_ms)
 
-    def apply_then(
-        self, hits: Sequence[Hit], all_or_nothing: bool, now_ms: int, done: Applied
-    ) -> None:
-        """One script call (see `Backend.apply_then`), its reply handed to
+    def apply(self, hits: Sequence[Hit], all_or_nothing: bool, now_ms: int, done: Applied) -> None:
+        """One script call (see `Backend.apply`), its reply handed to
         `done` from the client's `data_received`, with no coroutine or future. The client keeps
         the deadline (one timer per connection, not one per call); a retry after NOSCRIPT keeps
         the same one."""
@@ -199,7 +197,7 @@ class RedisBackend:
 
 
 class _Replied:
-    """What `RedisBackend.apply_then` hands the client to call with the script call's reply: it
+    """What `RedisBackend.apply` hands the client to call with the script call's reply: it
     reads the reply into `done`'s outcomes, or, when the server has lost the script (NOSCRIPT,
     see `scripts.lost`), sends it again as EVAL by the same deadline and reads that reply.
 

@@ -8,7 +8,12 @@ all or nothing), runs it, and its answer is worked out here from what the counte
 a third of the server's CPU (`counts` says which script a call runs). Both backends
 (`redis.py`, `cluster.py`) build their calls and read their replies here, and only here; what
 they do when the server has lost a script (NOSCRIPT) is here too, once: `lost` says so, and
-`run_script` sends the call's EVAL form in its place (`as_eval`).
+`run_script` sends the call's EVAL form in its place (`as_eval`); `execute_script` does the
+same for a script run through a backend's `execute` (`lease.lua`, `sidecar.storage.leases`).
+
+One module past the usual size because it is one contract: every call the backends send a
+script and every reply they read back, so that a change to a script's KEYS, ARGV or reply is
+made in one place beside the script's header.
 """
 
 from __future__ import annotations
@@ -497,3 +502,19 @@ async def run_script(
     # Sent once the error is gone (out of the `except`): while it lives, its traceback and this
     # frame refer to each other, a cycle per call left to the collector (tests/test_garbage.py).
     return await send(hiredis.pack_command(tuple(as_eval(command(*args)))))
+
+
+async def execute_script(
+    execute: Callable[..., Awaitable[Any]], sha: str, text: str, *args: Any
+) -> Any:
+    """Run the script `text`, whose hash is `sha`, with `args` through `execute` (a backend's
+    `RunsCommands.execute`, which routes a command by its first key): EVALSHA, or, when the
+    server has lost the script (`lost`), EVAL, which runs it and caches it again, through the
+    same `execute`. For the scripts off the decision path, whose calls are not packed."""
+    try:
+        return await execute("EVALSHA", sha, *args)
+    except RedisReplyError as exc:
+        if not lost(exc):
+            raise
+    # Out of the `except`, as in `run_script`: no traceback kept alive by this frame.
+    return await execute("EVAL", text, *args)

@@ -17,9 +17,9 @@ from sidecar.rls.service import RateLimitService
 async def apply(
     backend: Any, hits: Sequence[Hit], all_or_nothing: bool, now_ms: int
 ) -> list[Outcome]:
-    """What `backend.apply_then` answers (raised when it is an exception)."""
+    """What `backend.apply` answers (raised when it is an exception)."""
     outcomes: list[Outcome] = await awaited(
-        functools.partial(backend.apply_then, hits, all_or_nothing, now_ms)
+        functools.partial(backend.apply, hits, all_or_nothing, now_ms)
     )
     return outcomes
 
@@ -29,8 +29,8 @@ def _same(decision: Decision) -> Decision:
 
 
 async def decide(limiter: Limiter, plan: Plan) -> Decision:
-    """The decision `limiter.decide_then` answers for a prepared request."""
-    return await awaited(functools.partial(limiter.decide_then, plan, _same))
+    """The decision `limiter.decide` answers for a prepared request."""
+    return await awaited(functools.partial(limiter.decide, plan, _same))
 
 
 async def should_rate_limit(limiter: Limiter, request: Request) -> Decision:
@@ -39,5 +39,5 @@ async def should_rate_limit(limiter: Limiter, request: Request) -> Decision:
 
 
 async def service_call(service: RateLimitService, body: bytes) -> bytes:
-    """The serialized response `service.should_rate_limit_then` answers for `body`."""
-    return await awaited(functools.partial(service.should_rate_limit_then, body))
+    """The serialized response `service.should_rate_limit` answers for `body`."""
+    return await awaited(functools.partial(service.should_rate_limit, body))

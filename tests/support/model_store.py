@@ -13,15 +13,13 @@ from sidecar.storage.base import Applied
 
 
 class Model:
-    """What every backend must answer: `apply_then` and `record` over the pure decision."""
+    """What every backend must answer: `apply` and `record` over the pure decision."""
 
     def __init__(self) -> None:
         self.values: dict[Address, State | hyperloglog.Registers] = {}
         self.ids: dict[bytes, set[str]] = {}
 
-    def apply_then(
-        self, hits: Sequence[Hit], all_or_nothing: bool, now_ms: int, done: Applied
-    ) -> None:
+    def apply(self, hits: Sequence[Hit], all_or_nothing: bool, now_ms: int, done: Applied) -> None:
         done(self._decide(hits, all_or_nothing, now_ms, force=False))
 
     async def record(
