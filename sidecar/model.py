@@ -74,7 +74,7 @@ class Role(enum.IntEnum):
     BLOCKING = 0
     SHADOW = 1
     QUOTA = 2
-    #: Not a limit: a usage count (`sidecar.usage`), never judged. The backend adds its `hits`
+    #: Not a limit: a usage count (`sidecar.core.usage`), never judged. The backend adds its `hits`
     #: to the field `field` of the hash at `key` when the request is admitted, to
     #: `previous_field` when it is refused, and makes the hash expire at `end_ms`.
     USAGE = 3

@@ -19,11 +19,11 @@ from support.callbacks import should_rate_limit
 from support.clock import Clock
 from test_parity import BORROWING, BUCKETS, CALENDAR, PLAIN, SLIDING, STARTS
 
-from sidecar import counters
 from sidecar.algorithms.decide import Address, State, decide
-from sidecar.limiter import Limiter
+from sidecar.core import counters
+from sidecar.core.keys import descriptor_prefix
+from sidecar.decision.limiter import Limiter
 from sidecar.model import Algorithm, Code, Decision, Descriptor, Entry, Hit, Request, Role, Window
-from sidecar.storage.keys import descriptor_prefix
 
 
 def _never_admitted(window: Window, cost: int) -> bool:

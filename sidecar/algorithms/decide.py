@@ -11,7 +11,7 @@ Three phases:
    descriptor is over, or when it has quota descriptors and all of them are (shadow ones never).
    A refund (`hits < 0`, `refunds`) is never over: its counter's state after it is worked out.
 3. Hits are applied (usage hits, roles USAGE and UNIQUE, are not judged: they count the request
-   as admitted or refused, see `sidecar.usage`): a plain fixed window counts every hit, admitted or not (the reference's
+   as admitted or refused, see `sidecar.core.usage`): a plain fixed window counts every hit, admitted or not (the reference's
    behaviour); a token bucket, a borrowing window or a sliding window counts a hit only when its
    descriptor was admitted (so does a window anchored on events, `sidecar.algorithms.anchored`).
    With all-or-nothing, a request that is OVER_LIMIT applies nothing.
@@ -81,7 +81,7 @@ class Write:
     state: Bucket | Span | None = None
     ttl_ms: int = 0
     field: bytes = b""
-    #: A unique count's member, added to the HyperLogLog at `key` (see `sidecar.usage`).
+    #: A unique count's member, added to the HyperLogLog at `key` (see `sidecar.core.usage`).
     member: bytes = b""
 
     @property
@@ -128,7 +128,7 @@ def decide(
     blocked = read_only or (all_or_nothing and request_over)
     for hit, j in zip(hits, judged, strict=True):
         if j is _UNJUDGED:
-            # Usage (`sidecar.usage`): counted as the request's answer says, never by a check
+            # Usage (`sidecar.core.usage`): counted as the request's answer says, never by a check
             # or a recording (the limiter sends none with them).
             # Its "reset" is when it expires, as for any window (Redis's reply is read so).
             counted = not read_only and not force

@@ -21,8 +21,8 @@ variable; `present` names those set when they are not read (`serve` without --re
 Three kinds of variables the reference's libraries read, not settings.go, are honoured too:
 STATSD_PROTOCOL (lyft/gostats; a row of `FLAGS`), DOG_STATSD_MOGRIFIER_<NAME>_PATTERN, _NAME
 and _TAGS (the definitions of the mogrifiers USE_DOG_STATSD_MOGRIFIERS names, read by
-`sidecar.statsd`, for --dogstatsd-mogrifiers too) and OTEL_EXPORTER_OTLP_* (read by the
-OpenTelemetry SDK; the timeouts by `sidecar.tracing`). The other standard OTEL_* variables the
+`sidecar.telemetry.statsd`, for --dogstatsd-mogrifiers too) and OTEL_EXPORTER_OTLP_* (read by the
+OpenTelemetry SDK; the timeouts by `sidecar.telemetry.tracing`). The other standard OTEL_* variables the
 reference reads since its PR #1171 stand in for the TRACING_* ones that are unset (rows of
 `VARIABLES` marked `standard`).
 
@@ -429,7 +429,7 @@ def _flush_interval(env: Env, defaults: bool) -> str | None:
 # OpenTelemetry variable that the reference reads in its place since its PR #1171 (an empty
 # variable counts as unset, as everywhere here, where the reference's lookup takes it as set).
 # The OTEL_EXPORTER_OTLP_* variables (endpoint, headers, certificate, timeout) are the
-# exporter's own, read by `sidecar.tracing` under `serve` too.
+# exporter's own, read by `sidecar.telemetry.tracing` under `serve` too.
 
 #: OTEL_EXPORTER_OTLP_PROTOCOL's values the reference takes, and the protocol each means.
 _OTLP_PROTOCOLS = {

@@ -2,7 +2,7 @@
 
 One file holds one domain: a tree of descriptors, each a `key` with an optional `value` (exact,
 or a pattern where `*` matches any run of characters) and an optional `rate_limit`; it becomes
-the rule tree of `sidecar.rules`. `parse` is pure; `load` is the only function here that
+the rule tree of `sidecar.core.rules`. `parse` is pure; `load` is the only function here that
 touches the disk. It is one module past 400 lines because it is the format: `_Loader` decodes
 its YAML as the reference's decoder does, each `_Parser` method reads one kind of map of it (a
 descriptor, a limit, a window and its parts: unit, algorithm, token bucket, borrowing, calendar),
@@ -11,7 +11,7 @@ Every error is a ConfigError naming the file, the path inside it and, where it h
 worded as the reference words it so existing runbooks still match.
 A file the reference loads loads here, read as it reads it; what it loads but is likely a
 mistake (a key it ignores where it stands, a key repeated in one map) is a ConfigWarning
-(`sidecar.rules`), kept on its Domain.
+(`sidecar.core.rules`), kept on its Domain.
 """
 
 from __future__ import annotations
@@ -26,12 +26,12 @@ from typing import Any
 
 import yaml
 
-from sidecar import lists, usage
 from sidecar.algorithms.windows import check_zone, is_calendar_unit
-from sidecar.counters import code, kind
+from sidecar.core import lists, usage
+from sidecar.core.counters import code, kind
+from sidecar.core.rules import ConfigWarning, Domain, Level, Node, Rules, yaml_bool
 from sidecar.errors import ConfigError
 from sidecar.model import Algorithm, Limit, Unit, Window
-from sidecar.rules import ConfigWarning, Domain, Level, Node, Rules, yaml_bool
 
 MAX_REQUESTS_PER_UNIT = 4_294_967_295
 
@@ -108,7 +108,7 @@ def load(paths: Sequence[str | Path], merge: bool = False, calendar_months: bool
 
     Raises ConfigError on the first bad file, or when two files declare the same domain (unless
     `merge`: see `gather`). `calendar_months`: see `parse`. The allow and deny lists the files
-    name (`sidecar.lists`) are read too: a bad list is a bad load.
+    name (`sidecar.core.lists`) are read too: a bad list is a bad load.
     """
     rules = gather(
         (parse(_read(file), str(file), calendar_months) for file in _files(paths)), merge

@@ -2,7 +2,7 @@
 a descriptor's counter, under the counter's own key or as a field of its descriptor's hash
 (`group_counters`).
 
-A key or field is the descriptor's part (`sidecar.storage.keys`, which also hash-tags it for a
+A key or field is the descriptor's part (`sidecar.core.keys`, which also hash-tags it for a
 Redis Cluster) followed by the window's: its kind (`tag` in a key, `code` in a field) and where
 it starts or how long it must be kept. When each window starts and ends is
 `sidecar.algorithms.windows`'. Pure: no clock, no I/O.
@@ -15,8 +15,7 @@ from functools import lru_cache
 from typing import Final
 
 from sidecar.algorithms.windows import FIELD_GRACE, bounds
-from sidecar.model import Algorithm, Hit, Role, Unit, Window
-from sidecar.storage.keys import (
+from sidecar.core.keys import (
     ANCHORED_FIELD_END,
     BUCKET_FIELD_END,
     base36,
@@ -28,6 +27,7 @@ from sidecar.storage.keys import (
     window_key,
     window_suffix,
 )
+from sidecar.model import Algorithm, Hit, Role, Unit, Window
 
 #: Enum members read through their class cost a Python-level descriptor call each on
 #: Python 3.11; as finals they are static reads.

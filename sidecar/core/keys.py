@@ -21,7 +21,7 @@ per first entry, at the hash tag alone, one field per counter::
     rl{<domain>|<key1>|<value1>}   field  <key2>|<value2>|...|<code><keep until>
 
 The code is the window kind, shortened (``d`` a day, ``M`` a 30-day month, ``cdk7q`` a
-calendar day in some zone; see `sidecar.counters.code`), and "keep until" names the window
+calendar day in some zone; see `sidecar.core.counters.code`), and "keep until" names the window
 by the time after which nobody reads its counter, so a script can drop the fields of ended
 windows without knowing the rules: five base-36 digits counting minutes from 2020 (rounded up;
 enough until 2134), or for windows shorter than a minute ``.`` and the Unix second in base 36.

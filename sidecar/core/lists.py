@@ -37,7 +37,7 @@ a set: O(prefix length), whatever the length of the list. Memory: each entry is 
 one set, 86 bytes an entry on average (`bench/lists.py`: a 100,000-entry list, three quarters
 IPv4, keeps 8.6 MB), so a file of at most MAX_ENTRIES entries keeps about 100 MB at most. An
 exact list is a frozenset of its values. The lookup is made when a request body is planned
-(`sidecar.plan`), so a body sent again pays it once.
+(`sidecar.decision.plan`), so a body sent again pays it once.
 
 `parse` (pure) reads the rules' declaration; `read` is the one function here that touches disk.
 """

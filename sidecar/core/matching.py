@@ -12,8 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final
 
+from sidecar.core.rules import Domain, Level, Node
 from sidecar.model import Entry, Limit
-from sidecar.rules import Domain, Level, Node
 
 
 @dataclass(init=False, eq=True, unsafe_hash=True)

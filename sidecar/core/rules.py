@@ -1,7 +1,7 @@
 """The rule tree one rules file becomes, as matching, the limiter, the request plans and the
 frequency caps read it: a `Domain` of `Level`s of `Node`s, every domain in `Rules`, each
 rule's line in `/rlconfig` (`describe`), and what in the rules is likely a mistake though they
-load (`ConfigWarning`). Pure: `sidecar.config` parses and loads it.
+load (`ConfigWarning`). Pure: `sidecar.core.config` parses and loads it.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from sidecar.errors import ConfigError
 from sidecar.model import Algorithm, Limit, Unit, Window
 
 if TYPE_CHECKING:
-    from sidecar.lists import ListFile, Lists
-    from sidecar.usage import Usage
+    from sidecar.core.lists import ListFile, Lists
+    from sidecar.core.usage import Usage
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,9 +103,9 @@ class Domain:
     source: str
     root: Level
     warnings: tuple[ConfigWarning, ...] = ()
-    #: What the domain counts per day (`usage` in its file; `sidecar.usage`), None: nothing.
+    #: What the domain counts per day (`usage` in its file; `sidecar.core.usage`), None: nothing.
     usage: Usage | None = None
-    #: The allow and deny lists its file names (`lists`; `sidecar.lists`), and what they hold
+    #: The allow and deny lists its file names (`lists`; `sidecar.core.lists`), and what they hold
     #: once `config.load` has read them (None: no lists).
     list_files: tuple[ListFile, ...] = ()
     lists: Lists | None = None

@@ -17,7 +17,7 @@ the first entry with that key gives its value) counts, per dimension, its hits (
 nothing. `unique` adds the request's value of that key to a HyperLogLog of the dimension's key
 (see `sidecar.algorithms.hyperloglog`: standard error 0.81%, 12 KB at most each in Redis).
 
-The counts ride along with the decision: the plan (`sidecar.plan`) adds hits of role USAGE and
+The counts ride along with the decision: the plan (`sidecar.decision.plan`) adds hits of role USAGE and
 UNIQUE (`model.Role`) after the request's counters, and the backend applies them in the same
 script call (Redis) or the same step (memory), judged with nothing, counted as the call's
 answer says. Their keys share the hash slot of the request's first counter (its first entry's
@@ -48,9 +48,9 @@ from typing import Any, Protocol, runtime_checkable
 from zoneinfo import ZoneInfo
 
 from sidecar.algorithms.windows import check_zone, midnight
+from sidecar.core.keys import descriptor_prefix, escape
 from sidecar.errors import ConfigError
 from sidecar.model import Hit, Request, Role, Unit, Window
-from sidecar.storage.keys import descriptor_prefix, escape
 
 #: Bounds on what a domain may declare.
 MAX_DIMENSIONS = 16

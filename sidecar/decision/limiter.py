@@ -1,6 +1,6 @@
 """The use case: decide one ShouldRateLimit request.
 
-prepare (once per request body and rules, `sidecar.plan`): validate, judge it by the allow and
+prepare (once per request body and rules, `sidecar.decision.plan`): validate, judge it by the allow and
 deny lists (a listed request is answered and counted in stats, and touches no counter), match
 each descriptor to a rule, drop replaced and unlimited rules, name the counters → decide (every
 call): one `backend.apply_then` for all remaining counters → per-descriptor statuses →
@@ -8,7 +8,7 @@ call): one `backend.apply_then` for all remaining counters → per-descriptor st
 about protobuf, gRPC or Redis.
 
 `decide_then` is the decision, through callbacks (`_begin` before the store is waiting,
-`_finish` after; `sidecar.callbacks.awaited` for a coroutine). A straight plan
+`_finish` after; `sidecar.loop.callbacks.awaited` for a coroutine). A straight plan
 (`Plan.straight`: each counted descriptor one window, all blocking), the usual request, skips
 `_begin`'s lookups while no counter is known to be over; every decision is read back by the
 same `_finish`.
@@ -29,8 +29,12 @@ from typing import Any, Final, Literal, Protocol, TypeVar
 import structlog
 
 from sidecar.algorithms import fixed_window
+from sidecar.core.lists import Listed
+from sidecar.core.rules import Rules
+from sidecar.decision.over_limit_cache import Added, OverLimitCache
+from sidecar.decision.plan import Counted, Plan, prepare
+from sidecar.decision.stats import Stats
 from sidecar.errors import InvalidRequest, NegativeHitsRefused, Overloaded, StorageError
-from sidecar.lists import Listed
 from sidecar.model import (
     Code,
     Decision,
@@ -42,10 +46,6 @@ from sidecar.model import (
     Window,
     new,
 )
-from sidecar.over_limit_cache import Added, OverLimitCache
-from sidecar.plan import Counted, Plan, prepare
-from sidecar.rules import Rules
-from sidecar.stats import Stats
 from sidecar.storage import Backend
 from sidecar.storage.memory import MemoryBackend
 
@@ -169,7 +169,7 @@ class Limiter:
             self._local_windows = {}
 
     def prepare(self, request: Request) -> Plan:
-        """The plan of `request` under the current rules (see `sidecar.plan`); raises
+        """The plan of `request` under the current rules (see `sidecar.decision.plan`); raises
         InvalidRequest, counted as a service error, for a request that breaks the protocol."""
         try:
             plan = prepare(self.rules, request)
@@ -187,7 +187,7 @@ class Limiter:
         done: Callable[[T | Exception], None],
     ) -> None:
         """Decide a prepared request (prepared against `self.rules`: see `prepare`), through a
-        callback (the one form, see `sidecar.callbacks`): `done` gets the decision as `encode`
+        callback (the one form, see `sidecar.loop.callbacks`): `done` gets the decision as `encode`
         writes it (the transport's bytes), or the exception the call ended with once the store
         has answered (Overloaded, or a bug); at once when no store call is needed, else when
         the store answers. What goes wrong before that is raised here."""
@@ -299,7 +299,7 @@ class Limiter:
         return gathered, hits
 
     def _listed(self, plan: Plan, listed: Listed) -> Decision:
-        """The answer of a request an allow or deny list decided (`sidecar.lists`), counted by
+        """The answer of a request an allow or deny list decided (`sidecar.core.lists`), counted by
         its list and by nothing else."""
         if listed.denied:
             self.stats.denied_by_list[listed.stat] += 1

@@ -20,7 +20,7 @@ another limit (an override, a reload that raised the limit, another sidecar with
 gets the answer it would get there. What a flood of refused requests costs the backend is one
 small write per counter per turn instead of a call each. The reply to those writes is read
 (`Added`): a counter that was under its limit before them was reset meanwhile (an operator's
-reset, `sidecar.counter_admin`, through this sidecar or any other sharing the store), and the
+reset, `sidecar.operator.counter_admin`, through this sidecar or any other sharing the store), and the
 cache forgets it, so a reset lifts a limit on every sidecar after one turn of refusals each.
 The cache is not used with `--rejected-hits skip`, where a refused request must still be
 judged as a whole and adds nothing.
@@ -92,7 +92,7 @@ class OverLimitCache:
     def queue(self, hits: Sequence[Hit]) -> None:
         """Add `hits` to the backend with the next `flush`: the hits of plain windows a refused
         descriptor would have added (a plain fixed window adds a rejected hit too), or a
-        refused request's usage counts (`sidecar.usage`), summed per counter."""
+        refused request's usage counts (`sidecar.core.usage`), summed per counter."""
         pending = self.pending
         if not self._due:
             self._due = True
@@ -143,7 +143,7 @@ class OverLimitCache:
 
     def forget_named(self, names: Sequence[tuple[bytes, bytes]]) -> int:
         """Forget the counters named (key, field), whatever limit each was found over at: an
-        operator reset them (`sidecar.counter_admin`), so they are asked of the backend again.
+        operator reset them (`sidecar.operator.counter_admin`), so they are asked of the backend again.
         Returns how many were known. Walks the whole cache: an operator's call, not a decision's."""
         named = set(names)
         stale = [counter for counter in self.ends if (counter[0], counter[1]) in named]

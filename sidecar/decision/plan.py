@@ -1,5 +1,5 @@
 """A request prepared once: validated, judged by its domain's allow and deny lists
-(`sidecar.lists`), matched to its rules, its counters named, so that every later call with the
+(`sidecar.core.lists`), matched to its rules, its counters named, so that every later call with the
 same body only asks the backend and reads the answer (or, for a listed request, nothing).
 
 Envoy sends the same few bodies again and again (one per route and client), and matching,
@@ -14,10 +14,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Final
 
-from sidecar.counters import field_hit, window_hit
+from sidecar.core.counters import field_hit, window_hit
+from sidecar.core.keys import descriptor_prefix, field_head, group_key
+from sidecar.core.lists import Listed
+from sidecar.core.matching import Match, entry_label, match
+from sidecar.core.rules import Rules
+from sidecar.core.usage import Tally, tally
 from sidecar.errors import InvalidRequest
-from sidecar.lists import Listed
-from sidecar.matching import Match, entry_label, match
 from sidecar.model import (
     UNLIMITED_REMAINING,
     Algorithm,
@@ -29,9 +32,6 @@ from sidecar.model import (
     Role,
     single,
 )
-from sidecar.rules import Rules
-from sidecar.storage.keys import descriptor_prefix, field_head, group_key
-from sidecar.usage import Tally, tally
 
 #: Bounds on what one request may carry; beyond them it is refused with INVALID_ARGUMENT.
 MAX_HITS_ADDEND: Final = 4_294_967_295
@@ -47,7 +47,7 @@ _TOKEN_BUCKET: Final = Algorithm.TOKEN_BUCKET
 
 OK: Final = DescriptorStatus(Code.OK)
 UNLIMITED: Final = DescriptorStatus(Code.OK, limit_remaining=UNLIMITED_REMAINING)
-#: A descriptor a deny list refused: no rule, no limit, no counter (`sidecar.lists`).
+#: A descriptor a deny list refused: no rule, no limit, no counter (`sidecar.core.lists`).
 DENIED: Final = DescriptorStatus(Code.OVER_LIMIT)
 
 
@@ -148,10 +148,10 @@ class Plan:
     blocking_only: bool
     #: Of a straight plan: each counted descriptor with the position of its hit.
     positions: tuple[tuple[Counted, int], ...] = ()
-    #: What the request counts in its domain's usage (`sidecar.usage`); None: nothing. A plan
+    #: What the request counts in its domain's usage (`sidecar.core.usage`); None: nothing. A plan
     #: that counts usage is never straight: its usage hits follow its counters' hits.
     usage: Tally | None = None
-    #: What an allow or deny list decided (`sidecar.lists`); then nothing is counted, not even
+    #: What an allow or deny list decided (`sidecar.core.lists`); then nothing is counted, not even
     #: usage, and `statuses` is the answer. None: no list names the request.
     listed: Listed | None = None
     #: Some descriptor of the request is a refund (`Descriptor.is_negative_hits`). Such a plan

@@ -4,7 +4,7 @@ Per rule (`ratelimit.service.rate_limit.<metric key>.<stat>`): total_hits, over_
 near_limit, within_limit, shadow_mode, total_negative_hits. Per service: config loads, global
 shadow mode, backend errors, service errors (`refused`: the one place a refused call is
 counted), unknown domains, and requests an allow or deny list decided. Plain integers on the
-hot path; `sidecar.metrics` turns them into Prometheus series at scrape time, so a decision
+hot path; `sidecar.telemetry.metrics` turns them into Prometheus series at scrape time, so a decision
 pays no exporter cost.
 """
 
@@ -71,7 +71,7 @@ class Stats:
     #: (`--failure-mode local`); each is a backend error too.
     local_decisions: int = 0
     total_requests: int = 0
-    #: Requests a list decided (`sidecar.lists`), by `<domain>.<key>` of the list: denied
+    #: Requests a list decided (`sidecar.core.lists`), by `<domain>.<key>` of the list: denied
     #: (OVER_LIMIT) and allowed (OK), neither counted by any rule.
     denied_by_list: defaultdict[str, int] = field(default_factory=lambda: defaultdict(int))
     allowed_by_list: defaultdict[str, int] = field(default_factory=lambda: defaultdict(int))

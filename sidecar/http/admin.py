@@ -4,7 +4,7 @@
   429 (OVER_LIMIT) or 500 (UNKNOWN); 400 with the reason for bad JSON or an invalid request;
   413 for a body over 1 MiB; 503 when the backend has as many calls in flight as it answers
   in time (Overloaded). An error's status is `sidecar.rls.statuses`'.
-- `GET /healthcheck`: 200 `OK`, or 500 with the reason when unhealthy (`sidecar.health`: after
+- `GET /healthcheck`: 200 `OK`, or 500 with the reason when unhealthy (`sidecar.http.health`: after
   SIGTERM, while the backend fails its ping under --failure-mode deny, or while the
   configuration makes it unusable).
 - `GET /rlconfig`: the loaded rules, one line per rule (the reference's format).
@@ -12,7 +12,7 @@
 - `POST /v1/caps/check`, `POST /v1/caps/record`: frequency caps for ad servers, in JSON (see
   `json_api.py`): 200 with the answer, 400 with `{"error": reason}` for a bad body, 404 for
   a domain without caps, 413 for a body over 1 MiB, 503 when the backend fails.
-- `GET /v1/usage`: usage per day (`sidecar.usage_api`): 200 with the JSON, 400 with
+- `GET /v1/usage`: usage per day (`sidecar.reports.usage`): 200 with the JSON, 400 with
   `{"error": reason}` for a bad query, 404 for a domain without usage, 503 when the backend
   fails. `GET /v1/usage/dimensions`: the rules and what each domain counts.
   `GET /v1/refusing`: the limits that refused calls in the last minute.
@@ -31,17 +31,19 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
-from sidecar import metrics, usage, usage_api
+from sidecar.core import usage
+from sidecar.core.rules import Rules
 from sidecar.errors import StorageError
 from sidecar.frequency import json_api
 from sidecar.frequency.caps import FrequencyCaps
-from sidecar.health import Health
-from sidecar.http_bodies import BodyRefused, read_body
-from sidecar.http_listener import Listener
+from sidecar.http.bodies import BodyRefused, read_body
+from sidecar.http.health import Health
+from sidecar.http.listener import Listener
 from sidecar.model import Code
+from sidecar.reports import usage as usage_api
 from sidecar.rls.service import RateLimitService
 from sidecar.rls.statuses import statuses
-from sidecar.rules import Rules
+from sidecar.telemetry import metrics
 
 MAX_BODY_BYTES = 1 << 20
 
@@ -151,7 +153,7 @@ class AdminServer:
         response.headers["Content-Type"] = metrics.CONTENT_TYPE
         return response
 
-    # --- Usage (sidecar.usage) and the page -------------------------------------------------
+    # --- Usage (sidecar.core.usage) and the page -------------------------------------------------
 
     async def _usage(self, request: web.Request) -> web.Response:
         now_ms = int(self._clock() * 1000)

@@ -1,5 +1,5 @@
 """One aiohttp listener, started and stopped the same way by every HTTP port the sidecar opens:
-the HTTP port (`sidecar.admin`), the reference's extra ports (`sidecar.side_ports`) and the
+the HTTP port (`sidecar.http.admin`), the reference's extra ports (`sidecar.http.side_ports`) and the
 injector's webhook (`sidecar.injector.webhook`, over TLS)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import ssl
 
 from aiohttp import web
 
-from sidecar.http_bodies import LINGERING_SECONDS
+from sidecar.http.bodies import LINGERING_SECONDS
 
 #: Seconds a stopping listener lets the requests in flight finish before it closes them.
 SHUTDOWN_SECONDS = 5.0

@@ -1,6 +1,6 @@
 """Extra HTTP listeners where a deployment written for the reference looks for them.
 
-The HTTP port serves everything (`sidecar.admin`). The reference also serves Prometheus on its
+The HTTP port serves everything (`sidecar.http.admin`). The reference also serves Prometheus on its
 own address (`USE_PROMETHEUS`, `PROMETHEUS_ADDR`: Envoy Gateway scrapes `:19001/metrics`) and
 its debug endpoints on a third (`DEBUG_PORT`, 6070: `/rlconfig`). `--metrics-address` and
 `--debug-address` open those, serving the same answers as the HTTP port.
@@ -13,9 +13,9 @@ from collections.abc import Callable
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
-from sidecar import metrics
-from sidecar.http_listener import Listener
-from sidecar.rules import Rules
+from sidecar.core.rules import Rules
+from sidecar.http.listener import Listener
+from sidecar.telemetry import metrics
 
 
 class SidePort:

@@ -16,7 +16,7 @@ import urllib.parse
 import urllib.request
 from typing import Any
 
-from sidecar.operator_port import TOKEN_VARIABLE
+from sidecar.operator.port import TOKEN_VARIABLE
 
 _DESCRIPTION = f"""\
 Ask a running sidecar's operator port (serve --operator-address) what one descriptor's

@@ -27,12 +27,12 @@ from typing import Any
 from sidecar.algorithms import token_bucket
 from sidecar.algorithms.decide import Address, State, address, decide
 from sidecar.algorithms.token_bucket import Bucket
+from sidecar.core.matching import Match, match
+from sidecar.core.rules import Rules
+from sidecar.decision.limiter import most_restrictive
+from sidecar.decision.plan import descriptor_hits, validate
 from sidecar.errors import UnknownDomain
-from sidecar.limiter import most_restrictive
-from sidecar.matching import Match, match
 from sidecar.model import Algorithm, Descriptor, Entry, Hit, Request, Window
-from sidecar.plan import descriptor_hits, validate
-from sidecar.rules import Rules
 from sidecar.storage import Backend
 from sidecar.storage.aggregation import Aggregated
 from sidecar.storage.per_second import PerSecond

@@ -1,5 +1,5 @@
 """The operator port: a listener of its own (never the gRPC or the public HTTP port) where an
-operator reads and resets one descriptor's counters (`sidecar.counter_admin`).
+operator reads and resets one descriptor's counters (`sidecar.operator.counter_admin`).
 
 - `GET /v1/counters?domain=D&entry=KEY=VALUE[&entry=...]`: the rule that applies and what
   each of its windows holds; what a check would be answered now, and until when.
@@ -34,14 +34,14 @@ from multidict import MultiMapping
 from prometheus_client import Metric
 from prometheus_client.registry import Collector
 
-from sidecar import counter_admin
+from sidecar.core.rules import Rules
 from sidecar.errors import InvalidRequest
-from sidecar.http_bodies import BodyRefused, read_body
-from sidecar.http_listener import Listener
+from sidecar.http.bodies import BodyRefused, read_body
+from sidecar.http.listener import Listener
 from sidecar.model import Entry
+from sidecar.operator import counter_admin
 from sidecar.rls.statuses import statuses
 from sidecar.rls.tls import ServerTls, TlsError, TlsFiles
-from sidecar.rules import Rules
 from sidecar.storage import Backend
 
 log = structlog.get_logger("sidecar.operator")

@@ -11,7 +11,7 @@ import urllib.parse
 import urllib.request
 from typing import Any
 
-from sidecar.usage_api import DEFAULT_TOP
+from sidecar.reports.usage import DEFAULT_TOP
 
 _DESCRIPTION = """\
 Ask a running sidecar (its HTTP port) for the usage its rules declare: calls per day of each

@@ -22,10 +22,10 @@ from typing import Any
 
 import structlog
 
-from sidecar import usage
+from sidecar.core import usage
+from sidecar.core.rules import Rules, describe
+from sidecar.decision.stats import Stats
 from sidecar.errors import StorageError
-from sidecar.rules import Rules, describe
-from sidecar.stats import Stats
 
 DEFAULT_TOP = 10
 

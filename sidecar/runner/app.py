@@ -1,5 +1,5 @@
-"""The composition root: one running sidecar, a list of parts (`sidecar.parts`) built from its
-`Options` (`sidecar.assembly`), started in order and stopped in reverse.
+"""The composition root: one running sidecar, a list of parts (`sidecar.runner.parts`) built from its
+`Options` (`sidecar.runner.assembly`), started in order and stopped in reverse.
 
 `App.start` loads the rules (ConfigError on a bad file), opens the backend (InvalidOption for a
 URL it cannot use), starts every part and reports SERVING once the backend answered a ping.
@@ -20,18 +20,21 @@ from collections.abc import Callable
 
 import structlog
 
-from sidecar import config, metrics
-from sidecar.assembly import (
+from sidecar.core import config
+from sidecar.core.rules import Rules
+from sidecar.decision.limiter import Limiter
+from sidecar.decision.stats import Stats
+from sidecar.errors import ConfigError
+from sidecar.http.health import Health
+from sidecar.rls.tls import ServerTls
+from sidecar.runner.assembly import (
     HEALTH_INTERVAL,
     SHUTDOWN_GRACE,
     USAGE_METRICS_INTERVAL,
     Assembly,
     RlsServer,
 )
-from sidecar.errors import ConfigError
-from sidecar.health import Health
-from sidecar.limiter import Limiter
-from sidecar.options import (
+from sidecar.runner.options import (
     TRANSPORTS,
     InvalidOption,
     Options,
@@ -39,11 +42,9 @@ from sidecar.options import (
     check_grpc_address,
     split_address,
 )
-from sidecar.rls.tls import ServerTls
-from sidecar.rules import Rules
-from sidecar.stats import Stats
-from sidecar.statsd import StatsdReporter
 from sidecar.storage import Backend
+from sidecar.telemetry import metrics
+from sidecar.telemetry.statsd import StatsdReporter
 
 #: Re-exported: what callers of the composition root import from it.
 __all__ = [
@@ -193,7 +194,7 @@ class App:
         return config.load(options.config, options.merge_domain_config, options.calendar_months)
 
     def _warn(self, rules: Rules) -> None:
-        """Log each warning of the rules (see `sidecar.rules.ConfigWarning`) once, not at every reload."""
+        """Log each warning of the rules (see `sidecar.core.rules.ConfigWarning`) once, not at every reload."""
         for warning in rules.warnings():
             text = str(warning)
             if text not in self._warned:

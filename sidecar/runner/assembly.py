@@ -1,4 +1,4 @@
-"""The list of parts a sidecar runs (`sidecar.parts`), built from its `Options`.
+"""The list of parts a sidecar runs (`sidecar.runner.parts`), built from its `Options`.
 
 `Assembly.build` reads top to bottom in start order: the edges a bad setting stops at once (TLS,
 statsd, tracing), the rules (files, or the xDS client that waits for its first push), the
@@ -26,28 +26,30 @@ from typing import Protocol
 import structlog
 from prometheus_client import CollectorRegistry
 
-from sidecar import build, config, metrics
-from sidecar.admin import AdminServer
+from sidecar import build
+from sidecar.core import config
+from sidecar.core.rules import Rules
+from sidecar.core.usage import Reader
+from sidecar.decision.limiter import Limiter, Settings
+from sidecar.decision.stats import Stats
 from sidecar.errors import ConfigError, Overloaded, StorageError
 from sidecar.frequency.caps import FrequencyCaps
 from sidecar.frequency.service import FrequencyService
-from sidecar.health import Health
-from sidecar.limiter import Limiter, Settings
-from sidecar.operator_port import OperatorCollector, OperatorError, OperatorPort
-from sidecar.options import InvalidOption, Options, split_address
-from sidecar.parts import Listener, Listeners, Part, background, closing, reading_rules
+from sidecar.http.admin import AdminServer
+from sidecar.http.health import Health
+from sidecar.http.side_ports import SidePort
+from sidecar.operator.port import OperatorCollector, OperatorError, OperatorPort
 from sidecar.quota.service import STORE_TIMEOUT_MS, QuotaCollector, QuotaServer, QuotaService
 from sidecar.quota.store import open_store
+from sidecar.reports.usage import TopKeys
 from sidecar.rls.fast import FastServer
 from sidecar.rls.h2.server import unix_path
 from sidecar.rls.server import GrpcServer
 from sidecar.rls.service import RateLimitService
 from sidecar.rls.service import service as rate_limit_service
 from sidecar.rls.tls import ServerTls, TlsError
-from sidecar.rules import Rules
-from sidecar.side_ports import SidePort
-from sidecar.stats import Stats
-from sidecar.statsd import StatsdError, StatsdReporter
+from sidecar.runner.options import InvalidOption, Options, split_address
+from sidecar.runner.parts import Listener, Listeners, Part, background, closing, reading_rules
 from sidecar.storage import Backend, peers
 from sidecar.storage.aggregation import Aggregated, AggregationCollector
 from sidecar.storage.backends import open_backend
@@ -55,9 +57,9 @@ from sidecar.storage.leases import LeaseCollector, Leased
 from sidecar.storage.leases import store_for as leases_store
 from sidecar.storage.memory import MemoryBackend
 from sidecar.storage.per_second import PerSecond
-from sidecar.tracing import Tracing, TracingError
-from sidecar.usage import Reader
-from sidecar.usage_api import TopKeys
+from sidecar.telemetry import metrics
+from sidecar.telemetry.statsd import StatsdError, StatsdReporter
+from sidecar.telemetry.tracing import Tracing, TracingError
 from sidecar.xds.client import XdsClient, check_files
 
 #: Seconds between reads of the usage top keys for /metrics.
@@ -258,7 +260,7 @@ class Assembly:
         with contextlib.suppress(OSError, ConfigError):
             marks = config.fingerprint(options.config)
         rules = self.host.rules = self.host.load_rules()
-        # The list files the rules read, known once they are loaded (`sidecar.lists`).
+        # The list files the rules read, known once they are loaded (`sidecar.core.lists`).
         with contextlib.suppress(OSError):
             marks += config.fingerprint((), rules)
         return marks

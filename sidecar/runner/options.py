@@ -1,7 +1,7 @@
 """What `serve` is started with: `Options`, filled by the command line (`sidecar.cli.serve`) or
 by tests, and the checks of its addresses; `InvalidOption` when one cannot be used.
 
-Apart from `sidecar.app` so that the parts it assembles (`sidecar.assembly`) and the flags
+Apart from `sidecar.runner.app` so that the parts it assembles (`sidecar.runner.assembly`) and the flags
 (`sidecar.cli.flags`) read it without importing the composition root.
 """
 
@@ -12,15 +12,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from sidecar.decision.limiter import FailureMode, RejectedHits
 from sidecar.frequency.caps import DEDUPE_HORIZON
-from sidecar.limiter import FailureMode, RejectedHits
-from sidecar.operator_port import OperatorSettings
+from sidecar.operator.port import OperatorSettings
 from sidecar.quota.service import DEFAULT_TTL_MS
 from sidecar.rls.extras import Extras, HeaderNames
 from sidecar.rls.h2.server import unix_path
 from sidecar.rls.tls import TlsFiles
-from sidecar.statsd import StatsdSettings
-from sidecar.tracing import TracingSettings
+from sidecar.telemetry.statsd import StatsdSettings
+from sidecar.telemetry.tracing import TracingSettings
 from sidecar.xds.client import XdsOptions
 
 #: `fast`: the sidecar's own HTTP/2 server (sidecar.rls.h2); `grpcio`: grpc.aio.
@@ -55,7 +55,7 @@ class Options:
     local_divisor: int | None = None
     rejected_hits: RejectedHits = "count"
     #: Take refunds (`is_negative_hits`; `--negative-hits`, ENABLE_NEGATIVE_HITS): see
-    #: `sidecar.limiter.Settings`.
+    #: `sidecar.decision.limiter.Settings`.
     negative_hits: bool = False
     #: Decide `approximate` rules locally and sync their counts every this many ms
     #: (`sidecar.storage.aggregation`); None: off, every hit is decided by the store.
@@ -120,7 +120,7 @@ class Options:
     metrics_path: str = "/metrics"
     #: Another listener for /rlconfig and /metrics, as the reference's DEBUG_PORT.
     debug_address: str | None = None
-    #: The operator port (`sidecar.operator_port`: counters read and reset); None: not served.
+    #: The operator port (`sidecar.operator.port`: counters read and reset); None: not served.
     operator: OperatorSettings | None = None
 
     def extras(self) -> Extras:

@@ -2,7 +2,7 @@
 reverse, and each that reads the rules told of every new set.
 
 A `Part` is three optional hooks: `start`, `stop(grace)` and `rules_changed(rules)`. The
-composition root (`sidecar.app`) owns the list (built by `sidecar.assembly`), so adding a
+composition root (`sidecar.runner.app`) owns the list (built by `sidecar.runner.assembly`), so adding a
 listener, a background task or a consumer of rules is one entry where the list is built; the
 order of the list is the start order, and its reverse the stop order (what started last, the
 health report, stops first: unhealthy everywhere before anything closes).
@@ -19,7 +19,7 @@ from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
-from sidecar.rules import Rules
+from sidecar.core.rules import Rules
 
 
 async def _idle() -> None:

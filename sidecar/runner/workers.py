@@ -26,8 +26,8 @@ from types import FrameType
 
 import structlog
 
-from sidecar.app import split_address
 from sidecar.rls.h2.server import BACKLOG, socket_file, unix_path, unlink_socket
+from sidecar.runner.app import split_address
 
 log = structlog.get_logger("sidecar.workers")
 

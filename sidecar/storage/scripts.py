@@ -127,7 +127,7 @@ def _hit_args(hit: Hit, quota_as_shadow: bool = False) -> tuple[Any, ...]:
     elif algorithm == decide.ANCHORED:
         params = anchored.parameters(window)
     elif role >= _USAGE:
-        # A usage hit (`sidecar.usage`): p1 is when its hash or HyperLogLog expires, Unix ms.
+        # A usage hit (`sidecar.core.usage`): p1 is when its hash or HyperLogLog expires, Unix ms.
         params = (hit.end_ms, 0, 0, 0)
     elif algorithm == decide.SLIDING:
         params = (window.requests_per_unit, 0, hit.start_ms, window.seconds * 1000)
@@ -166,7 +166,7 @@ _EVALSHA_COUNT: Final = b"$7\r\nEVALSHA\r\n$40\r\n" + COUNT_SHA.encode() + b"\r\
 class ApplyPacker:
     """The RESP bytes of an apply call, each hit's part packed once.
 
-    A request's hits are the same objects for every call in their window (`sidecar.plan`), so
+    A request's hits are the same objects for every call in their window (`sidecar.decision.plan`), so
     their keys and arguments are packed the first time and kept by the hit's identity (the
     entry keeps the hit alive, so its id cannot be reused while the entry exists); only
     `decide.lua`'s mode and time are packed per call. A call on one hit, the common request, is

@@ -1,6 +1,6 @@
 """Prometheus metrics, named and labelled as the reference's statsd_exporter mapping names them.
 
-Nothing is counted here: a `StatsCollector` reads `sidecar.stats.Stats` (and the transport's
+Nothing is counted here: a `StatsCollector` reads `sidecar.decision.stats.Stats` (and the transport's
 `Latency`) when Prometheus scrapes, so a decision pays no exporter cost.
 Names follow envoyproxy/ratelimit's `src/stats/prom/default_mapper.yaml`, so dashboards built for
 the reference keep working:
@@ -19,7 +19,7 @@ the reference keep working:
 - `ratelimit_service_total_requests{grpc_method="ShouldRateLimit"}` and the call latency
   histogram `ratelimit_service_response_time_seconds{grpc_method="ShouldRateLimit"}`.
 - `ratelimit_service_rate_limit_denied_by_list{domain, key1}` and `..._allowed_by_list` (ours):
-  requests an allow or deny list decided (`sidecar.lists`), by the list's domain and key.
+  requests an allow or deny list decided (`sidecar.core.lists`), by the list's domain and key.
 - `ratelimit_service_config_load_success`, `ratelimit_service_config_load_error`,
   `ratelimit_service_global_shadow_mode` and
   `ratelimit_service_rate_limit_domain_not_found{domain}`.
@@ -47,8 +47,8 @@ from prometheus_client import CollectorRegistry, Metric
 from prometheus_client.core import HistogramMetricFamily
 from prometheus_client.registry import Collector
 
-from sidecar.rules import Rules
-from sidecar.stats import RuleStats, Stats
+from sidecar.core.rules import Rules
+from sidecar.decision.stats import RuleStats, Stats
 
 CONTENT_TYPE: Final = "text/plain; version=0.0.4; charset=utf-8"
 

@@ -1,7 +1,7 @@
 """statsd and DogStatsD: the reference's stats, sent as its sinks send them, in batches.
 
 Nothing is counted here and nothing runs per request: every `flush_interval` seconds (the
-reference's STATS_FLUSH_INTERVAL, 10 s) `StatsdReporter` reads `sidecar.stats.Stats` and the
+reference's STATS_FLUSH_INTERVAL, 10 s) `StatsdReporter` reads `sidecar.decision.stats.Stats` and the
 transport's `Latency`, and sends what grew since the last flush, packed into as few writes as
 fit (one TCP write, or UDP datagrams of at most 1,432 bytes), on the event loop.
 
@@ -11,7 +11,7 @@ Names are the reference's (its `src/stats/manager_impl.go` and `src/metrics/metr
   shadow_mode|over_limit_with_local_cache|total_negative_hits` and
   `ratelimit.service.rate_limit.<domain>.domain_not_found` (and, ours,
   `ratelimit.service.rate_limit.<domain>.<key>.denied_by_list|allowed_by_list`: requests an
-  allow or deny list decided, `sidecar.lists`);
+  allow or deny list decided, `sidecar.core.lists`);
 - `ratelimit.service.config_load_success|config_load_error|global_shadow_mode` and
   `ratelimit.service.call.should_rate_limit.redis_error|service_error` (and `overloaded`, ours:
   calls refused UNAVAILABLE);
@@ -49,8 +49,8 @@ from typing import Literal
 
 import structlog
 
-from sidecar.metrics import Latency
-from sidecar.stats import Stats
+from sidecar.decision.stats import Stats
+from sidecar.telemetry.metrics import Latency
 
 #: The largest UDP payload sent: what fits a 1,500-byte Ethernet frame, as datadog-go and
 #: gostats size theirs, so no datagram is fragmented.

@@ -25,7 +25,7 @@
 --   group      the descriptor: a descriptor is over when any of its windows is (mode 3: the
 --              impression, numbered from 0)
 --   role       0 blocking, 1 shadow (never blocks), 2 quota (blocks when every quota one is over);
---              3 a usage count and 4 a unique count (sidecar/usage.py): never judged, never
+--              3 a usage count and 4 a unique count (sidecar/core/usage.py): never judged, never
 --              written in modes 2 and 3. A usage count adds cost to field `field` of the hash
 --              KEYS[2i-1] when the request is admitted, to field `previous` when it is refused;
 --              a unique count adds the member `field` to the HyperLogLog KEYS[2i-1]; either
@@ -37,7 +37,7 @@
 --              restarts the interval (a cooldown)
 --   ttl        seconds a new counter key (or the hash, for a new field) must live
 --   field      '' for a counter stored at its own key; else its field in the hash KEYS[2i-1],
---              named `...|<code><keep until>` (see sidecar/storage/keys.py): the keep-until in
+--              named `...|<code><keep until>` (see sidecar/core/keys.py): the keep-until in
 --              five base-36 digits of minutes since 2020, or `.` and base-36 Unix seconds;
 --              a bucket's field ends in `_` instead, an anchored window's in `^`
 --   previous   the previous window's field in that hash (or the field itself)
@@ -195,7 +195,7 @@ if force then
 end
 
 local skipped = {}
--- Usage hits (roles 3 and 4, see sidecar/usage.py): never judged, counted once the request is.
+-- Usage hits (roles 3 and 4, see sidecar/core/usage.py): never judged, counted once the request is.
 local usage = {}
 local over, before_left, before_reset, after_left, after_reset, state = {}, {}, {}, {}, {}, {}
 local group_over, group_role = {}, {}
