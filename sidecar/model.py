@@ -284,7 +284,7 @@ class Hit:
     The windows of one descriptor share a `group`: the descriptor is admitted only when all are.
 
     `field` is empty for a counter stored under its own key (the reference's layout). Otherwise
-    the counter is one field of the hash at `key` (`group_counters`, see `storage.keys`), and
+    the counter is one field of the hash at `key` (`group_counters`, see `core.keys`), and
     `previous_field` names the previous window's field in that hash; `ttl` is then how long the
     hash must live at least for this field.
 

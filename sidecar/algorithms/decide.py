@@ -22,7 +22,7 @@ Three phases:
    for a counter or bucket that holds nothing.
 
 A counter is addressed by its key, or by (hash key, field) when its tree groups its counters
-in one hash (`group_counters`, see `storage.keys`).
+in one hash (`group_counters`, see `core.keys`).
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ _ANCHORED = {Algorithm.FIRST_EVENT: "f", Algorithm.COOLDOWN: "k", Algorithm.LIFE
 
 
 def tag(window: Window) -> str:
-    """The window kind's part of a counter key (see `storage.keys`)."""
+    """The window kind's part of a counter key (see `core.keys`)."""
     if window.algorithm is _TOKEN_BUCKET:
         return f"{window.seconds}t{window.requests_per_unit}/{window.capacity}"
     letter = _ANCHORED.get(window.algorithm)

@@ -86,7 +86,7 @@ class Node:
     value_to_metric: bool = False
     share_threshold: bool = False
     #: Every counter below this first-level descriptor lives in one hash per value (see
-    #: `storage.keys`). Opt-in: under a first entry with unbounded descendants (`app` with
+    #: `core.keys`). Opt-in: under a first entry with unbounded descendants (`app` with
     #: millions of users below it) one hash would grow without bound and be hot on one node.
     group_counters: bool = False
     metadata: Mapping[str, Any] | None = None

@@ -4,7 +4,7 @@ when?" is answered, and the limit lifted, without knowing how counter keys are b
 
 A descriptor is named as Envoy names it, a domain and its entries, and goes down the decision
 path's own steps: `plan.validate`'s bounds, `matching.match` to its rule, `plan.descriptor_hits`
-to its counters' keys (`storage.keys` escapes every value, so a crafted value names a counter of
+to its counters' keys (`core.keys` escapes every value, so a crafted value names a counter of
 its own domain and descriptor, never another's). The hits cost 0, a check: `state` reads their
 counters in one backend call per hash slot and judges them in Python exactly as the script's
 read-only mode does (`algorithms.decide`), as a frequency-cap check does; nothing is written.

@@ -64,7 +64,7 @@ def _slots_of(hits: Sequence[Hit]) -> dict[int, list[int]]:
 class RedisClusterBackend:
     """A Redis Cluster: hits are grouped by hash slot, one script call per slot.
 
-    Counters whose keys share a hash tag (see `keys.py`) share a slot, so a typical request
+    Counters whose keys share a hash tag (see `sidecar.core.keys`) share a slot, so a typical request
     still costs one call. A request over several slots is atomic per slot only: with
     all-or-nothing it is decided in two phases, see `_apply_across_slots`.
     """

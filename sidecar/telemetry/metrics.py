@@ -391,7 +391,7 @@ def _escape_label(value: str) -> str:
 
 
 class UsageCollector(Collector):
-    """Today's top keys of each usage dimension (`usage_api.TopKeys`, read from the backend in
+    """Today's top keys of each usage dimension (`sidecar.reports.usage.TopKeys`, read from the backend in
     the background): `ratelimit_sidecar_usage_calls{domain,by,key,outcome}` and
     `ratelimit_sidecar_usage_unique{domain,by,key,unique}`. Only the top keys: never a series
     per user, so the series stay bounded."""
