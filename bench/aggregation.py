@@ -35,10 +35,11 @@ import redis
 
 from bench.processes import CLOCK_TICKS_PER_SECOND
 from bench.services import Service, start_redis
-from sidecar import build, config
-from sidecar.limiter import Limiter
+from sidecar import build
+from sidecar.core import config
+from sidecar.core.rules import Rules
+from sidecar.decision.limiter import Limiter
 from sidecar.model import Code, Decision, Descriptor, Entry, Request
-from sidecar.rules import Rules
 from sidecar.storage import Backend
 from sidecar.storage.aggregation import Aggregated
 from sidecar.storage.backends import open_backend

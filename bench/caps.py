@@ -13,7 +13,7 @@ Everything goes through a real sidecar process and its gRPC port, on a fresh `re
    The packed layout (`group_counters: packed`: an ad's day and month counts in one field) is
    measured at 100,000 and 10,000,000 counters (`--packed-counters`): a sample of users is
    recorded through the sidecar, then the rest is written with pipelined HSETs of the very
-   fields and values `sidecar.counters.grouped_hits` and `sidecar.packing` make (the sample's
+   fields and values `sidecar.core.counters.grouped_hits` and `sidecar.algorithms.packing` make (the sample's
    hashes written both ways must be equal, byte for byte), since 250,000 users' impressions
    through the API would take the bench an hour. `used_memory` before and after, and `MEMORY
    USAGE` of sampled hashes, give bytes per counter; the grouped layout is loaded the same way
@@ -61,12 +61,13 @@ from bench.load import run as run_load
 from bench.probe import grpc_frame
 from bench.processes import CLOCK_TICKS_PER_SECOND, BenchError, Process, free_port, start
 from bench.services import Service, start_redis
-from sidecar import config, packing
-from sidecar.counters import grouped_hits
+from sidecar.algorithms import packing
+from sidecar.core import config
+from sidecar.core.counters import grouped_hits
+from sidecar.core.keys import field_head, group_key
 from sidecar.frequency.service import CHECK_ADS, RECORD_IMPRESSIONS
 from sidecar.model import Limit
 from sidecar.proto.ratelimit_sidecar.frequency.v1 import frequency_pb2 as pb
-from sidecar.storage.keys import field_head, group_key
 
 RULES = """\
 domain: ads

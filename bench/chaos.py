@@ -381,7 +381,7 @@ class Failover:
 
 
 def _owner(cluster: servers.RedisCluster) -> tuple[int, servers.RedisServer]:
-    """The slot of the legitimate client's counters (their hash tag, `sidecar.storage.keys`)
+    """The slot of the legitimate client's counters (their hash tag, `sidecar.core.keys`)
     and the master serving it."""
     from redis.crc import key_slot
 

@@ -63,7 +63,7 @@ class Watch:
 
 def measure(url: str, distinct: bool) -> Watch:
     """Replay ROUNDS passes on `url`'s backend under the sidecar's collector settings."""
-    from sidecar.app import GC_THRESHOLDS
+    from sidecar.runner.app import GC_THRESHOLDS
 
     watch = Watch()
 

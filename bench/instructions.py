@@ -70,12 +70,12 @@ async def replay(
     import h2.connection
     import h2.events
 
-    from sidecar import config
-    from sidecar.app import Options
-    from sidecar.limiter import Limiter
+    from sidecar.core import config
+    from sidecar.decision.limiter import Limiter
     from sidecar.rls.fast import FastServer
     from sidecar.rls.h2.server import _Protocol
     from sidecar.rls.service import RateLimitService
+    from sidecar.runner.app import Options
     from sidecar.storage.backends import open_backend
 
     class Transport(asyncio.Transport):

@@ -46,14 +46,16 @@ import redis
 from bench.aggregation import counted
 from bench.processes import CLOCK_TICKS_PER_SECOND
 from bench.services import Service, start_redis
-from sidecar import build, config, logs
-from sidecar.limiter import Limiter, Settings
+from sidecar import build
+from sidecar.core import config
+from sidecar.core.rules import Rules
+from sidecar.decision.limiter import Limiter, Settings
 from sidecar.model import Code, Decision, Descriptor, Entry, Request
-from sidecar.rules import Rules
 from sidecar.storage import Backend
 from sidecar.storage.aggregation import Aggregated
 from sidecar.storage.backends import open_backend
 from sidecar.storage.leases import Leased, store_for
+from sidecar.telemetry import logs
 
 TIMEOUT_MS = 50
 TICK_SECONDS = 0.005

@@ -1,4 +1,4 @@
-"""Benchmark allow and deny lists (`sidecar.lists`): what a 100,000-entry CIDR list costs a
+"""Benchmark allow and deny lists (`sidecar.core.lists`): what a 100,000-entry CIDR list costs a
 request, and what it keeps.
 
 1. Load: reading and parsing the list file with the rules (`config.load`), and the memory the
@@ -34,12 +34,12 @@ from pathlib import Path
 if not __package__:  # run as `python bench/lists.py`: make the `bench` package importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from sidecar import config
-from sidecar.callbacks import awaited
-from sidecar.limiter import Limiter
-from sidecar.lists import Networks
+from sidecar.core import config
+from sidecar.core.lists import Networks
+from sidecar.core.rules import Rules
+from sidecar.decision.limiter import Limiter
+from sidecar.loop.callbacks import awaited
 from sidecar.model import Code, Decision, Descriptor, Entry, Request
-from sidecar.rules import Rules
 from sidecar.storage.memory import MemoryBackend
 
 RULES = """\

@@ -1,4 +1,4 @@
-"""Benchmark usage counting (`sidecar.usage`): what it costs a request, and what it keeps.
+"""Benchmark usage counting (`sidecar.core.usage`): what it costs a request, and what it keeps.
 
 1. CPU per request, in this process (the limiter and the backend's client; memory's store too):
    the same requests decided with and without `usage` in the rules, timed over N calls each
@@ -33,11 +33,11 @@ if not __package__:  # run as `python bench/usage.py`: make the `bench` package 
 import redis
 
 from bench.services import start_redis
-from sidecar import config
-from sidecar.callbacks import awaited
-from sidecar.limiter import Limiter
+from sidecar.core import config
+from sidecar.core.rules import Rules
+from sidecar.decision.limiter import Limiter
+from sidecar.loop.callbacks import awaited
 from sidecar.model import Decision, Descriptor, Entry, Request
-from sidecar.rules import Rules
 from sidecar.storage.backends import open_backend
 from sidecar.storage.memory import MemoryBackend
 

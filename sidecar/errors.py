@@ -50,7 +50,7 @@ class NegativeHitsRefused(InvalidRequest):
 
 class UnknownDomain(SidecarError):
     """A frequency-cap call names a domain no rules file declares, or one without `user` → `ad`
-    rules, or an operator's counters call (`sidecar.counter_admin`) names a domain no rules
+    rules, or an operator's counters call (`sidecar.operator.counter_admin`) names a domain no rules
     declare. Envoy's own service answers an unknown domain OK instead (the reference does), but
     an ad server or an operator asking about limits that do not exist has something to fix."""
 

@@ -78,7 +78,7 @@ class Role(enum.IntEnum):
     BLOCKING = 0
     SHADOW = 1
     QUOTA = 2
-    #: Not a limit: a usage count (`sidecar.usage`), never judged. The backend adds its `hits`
+    #: Not a limit: a usage count (`sidecar.core.usage`), never judged. The backend adds its `hits`
     #: to the field `field` of the hash at `key` when the request is admitted, to
     #: `previous_field` when it is refused, and makes the hash expire at `end_ms`.
     USAGE = 3
@@ -230,7 +230,7 @@ class Window:
 @dataclass(frozen=True, slots=True)
 class Packing:
     """How several windows of a limit share one grouped field (`group_counters: packed`, see
-    `sidecar.packing`): which windows of a limit share a field (indexes into `Limit.windows`, shortest first),
+    `sidecar.algorithms.packing`): which windows of a limit share a field (indexes into `Limit.windows`, shortest first),
     and the field's arithmetic: `unit` seconds per offset step, `spread` offsets, counts
     saturating at `cap`."""
 
@@ -357,10 +357,10 @@ class Hit:
     The windows of one descriptor share a `group`: the descriptor is admitted only when all are.
 
     `field` is empty for a counter stored under its own key (the reference's layout). Otherwise
-    the counter is one field of the hash at `key` (`group_counters`, see `storage.keys`), and
+    the counter is one field of the hash at `key` (`group_counters`, see `core.keys`), and
     `previous_field` names the previous window's field in that hash; `ttl` is then how long the
     hash must live at least for this field. `packed` is set when the field holds several
-    windows of the descriptor (`sidecar.packing`): the window's place in it, at this second.
+    windows of the descriptor (`sidecar.algorithms.packing`): the window's place in it, at this second.
 
     `counter` is what the over-limit cache knows the counter by: its key, its field and the
     window's limit (worked out once, as `Window.plain` is: it is read on every call).

@@ -25,10 +25,10 @@ from support.servers import (
     start_server,
 )
 
-from sidecar import config
-from sidecar.app import TRANSPORTS
-from sidecar.limiter import Limiter, Settings
-from sidecar.rules import Rules
+from sidecar.core import config
+from sidecar.core.rules import Rules
+from sidecar.decision.limiter import Limiter, Settings
+from sidecar.runner.app import TRANSPORTS
 from sidecar.storage import Backend
 from sidecar.storage.backends import open_backend
 

@@ -15,8 +15,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from support.sidecars import client, request, running_app, write_rules
 
-from sidecar import config, http_bodies
-from sidecar.app import App
+from sidecar.core import config
+from sidecar.http import bodies as http_bodies
+from sidecar.runner.app import App
 from sidecar.storage.memory import MemoryBackend
 
 

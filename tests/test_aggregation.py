@@ -19,12 +19,13 @@ from prometheus_client import generate_latest
 from support.callbacks import should_rate_limit
 from support.sidecars import client, request, write_rules
 
-from sidecar import cli, config
-from sidecar.app import App, InvalidOption, Options
-from sidecar.callbacks import awaited
-from sidecar.counters import window_hit
+from sidecar import cli
+from sidecar.core import config
+from sidecar.core.counters import window_hit
+from sidecar.core.rules import Rules
+from sidecar.decision.limiter import Limiter
 from sidecar.errors import StorageError
-from sidecar.limiter import Limiter
+from sidecar.loop.callbacks import awaited
 from sidecar.model import (
     Code,
     Decision,
@@ -37,7 +38,7 @@ from sidecar.model import (
     Unit,
     Window,
 )
-from sidecar.rules import Rules
+from sidecar.runner.app import App, InvalidOption, Options
 from sidecar.storage.aggregation import Aggregated
 from sidecar.storage.backends import open_backend
 from sidecar.storage.base import Applied
@@ -429,7 +430,7 @@ async def test_usage_counts_a_locally_judged_request_by_its_answer(
     """With aggregation, a request judged on the local view still counts its usage in Redis as
     admitted or refused by its answer (a local refusal included, which Redis never saw), and
     /v1/usage's reads pass through the wrapper: the counts equal the answers given."""
-    from sidecar import usage
+    from sidecar.core import usage
 
     clock = Clock()
     domain = config.parse(USAGE_RULES, "rules.yaml")

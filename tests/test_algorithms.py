@@ -11,10 +11,10 @@ import pytest
 from support.callbacks import should_rate_limit
 from support.clock import Clock
 
-from sidecar import config
-from sidecar.limiter import Limiter, Settings
+from sidecar.core import config
+from sidecar.core.rules import Rules
+from sidecar.decision.limiter import Limiter, Settings
 from sidecar.model import Code, Decision, Descriptor, Entry, Request, Unit
-from sidecar.rules import Rules
 from sidecar.storage.memory import MemoryBackend
 
 RULES = """

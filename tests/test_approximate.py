@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sidecar.algorithms.approximate import LocalCount, count_after
-from sidecar.counters import window_hit
+from sidecar.core.counters import window_hit
 from sidecar.model import Hit, Outcome, Role, Unit, Window
 from sidecar.storage.aggregation import Aggregated
 from sidecar.storage.base import Applied

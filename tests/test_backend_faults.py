@@ -18,7 +18,7 @@ import redis
 from support.servers import HOST, RedisServer
 from support.sidecars import ServeProcess, serve_process
 
-from sidecar.app import HEALTH_INTERVAL
+from sidecar.runner.app import HEALTH_INTERVAL
 
 RULES = """\
 domain: faults

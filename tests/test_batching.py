@@ -1,4 +1,4 @@
-"""Flushes held while a read is handled run when it ends (sidecar.batching), and the fast
+"""Flushes held while a read is handled run when it ends (sidecar.loop.batching), and the fast
 transport's calls answered from Redis take no extra turn of the event loop."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 import structlog
 from support.sidecars import client, request, running_app, write_rules
 
-from sidecar import batching
+from sidecar.loop import batching
 from sidecar.storage.redis import RedisBackend
 
 

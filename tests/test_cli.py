@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 from support.sidecars import RULES, serve_process, write_rules
 
-from sidecar import cli, config
+from sidecar import cli
+from sidecar.core import config
 from sidecar.errors import ConfigError
 
 BAD_RULES = """\

@@ -16,9 +16,10 @@ from support.clock import Clock
 from support.model_store import Model
 from support.servers import RedisServer
 
-from sidecar import config, counters
+from sidecar.core import config, counters
+from sidecar.core.keys import descriptor_prefix
+from sidecar.decision.limiter import Limiter
 from sidecar.errors import NegativeHitsRefused
-from sidecar.limiter import Limiter
 from sidecar.model import (
     Algorithm,
     Code,
@@ -33,7 +34,6 @@ from sidecar.model import (
 )
 from sidecar.storage import Backend
 from sidecar.storage.backends import open_backend
-from sidecar.storage.keys import descriptor_prefix
 from sidecar.storage.memory import MemoryBackend
 
 every_backend = pytest.mark.parametrize("backend_url", BACKENDS, indirect=True)

@@ -6,12 +6,12 @@ from pathlib import Path
 
 import pytest
 
-from sidecar import config
-from sidecar.counters import tag
+from sidecar.core import config
+from sidecar.core.counters import tag
+from sidecar.core.matching import match
+from sidecar.core.rules import Rules
 from sidecar.errors import ConfigError
-from sidecar.matching import match
 from sidecar.model import Entry, Unit, Window
-from sidecar.rules import Rules
 
 FIXTURES = Path(__file__).parent / "config"
 

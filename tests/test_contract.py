@@ -11,7 +11,7 @@ from conftest import BACKENDS_WITH_VALKEY
 from support.callbacks import should_rate_limit
 from support.clock import Clock
 
-from sidecar.limiter import Limiter
+from sidecar.decision.limiter import Limiter
 from sidecar.model import (
     UNLIMITED_REMAINING,
     Code,

@@ -10,10 +10,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 from support.callbacks import apply, should_rate_limit
 
-from sidecar import config, counters
 from sidecar.algorithms import fixed_window, windows
+from sidecar.core import config, counters
+from sidecar.core.keys import descriptor_prefix, fixed_window_key, hash_tag
+from sidecar.core.rules import Rules
+from sidecar.decision.limiter import Limiter, Settings
+from sidecar.decision.stats import RuleStats
 from sidecar.errors import InvalidRequest, StorageError
-from sidecar.limiter import Limiter, Settings
 from sidecar.model import (
     Algorithm,
     Code,
@@ -26,11 +29,8 @@ from sidecar.model import (
     Unit,
     Window,
 )
-from sidecar.rules import Rules
-from sidecar.stats import RuleStats
 from sidecar.storage.backends import open_backend
 from sidecar.storage.base import Applied
-from sidecar.storage.keys import descriptor_prefix, fixed_window_key, hash_tag
 from sidecar.storage.memory import MemoryBackend
 
 parts_strategy = st.lists(

@@ -1,4 +1,4 @@
-"""An operator's read and reset of one descriptor's counters (`sidecar.counter_admin`), on every
+"""An operator's read and reset of one descriptor's counters (`sidecar.operator.counter_admin`), on every
 backend and algorithm: the state agrees with what ShouldRateLimit answers a check, a reset
 lifts the limit, and no descriptor value, however crafted, reaches another domain's counters."""
 
@@ -12,11 +12,11 @@ import pytest
 from support.callbacks import should_rate_limit
 from support.clock import Clock
 
-from sidecar import counter_admin
+from sidecar.decision.limiter import Limiter
+from sidecar.decision.plan import MAX_ENTRIES, MAX_VALUE_LENGTH
 from sidecar.errors import InvalidRequest, UnknownDomain
-from sidecar.limiter import Limiter
 from sidecar.model import Code, Descriptor, Entry, Request
-from sidecar.plan import MAX_ENTRIES, MAX_VALUE_LENGTH
+from sidecar.operator import counter_admin
 
 RULES = """\
 domain: shop
@@ -306,8 +306,8 @@ def test_a_descriptor_the_service_would_refuse_is_refused_with_its_reason(
     domain: str, pairs: list[tuple[str, str]], reason: str
 ) -> None:
     """The decision path's bounds hold here too, with the same reasons."""
-    from sidecar import config
-    from sidecar.rules import Rules
+    from sidecar.core import config
+    from sidecar.core.rules import Rules
 
     shop = config.parse(RULES, "rules.yaml")
     with pytest.raises(InvalidRequest, match=re.escape(reason)):
@@ -331,8 +331,8 @@ async def test_a_per_second_store_is_read_and_reset_where_the_decision_path_keep
     """With `--backend-per-second`, a descriptor whose windows are all in seconds is counted on
     the second store: its state is read there (OVER_LIMIT), and its reset deletes it there; a
     minute descriptor's stays on the main store."""
-    from sidecar import config
-    from sidecar.rules import Rules
+    from sidecar.core import config
+    from sidecar.core.rules import Rules
     from sidecar.storage.backends import open_backend
     from sidecar.storage.per_second import PerSecond
 

@@ -16,7 +16,8 @@ import pytest
 import yaml
 from support.envoys import validate
 
-from sidecar import cli, config
+from sidecar import cli
+from sidecar.core import config
 from sidecar.envoy_config import feeds, quota, sources
 from sidecar.errors import ConfigError
 

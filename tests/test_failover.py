@@ -48,11 +48,11 @@ from support.servers import (
     wait_for,
 )
 
-from sidecar import config
+from sidecar.core import config
+from sidecar.core.rules import Rules
+from sidecar.decision.limiter import Limiter, Settings
 from sidecar.errors import StorageError
-from sidecar.limiter import Limiter, Settings
 from sidecar.model import Code, Descriptor, Entry, Hit, Outcome, Request, Unit, Window
-from sidecar.rules import Rules
 from sidecar.storage import Backend
 from sidecar.storage.backends import open_backend
 

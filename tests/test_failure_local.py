@@ -1,7 +1,7 @@
 """`--failure-mode local`: while the backend fails, each sidecar limits on its own counters at
 its share of every limit (limit / N), and goes back to the shared counters when the backend
 answers again. Against a real redis-server, stopped and started on the same port, through both
-ways a caller gets a decision (awaited through `sidecar.callbacks.awaited`, and the callbacks
+ways a caller gets a decision (awaited through `sidecar.loop.callbacks.awaited`, and the callbacks
 of `decide`)."""
 
 from __future__ import annotations
@@ -17,13 +17,13 @@ from support.clock import Clock
 from support.servers import RedisServer
 from support.sidecars import running_app, write_rules
 
-from sidecar import config
 from sidecar.cli import build_parser
 from sidecar.cli.serve import worker_flags
-from sidecar.limiter import Limiter, Settings, local_share
+from sidecar.core import config
+from sidecar.core.rules import Rules
+from sidecar.decision.limiter import Limiter, Settings, local_share
 from sidecar.model import Code, Descriptor, Entry, Request
 from sidecar.rls import convert
-from sidecar.rules import Rules
 from sidecar.storage.backends import open_backend
 from sidecar.storage.peers import PEERS_INTERVAL, PEERS_KEY, CountsPeers
 

@@ -17,11 +17,11 @@ from envoy.service.ratelimit.v3.rls_pb2 import RateLimitResponse
 from support.sidecars import Clock, client, request, running_app, write_rules
 
 from sidecar.algorithms.decide import Address, State
-from sidecar.app import TRANSPORTS, App
 from sidecar.errors import StorageError
 from sidecar.frequency.service import CHECK_ADS, RECORD_IMPRESSIONS
 from sidecar.model import Dedupe, Hit
 from sidecar.proto.ratelimit_sidecar.frequency.v1 import frequency_pb2 as pb
+from sidecar.runner.app import TRANSPORTS, App
 from sidecar.storage.base import Applied
 from sidecar.storage.memory import MemoryBackend
 

@@ -14,9 +14,13 @@ import pytest
 from support.callbacks import apply, should_rate_limit
 from support.clock import Clock
 
-from sidecar import config
 from sidecar.algorithms.decide import Address, State
 from sidecar.algorithms.fixed_window import request_is_over
+from sidecar.core import config
+from sidecar.core.matching import match
+from sidecar.core.rules import Rules
+from sidecar.decision.limiter import Limiter, most_restrictive
+from sidecar.decision.plan import descriptor_hits
 from sidecar.errors import InvalidRequest, UnknownDomain
 from sidecar.frequency.caps import (
     DEDUPE_MARGIN,
@@ -26,8 +30,6 @@ from sidecar.frequency.caps import (
     Recorded,
     Verdict,
 )
-from sidecar.limiter import Limiter, most_restrictive
-from sidecar.matching import match
 from sidecar.model import (
     UNLIMITED_REMAINING,
     Code,
@@ -38,8 +40,6 @@ from sidecar.model import (
     Request,
     Role,
 )
-from sidecar.plan import descriptor_hits
-from sidecar.rules import Rules
 from sidecar.storage import Backend
 from sidecar.storage.backends import open_backend
 from sidecar.storage.base import Applied

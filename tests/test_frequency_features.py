@@ -11,13 +11,13 @@ import pytest
 from support.callbacks import should_rate_limit
 from support.clock import Clock
 
-from sidecar import config
 from sidecar.algorithms.decide import Address, State
+from sidecar.core import config
+from sidecar.core.rules import Rules
+from sidecar.decision.limiter import Limiter
 from sidecar.errors import InvalidRequest
 from sidecar.frequency.caps import Candidate, FrequencyCaps, Impression, Recorded, Verdict
-from sidecar.limiter import Limiter
 from sidecar.model import UNLIMITED_REMAINING, Code, Dedupe, Descriptor, Entry, Hit, Request
-from sidecar.rules import Rules
 from sidecar.storage import Backend
 from sidecar.storage.backends import open_backend
 from sidecar.storage.base import Applied

@@ -12,12 +12,13 @@ import pytest
 from support.callbacks import should_rate_limit
 from support.clock import Clock
 
-from sidecar import config, packing
-from sidecar.counters import grouped_hits
+from sidecar.algorithms import packing
+from sidecar.core import config
+from sidecar.core.counters import grouped_hits
+from sidecar.core.rules import Rules
+from sidecar.decision.limiter import Limiter
 from sidecar.frequency.caps import Candidate, FrequencyCaps, Impression, Verdict
-from sidecar.limiter import Limiter
 from sidecar.model import Descriptor, Entry, Limit, Request, Role, Unit, Window
-from sidecar.rules import Rules
 from sidecar.storage import Backend
 from sidecar.storage.backends import open_backend
 
@@ -118,7 +119,7 @@ def test_the_field_is_named_by_its_codes_and_the_longest_windows_keep_until() ->
 
 
 def _keep(end: int) -> bytes:
-    from sidecar.storage.keys import keep_until_id
+    from sidecar.core.keys import keep_until_id
 
     return keep_until_id(end, False).encode()
 

@@ -19,16 +19,16 @@ from support.clock import Clock
 from support.model_store import Model
 from support.servers import RedisServer
 
-from sidecar import config
 from sidecar.algorithms import windows
 from sidecar.algorithms.windows import FIELD_GRACE
-from sidecar.counters import code, field_hit, kind, zone_code
+from sidecar.core import config
+from sidecar.core.counters import code, field_hit, kind, zone_code
+from sidecar.core.keys import base36, dedupe_key, field_head, group_key, keep_until_id
+from sidecar.core.rules import Rules
 from sidecar.frequency.caps import Candidate, FrequencyCaps, Impression
 from sidecar.model import Algorithm, Dedupe, Hit, Role, Unit, Window
-from sidecar.rules import Rules
 from sidecar.storage import Backend
 from sidecar.storage.backends import open_backend
-from sidecar.storage.keys import base36, dedupe_key, field_head, group_key, keep_until_id
 from sidecar.storage.memory import MemoryBackend
 
 RULES = """

@@ -42,16 +42,16 @@ from support.h2peer import (
     request_headers,
 )
 
-from sidecar import config
-from sidecar.app import Options
-from sidecar.limiter import Limiter
+from sidecar.core import config
+from sidecar.core.rules import Rules
+from sidecar.decision.limiter import Limiter
+from sidecar.decision.plan import Plan
 from sidecar.model import Descriptor, Hit, Request
-from sidecar.plan import Plan
 from sidecar.rls.fast import FastServer
 from sidecar.rls.h2.server import _Protocol
 from sidecar.rls.server import METHOD
 from sidecar.rls.service import RateLimitService
-from sidecar.rules import Rules
+from sidecar.runner.app import Options
 from sidecar.storage.backends import open_backend
 from sidecar.storage.redis_client import Reply
 

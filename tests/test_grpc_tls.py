@@ -25,8 +25,8 @@ from support.certs import Authority
 from support.sidecars import Client, request, running_app, serve_process, write_rules
 
 from sidecar import cli
-from sidecar.app import TRANSPORTS, App, InvalidOption
 from sidecar.rls.tls import ServerTls, TlsError, TlsFiles, san_matches
+from sidecar.runner.app import TRANSPORTS, App, InvalidOption
 
 OK = RateLimitResponse.OK
 RULES = """\
@@ -323,7 +323,7 @@ async def test_files_that_cannot_be_used_stop_the_start_with_the_file_named(
 
 
 def cli_options(rules: Path, **extra: object) -> object:
-    from sidecar.app import Options
+    from sidecar.runner.app import Options
 
     return Options(config=[rules], grpc_address="127.0.0.1:0", http_address="127.0.0.1:0", **extra)  # type: ignore[arg-type]
 

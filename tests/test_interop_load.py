@@ -38,9 +38,9 @@ from support.servers import RedisServer, ServerError, start_server
 from support.sidecars import request
 
 from sidecar import cli
-from sidecar.app import SHUTDOWN_GRACE
 from sidecar.envoy_config import commands
 from sidecar.rls.server import METHOD
+from sidecar.runner.app import SHUTDOWN_GRACE
 
 ROOT = Path(__file__).resolve().parent.parent
 GATEWAY = ROOT / "envoy" / "gateway.yaml"

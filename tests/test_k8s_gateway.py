@@ -17,7 +17,7 @@ import yaml
 from support.envoys import validate
 from support.kube import K8S, build, find
 
-from sidecar import config
+from sidecar.core import config
 from sidecar.injector import annotations as names
 from sidecar.injector.container import SOCKET_PATH
 

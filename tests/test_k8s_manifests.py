@@ -18,8 +18,8 @@ import pytest
 import yaml
 from support.kube import CUSTOM_GROUPS, K8S, assert_valid, build, by_id, find, kubectl_build
 
-from sidecar import config
 from sidecar.cli import parse_args
+from sidecar.core import config
 from sidecar.injector import annotations as names
 from sidecar.injector import patch, settings
 from sidecar.injector.commands import register

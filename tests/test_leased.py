@@ -20,10 +20,11 @@ from prometheus_client import generate_latest
 from support.callbacks import apply, should_rate_limit
 from support.sidecars import client, request, write_rules
 
-from sidecar import cli, config
-from sidecar.app import App, InvalidOption, Options
-from sidecar.counters import window_hit
-from sidecar.limiter import Limiter, Settings
+from sidecar import cli
+from sidecar.core import config
+from sidecar.core.counters import window_hit
+from sidecar.core.rules import Rules
+from sidecar.decision.limiter import Limiter, Settings
 from sidecar.model import (
     Algorithm,
     Code,
@@ -36,7 +37,7 @@ from sidecar.model import (
     Unit,
     Window,
 )
-from sidecar.rules import Rules
+from sidecar.runner.app import App, InvalidOption, Options
 from sidecar.storage.backends import open_backend
 from sidecar.storage.leases import Leased, RedisLeases, store_for
 

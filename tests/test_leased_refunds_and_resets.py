@@ -13,10 +13,11 @@ import pytest
 from conftest import BACKENDS
 from support.callbacks import should_rate_limit
 
-from sidecar import config, counter_admin
-from sidecar.limiter import Limiter, Settings
+from sidecar.core import config
+from sidecar.core.rules import Rules
+from sidecar.decision.limiter import Limiter, Settings
 from sidecar.model import Code, Descriptor, Entry, Request
-from sidecar.rules import Rules
+from sidecar.operator import counter_admin
 from sidecar.storage.backends import open_backend
 from sidecar.storage.leases import Leased, store_for
 

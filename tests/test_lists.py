@@ -1,4 +1,4 @@
-"""Allow and deny lists (`sidecar.lists`): what a list file holds and how it matches, every error
+"""Allow and deny lists (`sidecar.core.lists`): what a list file holds and how it matches, every error
 naming file, path and fix, the decision on every backend (denied: OVER_LIMIT and no counter
 touched; allowed: OK and nothing counted), the stats, and lists reloading with the rules."""
 
@@ -16,17 +16,17 @@ from support.callbacks import should_rate_limit
 from support.clock import Clock
 from support.sidecars import client, request, running_app
 
-from sidecar import config, lists
+from sidecar.core import config, lists
+from sidecar.core.lists import Networks
+from sidecar.core.rules import Rules
+from sidecar.decision.limiter import Limiter, Settings
+from sidecar.decision.stats import Stats
 from sidecar.errors import ConfigError
-from sidecar.limiter import Limiter, Settings
-from sidecar.lists import Networks
-from sidecar.metrics import Latency
 from sidecar.model import Code, Descriptor, Entry, Request
-from sidecar.rules import Rules
-from sidecar.stats import Stats
-from sidecar.statsd import Deltas
 from sidecar.storage import Backend
 from sidecar.storage.backends import open_backend
+from sidecar.telemetry.metrics import Latency
+from sidecar.telemetry.statsd import Deltas
 
 FIXTURES = Path(__file__).parent / "config" / "lists"
 

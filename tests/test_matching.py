@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from sidecar import config
-from sidecar.matching import match
+from sidecar.core import config
+from sidecar.core.matching import match
 from sidecar.model import Entry
 
 RULES = config.parse(

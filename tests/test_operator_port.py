@@ -1,4 +1,4 @@
-"""The operator port (`sidecar.operator_port`) and `ratelimit-sidecar counters` on it: an
+"""The operator port (`sidecar.operator.port`) and `ratelimit-sidecar counters` on it: an
 operator finds why a client is refused and until when, and lifts it, through the real command
 line against a real sidecar on Redis; and the port's guards: its own listener, the bearer
 token, client certificates, loopback unless guarded, 400s with their reasons, the log and the
@@ -20,9 +20,9 @@ import structlog
 from support.certs import Authority
 from support.sidecars import running_app, serve_process, write_rules
 
-from sidecar.app import App, InvalidOption
-from sidecar.operator_port import OperatorError, OperatorSettings
+from sidecar.operator.port import OperatorError, OperatorSettings
 from sidecar.rls.tls import TlsFiles
+from sidecar.runner.app import App, InvalidOption
 
 RULES = """\
 domain: gateway

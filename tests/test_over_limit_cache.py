@@ -14,10 +14,11 @@ import redis
 from support.callbacks import should_rate_limit
 from support.clock import Clock
 
-from sidecar import config, counter_admin
-from sidecar.limiter import Limiter, Settings
+from sidecar.core import config
+from sidecar.core.rules import Rules
+from sidecar.decision.limiter import Limiter, Settings
 from sidecar.model import Code, Decision, Descriptor, Entry, Override, Request, Unit
-from sidecar.rules import Rules
+from sidecar.operator import counter_admin
 from sidecar.storage import Backend
 from sidecar.storage.backends import open_backend
 
@@ -136,7 +137,7 @@ def override(limit: int) -> Request:
 
 async def decide_directly(limiter: Limiter, request: Request) -> Decision:
     """The decision as the fast transport gets it: `decide` called directly, its answer
-    taken by a future of this test rather than by `sidecar.callbacks.awaited`."""
+    taken by a future of this test rather than by `sidecar.loop.callbacks.awaited`."""
     answered: asyncio.Future[Decision | Exception] = asyncio.get_running_loop().create_future()
     limiter.decide(limiter.prepare(request), lambda d: d, answered.set_result)
     answer = await answered
@@ -202,7 +203,7 @@ async def test_a_reload_forgets_the_counters_known_over(tmp_path: Path, redis_ur
     """`serve` clears the over-limit cache when it loads new rules."""
     from support.sidecars import running_app
 
-    from sidecar.app import App
+    from sidecar.runner.app import App
 
     rules = tmp_path / "c.yaml"
     rules.write_text(SHARED.format(limit=1))

@@ -29,12 +29,12 @@ from hypothesis import strategies as st
 from support.callbacks import apply
 from support.model_store import Model
 
-from sidecar import counters, packing, usage
-from sidecar.algorithms import hyperloglog
+from sidecar.algorithms import hyperloglog, packing
+from sidecar.core import counters, usage
+from sidecar.core.keys import descriptor_prefix, field_head, group_key, hash_tag
 from sidecar.model import Algorithm, Hit, Limit, Outcome, Role, Unit, Window
 from sidecar.storage import Backend
 from sidecar.storage.backends import open_backend
-from sidecar.storage.keys import descriptor_prefix, field_head, group_key, hash_tag
 from sidecar.storage.memory import MemoryBackend
 
 TIMEOUT_MS = 2_000
@@ -125,12 +125,12 @@ class Scenario:
     grouped: bool  # counters are fields of a hash per first entry (`group_counters`)
     descriptors: tuple[Descriptor, ...]
     steps: tuple[Step, ...]
-    #: Each request also counts usage (`sidecar.usage`): a count per descriptor it carries,
+    #: Each request also counts usage (`sidecar.core.usage`): a count per descriptor it carries,
     #: admitted or refused, and a unique member; only where every hit shares one slot, as a
     #: request's usage hits share its first counter's (see `usage_hits`).
     usage: bool = False
     #: Grouped counters pack a descriptor's nesting plain windows in one field
-    #: (`group_counters: packed`, `sidecar.packing`).
+    #: (`group_counters: packed`, `sidecar.algorithms.packing`).
     packed: bool = False
 
 

@@ -1,4 +1,4 @@
-"""The sidecar as a list of parts (`sidecar.parts`, `sidecar.assembly`): started in order, stopped
+"""The sidecar as a list of parts (`sidecar.runner.parts`, `sidecar.runner.assembly`): started in order, stopped
 in reverse, and every new set of rules handed to every part that reads rules."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from pathlib import Path
 
 from support.sidecars import running_app
 
-from sidecar.parts import Part
-from sidecar.rules import Rules
+from sidecar.core.rules import Rules
+from sidecar.runner.parts import Part
 
 RULES = """\
 domain: parts

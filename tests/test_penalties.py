@@ -3,7 +3,7 @@ and Redis Cluster (real servers the fixtures start) with a clock the tests set: 
 that keeps tripping its limit is blocked 10, then 20, then 40 minutes; a block refuses without
 counting and answers the time left; forget_after forgets the strikes; shadow mode reports a
 block without enforcing it; the operator's reads show it and its resets lift it, through
-`sidecar.counter_admin` and through the operator port."""
+`sidecar.operator.counter_admin` and through the operator port."""
 
 from __future__ import annotations
 
@@ -18,14 +18,14 @@ from support.callbacks import should_rate_limit
 from support.clock import Clock
 from support.sidecars import running_app, write_rules
 
-from sidecar import counter_admin
-from sidecar.counters_command import render
-from sidecar.limiter import Limiter
-from sidecar.metrics import Latency, StatsCollector
+from sidecar.decision.limiter import Limiter
+from sidecar.decision.stats import Stats
 from sidecar.model import Code, Descriptor, DescriptorStatus, Entry, Request
-from sidecar.operator_port import OperatorSettings
-from sidecar.stats import Stats
-from sidecar.statsd import Deltas
+from sidecar.operator import counter_admin
+from sidecar.operator.commands import render
+from sidecar.operator.port import OperatorSettings
+from sidecar.telemetry.metrics import Latency, StatsCollector
+from sidecar.telemetry.statsd import Deltas
 
 RULES = """\
 domain: shop

@@ -1,4 +1,4 @@
-"""A rule's `penalty` as the rules' YAML says it (`sidecar.penalty_rules`): what loads, and one
+"""A rule's `penalty` as the rules' YAML says it (`sidecar.core.penalty_rules`): what loads, and one
 fixture per error (tests/config/penalty/*.yaml), each asserted by its whole message, naming the
 file, the path and the fix."""
 
@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from sidecar import config
+from sidecar.core import config
+from sidecar.core.matching import match
+from sidecar.core.rules import describe
 from sidecar.errors import ConfigError
-from sidecar.matching import match
 from sidecar.model import Entry, Penalty
-from sidecar.rules import describe
 
 FIXTURES = Path(__file__).parent / "config" / "penalty"
 

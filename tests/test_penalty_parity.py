@@ -17,10 +17,10 @@ from collections.abc import AsyncIterator
 import pytest
 from support.callbacks import apply
 
-from sidecar import config
-from sidecar.matching import match
+from sidecar.core import config
+from sidecar.core.matching import match
+from sidecar.decision.plan import descriptor_hits
 from sidecar.model import Entry, Hit
-from sidecar.plan import descriptor_hits
 from sidecar.storage import Backend
 from sidecar.storage.backends import open_backend
 from sidecar.storage.memory import MemoryBackend

@@ -15,8 +15,8 @@ from support.servers import RedisServer
 from support.sidecars import NOW, Clock, client, request, write_rules
 
 from sidecar import cli
-from sidecar.app import App, InvalidOption, Options
 from sidecar.model import Code, Hit, Unit, Window
+from sidecar.runner.app import App, InvalidOption, Options
 from sidecar.storage.memory import MemoryBackend
 from sidecar.storage.per_second import PerSecond
 

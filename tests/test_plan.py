@@ -1,4 +1,4 @@
-"""Prepared requests (`sidecar.plan`) and the packed script call: the work done once per request
+"""Prepared requests (`sidecar.decision.plan`) and the packed script call: the work done once per request
 body must give exactly the answers of doing it on every call."""
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ from envoy.service.ratelimit.v3.rls_pb2 import (  # type: ignore[import-untyped]
 from support.callbacks import service_call
 from support.clock import Clock
 
-from sidecar import config
-from sidecar.limiter import Limiter
+from sidecar.core import config
+from sidecar.core.rules import Rules
+from sidecar.decision.limiter import Limiter
+from sidecar.decision.plan import prepare
 from sidecar.model import Algorithm, Code, Descriptor, Entry, Hit, Request, Role, Unit, Window
-from sidecar.plan import prepare
 from sidecar.rls.service import SEEN_BODIES, RateLimitService
-from sidecar.rules import Rules
 from sidecar.storage.memory import MemoryBackend
 from sidecar.storage.scripts import apply_command, counts, packed_command
 

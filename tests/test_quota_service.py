@@ -18,13 +18,13 @@ from envoy.service.rate_limit_quota.v3.rlqs_pb2 import (
 from envoy.type.v3.ratelimit_strategy_pb2 import RateLimitStrategy
 from support.sidecars import Clock, running_app, write_rules
 
-from sidecar import config
-from sidecar.app import App
+from sidecar.core import config
 from sidecar.quota import service
 from sidecar.quota.allocator import Budget, Holder
 from sidecar.quota.buckets import resolve, state_key
 from sidecar.quota.service import SERVICE_NAME
 from sidecar.quota.store import MemoryStore, QuotaStore, RedisStore, open_store
+from sidecar.runner.app import App
 from sidecar.storage.backends import open_backend
 
 METHOD = f"/{SERVICE_NAME}/StreamRateLimitQuotas"

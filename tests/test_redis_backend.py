@@ -22,7 +22,7 @@ from redis.crc import key_slot
 from support.callbacks import apply
 from support.servers import HOST, RedisCluster, RedisServer, free_port
 
-from sidecar import usage
+from sidecar.core import usage
 from sidecar.errors import StorageError
 from sidecar.model import Algorithm, Hit, Outcome, Role, Unit, Window
 from sidecar.storage import Backend

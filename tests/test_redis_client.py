@@ -13,8 +13,8 @@ import pytest
 from conftest import require_binary
 from support.servers import RedisServer, ServerError, start_server
 
-from sidecar import batching
 from sidecar.errors import Overloaded
+from sidecar.loop import batching
 from sidecar.storage.redis import RedisBackend
 from sidecar.storage.redis_client import (
     MIN_IN_FLIGHT,

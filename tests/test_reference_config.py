@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from sidecar import cli, config
-from sidecar.matching import match
+from sidecar import cli
+from sidecar.core import config
+from sidecar.core.matching import match
 from sidecar.model import Entry, Unit
 
 FIXTURES = Path(__file__).parent / "reference_config"

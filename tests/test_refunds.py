@@ -12,18 +12,18 @@ from conftest import BACKENDS
 from support.callbacks import should_rate_limit
 from support.clock import Clock
 
-from sidecar import config
 from sidecar.algorithms.token_bucket import Bucket
+from sidecar.core import config
+from sidecar.core.rules import Rules
+from sidecar.decision.limiter import Limiter, Settings
+from sidecar.decision.stats import Stats
 from sidecar.errors import NegativeHitsRefused
-from sidecar.limiter import Limiter, Settings
-from sidecar.metrics import Latency, StatsCollector
 from sidecar.model import Code, Decision, Descriptor, Entry, Override, Request, Unit
 from sidecar.rls.service import RateLimitService
 from sidecar.rls.statuses import statuses
-from sidecar.rules import Rules
-from sidecar.stats import Stats
-from sidecar.statsd import Deltas
 from sidecar.storage.backends import open_backend
+from sidecar.telemetry.metrics import Latency, StatsCollector
+from sidecar.telemetry.statsd import Deltas
 
 every_backend = pytest.mark.parametrize("backend_url", BACKENDS, indirect=True)
 #: The backends the over-limit cache is used with (never memory's).

@@ -13,8 +13,8 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 from support.sidecars import client, request, running_app, serve_process
 
-from sidecar.app import App
 from sidecar.model import Code
+from sidecar.runner.app import App
 
 RULES = """\
 domain: reload
@@ -120,7 +120,7 @@ async def test_the_sidecar_collects_and_freezes_after_start_and_each_reload(
     tmp_path: Path,
 ) -> None:
     """Once started, and again after each reload, the sidecar collects and freezes what it
-    keeps (`sidecar.garbage.settle`): /metrics counts a full collection each time."""
+    keeps (`sidecar.telemetry.garbage.settle`): /metrics counts a full collection each time."""
     path = tmp_path / "rules.yaml"
     path.write_text(rules(1))
     args = ["--config", str(path), "--grpc-address", "127.0.0.1:0"]

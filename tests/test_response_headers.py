@@ -21,8 +21,9 @@ from envoy.service.ratelimit.v3.rls_pb2 import (  # type: ignore[import-untyped]
 from google.protobuf import json_format  # type: ignore[import-untyped]
 from support.clock import Clock
 
-from sidecar import config
-from sidecar.limiter import Limiter
+from sidecar.core import config
+from sidecar.core.rules import Rules
+from sidecar.decision.limiter import Limiter
 from sidecar.model import (
     UNLIMITED_REMAINING,
     Code,
@@ -43,7 +44,6 @@ from sidecar.rls.extras import (
     rate_limit_headers,
 )
 from sidecar.rls.service import service
-from sidecar.rules import Rules
 from sidecar.storage.memory import MemoryBackend
 
 RULES = """\

@@ -19,9 +19,10 @@ from support.callbacks import should_rate_limit
 from support.clock import Clock
 from test_parity import BORROWING, BUCKETS, CALENDAR, PLAIN, SLIDING, STARTS
 
-from sidecar import counters
 from sidecar.algorithms.decide import Address, State, decide
-from sidecar.limiter import Limiter
+from sidecar.core import counters
+from sidecar.core.keys import descriptor_prefix
+from sidecar.decision.limiter import Limiter
 from sidecar.model import (
     Algorithm,
     Code,
@@ -34,7 +35,6 @@ from sidecar.model import (
     Unit,
     Window,
 )
-from sidecar.storage.keys import descriptor_prefix
 
 
 def _never_admitted(window: Window, cost: int) -> bool:

@@ -9,13 +9,13 @@ from typing import Any
 
 import pytest
 
-from sidecar import cli, settings
-from sidecar.cli import serve
+from sidecar import cli
+from sidecar.cli import serve, settings
 from sidecar.cli.serve_flags import SERVE_FLAGS
-from sidecar.options import Options
 from sidecar.rls.tls import TlsFiles
-from sidecar.statsd import StatsdSettings
-from sidecar.tracing import TracingSettings
+from sidecar.runner.options import Options
+from sidecar.telemetry.statsd import StatsdSettings
+from sidecar.telemetry.tracing import TracingSettings
 from sidecar.xds.client import XdsOptions
 
 CASES: list[tuple[str, list[str], dict[str, str], dict[str, Any]]] = [

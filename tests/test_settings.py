@@ -13,7 +13,8 @@ import redis
 from support.reference_process import reference_process
 from support.sidecars import client, request, serve_process, write_rules
 
-from sidecar import cli, settings
+from sidecar import cli
+from sidecar.cli import settings
 from sidecar.injector.urls import validate_url
 from sidecar.model import Code
 from sidecar.storage.backends import open_backend

@@ -14,9 +14,9 @@ import pytest
 from support.sidecars import client, request, running_app, serve_process, write_rules
 
 from sidecar import cli
-from sidecar.metrics import Latency
-from sidecar.stats import Stats
-from sidecar.statsd import (
+from sidecar.decision.stats import Stats
+from sidecar.telemetry.metrics import Latency
+from sidecar.telemetry.statsd import (
     Deltas,
     Encoder,
     Mogrifier,
@@ -224,7 +224,7 @@ def test_lines_are_packed_into_datagrams_of_at_most_the_limit() -> None:
 def test_names_and_tags_cannot_break_the_line_format() -> None:
     """A descriptor value with ':', '|' or a newline in its metric key, and a tag value with
     '.', ':' or '|', are sent with '_' in their place."""
-    from sidecar.statsd import Stat
+    from sidecar.telemetry.statsd import Stat
 
     plain = Encoder(StatsdSettings(tags=(("k", "a.b|c:d"),)))
     assert plain.encode(Stat("r.d.k_a:b|c\nd.total_hits", 2, "c")) == (

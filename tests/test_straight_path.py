@@ -24,13 +24,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from support.clock import Clock
 
-from sidecar import config
-from sidecar.limiter import Limiter, Settings
+from sidecar.core import config
+from sidecar.core.rules import Rules
+from sidecar.decision.limiter import Limiter, Settings
+from sidecar.decision.plan import Plan
+from sidecar.decision.stats import Stats
 from sidecar.model import Descriptor, Entry, Request
-from sidecar.plan import Plan
 from sidecar.rls import convert
-from sidecar.rules import Rules
-from sidecar.stats import Stats
 from sidecar.storage import Backend
 from sidecar.storage.backends import open_backend
 

@@ -17,7 +17,7 @@ from sidecar import cli
 from sidecar.rls.fast import FastServer
 from sidecar.rls.h2.unary import CallbackMethod
 from sidecar.rls.server import METHOD
-from sidecar.tracing import BACKEND_SPAN, SERVER_SPAN, Tracing, TracingSettings
+from sidecar.telemetry.tracing import BACKEND_SPAN, SERVER_SPAN, Tracing, TracingSettings
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT_ID = "00f067aa0ba902b7"
@@ -233,7 +233,7 @@ def test_an_exporter_missing_its_messages_names_the_overlap_and_the_fix(
 ) -> None:
     """Should xds-protos' copy win anyway (a hand-made environment), tracing refuses to start with
     what happened and the pip command that puts opentelemetry-proto's modules back."""
-    from sidecar import tracing
+    from sidecar.telemetry import tracing
 
     def broken(settings: TracingSettings) -> None:
         raise ImportError(

@@ -15,8 +15,8 @@ from support.envoys import Envoy, Sidecar, free_port, get, start_together
 from support.otlp import Received, threaded_grpc_receiver
 from test_gateway_e2e import bootstrap, unique
 
-from sidecar.app import TRANSPORTS
-from sidecar.tracing import SERVER_SPAN
+from sidecar.runner.app import TRANSPORTS
+from sidecar.telemetry.tracing import SERVER_SPAN
 
 RULES = """\
 domain: gateway

@@ -14,9 +14,10 @@ import pytest
 from support.otlp import grpc_receiver
 from support.sidecars import client, request, serve_process, write_rules
 
-from sidecar import cli, settings, tracing
-from sidecar.cli import image
-from sidecar.tracing import SERVER_SPAN, TracingSettings
+from sidecar import cli
+from sidecar.cli import image, settings
+from sidecar.telemetry import tracing
+from sidecar.telemetry.tracing import SERVER_SPAN, TracingSettings
 
 BASE = ["serve", "--config", "r", "--reference-env"]
 

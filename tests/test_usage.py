@@ -1,4 +1,4 @@
-"""Usage counting (`sidecar.usage`): what the rules declare, what a day of traffic counts on
+"""Usage counting (`sidecar.core.usage`): what the rules declare, what a day of traffic counts on
 every backend, in the decision's own script call, and how it reads back."""
 
 from __future__ import annotations
@@ -13,14 +13,16 @@ from support.callbacks import should_rate_limit
 from support.clock import Clock
 from support.servers import RedisCluster, RedisServer
 
-from sidecar import config, metrics, usage, usage_api
 from sidecar.algorithms import hyperloglog
-from sidecar.limiter import Limiter
+from sidecar.core import config, usage
+from sidecar.core.rules import Rules
+from sidecar.decision.limiter import Limiter
 from sidecar.model import Code, Descriptor, Entry, Hit, Request, Unit, Window
-from sidecar.rules import Rules
+from sidecar.reports import usage as usage_api
 from sidecar.storage import scripts
 from sidecar.storage.backends import open_backend
 from sidecar.storage.memory import MemoryBackend
+from sidecar.telemetry import metrics
 
 RULES = """\
 domain: open

@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 from support.certs import write_certificate
 from support.kube import assert_valid
 
-from sidecar import http_bodies
+from sidecar.http import bodies as http_bodies
 from sidecar.injector.commands import detect_native
 from sidecar.injector.settings import Settings
 from sidecar.injector.webhook import (

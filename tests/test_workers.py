@@ -217,7 +217,7 @@ async def _call(target: str) -> RateLimitResponse:
 
 _SUPERVISOR = """
 import sys
-from sidecar import workers
+from sidecar.runner import workers
 sys.exit(workers._supervise([sys.executable, "-c", sys.argv[1]], 2, ()))
 """
 

@@ -20,9 +20,9 @@ from support.control_plane import ControlPlane, pack
 from support.reference_process import reference_process
 from support.sidecars import Client, client, request
 
-from sidecar.app import App, Options
 from sidecar.model import Code
 from sidecar.proto.ratelimit.config.ratelimit.v3 import rls_conf_pb2 as rls_conf
+from sidecar.runner.app import App, Options
 from sidecar.storage.memory import MemoryBackend
 from sidecar.xds.client import XdsOptions, backoff_delay
 

@@ -11,7 +11,7 @@ Three phases:
    descriptor is over, or when it has quota descriptors and all of them are (shadow ones never).
    A refund (`hits < 0`, `refunds`) is never over: its counter's state after it is worked out.
 3. Hits are applied (usage hits, roles USAGE and UNIQUE, are not judged: they count the request
-   as admitted or refused, see `sidecar.usage`): a plain fixed window counts every hit, admitted or not (the reference's
+   as admitted or refused, see `sidecar.core.usage`): a plain fixed window counts every hit, admitted or not (the reference's
    behaviour); a token bucket, a borrowing window or a sliding window counts a hit only when its
    descriptor was admitted (so does a window anchored on events, `sidecar.algorithms.anchored`).
    With all-or-nothing, a request that is OVER_LIMIT applies nothing.
@@ -30,7 +30,7 @@ Three phases:
 
 A counter is addressed by its key, or by (hash key, field) when its tree groups its counters
 in one hash (`group_counters`, see `storage.keys`). With `group_counters: packed` one field
-holds several plain windows of a descriptor (`Hit.packed`, `sidecar.packing`): each is judged on
+holds several plain windows of a descriptor (`Hit.packed`, `sidecar.algorithms.packing`): each is judged on
 its own count, and applying it writes what it adds to the field's integer.
 """
 
@@ -40,11 +40,11 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from sidecar import packing
 from sidecar.algorithms import (
     anchored,
     concurrency,
     fixed_window,
+    packing,
     penalty,
     refunds,
     sliding_window,
@@ -103,7 +103,7 @@ class Write:
     state: Bucket | Span | InFlight | Block | None = None
     ttl_ms: int = 0
     field: bytes = b""
-    #: A unique count's member, added to the HyperLogLog at `key` (see `sidecar.usage`).
+    #: A unique count's member, added to the HyperLogLog at `key` (see `sidecar.core.usage`).
     member: bytes = b""
 
     @property
@@ -122,7 +122,7 @@ class _Judged:
     #: A refund's change to a window's counter (0 or less).
     given_back: int = 0
     #: What applying the hit adds to its stored value, when that is not its cost: a packed
-    #: field's (`sidecar.packing`).
+    #: field's (`sidecar.algorithms.packing`).
     amount: int | None = None
     #: A concurrency window's state when its start is not counted (see `concurrency`).
     refused: InFlight | None = None
@@ -174,7 +174,7 @@ def decide(
             _penalty_answer(hit, penalised.get(position), now_ms, outcomes, writes)
             continue
         if j is _UNJUDGED:
-            # Usage (`sidecar.usage`): counted as the request's answer says, never by a check
+            # Usage (`sidecar.core.usage`): counted as the request's answer says, never by a check
             # or a recording (the limiter sends none with them).
             # Its "reset" is when it expires, as for any window (Redis's reply is read so).
             counted = not read_only and not force
@@ -504,7 +504,7 @@ def _judge_packed(
     seen: dict[Address, State | None],
     now_ms: int,
 ) -> _Judged:
-    """A plain window sharing a packed field (`sidecar.packing`): judged on its own count, its
+    """A plain window sharing a packed field (`sidecar.algorithms.packing`): judged on its own count, its
     hits added to the field's value (a check changes nothing)."""
     value = _count(stored)
     current = packing.count(slot, value)

@@ -5,7 +5,7 @@ over `app`, `config`, `rls.client`.
 Every flag can also come from the environment as `RLS_<FLAG>` (upper case, dashes as
 underscores; `flags.py`); a flag on the command line wins over its variable. `ratelimit`, the
 reference's entry point (`reference_main`), is `serve` reading the reference's variables too
-(`sidecar.settings`), beneath both, with the reference's defaults; `serve` reads those only when
+(`sidecar.cli.settings`), beneath both, with the reference's defaults; `serve` reads those only when
 asked (--reference-env), so one exported for something else changes nothing.
 `ratelimit_config_check` (`config_check.py`), the reference's offline checker, is `check`
 under its flags.
@@ -21,11 +21,11 @@ from collections.abc import Mapping, Sequence
 from sidecar import __version__
 from sidecar.cli import check, query, serve
 from sidecar.cli.flags import PROG, Flags, unknown
-from sidecar.counters_command import register as register_counters
 from sidecar.envoy_config.commands import register as register_envoy_config
 from sidecar.injector.commands import register as register_injector
-from sidecar.operator_port import TOKEN_VARIABLE
-from sidecar.usage_command import register as register_usage
+from sidecar.operator.commands import register as register_counters
+from sidecar.operator.port import TOKEN_VARIABLE
+from sidecar.reports.commands import register as register_usage
 
 # grpc's C core writes its own lines to stderr; keep them to errors so the log stays one format.
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")

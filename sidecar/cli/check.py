@@ -6,8 +6,8 @@ import argparse
 import sys
 from typing import Any
 
-from sidecar import config
 from sidecar.cli.flags import PROG
+from sidecar.core import config
 from sidecar.errors import ConfigError
 
 DESCRIPTION = """\

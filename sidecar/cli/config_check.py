@@ -19,8 +19,7 @@ import os
 import sys
 from collections.abc import Mapping, Sequence
 
-from sidecar import settings
-from sidecar.cli import check
+from sidecar.cli import check, settings
 
 PROG = "ratelimit_config_check"
 

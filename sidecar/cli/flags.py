@@ -193,7 +193,7 @@ def boolean(raw: str) -> bool:
 
 
 def grpc_address(text: str) -> str:
-    from sidecar.app import InvalidOption, check_grpc_address
+    from sidecar.runner.app import InvalidOption, check_grpc_address
 
     try:
         check_grpc_address(text)
@@ -213,7 +213,7 @@ def socket_mode(text: str) -> int:
 
 
 def address(text: str) -> str:
-    from sidecar.app import InvalidOption, split_address
+    from sidecar.runner.app import InvalidOption, split_address
 
     try:
         split_address(text)

@@ -29,7 +29,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Mapping, Sequence
 
-from sidecar import settings
+from sidecar.cli import settings
 from sidecar.cli.flags import PROG
 
 #: Where the image carries the repository's envoy/rules (the Dockerfile's COPY); the variable

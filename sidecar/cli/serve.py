@@ -1,5 +1,5 @@
 """`serve`: the rate limit service, from its flags, their RLS_* variables and the reference's
-variables (`sidecar.settings`), beneath both; `--workers N` runs N of it.
+variables (`sidecar.cli.settings`), beneath both; `--workers N` runs N of it.
 
 Its flags are declared once each, in `sidecar.cli.serve_flags`: `register`, `serve_options`
 and `worker_flags` read that table.
@@ -18,18 +18,19 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from sidecar import logs, settings, statsd
+from sidecar.cli import settings
 from sidecar.cli.flags import ENV_PREFIX, PROG, Flags, boolean, fail
 from sidecar.cli.serve_flags import SERVE_FLAGS
 from sidecar.errors import ConfigError
-from sidecar.operator_port import TOKEN_VARIABLE, OperatorSettings
+from sidecar.operator.port import TOKEN_VARIABLE, OperatorSettings
 from sidecar.rls.tls import TlsFiles
-from sidecar.statsd import StatsdError, StatsdSettings
-from sidecar.tracing import TracingSettings
+from sidecar.telemetry import logs, statsd
+from sidecar.telemetry.statsd import StatsdError, StatsdSettings
+from sidecar.telemetry.tracing import TracingSettings
 from sidecar.xds import flags as xds_flags
 
 if TYPE_CHECKING:
-    from sidecar.options import Options
+    from sidecar.runner.options import Options
 
 DESCRIPTION = """\
 Serve ShouldRateLimit over gRPC and, over HTTP: POST /json (the same call in proto3 JSON;
@@ -154,7 +155,7 @@ def _asks_for_reference(args: argparse.Namespace, environ: Mapping[str, str]) ->
 
 def statsd_settings(args: argparse.Namespace, environ: Mapping[str, str]) -> StatsdSettings | None:
     """Where and how `serve` sends stats to statsd, from its flags (which the reference's
-    USE_STATSD, USE_DOG_STATSD, STATSD_* and EXTRA_TAGS set, see `sidecar.settings`); None
+    USE_STATSD, USE_DOG_STATSD, STATSD_* and EXTRA_TAGS set, see `sidecar.cli.settings`); None
     when it does not. The mogrifiers --dogstatsd-mogrifiers names are defined in `environ`."""
     address = args.statsd_address
     if address is None:
@@ -258,7 +259,7 @@ def tls_files(args: argparse.Namespace) -> TlsFiles | None:
 def serve_options(args: argparse.Namespace) -> Options:
     """The `Options` of a resolved `serve` command line (`resolve`): each field from the flag
     declared to fill it (`SERVE_FLAGS`), or from the several that make it (`BUILT`)."""
-    from sidecar.options import Options
+    from sidecar.runner.options import Options
 
     values = {
         flag.field: flag.to_option(getattr(args, flag.dest))
@@ -282,7 +283,7 @@ BUILT: dict[str, Callable[[argparse.Namespace], Any]] = {
 
 def run(args: argparse.Namespace) -> int:
     """Serve until SIGTERM or SIGINT; the exit status."""
-    from sidecar.app import App, InvalidOption
+    from sidecar.runner.app import App, InvalidOption
 
     logs.configure(args.log_level, args.log_format)
     _log_reference_settings(args)
@@ -347,7 +348,7 @@ def event_loop_factory(name: str) -> Callable[[], asyncio.AbstractEventLoop] | N
     installed), None for the standard library's. uvloop runs the loop itself (polling, timers,
     socket reads and writes) in C: when calls come one at a time, that is about a fifth of the
     CPU per call."""
-    from sidecar.app import InvalidOption
+    from sidecar.runner.app import InvalidOption
 
     if name == "asyncio":
         return None
@@ -362,8 +363,8 @@ def event_loop_factory(name: str) -> Callable[[], asyncio.AbstractEventLoop] | N
 
 def _serve_workers(args: argparse.Namespace) -> int:
     """`serve --workers N`: start N `serve` processes with the same flags and supervise them."""
-    from sidecar import workers
     from sidecar.rls.h2.server import unix_path
+    from sidecar.runner import workers
 
     problem = None
     if args.backend.startswith("memory:"):

@@ -2,10 +2,10 @@
 the `RLS_` variable (from its name), the `Options` field it fills and whether `serve --workers N`
 passes it on. `register` (the parser and `--help`), `serve_options` (`Options`) and
 `worker_flags` (a worker's command line) in `sidecar.cli.serve` read this table, and the
-reference's variables (`sidecar.settings.FLAGS`) set these flags by their names.
+reference's variables (`sidecar.cli.settings.FLAGS`) set these flags by their names.
 
 To add a flag: add one `Flag(...)` here, in the place its --help line should take, naming the
-`Options` field it fills (and add that field, typed, to `sidecar.options.Options`, where the
+`Options` field it fills (and add that field, typed, to `sidecar.runner.options.Options`, where the
 app reads it); `RLS_<NAME>`, --help and the workers' command line follow from it.
 
 One module past the usual size because it is one table, a row per flag with its help text.
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from sidecar import logs
 from sidecar.cli.flags import (
     Flag,
     address,
@@ -28,6 +27,7 @@ from sidecar.cli.flags import (
     share,
     socket_mode,
 )
+from sidecar.telemetry import logs
 from sidecar.xds import flags as xds_flags
 
 TRANSPORT_CHOICES = ("fast", "grpcio")

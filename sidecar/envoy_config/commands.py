@@ -14,9 +14,9 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from sidecar import config
+from sidecar.core import config
+from sidecar.core.rules import Domain
 from sidecar.errors import ConfigError
-from sidecar.rules import Domain
 
 if TYPE_CHECKING:
     # Imported when a command runs: envoy-data-plane is slow to import for the other commands.

@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+from sidecar.core.rules import Domain, Level
 from sidecar.envoy_config.sources import Count, Source, Sources
 from sidecar.errors import ConfigError
-from sidecar.rules import Domain, Level
 
 
 @dataclass(frozen=True)

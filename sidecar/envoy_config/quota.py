@@ -28,10 +28,10 @@ import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from sidecar.core.rules import compile_wildcard
 from sidecar.envoy_config.feeds import Descriptor, Feed, Route, RouteFeed
 from sidecar.envoy_config.sources import Attribute, Count, Source
 from sidecar.errors import ConfigError
-from sidecar.rules import compile_wildcard
 
 # See messages.py: envoy-data-plane's import-time DeprecationWarning is not ours to show.
 with warnings.catch_warnings():
@@ -208,7 +208,7 @@ def _header_of(source: Source) -> str:
 
 
 def _re2(pattern: str) -> str:
-    """A rules wildcard as an RE2 regex, as `sidecar.rules.compile_wildcard` reads it: each `*`
+    """A rules wildcard as an RE2 regex, as `sidecar.core.rules.compile_wildcard` reads it: each `*`
     any characters, the rest literal."""
     return ".*".join(_escape(part) for part in pattern.split("*"))
 

@@ -51,7 +51,11 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from sidecar.algorithms.decide import State
-from sidecar.counters import grouped_hits, window_hit
+from sidecar.core.counters import grouped_hits, window_hit
+from sidecar.core.keys import dedupe_key, descriptor_prefix, escape, field_head
+from sidecar.core.matching import counter_value, lookup, match
+from sidecar.core.rules import Domain, Node, Rules
+from sidecar.decision.plan import descriptor_hits
 from sidecar.errors import InvalidRequest, UnknownDomain
 from sidecar.frequency.checks import Cap, Check, Sum, Template, verdict, verdict_of
 from sidecar.frequency.identities import (
@@ -64,12 +68,8 @@ from sidecar.frequency.identities import (
     check_value,
     layout,
 )
-from sidecar.matching import counter_value, lookup, match
 from sidecar.model import UNLIMITED_REMAINING, Dedupe, Entry, Hit, Limit
-from sidecar.plan import descriptor_hits
-from sidecar.rules import Domain, Node, Rules
 from sidecar.storage import Backend
-from sidecar.storage.keys import dedupe_key, descriptor_prefix, escape, field_head
 
 EVENT_KEY = "event"
 #: The event a record or a check is about unless it names another: counted by the caps on

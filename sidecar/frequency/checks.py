@@ -16,14 +16,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from sidecar import packing
-from sidecar.algorithms import fixed_window
+from sidecar.algorithms import fixed_window, packing
 from sidecar.algorithms.decide import Address, State, address, decide
 from sidecar.algorithms.fixed_window import request_is_over
-from sidecar.counters import field_hit, packed_field, plain_suffix, window_hit
-from sidecar.limiter import most_restrictive
+from sidecar.core.counters import field_hit, packed_field, plain_suffix, window_hit
+from sidecar.core.keys import descriptor_prefix
+from sidecar.decision.limiter import most_restrictive
 from sidecar.model import UNLIMITED_REMAINING, Hit, Limit, Outcome, Role, Slot, Window
-from sidecar.storage.keys import descriptor_prefix
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,9 +34,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from sidecar.core.rules import Domain, Level, Node
+from sidecar.decision.plan import MAX_VALUE_LENGTH
 from sidecar.errors import InvalidRequest
-from sidecar.plan import MAX_VALUE_LENGTH
-from sidecar.rules import Domain, Level, Node
 
 AD_KEY = "ad"
 CAMPAIGN_KEY = "campaign"

@@ -23,7 +23,6 @@ from typing import Any
 
 import structlog
 
-from sidecar import logs
 from sidecar.errors import InjectionError
 from sidecar.injector.apiserver import (
     SERVICE_ACCOUNT,
@@ -43,6 +42,7 @@ from sidecar.injector.settings import (
     Settings,
 )
 from sidecar.injector.webhook import Certificates, WebhookServer
+from sidecar.telemetry import logs
 
 PROG = "ratelimit-sidecar"
 DEFAULT_WEBHOOK_ADDRESS = "0.0.0.0:8443"

@@ -23,8 +23,8 @@ import structlog
 from aiohttp import web
 
 from sidecar.errors import InjectionError
-from sidecar.http_bodies import BodyRefused, read_body
-from sidecar.http_listener import Listener
+from sidecar.http.bodies import BodyRefused, read_body
+from sidecar.http.listener import Listener
 from sidecar.injector.patch import KINDS, WORKLOAD_KINDS, Sidecar, operations, plan
 from sidecar.injector.settings import Settings
 

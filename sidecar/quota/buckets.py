@@ -3,7 +3,7 @@
 Envoy's filter builds a bucket id (`bucket_id_builder`) as a `map<string, string>`, which has no
 order; a descriptor walks the domain's tree in order. The entries are put in the order that
 walks the tree using all of them (at each level, an entry the level has a descriptor for: its
-exact value, a wildcard, or its key alone, as `sidecar.matching.lookup` decides), trying the
+exact value, a wildcard, or its key alone, as `sidecar.core.matching.lookup` decides), trying the
 entries by key name where several could go first. That order is then matched exactly as a
 ShouldRateLimit descriptor would be, so `share_threshold`, wildcards and `shadow_mode` mean the
 same here. The rule's limit is the bucket's global budget, whatever algorithm it names: the
@@ -17,11 +17,11 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from sidecar.matching import lookup, match
+from sidecar.core.keys import escape
+from sidecar.core.matching import lookup, match
+from sidecar.core.rules import Level, Rules
 from sidecar.model import Entry, Limit
 from sidecar.quota.allocator import Budget
-from sidecar.rules import Level, Rules
-from sidecar.storage.keys import escape
 
 #: Entries a bucket id may have (Envoy's are usually one to three).
 MAX_ENTRIES = 8
@@ -68,7 +68,7 @@ def budget_of(limit: Limit, shadow_mode: bool = False) -> Budget:
 def state_key(domain: str, parts: Sequence[tuple[str, str]]) -> bytes:
     """The head of a bucket's keys in a shared store: ``rq{<domain>|<key>|<value>|...}``, the
     whole bucket in the hash tag (its keys share a slot) and every part escaped as counter keys
-    are (`sidecar.storage.keys`), so no two buckets share it."""
+    are (`sidecar.core.keys`), so no two buckets share it."""
     inner = "|".join([escape(domain), *(f"{escape(k)}|{escape(v)}" for k, v in parts)])
     return f"rq{{{inner}}}".encode()
 

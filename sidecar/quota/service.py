@@ -47,6 +47,7 @@ from envoy.service.rate_limit_quota.v3.rlqs_pb2 import (  # type: ignore[import-
 from prometheus_client import Metric
 from prometheus_client.registry import Collector
 
+from sidecar.core.rules import Rules
 from sidecar.errors import InvalidRequest, OverBound, Overloaded, StorageError
 from sidecar.quota import convert
 from sidecar.quota.allocator import (
@@ -62,7 +63,6 @@ from sidecar.quota.allocator import (
 from sidecar.quota.buckets import Bucket, resolve
 from sidecar.quota.store import QuotaStore
 from sidecar.rls.statuses import statuses
-from sidecar.rules import Rules
 
 SERVICE_NAME = "envoy.service.rate_limit_quota.v3.RateLimitQuotaService"
 #: An assignment's `assignment_time_to_live` unless `--rlqs-assignment-ttl` says otherwise:

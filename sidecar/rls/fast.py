@@ -7,7 +7,7 @@ first exception of each type logged with its traceback), and health reports "" a
 "ratelimit", NOT_SERVING for good once stopping starts. Only unary
 calls exist here: Health/Watch and reflection are grpcio's. TLS is the event loop's, with the
 context and the client SAN check of `sidecar.rls.tls`; tracing wraps ShouldRateLimit's method
-only when it is on (`sidecar.tracing`).
+only when it is on (`sidecar.telemetry.tracing`).
 """
 
 from __future__ import annotations
@@ -19,14 +19,14 @@ from google.protobuf.message import DecodeError  # type: ignore[import-untyped]
 from grpc_health.v1 import health_pb2  # type: ignore[import-untyped]
 
 from sidecar.frequency import service as frequency
-from sidecar.metrics import Latency
 from sidecar.rls.h2.server import H2Server
 from sidecar.rls.h2.unary import CallbackMethod, CallError, Method, Status
 from sidecar.rls.server import HEALTH_SERVICE_NAME, METHOD
 from sidecar.rls.service import RateLimitService
 from sidecar.rls.statuses import Answers, is_bug
 from sidecar.rls.tls import ServerTls
-from sidecar.tracing import TRACE_FIELDS, Tracing
+from sidecar.telemetry.metrics import Latency
+from sidecar.telemetry.tracing import TRACE_FIELDS, Tracing
 
 HEALTH_CHECK = "/grpc.health.v1.Health/Check"
 

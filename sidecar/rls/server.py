@@ -18,13 +18,13 @@ import grpc  # type: ignore[import-untyped]
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # type: ignore[import-untyped]
 from grpc_health.v1.health import aio as health_aio  # type: ignore[import-untyped]
 
-from sidecar.callbacks import awaited
 from sidecar.frequency import service as frequency
-from sidecar.metrics import Latency
+from sidecar.loop.callbacks import awaited
 from sidecar.rls.service import RateLimitService
 from sidecar.rls.statuses import Answers, is_bug
 from sidecar.rls.tls import ServerTls
-from sidecar.tracing import Tracing
+from sidecar.telemetry.metrics import Latency
+from sidecar.telemetry.tracing import Tracing
 
 SERVICE_NAME = "envoy.service.ratelimit.v3.RateLimitService"
 METHOD = f"/{SERVICE_NAME}/ShouldRateLimit"

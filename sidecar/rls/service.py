@@ -15,17 +15,17 @@ from typing import Final
 from google.protobuf import json_format  # type: ignore[import-untyped]
 from google.protobuf.message import DecodeError  # type: ignore[import-untyped]
 
-from sidecar.callbacks import awaited
+from sidecar.decision.limiter import Limiter
+from sidecar.decision.plan import Plan
+from sidecar.decision.stats import Stats
 from sidecar.errors import InvalidRequest
-from sidecar.limiter import Limiter
+from sidecar.loop.callbacks import awaited
 from sidecar.model import Code, Decision, Request
-from sidecar.plan import Plan
 from sidecar.rls import convert
 from sidecar.rls.extras import Extras
 from sidecar.rls.messages import RateLimitRequest, RateLimitResponse
-from sidecar.stats import Stats
 
-#: Prepared requests (`sidecar.plan`) are kept by their bytes: behind one route, Envoy sends
+#: Prepared requests (`sidecar.decision.plan`) are kept by their bytes: behind one route, Envoy sends
 #: the same bodies again and again (one per client, or the route's alone), and reading and
 #: matching one cost more than deciding it. But most of a gateway's bodies name a client
 #: address or a user and are seen once: keeping each of those would fill the cache with plans
@@ -61,7 +61,7 @@ class RateLimitService:
 
     def should_rate_limit(self, body: bytes, done: Callable[[bytes | Exception], None]) -> None:
         """Decide one serialized `RateLimitRequest`, through a callback (the one form, see
-        `sidecar.callbacks`): `done` gets the serialized `RateLimitResponse`, or the exception
+        `sidecar.loop.callbacks`): `done` gets the serialized `RateLimitResponse`, or the exception
         the call ended with once the store has answered (Overloaded, or a bug). What goes wrong
         before that (InvalidRequest for a request that breaks the protocol) is raised here."""
         self.limiter.decide(self._plan(body), self._encode, done)

@@ -1,7 +1,7 @@
 """Where an error becomes a status: the one table from the sidecar's errors to the gRPC status
 and the HTTP status a call is answered with, for both gRPC transports (`sidecar.rls.fast`,
 `sidecar.rls.server`), the quota service's streams (`sidecar.quota.service`) and the HTTP
-endpoints (`sidecar.admin`).
+endpoints (`sidecar.http.admin`).
 
     error            gRPC                HTTP
     InvalidRequest   INVALID_ARGUMENT    400   the caller must fix its request

@@ -134,7 +134,7 @@ class ServerTls:
             raise TlsError("a client SAN to pin needs a client CA (mTLS) to verify clients with")
         self.files = files
         #: The protocols offered by ALPN: `h2` on the gRPC port, `http/1.1` on the operator
-        #: port (`sidecar.operator_port`), whose server speaks only that.
+        #: port (`sidecar.operator.port`), whose server speaks only that.
         self._alpn = list(alpn)
         self._marks = _marks_or_error(files)
         self.current = self._context()

@@ -8,10 +8,12 @@
   `algorithms/lua/`), through `redis_client.py` (a pipelined RESP client) or
   `cluster_client.py` (the same per master, routed by slot). `failures.py`: what a failed call
   becomes.
-- `per_second.py`: per-second counters on a store of their own; `keys.py`: hash-tagged counter
-  keys; `peers.py`: how many sidecars share the counters.
+- `per_second.py`: per-second counters on a store of their own; `peers.py`: how many sidecars
+  share the counters. Counter keys are named in the rules core (`sidecar.core.keys`), a layer
+  below.
 
-The package imports only the protocol, so the core's `storage.keys` imports no Redis client.
+The package imports only the protocol, so the decision path, which needs it, imports no Redis
+client.
 """
 
 from sidecar.storage.base import Applied, Backend

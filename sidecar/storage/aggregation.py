@@ -30,7 +30,7 @@ and its dict slot), plus its counter's last Hit (about 200) once no request plan
 ``limit + (S - 1) × r × 2 × (interval + deadline)`` for `S` sidecars each receiving `r` hits per
 second of one counter.
 
-Usage counts (`sidecar.usage`) stay in the store and count a request as its answer says: when
+Usage counts (`sidecar.core.usage`) stay in the store and count a request as its answer says: when
 some of a request's limits were judged here, its usage hits go to the store once every limit is
 answered (`_with_usage`), so a domain with `usage` still costs the store a call per request.
 
@@ -56,12 +56,12 @@ from prometheus_client.registry import Collector
 from sidecar.algorithms.approximate import LocalCount, count_after
 from sidecar.algorithms.decide import Address, State
 from sidecar.algorithms.fixed_window import groups_over
-from sidecar.callbacks import awaited
+from sidecar.core.usage import as_refused
 from sidecar.errors import StorageError
+from sidecar.loop.callbacks import awaited
 from sidecar.model import Dedupe, Hit, Outcome, Role, new
 from sidecar.storage.base import Applied, Backend, ReportsFaults
 from sidecar.storage.peers import CountsPeers
-from sidecar.usage import as_refused
 
 log = structlog.get_logger("sidecar.storage.aggregation")
 
@@ -177,7 +177,7 @@ class Aggregated:
         done: Applied,
         learning: bool,
     ) -> None:
-        """A request with usage hits (`sidecar.usage`) and hits judged here: its usage counts
+        """A request with usage hits (`sidecar.core.usage`) and hits judged here: its usage counts
         as admitted or refused by the request's answer, which the store cannot give alone, so
         the usage hits go to the store once every limit hit is answered (after the store's
         answer, when some were the store's)."""
@@ -261,7 +261,7 @@ class Aggregated:
             elif len(counts) < self.max_counts:
                 counts[where] = _Tracked(hit, came_to, asked_ms)
 
-    # --- usage (`sidecar.usage`): counted and read in the store ----------------------------
+    # --- usage (`sidecar.core.usage`): counted and read in the store ----------------------------
 
     async def usage_hashes(self, pattern: str) -> list[tuple[bytes, dict[bytes, int]]]:
         return await self.backend.usage_hashes(pattern)  # type: ignore[attr-defined, no-any-return]

@@ -28,7 +28,7 @@ class Backend(Protocol):
     deadline behind calls the store is still answering (it may count it later). Never anything
     else.
 
-    It answers through a callback, the one form (see `sidecar.callbacks`; `awaited` is the
+    It answers through a callback, the one form (see `sidecar.loop.callbacks`; `awaited` is the
     coroutine form): `done` is called exactly once, at once when the answer is known at once
     (memory), else from the event loop when the store answers (Redis: from the connection's
     `data_received`). No coroutine, task or future is made for it in the usual call (a cluster
@@ -58,7 +58,7 @@ class Backend(Protocol):
         ...
 
     async def reset(self, addresses: Sequence[Address]) -> int:
-        """Delete the values at `addresses` (an operator lifting a limit, `sidecar.counter_admin`):
+        """Delete the values at `addresses` (an operator lifting a limit, `sidecar.operator.counter_admin`):
         counters and buckets under their own keys, or fields of a grouped hash, whose other
         fields stay. Returns how many existed. One round trip per hash slot; never on the
         decision path."""
@@ -74,7 +74,7 @@ class Backend(Protocol):
 @runtime_checkable
 class ReportsFaults(Protocol):
     """A backend that can say why it does not answer when the cause is its configuration, not an
-    outage (a refused password, a host name that does not resolve); see `sidecar.health`."""
+    outage (a refused password, a host name that does not resolve); see `sidecar.http.health`."""
 
     def fault(self) -> str | None:
         """Why the last ping failed, if waiting will not cure it; else None."""

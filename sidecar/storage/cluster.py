@@ -19,6 +19,7 @@ from redis.crc import key_slot
 
 from sidecar.algorithms import fixed_window
 from sidecar.algorithms.decide import Address, State
+from sidecar.core.usage import as_refused
 from sidecar.errors import StorageError
 from sidecar.model import Dedupe, Hit, Outcome, Role
 from sidecar.storage import peers, urls, usage_reads
@@ -45,7 +46,6 @@ from sidecar.storage.scripts import (
     reset_commands,
     run_script,
 )
-from sidecar.usage import as_refused
 
 #: Error replies that say a script call did not run where it was sent: it is sent again (by
 #: `_apply`), where the cluster says, and counts once.
@@ -69,7 +69,7 @@ def _slots_of(hits: Sequence[Hit]) -> dict[int, list[int]]:
 class RedisClusterBackend:
     """A Redis Cluster: hits are grouped by hash slot, one script call per slot.
 
-    Counters whose keys share a hash tag (see `keys.py`) share a slot, so a typical request
+    Counters whose keys share a hash tag (see `sidecar.core.keys`) share a slot, so a typical request
     still costs one call. A request over several slots is atomic per slot only: with
     all-or-nothing it is decided in two phases, see `_apply_across_slots`.
     """
@@ -141,7 +141,7 @@ class RedisClusterBackend:
     async def _decide_then_count_usage(
         self, hits: Sequence[Hit], all_or_nothing: bool, now_ms: int, deadline: float
     ) -> list[Outcome]:
-        """A request over several slots that counts usage (`sidecar.usage`): its usage hits go
+        """A request over several slots that counts usage (`sidecar.core.usage`): its usage hits go
         after its limits are decided, counted as the whole request's answer says.
 
         In one slot the script counts them with the request's answer; over several, each
@@ -391,7 +391,7 @@ class RedisClusterBackend:
         await peers.leave_within(self._client.execute, name, self._timeout)
 
     async def usage_hashes(self, pattern: str) -> list[tuple[bytes, dict[bytes, int]]]:
-        """Every usage count hash matching `pattern`, scanned on every master (`sidecar.usage`);
+        """Every usage count hash matching `pattern`, scanned on every master (`sidecar.core.usage`);
         raises StorageError."""
 
         async def every_master() -> list[tuple[bytes, dict[bytes, int]]]:
@@ -402,7 +402,7 @@ class RedisClusterBackend:
         return await usage_reads.bounded(self.name, every_master())
 
     async def usage_unique(self, groups: Sequence[Sequence[bytes]]) -> list[int]:
-        """PFCOUNT of each group of HyperLogLog keys, slot by slot (`sidecar.usage`); raises
+        """PFCOUNT of each group of HyperLogLog keys, slot by slot (`sidecar.core.usage`); raises
         StorageError."""
         return await usage_reads.bounded(
             self.name, usage_reads.unique(self._client.execute, groups)

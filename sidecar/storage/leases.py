@@ -70,12 +70,12 @@ from sidecar.algorithms import lease
 from sidecar.algorithms.decide import Address, State
 from sidecar.algorithms.fixed_window import groups_over
 from sidecar.algorithms.token_bucket import Bucket
+from sidecar.core.usage import as_refused
 from sidecar.errors import Overloaded, StorageError
 from sidecar.model import Algorithm, Dedupe, Hit, Outcome, Role, new
 from sidecar.storage.base import Applied, Backend, ReportsFaults, RunsCommands
 from sidecar.storage.peers import CountsPeers
 from sidecar.storage.scripts import execute_script
-from sidecar.usage import as_refused
 
 log = structlog.get_logger("sidecar.storage.leases")
 
@@ -395,7 +395,7 @@ class Leased:
             self._usage(request, usage)
 
     def _usage(self, request: _Request, usage: list[int]) -> None:
-        """The usage hits (`sidecar.usage`), counted as admitted or refused by the request's
+        """The usage hits (`sidecar.core.usage`), counted as admitted or refused by the request's
         answer, once every limit hit has its outcome."""
         if not usage:
             request.done(request.outcomes)  # type: ignore[arg-type]

@@ -155,13 +155,13 @@ class RedisBackend:
         await peers.leave_within(self._client.execute, name, self._timeout)
 
     async def usage_hashes(self, pattern: str) -> list[tuple[bytes, dict[bytes, int]]]:
-        """Every usage count hash matching `pattern` (`sidecar.usage`); raises StorageError."""
+        """Every usage count hash matching `pattern` (`sidecar.core.usage`); raises StorageError."""
         return await usage_reads.bounded(
             self.name, usage_reads.hashes(self._client.execute, pattern)
         )
 
     async def usage_unique(self, groups: Sequence[Sequence[bytes]]) -> list[int]:
-        """PFCOUNT of each group of HyperLogLog keys (`sidecar.usage`); raises StorageError."""
+        """PFCOUNT of each group of HyperLogLog keys (`sidecar.core.usage`); raises StorageError."""
         return await usage_reads.bounded(
             self.name, usage_reads.unique(self._client.execute, groups)
         )
@@ -203,7 +203,7 @@ class _Replied:
 
     An object rather than a closure: compiled, a closure and its environment refer to each
     other, so every call left a cycle of ten objects (the call's hits and the limiter's
-    `_Waiting` with them) for the collector to find (see `sidecar.limiter._Waiting`).
+    `_Waiting` with them) for the collector to find (see `sidecar.decision.limiter._Waiting`).
     """
 
     __slots__ = ("backend", "deadline", "done", "hits", "mode", "now_ms")

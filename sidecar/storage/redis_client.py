@@ -8,7 +8,7 @@ once at the end of the tick, and `data_received` feeds hiredis's reader and reso
 first in, first out. No task is created per call. `call_packed` goes one step further for the
 hot path: no future and no coroutine, the reply is handed to a callback from `data_received`.
 A call made while a protocol handles a read (the fast transport's request, this client's own
-reply; see `sidecar.batching`) ends its tick with that read: the write leaves before the loop
+reply; see `sidecar.loop.batching`) ends its tick with that read: the write leaves before the loop
 polls again, instead of one turn later.
 
 A client keeps a few connections to its server and gives each tick to the next one in turn (see
@@ -63,8 +63,8 @@ import hiredis
 import structlog
 from mypy_extensions import mypyc_attr
 
-from sidecar import batching
 from sidecar.errors import Overloaded
+from sidecar.loop import batching
 
 #: After a failed connection attempt, calls fail at once for this long before the next attempt.
 RECONNECT_BACKOFF: Final = 0.1

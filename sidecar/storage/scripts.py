@@ -139,7 +139,7 @@ def _hit_args(hit: Hit, quota_as_shadow: bool = False) -> tuple[Any, ...]:
         assert window.penalty is not None  # a penalty's window carries it
         params = penalty.parameters(window.penalty)
     elif role >= _USAGE:
-        # A usage hit (`sidecar.usage`): p1 is when its hash or HyperLogLog expires, Unix ms.
+        # A usage hit (`sidecar.core.usage`): p1 is when its hash or HyperLogLog expires, Unix ms.
         params = (hit.end_ms, 0, 0, 0)
     elif algorithm == decide.SLIDING:
         params = (window.requests_per_unit, 0, hit.start_ms, window.seconds * 1000)
@@ -185,7 +185,7 @@ def packed_command(hits: Sequence[Hit], mode: int, now_ms: int) -> bytes:
     """The RESP bytes of an apply call (`apply_command`'s, as hiredis would pack them), each
     hit's part packed once.
 
-    A request's hits are the same objects for every call in their window (`sidecar.plan`), so
+    A request's hits are the same objects for every call in their window (`sidecar.decision.plan`), so
     their keys and arguments are packed on the first call and kept on the hit (`Hit.script_parts`);
     only `decide.lua`'s mode and time are packed per call. A call on one hit, the common
     request, is kept whole (`count.lua`'s) or whole around those two (`decide.lua`'s).

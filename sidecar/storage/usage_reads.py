@@ -1,4 +1,4 @@
-"""Reading usage back from Redis (`sidecar.usage`): the count hashes of a day by SCAN, and the
+"""Reading usage back from Redis (`sidecar.core.usage`): the count hashes of a day by SCAN, and the
 unique counts by PFCOUNT. Not on the decision path: `/v1/usage`, the `usage` command, the page
 and the metrics' top keys read through here, each call with its own deadline (READ_TIMEOUT),
 longer than a decision's, since a scan walks the whole keyspace of each master.

@@ -34,8 +34,8 @@ from google.protobuf import struct_pb2  # type: ignore[import-untyped]
 from google.rpc import code_pb2, status_pb2  # type: ignore[import-untyped]
 
 from sidecar import __version__
+from sidecar.core.rules import Rules
 from sidecar.errors import ConfigError
-from sidecar.rules import Rules
 from sidecar.xds import convert
 
 METHOD = "/envoy.service.discovery.v3.AggregatedDiscoveryService/StreamAggregatedResources"

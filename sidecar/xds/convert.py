@@ -14,10 +14,10 @@ from typing import Any
 
 from google.protobuf import any_pb2, json_format  # type: ignore[import-untyped]
 
-from sidecar import config
+from sidecar.core import config
+from sidecar.core.rules import Domain, Rules
 from sidecar.errors import ConfigError
 from sidecar.proto.ratelimit.config.ratelimit.v3 import rls_conf_pb2
-from sidecar.rules import Domain, Rules
 
 TYPE_URL = "type.googleapis.com/ratelimit.config.ratelimit.v3.RateLimitConfig"
 

@@ -1,4 +1,4 @@
-"""The decision path's callback forms awaited, for tests: through `sidecar.callbacks.awaited`,
+"""The decision path's callback forms awaited, for tests: through `sidecar.loop.callbacks.awaited`,
 the one adapter the sidecar's own coroutine callers use."""
 
 from __future__ import annotations
@@ -7,10 +7,10 @@ import functools
 from collections.abc import Sequence
 from typing import Any
 
-from sidecar.callbacks import awaited
-from sidecar.limiter import Limiter
+from sidecar.decision.limiter import Limiter
+from sidecar.decision.plan import Plan
+from sidecar.loop.callbacks import awaited
 from sidecar.model import Decision, Hit, Outcome, Request
-from sidecar.plan import Plan
 from sidecar.rls.service import RateLimitService
 
 

@@ -19,8 +19,8 @@ from typing import Any
 import grpc
 from envoy.service.ratelimit.v3.rls_pb2 import RateLimitRequest, RateLimitResponse
 
-from sidecar.app import App, Options
 from sidecar.rls.server import METHOD
+from sidecar.runner.app import App, Options
 from sidecar.storage import Backend
 from sidecar.storage.memory import MemoryBackend
 

@@ -31,7 +31,7 @@
 --   group      the descriptor: a descriptor is over when any of its windows is (mode 3: the
 --              impression, numbered from 0)
 --   role       0 blocking, 1 shadow (never blocks), 2 quota (blocks when every quota one is over);
---              3 a usage count and 4 a unique count (sidecar/usage.py): never judged, never
+--              3 a usage count and 4 a unique count (sidecar/core/usage.py): never judged, never
 --              written in modes 2 and 3. A usage count adds cost to field `field` of the hash
 --              KEYS[2i-1] when the request is admitted, to field `previous` when it is refused;
 --              a unique count adds the member `field` to the HyperLogLog KEYS[2i-1]; either
@@ -46,11 +46,11 @@
 --              penalty: block ms, escalate, max ms, forget_after ms
 --   ttl        seconds a new counter key (or the hash, for a new field) must live
 --   field      '' for a counter stored at its own key; else its field in the hash KEYS[2i-1],
---              named `...|<code><keep until>` (see sidecar/storage/keys.py): the keep-until in
+--              named `...|<code><keep until>` (see sidecar/core/keys.py): the keep-until in
 --              five base-36 digits of minutes since 2020, or `.` and base-36 Unix seconds;
 --              a bucket's field ends in `_` instead, an anchored window's in `^`
 --   previous   the previous window's field in that hash (or the field itself); for a window in a
---              packed field (sidecar/packing.py), "spread cap now start_1 ... start_n"
+--              packed field (sidecar/algorithms/packing.py), "spread cap now start_1 ... start_n"
 -- ARGV[5 + 11n]      mode 3 only: milliseconds the current id hash must live
 -- ARGV[6 + 11n + g]  mode 3 only: the id of impression g
 --
@@ -65,7 +65,7 @@
 -- shadow rule's hits are applied as without it) and 0, and when it starts a block, the windows
 -- that are over answer the block's length as their reset.
 --
--- A packed field (`group_counters: packed`, sidecar/packing.py) holds several windows of one
+-- A packed field (`group_counters: packed`, sidecar/algorithms/packing.py) holds several windows of one
 -- descriptor as one integer, offset + spread * (their counts, bits interleaved), which every hit
 -- on it changes by HINCRBY of the difference; the hits of one field come in one call.
 --
@@ -339,7 +339,7 @@ if force then
 end
 
 local skipped = {}
--- Usage hits (roles 3 and 4, see sidecar/usage.py): never judged, counted once the request is.
+-- Usage hits (roles 3 and 4, see sidecar/core/usage.py): never judged, counted once the request is.
 local usage = {}
 local over, before_left, before_reset, after_left, after_reset, state = {}, {}, {}, {}, {}, {}
 local group_over, group_role = {}, {}

@@ -229,7 +229,7 @@ class Connection(Streams):
         # What refers back to this connection and its owner (the frame handlers, bound to it;
         # `on_call`, bound to the server's protocol) goes too: a closed connection is then
         # freed by its reference count, not left as a cycle of some thirty objects for the
-        # collector to find, or never, if it was frozen (`gc.freeze`, see sidecar.garbage).
+        # collector to find, or never, if it was frozen (`gc.freeze`, see sidecar.telemetry.garbage).
         self._handlers = {}
         self.on_call = _no_call
 

@@ -49,7 +49,7 @@ from typing import Any, Final, cast
 
 import structlog
 
-from sidecar import batching
+from sidecar.loop import batching
 from sidecar.rls.h2.calls import Calls
 from sidecar.rls.h2.connection import DEFAULT_LIMITS, Connection, Limits
 from sidecar.rls.h2.streams import BufferBudget
@@ -605,7 +605,7 @@ class _Answer:
     status (the method's `errors`) and queues the response on the connection; a second is
     ignored. An object rather than a closure: compiled, a closure and its environment refer
     to each other, so every call left a cycle of two objects, holding whatever the call held
-    until the collector came (see `sidecar.limiter._Waiting`).
+    until the collector came (see `sidecar.decision.limiter._Waiting`).
     """
 
     __slots__ = ("answered", "method", "path", "protocol", "started", "stream_id")

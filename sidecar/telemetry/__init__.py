@@ -1,0 +1,3 @@
+"""What the sidecar tells about itself: Prometheus metrics (`metrics.py`), statsd and DogStatsD
+(`statsd.py`), OpenTelemetry spans (`tracing.py`), and its log (`logs.py`).
+"""
