@@ -32,6 +32,10 @@ A counter is addressed by its key, or by (hash key, field) when its tree groups 
 in one hash (`group_counters`, see `storage.keys`). With `group_counters: packed` one field
 holds several plain windows of a descriptor (`Hit.packed`, `sidecar.algorithms.packing`): each is judged on
 its own count, and applying it writes what it adds to the field's integer.
+
+One module past the usual size because it is one decision written as `lua/decide.lua` writes it,
+operation for operation, for every algorithm: split, the two could no longer be read side by side,
+and the parity tests hold them to one answer.
 """
 
 from __future__ import annotations

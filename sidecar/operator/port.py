@@ -17,6 +17,9 @@ a client certificate (mTLS, checked in the TLS handshake). A bad query or body i
 Every reset is logged once (`counters_reset`: who, from where, how authenticated, what, how
 many counters) and counted in `/metrics` (`ratelimit_sidecar_counter_resets{domain}`), as is
 every request refused for its credentials (`ratelimit_sidecar_operator_unauthorized`).
+
+One module past the usual size because the port is one listener whose endpoints share its
+authentication (a token or mTLS), its bounds on bodies and its log of every reset.
 """
 
 from __future__ import annotations

@@ -95,6 +95,9 @@ between reports is admitted whole; one that jumps waits for the next report.
 Unlimited rules get `ALLOW_ALL`. In shadow mode the assignment is `ALLOW_ALL` and the one that
 would have been enforced is returned beside it, for metrics and logs (and kept as the Envoy's
 holder, so the next decisions are the ones that would have been made).
+
+One module past the usual size because the paced and the leased allocations share one budget, what
+every holder has committed, which both must read to never hand out past the limit.
 """
 
 from __future__ import annotations
