@@ -3,7 +3,7 @@ each generation, and the objects each walks. Like the instruction counts (`bench
 a figure that does not move with the load of a shared machine, where pause times do.
 
 A collection comes when the objects the collector tracks have grown by 700 since the last
-(`gc.set_threshold`, the sidecar's `GC_THRESHOLDS`): a call that frees all it made by reference
+(`gc.set_threshold`, the sidecar's `garbage.THRESHOLDS`): a call that frees all it made by reference
 counts, as it ends, adds nothing, and one that leaves objects alive for a while (a cache
 entry, a deadline kept until its timer) brings collections closer and gives each more to walk
 and promote. Every collection pauses every call in flight, so on real traffic, where most
@@ -26,7 +26,6 @@ import gc
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -63,14 +62,14 @@ class Watch:
 
 def measure(url: str, distinct: bool) -> Watch:
     """Replay ROUNDS passes on `url`'s backend under the sidecar's collector settings."""
-    from sidecar.runner.app import GC_THRESHOLDS
+    from sidecar.telemetry.garbage import THRESHOLDS
 
     watch = Watch()
 
     def ready() -> None:
         gc.collect()
         gc.freeze()
-        gc.set_threshold(*GC_THRESHOLDS)
+        gc.set_threshold(*THRESHOLDS)
         gc.callbacks.append(watch)
 
     try:
@@ -119,8 +118,6 @@ def main() -> int:
     if args.measure:
         _print(measure(args.measure, args.distinct))
         return 0
-    from bench.services import start_redis, start_redis_cluster
-
     build = None
     if args.build is not None:
         try:
@@ -135,23 +132,10 @@ def main() -> int:
     print("per generation: collections per 1,000 calls, objects walked each, longest pause ms")
     print(f"{'':28}{'young':^23}  {'middle':^23}  {'full':^23}")
     for name in args.only or ("memory", "redis", "cluster"):
-        with tempfile.TemporaryDirectory() as logs:
-            service = None
-            if name == "memory":
-                url = "memory://"
-            elif name == "redis":
-                service = start_redis(Path(logs))
-                url = service.placeholders["redis_url"]
-            else:
-                service = start_redis_cluster(Path(logs))
-                url = service.placeholders["redis_cluster_url"]
-            try:
-                for distinct in (False, True):
-                    label = f"{name}, {'new bodies' if distinct else 'one body'}"
-                    print(f"  {label:<26}{_row(url, distinct, build)}", flush=True)
-            finally:
-                if service is not None:
-                    service.stop()
+        with instructions.backend(name) as url:
+            for distinct in (False, True):
+                label = f"{name}, {'new bodies' if distinct else 'one body'}"
+                print(f"  {label:<26}{_row(url, distinct, build)}", flush=True)
     return 0
 
 

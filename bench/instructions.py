@@ -23,13 +23,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import re
 import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -270,8 +271,6 @@ def main() -> int:
     if shutil.which("valgrind") is None:
         print("bench.instructions: valgrind is not installed (apt-get install valgrind)")
         return 1
-    from bench.services import start_redis, start_redis_cluster
-
     build = None
     if args.build is not None:
         try:
@@ -283,21 +282,31 @@ def main() -> int:
     if build is not None:
         print(f"{'':36}{'sources':>9}  {'compiled':>9}")
     for name in args.only or ("memory", "redis", "cluster"):
-        if name == "memory":
-            _print_rows(name, "memory://", build)
-            continue
-        with tempfile.TemporaryDirectory() as logs:
-            if name == "redis":
-                service = start_redis(Path(logs))
-                url = service.placeholders["redis_url"]
-            else:
-                service = start_redis_cluster(Path(logs))
-                url = service.placeholders["redis_cluster_url"]
-            try:
-                _print_rows(name, url, build)
-            finally:
-                service.stop()
+        with backend(name) as url:
+            _print_rows(name, url, build)
     return 0
+
+
+@contextlib.contextmanager
+def backend(name: str) -> Iterator[str]:
+    """The URL of a backend to replay on: `memory`, or a `redis` server or a 3-master `cluster`
+    started for the block and stopped by their PIDs after it."""
+    if name == "memory":
+        yield "memory://"
+        return
+    from bench.services import start_redis, start_redis_cluster
+
+    with tempfile.TemporaryDirectory() as logs:
+        if name == "redis":
+            service = start_redis(Path(logs))
+            url = service.placeholders["redis_url"]
+        else:
+            service = start_redis_cluster(Path(logs))
+            url = service.placeholders["redis_cluster_url"]
+        try:
+            yield url
+        finally:
+            service.stop()
 
 
 if __name__ == "__main__":

@@ -263,14 +263,10 @@ class OperatorPort:
         return await counter_admin.state(self._backend, located)
 
     async def _reset(self, request: web.Request) -> web.Response:
-        try:
-            body = await read_body(request, MAX_BODY_BYTES)
-        except BodyRefused as exc:
-            return exc.answer(_error(exc.status, str(exc)))
-        try:
-            domain, entries = _body(body)
-        except InvalidRequest as exc:
-            return _error(HTTPStatus.BAD_REQUEST, str(exc))
+        named = await _named(request)
+        if isinstance(named, web.Response):
+            return named
+        domain, entries = named
 
         async def reset() -> dict[str, Any]:
             located = counter_admin.locate(self._rules(), domain, entries, self._now_ms())
@@ -296,14 +292,10 @@ class OperatorPort:
     async def _reset_penalty(self, request: web.Request) -> web.Response:
         """Lift a descriptor's penalty, its counters left as they are; logged and counted as a
         reset of its domain."""
-        try:
-            body = await read_body(request, MAX_BODY_BYTES)
-        except BodyRefused as exc:
-            return exc.answer(_error(exc.status, str(exc)))
-        try:
-            domain, entries = _body(body)
-        except InvalidRequest as exc:
-            return _error(HTTPStatus.BAD_REQUEST, str(exc))
+        named = await _named(request)
+        if isinstance(named, web.Response):
+            return named
+        domain, entries = named
 
         async def reset() -> dict[str, Any]:
             located = counter_admin.locate(self._rules(), domain, entries, self._now_ms())
@@ -372,6 +364,19 @@ def _query(query: MultiMapping[str]) -> tuple[str, tuple[Entry, ...]]:
     if not entries:
         raise InvalidRequest("expected at least one entry=KEY=VALUE")
     return domains[0], tuple(entries)
+
+
+async def _named(request: web.Request) -> tuple[str, tuple[Entry, ...]] | web.Response:
+    """The descriptor a reset's body names, or the answer refusing the body (too large, too
+    slow, or not the JSON a reset takes)."""
+    try:
+        body = await read_body(request, MAX_BODY_BYTES)
+    except BodyRefused as exc:
+        return exc.answer(_error(exc.status, str(exc)))
+    try:
+        return _body(body)
+    except InvalidRequest as exc:
+        return _error(HTTPStatus.BAD_REQUEST, str(exc))
 
 
 def _body(body: bytes) -> tuple[str, tuple[Entry, ...]]:
