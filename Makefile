@@ -98,7 +98,7 @@ $(COMPILED)/.built: $(STAMP) $(COMPILED_FROM)
 	cached="$(COMPILE_CACHE)/$$key"; \
 	if [ -n "$(COMPILE_CACHE)" ] && [ -f "$$cached/.built" ]; then \
 		echo "compiled build $$key from $(COMPILE_CACHE)"; \
-		rm -rf $(COMPILED) && cp -a "$$cached" $(COMPILED) && touch "$$cached" $@; \
+		rm -rf $(COMPILED) && mkdir -p $(dir $(COMPILED)) && cp -a "$$cached" $(COMPILED) && touch "$$cached" $@; \
 	else \
 		$(MAKE) --no-print-directory compile-now && \
 		if [ -n "$(COMPILE_CACHE)" ]; then \
