@@ -9,19 +9,11 @@ waits are exact and the test takes no time; Envoy, in front of it, is the real b
 
 from __future__ import annotations
 
-import asyncio
 import uuid
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from support.clock import Clock
-from support.envoys import Envoy, Response, Upstream, free_port, get
-from support.sidecars import running_app
-from test_gateway_e2e import bootstrap
-from test_retry_after_envoy import with_retry_after
+from test_retry_after_envoy import gateway
 
 from sidecar.storage import Backend
 from sidecar.storage.backends import open_backend
@@ -41,16 +33,6 @@ descriptors:
 START = 1_782_489_600.0
 
 
-@dataclass
-class Gateway:
-    port: int
-    clock: Clock
-
-    async def call(self, address: str) -> Response:
-        headers = {"x-app-id": "shop"}
-        return await asyncio.to_thread(get, self.port, "/api/orders/x", headers, source=address)
-
-
 @pytest.fixture(params=["memory", pytest.param("redis", marks=pytest.mark.redis)])
 def backend(request: pytest.FixtureRequest) -> Backend:
     """The sidecar's backend (the app closes it when it stops)."""
@@ -59,55 +41,31 @@ def backend(request: pytest.FixtureRequest) -> Backend:
     return open_backend(request.getfixturevalue("redis_url"), timeout_ms=1_000)
 
 
-@asynccontextmanager
-async def gateway(envoy_binary: str, tmp_path: Path, backend: Backend) -> AsyncIterator[Gateway]:
-    """The sidecar on a clock set to START, and Envoy (Retry-After on) in front of it."""
-    rules = tmp_path / "rules.yaml"
-    rules.write_text(RULES)
-    clock = Clock(START)
-    upstream = Upstream()
-    upstream.start()
-    try:
-        async with running_app(rules, backend=backend, clock=clock) as app:
-            port, admin_port = free_port(), free_port()
-            config = tmp_path / "envoy.yaml"
-            text = bootstrap(rules, app.grpc_port, port, admin_port, upstream.port, timeout=10.0)
-            config.write_text(with_retry_after(text))
-            envoy = Envoy(envoy_binary, config, admin_port, tmp_path / "envoy.log")
-            await asyncio.to_thread(envoy.start)
-            try:
-                yield Gateway(port, clock)
-            finally:
-                await asyncio.to_thread(envoy.stop)
-    finally:
-        upstream.stop()
-
-
 async def test_a_blocked_client_gets_429_with_the_time_left_in_its_block(
     envoy_binary: str, tmp_path: Path, backend: Backend
 ) -> None:
     """2 per 10 s with a 10-minute penalty: the third request is a 429 with Retry-After 600;
     five minutes on (its window long over) still a 429, Retry-After 300; a second before the
     block's end a 429 with Retry-After 1, at its end a 200; tripped again, Retry-After 1200."""
-    async with gateway(envoy_binary, tmp_path, backend) as through:
+    async with gateway(envoy_binary, tmp_path, backend, RULES, START) as through:
         clock = through.clock
         number = uuid.uuid4().int  # a client of its own: Redis keeps earlier runs' state
         address = f"127.{number % 254 + 1}.{number // 254 % 254 + 1}.{number // 64516 % 254 + 1}"
         for retry_after in (600, 1200):
-            assert [(await through.call(address)).status for _ in range(2)] == [200, 200]
-            refused = await through.call(address)
+            assert [(await through.call("shop", address)).status for _ in range(2)] == [200, 200]
+            refused = await through.call("shop", address)
             assert refused.status == 429
             assert int(refused.headers["retry-after"]) == retry_after
             tripped_at = clock.now
             clock.now = tripped_at + 300
-            refused = await through.call(address)
+            refused = await through.call("shop", address)
             assert (refused.status, int(refused.headers["retry-after"])) == (
                 429,
                 retry_after - 300,
             )
             clock.now = tripped_at + retry_after - 1
-            refused = await through.call(address)
+            refused = await through.call("shop", address)
             assert (refused.status, int(refused.headers["retry-after"])) == (429, 1)
             clock.now = tripped_at + retry_after
-            assert (await through.call(address)).status == 200
+            assert (await through.call("shop", address)).status == 200
             clock.now += 10  # a fresh window for the next trip

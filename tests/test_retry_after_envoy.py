@@ -116,11 +116,18 @@ def backend(request: pytest.FixtureRequest) -> Backend:
 
 
 @asynccontextmanager
-async def gateway(envoy_binary: str, tmp_path: Path, backend: Backend) -> AsyncIterator[Gateway]:
-    """The sidecar on a clock set to `MIDNIGHT`, and Envoy in front of it."""
+async def gateway(
+    envoy_binary: str,
+    tmp_path: Path,
+    backend: Backend,
+    rules_text: str = RULES,
+    start: float = MIDNIGHT,
+) -> AsyncIterator[Gateway]:
+    """The sidecar on `rules_text` and a clock set to `start`, and Envoy (Retry-After on) in
+    front of it."""
     rules = tmp_path / "rules.yaml"
-    rules.write_text(RULES)
-    clock = Clock(MIDNIGHT)
+    rules.write_text(rules_text)
+    clock = Clock(start)
     upstream = Upstream()
     upstream.start()
     try:
