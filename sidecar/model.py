@@ -211,6 +211,9 @@ class Window:
     ends: int = 0
     #: A penalty's window (algorithm PENALTY) carries its penalty; no other window has one.
     penalty: Penalty | None = None
+    #: A concurrency window's `request_id`: the key of the descriptor entry that names the
+    #: request, so that its refund closes its own start ("": none; `sidecar.algorithms.concurrency`).
+    request_id: str = ""
     #: The reference's algorithm: a fixed window that does not borrow (it counts rejected hits).
     #: Worked out once (see `_derived`), as `Limit.role` is.
     plain: bool = field(init=False, repr=False, compare=False)
@@ -359,7 +362,8 @@ class Hit:
     `field` is empty for a counter stored under its own key (the reference's layout). Otherwise
     the counter is one field of the hash at `key` (`group_counters`, see `core.keys`), and
     `previous_field` names the previous window's field in that hash; `ttl` is then how long the
-    hash must live at least for this field. `packed` is set when the field holds several
+    hash must live at least for this field. A concurrency window's `previous_field` is the id of
+    the request it starts or closes, when it names one (`counters.in_flight_hit`). `packed` is set when the field holds several
     windows of the descriptor (`sidecar.algorithms.packing`): the window's place in it, at this second.
 
     `counter` is what the over-limit cache knows the counter by: its key, its field and the

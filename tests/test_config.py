@@ -284,6 +284,15 @@ ERRORS = {
         "long a start counts when no refund closes it (set it above your longest request, as in "
         "{algorithm: concurrency, requests_per_unit: 10, lease: 30s}), got none"
     ),
+    "request_id_without_concurrency.yaml": (
+        "descriptors[0].rate_limit.request_id: request_id applies to concurrency limits, whose "
+        "refunds close the start of their request (add 'algorithm: concurrency', or remove it)"
+    ),
+    "concurrency_request_id_not_a_key.yaml": (
+        "descriptors[0].rate_limit.request_id: request_id names the descriptor entry that "
+        "carries the request's id (the descriptor_key of Envoy's request_headers action on "
+        "x-request-id), as in request_id: x_request_id, got 7"
+    ),
     "concurrency_in_rate_limits.yaml": (
         "descriptors[0].rate_limits[1].algorithm: a concurrency limit stands alone: put it in "
         "rate_limit (every window of a descriptor gets its refunds, so a window beside it would "

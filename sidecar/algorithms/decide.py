@@ -426,6 +426,7 @@ def _start(
     taken = concurrency.take(
         stored if isinstance(stored, InFlight) else None,
         now_ms, hit.hits, window.requests_per_unit, window.seconds * 1000, force,
+        hit.previous_field,  # its request id, if it names one (`counters.in_flight_hit`)
     )  # fmt: skip
     # A later hit of the request on this counter sees this one counted, or refused: a start's
     # descriptor is over exactly when its one window is (a concurrency limit stands alone).
@@ -452,7 +453,7 @@ def _refund(
         limit = hit.window.requests_per_unit
         state = stored if isinstance(stored, InFlight) else None
         before = concurrency.answer(concurrency.live(state, now_ms), limit, now_ms)
-        closed = concurrency.refund(state, now_ms, refund)
+        closed = concurrency.refund(state, now_ms, refund, hit.previous_field)
         if closed is None:
             return _Judged(False, before, before, None)
         seen[here] = closed

@@ -79,6 +79,7 @@ _RATE_LIMIT_KEYS = (
     "week_start",
     "ends",
     "lease",
+    "request_id",
 )
 #: Windows anchored on events (`sidecar.algorithms.anchored`), read by `_Parser.anchored`.
 _ANCHORED = {a.value: a for a in (Algorithm.FIRST_EVENT, Algorithm.COOLDOWN, Algorithm.LIFETIME)}
@@ -890,6 +891,12 @@ class _Parser:
                 )
             return Window(0, Unit.SECOND, name=name), True, replaces
         named = raw.get("algorithm")
+        if "request_id" in raw and named != Algorithm.CONCURRENCY.value:
+            raise self.error(
+                f"{path}.request_id",
+                "request_id applies to concurrency limits, whose refunds close the start of "
+                "their request (add 'algorithm: concurrency', or remove it)",
+            )
         anchored = _ANCHORED.get(named) if isinstance(named, str) else None
         if anchored is not None:
             window = self.anchored(raw, path, anchored, unit_text, name)
@@ -1009,7 +1016,17 @@ class _Parser:
                 f"{MAX_IN_FLIGHT} at once, got {requests}",
             )
         lease = self.lease(raw.get("lease"), f"{path}.lease")
-        return Window(requests, Unit.SECOND, Algorithm.CONCURRENCY, lease, name=name)
+        request_id = raw.get("request_id", "")
+        if not isinstance(request_id, str) or (request_id == "" and "request_id" in raw):
+            raise self.error(
+                f"{path}.request_id",
+                "request_id names the descriptor entry that carries the request's id (the "
+                "descriptor_key of Envoy's request_headers action on x-request-id), as in "
+                f"request_id: x_request_id, got {request_id!r}",
+            )
+        return Window(
+            requests, Unit.SECOND, Algorithm.CONCURRENCY, lease, name=name, request_id=request_id
+        )
 
     def lease(self, raw: object, path: str) -> int:
         """A concurrency limit's lease in seconds: `30s`, `5m`, `1h`, or a number of seconds."""

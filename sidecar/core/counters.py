@@ -110,6 +110,16 @@ def window_hit(prefix: str, window: Window, cost: int, group: int, role: Role, n
     )
 
 
+def in_flight_hit(hit: Hit, request_id: str) -> Hit:
+    """A concurrency window's `hit` (`window_hit`'s) naming its request (`request_id`, see
+    `sidecar.algorithms.concurrency`): the id travels as its `previous_field`, which a
+    concurrency window has no other use for (`decide.lua` reads it as the hit's `previous`)."""
+    return Hit(
+        hit.key, hit.hits, hit.window, hit.group, hit.role, hit.previous,
+        previous_field=request_id.encode(),
+    )  # fmt: skip
+
+
 _UNIT_CODES: Final = {
     Unit.SECOND: "s",
     Unit.MINUTE: "m",

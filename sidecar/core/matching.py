@@ -3,7 +3,9 @@
 The request's entries walk the domain's tree from the root. At each level the lookup tries the
 exact `key_value`, then the wildcard patterns in declaration order, then the `key` alone; a miss
 ends the walk with no limit, and a hit is never revisited (no backtracking). The limit is the one
-on the node matched by the last entry; a request deeper than the rules gets none.
+on the node matched by the last entry; a request deeper than the rules gets none, except for
+one entry: a concurrency limit's `request_id` (`sidecar.algorithms.concurrency`), the last entry
+of its descriptor, names the request, not a counter, and is matched past the node of its limit.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ class Match:
     except where a `share_threshold` wildcard makes every matching value share the pattern's.
     `metric_key` names its statistics, as in the reference (`domain.key_value.subkey`).
     `grouped`: its counters live in the hash of its first entry (`group_counters`).
+    `request_id` is the request's id when the descriptor's last entry is its concurrency
+    limit's `request_id` ("" otherwise): no part of the counter, nor of its metric key.
     Immutable by convention, as `sidecar.model`'s per-body values are, for the same reason.
     """
 
@@ -31,6 +35,7 @@ class Match:
     counter_parts: tuple[tuple[str, str], ...]
     metric_key: str
     grouped: bool = False
+    request_id: str = ""
 
     def __init__(
         self,
@@ -38,12 +43,14 @@ class Match:
         counter_parts: tuple[tuple[str, str], ...],
         metric_key: str,
         grouped: bool = False,
+        request_id: str = "",
     ) -> None:
         # Written out, not generated, for a native constructor (see `sidecar.model`).
         self.limit = limit
         self.counter_parts = counter_parts
         self.metric_key = metric_key
         self.grouped = grouped
+        self.request_id = request_id
 
 
 def match(domain: Domain, entries: Sequence[Entry]) -> Match | None:
@@ -55,7 +62,7 @@ def match(domain: Domain, entries: Sequence[Entry]) -> Match | None:
     for entry in entries:
         node = lookup(level, entry)
         if node is None:
-            return None
+            return _named(domain, path, entries) if path and entry is entries[-1] else None
         path.append(node)
         level = node.children
     leaf = path[-1]
@@ -66,6 +73,25 @@ def match(domain: Domain, entries: Sequence[Entry]) -> Match | None:
         _counter_parts(path, entries),
         _metric_key(domain.name, path, entries),
         path[0].group_counters,
+    )
+
+
+def _named(domain: Domain, path: list[Node], entries: Sequence[Entry]) -> Match | None:
+    """The match of a descriptor whose last entry found no rule, when that entry is the
+    request id of the concurrency limit its other entries match (None otherwise)."""
+    limit = path[-1].limit
+    last = entries[-1]
+    request_id = limit.windows[0].request_id if limit is not None else ""
+    if not request_id or request_id != last.key:
+        return None
+    assert limit is not None  # a request_id is a limit's
+    named = entries[:-1]
+    return Match(
+        limit,
+        _counter_parts(path, named),
+        _metric_key(domain.name, path, named),
+        path[0].group_counters,
+        last.value,
     )
 
 

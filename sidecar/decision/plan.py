@@ -14,7 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Final
 
-from sidecar.core.counters import grouped_hits, window_hit
+from sidecar.algorithms.concurrency import MAX_REQUEST_ID
+from sidecar.core.counters import grouped_hits, in_flight_hit, window_hit
 from sidecar.core.keys import descriptor_prefix, field_head, group_key, penalty_key
 from sidecar.core.lists import Listed
 from sidecar.core.matching import Match, entry_label, match
@@ -228,6 +229,12 @@ def prepare(rules: Rules, request: Request) -> Plan:
         if replaced and any(n in replaced for n in limit.names):
             continue
         cost = descriptor.hits_addend if descriptor.hits_addend is not None else default_hits
+        if found.request_id and len(found.request_id) > MAX_REQUEST_ID:
+            raise InvalidRequest(
+                f"descriptors[{index}]: request id ({descriptor.entries[-1].key}) of "
+                f"{len(found.request_id)} characters, at most {MAX_REQUEST_ID} (a concurrency "
+                "limit keeps it while the request is in flight)"
+            )
         refund = descriptor.is_negative_hits
         if refund:
             cost = -cost  # a refund's hits are given back (`Hit.hits < 0`)
@@ -273,6 +280,10 @@ def descriptor_hits(domain: str, found: Match, cost: int, group: int, now_ms: in
     else:
         prefix = descriptor_prefix(domain, parts)
         hits = [window_hit(prefix, w, cost, group, role, now_ms) for w in limit.windows]
+        if found.request_id and (cost == 1 or cost == -1):
+            # A concurrency limit (alone in its descriptor) whose start or refund of one place
+            # names its request; of several places, it is counted as without an id.
+            hits = [in_flight_hit(hits[0], found.request_id)]
     if limit.penalty_window is not None:
         # Its state at a key of its own beside the counters (grouped ones too), in their slot.
         key = penalty_key(descriptor_prefix(domain, parts))

@@ -5,8 +5,9 @@
 -- answers must stay this script's.
 --
 -- KEYS[2i-1]  hit i's counter, bucket, or grouped hash   KEYS[2i]  its previous window's counter
---             (or KEYS[2i-1]); a concurrency window's sorted set of starts in flight (member
---             unique, score the start's end, Unix ms) and its refused starts ("<count> <until ms>")
+--             (or KEYS[2i-1]); a concurrency window's sorted set of starts in flight (score the
+--             start's end, Unix ms; member "<end>:<n>", or "=<id>" for a start that named its
+--             request, "!<id>" once disputed) and its refused starts ("<count> <until ms>")
 -- KEYS[2n+1], KEYS[2n+2]  mode 3 only: the hashes of impression ids recorded in the current and
 --             in the previous horizon bucket
 -- ARGV[1]     mode: 0 apply (each window counts as its algorithm says); 1 all or nothing (apply
@@ -50,7 +51,9 @@
 --              five base-36 digits of minutes since 2020, or `.` and base-36 Unix seconds;
 --              a bucket's field ends in `_` instead, an anchored window's in `^`
 --   previous   the previous window's field in that hash (or the field itself); for a window in a
---              packed field (sidecar/algorithms/packing.py), "spread cap now start_1 ... start_n"
+--              packed field (sidecar/algorithms/packing.py), "spread cap now start_1 ... start_n";
+--              for a concurrency window, the id of the request its start or refund (of one
+--              place) names, or '' 
 -- ARGV[5 + 11n]      mode 3 only: milliseconds the current id hash must live
 -- ARGV[6 + 11n + g]  mode 3 only: the id of impression g
 --
@@ -206,27 +209,71 @@ end
 local change = {}
 
 -- A concurrency window's live state, read once per key (sidecar/algorithms/concurrency.py):
--- {ends of the starts in flight, oldest first; refused starts awaiting their refunds; until}.
+-- {ends of the starts in flight, named or not, oldest first; refused starts awaiting their
+-- refunds; until; ends of the starts without an id, oldest first; named starts, member to end}.
 -- Judging works on this table, so a key repeated in one request sees the earlier hits.
 local flights = {}
 -- Per hit: the state after it (a refund's refused count is written from it), and a start's state
 -- once counted or refused.
 local flights_after, refused_state = {}, {}
+-- Per hit: a start of an id already in flight (concurrency._duplicate).
+local duplicate_start = {}
 local function flight(key, refused_key)
   local f = flights[key]
   if f ~= nil then return f end
-  local ends = {}
+  local ends, anonymous, named = {}, {}, {}
   local found = redis.call('ZRANGEBYSCORE', key, '(' .. ARGV[2], '+inf', 'WITHSCORES')
-  for j = 2, #found, 2 do ends[#ends + 1] = tonumber(found[j]) end
+  for j = 2, #found, 2 do
+    local e = tonumber(found[j])
+    ends[#ends + 1] = e
+    local first = string.sub(found[j - 1], 1, 1)
+    if first == '=' or first == '!' then named[found[j - 1]] = e else anonymous[#anonymous + 1] = e end
+  end
   local refused, till = 0, 0
   local r = redis.call('GET', refused_key)
   if r then
     local c, u = string.match(r, '^(%S+) (%S+)')
     if tonumber(u) > now then refused, till = tonumber(c), tonumber(u) end
   end
-  f = {ends, refused, till}
+  f = {ends, refused, till, anonymous, named}
   flights[key] = f
   return f
+end
+
+-- concurrency.every_end: the ends of `anonymous` and of `named`, oldest first.
+local function every_end(anonymous, named)
+  local ends = {}
+  for j = 1, #anonymous do ends[j] = anonymous[j] end
+  local more = false
+  for _, e in pairs(named) do
+    ends[#ends + 1] = e
+    more = true
+  end
+  if more then table.sort(ends) end
+  return ends
+end
+
+-- `named` without `member`, and with `added` ending at `at` (either may be nil).
+local function renamed(named, member, added, at)
+  local copy = {}
+  for m, e in pairs(named) do
+    if m ~= member then copy[m] = e end
+  end
+  if added ~= nil then copy[added] = at end
+  return copy
+end
+
+-- `ends` with `cost` more ending at `finish`, after every one that ends no later (another
+-- sidecar's clock may run ahead).
+local function spliced(ends, finish, cost)
+  local count = #ends
+  local at = count + 1
+  while at > 1 and ends[at - 1] > finish do at = at - 1 end
+  local grown = {}
+  for j = 1, at - 1 do grown[#grown + 1] = ends[j] end
+  for _ = 1, cost do grown[#grown + 1] = finish end
+  for j = at, count do grown[#grown + 1] = ends[j] end
+  return grown
 end
 
 -- concurrency.answer: (remaining, ms until the oldest start ends).
@@ -394,19 +441,32 @@ local function judge_refund(i, base, algorithm, cost)
     tonumber(ARGV[base + 6]), tonumber(ARGV[base + 7])
   local key, field = KEYS[2 * i - 1], ARGV[base + 9]
   if algorithm == 5 then
-    -- concurrency.refund: refused starts closed first, then the oldest in flight.
     local f = flight(key, KEYS[2 * i])
     before_left[i], before_reset[i] = flight_answer(f[1], p1)
-    local given = -cost
-    local from_refused = math.min(given, f[2])
-    local from_ends = math.min(given - from_refused, #f[1])
-    closed[i] = {from_refused, from_ends}
-    if from_refused > 0 or from_ends > 0 then
-      local ends = {}
-      for j = from_ends + 1, #f[1] do ends[#ends + 1] = f[1][j] end
-      local refused, till = f[2] - from_refused, 0
-      if refused > 0 then till = f[3] end
-      flights[key] = {ends, refused, till}
+    local id = ARGV[base + 10]
+    if id ~= '' then
+      -- concurrency.refund with an id: the start of that id, if in flight and not disputed.
+      local own = '=' .. id
+      closed[i] = {0, 0}
+      if f[5][own] ~= nil then
+        closed[i].member = own
+        local named = renamed(f[5], own, nil, nil)
+        flights[key] = {every_end(f[4], named), f[2], f[3], f[4], named}
+      end
+    else
+      -- concurrency.refund: refused starts closed first, then the oldest without an id.
+      local given = -cost
+      local from_refused = math.min(given, f[2])
+      local from_ends = math.min(given - from_refused, #f[4])
+      closed[i] = {from_refused, from_ends}
+      closed[i].unnamed = next(f[5]) == nil
+      if from_refused > 0 or from_ends > 0 then
+        local anonymous = {}
+        for j = from_ends + 1, #f[4] do anonymous[#anonymous + 1] = f[4][j] end
+        local refused, till = f[2] - from_refused, 0
+        if refused > 0 then till = f[3] end
+        flights[key] = {every_end(anonymous, f[5]), refused, till, anonymous, f[5]}
+      end
     end
     flights_after[i] = flights[key]
     after_left[i], after_reset[i] = flight_answer(flights[key][1], p1)
@@ -495,9 +555,23 @@ local function give_back(i, algorithm, key, field, refused_key)
         redis.call('DEL', refused_key)
       end
     end
+    if c.member ~= nil then redis.call('ZREM', key, c.member) end
     if c[2] > 0 then
       redis.call('ZREMRANGEBYSCORE', key, '-inf', ARGV[2])
-      redis.call('ZPOPMIN', key, c[2])
+      if c.unnamed then
+        redis.call('ZPOPMIN', key, c[2])
+      else
+        -- The oldest starts without an id: their members begin with a digit.
+        local left = c[2]
+        for _, member in ipairs(redis.call('ZRANGE', key, 0, -1)) do
+          local first = string.sub(member, 1, 1)
+          if first ~= '=' and first ~= '!' then
+            redis.call('ZREM', key, member)
+            left = left - 1
+            if left == 0 then break end
+          end
+        end
+      end
     end
     return
   end
@@ -568,6 +642,22 @@ for i = 1, n do
       local f = flight(key, KEYS[2 * i])
       local ends = f[1]
       local count = #ends
+      local id = ARGV[base + 10]
+      local held = nil
+      if id ~= '' then held = f[5]['=' .. id] or f[5]['!' .. id] end
+      if held ~= nil then
+        -- concurrency._duplicate: refused; the start in flight under its id is disputed.
+        duplicate_start[i] = true
+        is_over = true
+        before_left[i], before_reset[i] = math.max(0, limit - count), held - now
+        after_left[i], after_reset[i] = before_left[i], before_reset[i]
+        if f[5]['=' .. id] ~= nil then
+          local named = renamed(f[5], '=' .. id, '!' .. id, held)
+          refused_state[i] = {ends, f[2], f[3], f[4], named}
+          refused_state[i].disputed = id
+          flights[key] = refused_state[i]
+        end
+      else
       is_over = count + need > limit
       before_left[i], before_reset[i] = flight_answer(ends, limit)
       if is_over then
@@ -583,21 +673,25 @@ for i = 1, n do
         before_reset[i] = wait
       end
       after_left[i], after_reset[i] = before_left[i], before_reset[i]
-      if cost > 0 then
-        local finish = now + lease
-        refused_state[i] = {ends, f[2] + cost, finish}
+      if cost > 0 and id ~= '' then
+        -- A named start: refused, it is remembered nowhere (its refund finds no such id).
         if force or not is_over then
-          local at = count + 1
-          while at > 1 and ends[at - 1] > finish do at = at - 1 end
-          local grown = {}
-          for j = 1, at - 1 do grown[#grown + 1] = ends[j] end
-          for _ = 1, cost do grown[#grown + 1] = finish end
-          for j = at, count do grown[#grown + 1] = ends[j] end
-          flights[key] = {grown, f[2], f[3]}
-          after_left[i], after_reset[i] = flight_answer(grown, limit)
+          local named = renamed(f[5], nil, '=' .. id, now + lease)
+          local all = every_end(f[4], named)
+          flights[key] = {all, f[2], f[3], f[4], named}
+          after_left[i], after_reset[i] = flight_answer(all, limit)
+        end
+      elseif cost > 0 then
+        local finish = now + lease
+        refused_state[i] = {ends, f[2] + cost, finish, f[4], f[5]}
+        if force or not is_over then
+          local anonymous = spliced(f[4], finish, cost)
+          flights[key] = {every_end(anonymous, f[5]), f[2], f[3], anonymous, f[5]}
+          after_left[i], after_reset[i] = flight_answer(flights[key][1], limit)
         else
           flights[key] = refused_state[i]
         end
+      end
       end
       flights_after[i] = flights[key]
     elseif algorithm == 4 then
@@ -835,22 +929,35 @@ for i = 1, n do
       end
     end
     if algorithm == 5 then
-      if applied and cost > 0 then
-        -- Each start a member of its own: its end, and a number that no live member has.
+      local id = ARGV[base + 10]
+      if duplicate_start[i] then
+        local f = refused_state[i]
+        if not applied and not blocked and f ~= nil then
+          -- Disputed: counted until its lease ends, closed by no refund.
+          redis.call('ZREM', key, '=' .. f.disputed)
+          redis.call('ZADD', key, f[5]['!' .. f.disputed], '!' .. f.disputed)
+        end
+      elseif applied and cost > 0 then
+        -- Each start a member of its own: its end, and a number that no live member has; or
+        -- its request's id.
         redis.call('ZREMRANGEBYSCORE', key, '-inf', ARGV[2])
         local finish = now + tonumber(ARGV[base + 5])
-        local n = 0
-        for _ = 1, cost do
-          while redis.call('ZADD', key, 'NX', finish, string.format('%d:%d', finish, n)) == 0 do
+        if id ~= '' then
+          redis.call('ZADD', key, finish, '=' .. id)
+        else
+          local n = 0
+          for _ = 1, cost do
+            while redis.call('ZADD', key, 'NX', finish, string.format('%d:%d', finish, n)) == 0 do
+              n = n + 1
+            end
             n = n + 1
           end
-          n = n + 1
         end
         local last = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
         redis.call('PEXPIRE', key, tonumber(last[2]) - now)
       elseif applied and cost < 0 then
         give_back(i, algorithm, key, field, KEYS[2 * i])
-      elseif cost > 0 and not blocked then
+      elseif cost > 0 and not blocked and id == '' then
         -- Refused: its stream-done refund, which Envoy sends all the same, closes this.
         local f = refused_state[i]
         redis.call('SET', KEYS[2 * i], string.format('%d %d', f[2], f[3]), 'PX', f[3] - now)
