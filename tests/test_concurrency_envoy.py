@@ -24,10 +24,13 @@ EXAMPLE = Path(__file__).resolve().parent.parent / "envoy" / "concurrency.yaml"
 DEADLINE = 30.0
 
 
-def rules(lease: str) -> str:
+def rules(lease: str, request_id: bool = False) -> str:
+    """The sidecar's rules: 2 in flight per client; with `request_id`, its starts named by the
+    entry `x_request_id` (see `bootstrap`)."""
+    named = ", request_id: x_request_id" if request_id else ""
     return (
         "domain: inflight\ndescriptors:\n  - key: client\n    rate_limit: "
-        f"{{algorithm: concurrency, requests_per_unit: 2, lease: {lease}}}\n"
+        f"{{algorithm: concurrency, requests_per_unit: 2, lease: {lease}{named}}}\n"
     )
 
 
@@ -81,15 +84,31 @@ class HeldUpstream:
         self._thread.join(timeout=10)
 
 
-def bootstrap(sidecar_port: int, port: int, admin_port: int, upstream_port: int) -> str:
+def bootstrap(
+    sidecar_port: int, port: int, admin_port: int, upstream_port: int, request_id: bool = False
+) -> str:
     """envoy/concurrency.yaml with these ports, and a 2 s rate limit timeout (this machine is
-    shared; the example's 100 ms is for a gateway)."""
+    shared; the example's 100 ms is for a gateway); with `request_id`, the start and the refund
+    both end with the request's `x-request-id` as the entry `x_request_id` (README, "Concurrency
+    limits")."""
     config: dict[str, Any] = yaml.safe_load(EXAMPLE.read_text())
     config["admin"]["address"]["socket_address"]["port_value"] = admin_port
     listener = config["static_resources"]["listeners"][0]
     listener["address"]["socket_address"].update(address=HOST, port_value=port)
     manager = listener["filter_chains"][0]["filters"][0]["typed_config"]
     manager["http_filters"][0]["typed_config"]["timeout"] = "2s"
+    if request_id:
+        route = manager["route_config"]["virtual_hosts"][0]["routes"][0]
+        per_route = route["typed_per_filter_config"]["envoy.filters.http.ratelimit"]
+        for limit in per_route["rate_limits"]:
+            limit["actions"].append(
+                {
+                    "request_headers": {
+                        "header_name": "x-request-id",
+                        "descriptor_key": "x_request_id",
+                    }
+                }
+            )
     for cluster in config["static_resources"]["clusters"]:
         endpoint = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]
         endpoint["address"]["socket_address"]["port_value"] = (
@@ -109,16 +128,20 @@ class Front(Envoy):
 class Gateway:
     """Sidecars on one store, each with an Envoy of envoy/concurrency.yaml in front of it."""
 
-    def __init__(self, tmp_path: Path, upstream: HeldUpstream, envoy_binary: str) -> None:
+    def __init__(
+        self, tmp_path: Path, upstream: HeldUpstream, envoy_binary: str, request_id: bool = False
+    ) -> None:
         self.tmp_path = tmp_path
         self.upstream = upstream
         self.envoy_binary = envoy_binary
+        #: Starts and refunds name their request (`rules`, `bootstrap`).
+        self.request_id = request_id
         self.processes: list[Sidecar | Front] = []
         self._count = 0
 
     def start(self, flags: list[str], lease: str) -> tuple[Sidecar, Front]:
         path = self.tmp_path / "rules.yaml"
-        path.write_text(rules(lease))
+        path.write_text(rules(lease, self.request_id))
 
         def make(attempt: int) -> tuple[Sidecar, Front]:
             self._count += 1
@@ -138,7 +161,9 @@ class Gateway:
         """An Envoy in front of `sidecar`, not started."""
         port, admin_port = free_port(), free_port()
         config = self.tmp_path / f"envoy-{name}.yaml"
-        config.write_text(bootstrap(sidecar.grpc_port, port, admin_port, self.upstream.port))
+        config.write_text(
+            bootstrap(sidecar.grpc_port, port, admin_port, self.upstream.port, self.request_id)
+        )
         log = self.tmp_path / f"envoy-{name}.log"
         return Front(self.envoy_binary, config, admin_port, log, port)
 
