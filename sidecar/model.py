@@ -362,9 +362,10 @@ class Hit:
     `field` is empty for a counter stored under its own key (the reference's layout). Otherwise
     the counter is one field of the hash at `key` (`group_counters`, see `core.keys`), and
     `previous_field` names the previous window's field in that hash; `ttl` is then how long the
-    hash must live at least for this field. A concurrency window's `previous_field` is the id of
-    the request it starts or closes, when it names one (`counters.in_flight_hit`). `packed` is set when the field holds several
+    hash must live at least for this field. `packed` is set when the field holds several
     windows of the descriptor (`sidecar.algorithms.packing`): the window's place in it, at this second.
+    A concurrency window's `previous_field` is the id of the request it starts or closes, when
+    it names one (`counters.in_flight_hit`).
 
     `counter` is what the over-limit cache knows the counter by: its key, its field and the
     window's limit (worked out once, as `Window.plain` is: it is read on every call).
