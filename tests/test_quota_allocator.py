@@ -15,6 +15,7 @@ from sidecar.quota.allocator import (
     LEASE_FILL_INTERVAL,
     LEASE_RATE,
     MAX_FILL_INTERVAL,
+    REPLACE_LATENCY_MS,
     REPORT_SLACK_MS,
     WINDOW_GRACE_MS,
     Assignment,
@@ -236,8 +237,9 @@ def test_a_bucket_that_may_hold_what_a_new_block_would_give_is_kept() -> None:
     """At a report, what the Envoy's bucket may still hold (100 leased, 30 counted since: 70)
     against what a new block would give: its demand of 11.5 a second until its next report (a
     TTL away) and a fifth more, 69, is not more, so the bucket is sent unchanged (Envoy keeps
-    its tokens) and commits the 70; a demand of 50 a second gets a new block, all that is left
-    (100), sent as a reset."""
+    its tokens) and commits the 70; a demand of 50 a second gets a new block, sent as a reset:
+    all that is left (100) less what the old bucket may admit before the reset reaches Envoy
+    (its demand over REPLACE_LATENCY_MS, 5), which stays owed."""
     current = Holder("a", 50.0, NOW - 5_000, NOW - 5_000, LEASE_RATE, 100, NOW + 1_000)
     owed, holds = lease_owed(current, 30, START, NOW, report=True)
     assert (owed, holds) == (0, 70)
@@ -248,20 +250,21 @@ def test_a_bucket_that_may_hold_what_a_new_block_would_give_is_kept() -> None:
     assert stored.commitment(START, START + HOUR) == 70
     got, stored = allocate(Budget(300, HOUR), "a", 50.0, [], 200, NOW, TTL, owed=owed,
                            current=current, holds=holds)  # fmt: skip
-    assert (got.max_tokens, got.reset) == (100, True)
+    assert (got.max_tokens, got.reset) == (95, True)
     assert stored.commitment(START, START + HOUR) == 100
 
 
 def test_a_bucket_holding_more_than_its_demand_spends_gives_the_surplus_back() -> None:
     """A bucket that may still hold 70 while its demand of 2 a second spends 12 until its next
-    report (and a fifth more) is replaced by a block of 12, sent as a reset: the other 58 are
-    free again for the Envoys that run dry before the window ends."""
+    report (and a fifth more) is replaced by a block of 12, sent as a reset: but for what the old
+    bucket may admit before the reset reaches Envoy (0.2), the other 58 are free again for the
+    Envoys that run dry before the window ends."""
     current = Holder("a", 50.0, NOW - 5_000, NOW - 5_000, LEASE_RATE, 100, NOW + 1_000)
     owed, holds = lease_owed(current, 30, START, NOW, report=True)
     got, stored = allocate(Budget(300, HOUR), "a", 2.0, [], 200, NOW, TTL, owed=owed,
                            current=current, holds=holds)  # fmt: skip
     assert (got.max_tokens, got.reset) == (12, True)
-    assert stored.commitment(START, START + HOUR) == 12
+    assert stored.commitment(START, START + HOUR) == 12 + 2.0 * REPLACE_LATENCY_MS / 1000
 
 
 def test_a_new_block_is_a_reset() -> None:
@@ -291,25 +294,26 @@ def test_a_reset_is_a_deny_all_then_the_block_in_one_response() -> None:
 
 
 def test_a_lease_spent_before_the_next_report_is_renewed_as_it_runs_out() -> None:
-    """A block of 120 (its share: 25 of the 125 a second asked) lasts 4.8 s: a push is due then
-    (and DRY_SLACK_MS), before its next report 5 s away. By then the other Envoy reported a
+    """A block of 100 (its share, 25 of the 125 a second asked, of the 500 left once what the
+    other Envoy probably spent since its block is out) lasts 4 s: a push is due then (and
+    DRY_SLACK_MS), before its next report 5 s away. By then the other Envoy reported a
     demand fallen to 10 a second and gave its surplus back: the push, though the old block's
-    120 are all owed, gets a new block from what is free, sent as a reset. A block that lasts
+    100 are all owed, gets a new block from what is free, sent as a reset. A block that lasts
     until the next report needs no push."""
     budget = Budget(600, MINUTE)
     other = Holder("b", 100.0, NOW - 1_000, NOW - 1_000, LEASE_RATE, 480, NOW + 5_000)
     got, stored = allocate(budget, "a", 25.0, [other], 0, NOW, 6_000, next_report_ms=NOW + 5_000)
-    assert got.max_tokens == 120
-    assert got.dry_ms == 4_800 + DRY_SLACK_MS
+    assert got.max_tokens == 100
+    assert got.dry_ms == 4_000 + DRY_SLACK_MS
     later = NOW + got.dry_ms
     owed, _ = lease_owed(stored, 0, START, later, report=False)
-    assert owed == 120
+    assert owed == 100
     # b reported 200 at NOW + 4 s, and got a block of what its 10 a second spend until its next.
     other = Holder("b", 10.0, NOW + 4_000, NOW + 4_000, LEASE_RATE, 63, NOW + 10_000)
     pushed, _ = allocate(budget, "a", None, [other], 200, later, 6_000, owed=owed,
                          current=stored, next_report_ms=NOW + 5_000, dry=True)  # fmt: skip
     assert pushed.reset
-    assert 1 <= pushed.max_tokens <= 600 - 200 - 120 - 63
+    assert 1 <= pushed.max_tokens <= 600 - 200 - 100 - 63
     lasting, _ = allocate(budget, "a", 5.0, [], 0, NOW, 6_000, next_report_ms=NOW + 5_000)
     assert lasting.dry_ms is None
 

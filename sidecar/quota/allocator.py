@@ -164,6 +164,9 @@ REPORT_SLACK_MS = 200
 #: after its predicted end (its demand spent its tokens): late rather than early, for a push
 #: replaces the bucket and would waste what an early one still held.
 DRY_SLACK_MS = 100
+#: A bucket replaced at a report may admit what it still holds until the new assignment reaches
+#: Envoy: this long at its demand is kept owed until the next report counts what it did admit.
+REPLACE_LATENCY_MS = 100
 
 
 class Blanket(enum.Enum):
@@ -453,16 +456,27 @@ def _lease(
     `reporting`: when its next report is due, the interval between reports, and whether this
     is a dry push."""
     due_ms, period_ms, dry = reporting
-    _, end = budget.window(now_ms)
+    start, end = budget.window(now_ms)
+    owed_before = owed
     # Never past the window: the next one's lease is pushed as it begins, with nothing of this
     # one's left to commit there (Envoy's expired_assignment_behavior meanwhile, milliseconds).
     term = min(ttl_ms, end - now_ms)
     turns = term < ttl_ms
     room = _room(budget, left, owed, held, now_ms, term)
-    wanted = _share(demand, sharing) * left
+    # Its share of what is left once what the others probably spent since their last report
+    # (and it since its own) is out: `left` still counts that, and a share of it would take
+    # from the Envoys that report later (only the share: `room` bounds the block).
+    spent = owed + sum(_spent(h, now_ms, start, end) for h in held)
+    wanted = _share(demand, sharing) * max(0.0, left - spent)
     # What covers its demand until its next block: its next report, or the window's end.
     horizon_ms = min(max(0, due_ms - now_ms) + REPORT_SLACK_MS, term)
-    enough = math.inf if demand is None else demand * horizon_ms / 1000 * (1 + LEASE_MARGIN)
+    margin = 1 + LEASE_MARGIN
+    if current is not None and current.reported_ms < start:
+        # Its next report counts what it admitted at the earlier window's end too, here up to
+        # this block (`counted`): a block its demand just spends by then (a dry push if it runs
+        # out sooner), so that this window pays for as little of the earlier one as it can.
+        horizon_ms, margin = min(max(0, due_ms - now_ms), term), 1.0
+    enough = math.inf if demand is None else demand * horizon_ms / 1000 * margin
     wanted = max(MIN_BURST, math.ceil(min(wanted, enough) - 1e-9))
     # A lease never fills a whole token in its term: its commitment is its block in every
     # window it overlaps (and `owed` in this one, already out of `room`).
@@ -495,6 +509,13 @@ def _lease(
             dry_ms=_dry_ms(0 if dry else holds, demand, sharing, now_ms, (due_ms, period_ms, end)),
         )
         return kept, owed + holds - current.burst
+    # Replaced, the bucket may still admit what it holds until the new assignment reaches Envoy:
+    # its demand over `REPLACE_LATENCY_MS`, kept owed until its next report counts it.
+    if demand is None:
+        owed += holds
+    else:
+        owed += min(holds, demand * REPLACE_LATENCY_MS / 1000)
+    block = min(block, math.floor(free - (owed - owed_before) + 1e-9))
     if block < 1:
         dry_ms = _dry_ms(0, demand, sharing, now_ms, (due_ms, period_ms, end))
         deny = Assignment(Blanket.DENY_ALL, term, constrained=True, turns=turns, dry_ms=dry_ms)
@@ -512,6 +533,17 @@ def _lease(
         reset=True,
     )
     return fresh, owed
+
+
+def _spent(holder: Holder, now_ms: int, start_ms: int, end_ms: int) -> float:
+    """What a lease holder probably spent of its commitment in this window, unreported: its
+    demand since its assignment (or the window's start), at most the commitment (0 when its
+    demand is not known). An estimate, for shares only."""
+    if holder.rate != LEASE_RATE or holder.demand is None:
+        return 0.0
+    since = max(holder.assigned_ms, start_ms)
+    probably = holder.demand * max(0, min(now_ms, holder.expires_ms) - since) / 1000
+    return min(holder.commitment(start_ms, end_ms), probably)
 
 
 def _dry_ms(
