@@ -471,8 +471,9 @@ def test_a_simulated_fleet_shares_the_limit_fairly() -> None:
 
 #: The under-admission bound of leases (the allocator's docstring): under steady demand at
 #: least 1.5 times the limit, a window admits at least this much of its limit once every
-#: Envoy's demand is known.
-UNDER_BOUND = 0.95
+#: Envoy's demand is known; of a limit of 600 a window or more, `UNDER_BOUND_LARGE`.
+UNDER_BOUND = 0.94
+UNDER_BOUND_LARGE = 0.98
 
 
 @settings(max_examples=30, deadline=None, derandomize=True)
@@ -489,7 +490,7 @@ def test_leased_windows_under_steady_demand_admit_at_least_the_bound(
     """One to five Envoys (reporting every 5 s, each at its own phase) asking `load` times the
     limit between them, in the shares `weights`: every window, from the second in which every
     demand is known (the first where new Envoys share equally is left out), admits at least
-    UNDER_BOUND of the limit."""
+    UNDER_BOUND of the limit (UNDER_BOUND_LARGE of a limit of 600 or more)."""
     total = load * limit / window_s
     demands = [total * w / sum(weights) for w in weights]
     result = simulate(
@@ -504,4 +505,4 @@ def test_leased_windows_under_steady_demand_admit_at_least_the_bound(
         seed=seed,
         settle=2 if window_s == 10 else 1,
     )
-    assert result.worst_use >= UNDER_BOUND, result
+    assert result.worst_use >= (UNDER_BOUND_LARGE if limit >= 600 else UNDER_BOUND), result

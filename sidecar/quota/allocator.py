@@ -18,10 +18,12 @@ Two ways to hand the budget out, by the rule:
   spends what is left of the window evenly until it ends.
 
 A lease: the block is the Envoy's share (its demand over the fleet's, as below) of what the
-window has left, and no more than its demand covers until its next block, a fifth more
-(`LEASE_MARGIN`): until its next report (due an interval like its last one after it, and
-`REPORT_SLACK_MS`), or the window's end if that comes first (the last blocks of a window are
-what its end leaves time for); at least `MIN_BURST` while the budget lasts, so an idle Envoy can
+window has left once what the others probably spent since their last report is out, and no
+more than its demand covers until its next block, a fifth more (`LEASE_MARGIN`): until its next
+report (due an interval like its last one after it, and `REPORT_SLACK_MS`), or the window's end
+if that comes first (the last blocks of a window are what its end leaves time for); the first
+block of a window, whose Envoy's next report also counts what it admitted at the earlier
+window's end, no more than its demand spends until that report; at least `MIN_BURST` while the budget lasts, so an idle Envoy can
 admit its next request and report its demand; a new Envoy, whose demand is not known yet,
 takes its share of what is left at once (alone, the whole of it); the Envoys that share are
 those whose lease ended within a TTL too (as a window turns, each is about to get the next). A
@@ -45,11 +47,11 @@ may have admitted since its last report), and a kept bucket commits what it may 
 ``used + every commitment`` bounds what the window admits. One thing a report cannot tell: of
 what it counts, how much the Envoy's old bucket admitted after the report was sent and before
 its new block arrived (a new block replaces the old bucket on arrival; the old one's remainder
-may be spent meanwhile). Taking it as nothing, a window admits at most its limit plus that
-(the Envoy's demand times the network latency, per new block, at most what the old bucket
-held); keeping it reserved instead would hold every block's remainder until its window ends
-(the report never says it was not spent), a block per Envoy that the others cannot use. A
-kept bucket is only sent while its assignment has `KEEP_MARGIN_MS` left to live (one that
+may be spent meanwhile). What its demand admits in `REPLACE_LATENCY_MS` (at most what the old
+bucket may hold) stays owed until the Envoy's next report counts it; a window admits at most
+its limit plus what an Envoy admits past that latency (keeping the whole remainder owed instead
+would hold every replaced bucket's remainder until the next report, a block per Envoy that the
+others cannot use meanwhile). A kept bucket is only sent while its assignment has `KEEP_MARGIN_MS` left to live (one that
 reached Envoy after the old one expired would start full).
 
 Under-admission (what a window leaves unspent while asked for more): what the leases hold when
@@ -60,12 +62,16 @@ which the report spanning the turn counts in this one (up to its first block her
 ended with the previous window counts nothing of it). The bound, tested on random fleets by
 `tests/test_quota_allocator.py` (one to five Envoys reporting every 5 s at their own phases,
 steady demand from 1.5 to 4 times the limit, 10 s and 60 s windows): every window from the
-second in which every demand is known admits at least 95% of its limit (the worst of 300 such
-fleets: 95.3%). A demand that changes between reports is covered only as far as the
-margin goes: in the same simulation, fleets whose demands each swing by up to 60% every second
-left 63 of 747 windows below 95%, the worst at 82.5% (without dry pushes and surplus returns:
-62, the worst at 66.3%; without blocks sized to the next report either: 82, at 60.1%), for a
-fifth more decisions. Through real Envoys, `tests/test_quota_e2e.py`: 600 of 600 per window.
+second in which every demand is known admits at least 94% of its limit, and at least 98% of a
+limit of 600 or more a window (the simulation's worst of 300 such fleets: 94.7%, five Envoys
+sharing 60 per 10 s, where a block of `MIN_BURST` is already a thirtieth of the limit; 99.3%
+among the 202 from 600 up; none of 747 windows of 300 other random fleets below 95%, the worst
+96.2%). A demand that changes between reports is covered only as far as the margin goes: in the
+same simulation, fleets whose demands each swing by up to 60% every second left 61 of 747
+windows below 95%, the worst at 85.8%, for half again as many decisions as without dry pushes
+and surplus returns (60 windows, the worst at 76.7%) or with neither these nor blocks sized to
+the next report (85, at 60.1%). Through real Envoys, `tests/test_quota_e2e.py`: 599 or 600 of
+600 per window, shared by demand.
 
 Pacing: each Envoy gets a token bucket (`tokens_per_fill` every `fill_interval`, at most
 `max_tokens` at once) whose rate is its share of the budget's pace:
@@ -103,7 +109,7 @@ by when Envoys admitted them, the requests a window admits are at most ``limit``
   `expired_assignment_behavior`: set them to `DENY_ALL`, or a small token bucket, to keep this
   small; a new bucket's first request is one of these);
 - what an Envoy admits under its old assignment between a new one being sent and received (its
-  old rate times the network latency).
+  old rate times the network latency; a lease's, past `REPLACE_LATENCY_MS`).
 Usage is counted in the window in which it is reported, but a report that spans a window's
 start counts in it no more than the Envoy's assignment let it admit since that start
 (`counted`): never less than it admitted there, so never looser.
