@@ -265,10 +265,14 @@ async def quota_app(tmp_path: Path, backend_url: str, **options: Any) -> AsyncIt
 async def test_a_new_bucket_leases_what_is_left(tmp_path: Path, backend_url: str) -> None:
     """The first report of a limited bucket, its Envoy alone, is answered with a lease of what
     the window has left: 600 a minute, 1 reported, a token bucket of 599 that does not refill
-    (a token every 10**8 s), living to the end of its TTL. Reported spent, the bucket is
-    DENY_ALL to the window's end."""
+    (a token every 10**8 s), living to the end of its TTL, sent as a reset (a DENY_ALL, then
+    the block: Envoy starts it full). Reported spent, the bucket is DENY_ALL to the window's
+    end."""
     async with quota_app(tmp_path, backend_url) as app, stream(app) as envoy:
         response = await envoy.report(({"tenant": "acme"}, 1, 0))
+        kinds = [a.quota_assignment_action.rate_limit_strategy for a in response.bucket_action]
+        assert [k.WhichOneof("strategy") for k in kinds] == ["blanket_rule", "token_bucket"]
+        assert kinds[0].blanket_rule == RateLimitStrategy.DENY_ALL
         action = effective(response)[0]
         assert action.quota_assignment_action.assignment_time_to_live.ToMilliseconds() == 6_000
         bucket = strategy(response).token_bucket

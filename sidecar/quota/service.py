@@ -6,7 +6,8 @@ Each bucket is matched against the rules (`buckets.resolve`); for a limited buck
 allowed requests go to the shared store, and `allocator.allocate` decides the Envoy's next
 assignment from the window's total and every Envoy's holder, which the store then keeps (read
 again and allocated again, at most `ATTEMPTS` times, when another sidecar wrote in between).
-Every report is answered with one action per bucket it lists.
+Every report is answered with one action per bucket it lists (a new lease block: two, a reset;
+see `convert.assignment_actions`).
 
 Between reports the stream pushes what Envoy would otherwise miss: a refresh `REFRESH_MARGIN_MS`
 before an assignment expires (counting what the Envoy may have admitted since its report), a
