@@ -2,23 +2,26 @@
 
 Each gateway is Envoy's `rate_limit_quota` filter as a fluid: requests arrive at its demand
 (requests per second), its current assignment admits them (a token bucket starts full when the
-assignment changes, keeps its tokens when it is sent again unchanged; no assignment or an
+assignment changes or is sent as a reset, keeps its tokens when it is sent again unchanged; no
+assignment or an
 expired one denies, as `no_assignment_behavior: DENY_ALL` would), and every reporting interval
 (each gateway at its own phase; 5 s by default, as Envoy 1.40 does) it reports what it allowed
 and denied. The server side is the sidecar's: the reports go into the window's `used`,
 `sidecar.quota.allocator.allocate` decides the reporting gateway's next assignment from every
 gateway's `Holder`, and each report costs the backend two operations (one script adds the usage
 and reads the holders, one writes the gateway's holder), as `sidecar.quota.store` does on Redis;
-an assignment cut below its share is decided again `RETRY_MS` later, as the service does.
+an assignment cut below its share is decided again `RETRY_MS` later, and a lease predicted spent
+before the gateway's next report gets its dry push (`Assignment.dry_ms`), as the service does.
 
 Scenarios (every one at about three times the limit):
 - skewed: demand Zipf-like over the gateways (the busiest asks ~60× the median), steady;
 - bursty: every gateway switches on (4× its mean) and off at random, a few seconds each;
 - shifting: skewed, then at half time the ranking flips (the busiest become the quietest).
 
-Printed per scenario: the worst window's overshoot (admitted above the limit, in % of it) and
-the mean use of the limit; fairness, Jain's index of admitted/demanded over the gateways (1 when
-every gateway admits the same fraction of its demand), per window, mean and worst; the time to
+Printed per scenario: the worst window's overshoot (admitted above the limit, in % of it), the
+mean and the least use of the limit; fairness, Jain's index of admitted/demanded over the
+gateways (1 when every gateway admits the same fraction of its demand), per window, mean and
+worst; the time to
 converge after the shift (until Jain's index over one-second slices is back at 0.95 or more);
 and backend operations per request, against one per request for the RLS path.
 
@@ -41,6 +44,7 @@ if not __package__:  # run as `python bench/quota_sim.py`: make the `sidecar` pa
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from sidecar.quota.allocator import (
+    WINDOW_GRACE_MS,
     Assignment,
     Blanket,
     Budget,
@@ -104,11 +108,15 @@ class Gateway:
         self.denied += asked - admitted
 
     def receive(self, assignment: Assignment, now_ms: int) -> None:
-        """Take a new assignment: Envoy keeps its token bucket only when the bucket sent is the
-        one it has; any other starts full."""
+        """Take a new assignment: Envoy keeps its token bucket when the bucket sent is the one it
+        has and it is not a reset; a reset (a new lease block) starts full. (Envoy 1.40 starts
+        any other changed bucket as full as the one it had, a fraction the fluid does not track:
+        the sidecar sends every new lease block as a reset, and a paced bucket's burst is small.)
+        """
         old = self.assignment if self.expires_ms > now_ms else None
         same_bucket = (
-            old is not None
+            not assignment.reset
+            and old is not None
             and old.blanket is assignment.blanket is Blanket.TOKEN_BUCKET
             and (old.tokens_per_fill, old.fill_interval, old.max_tokens)
             == (assignment.tokens_per_fill, assignment.fill_interval, assignment.max_tokens)
@@ -131,6 +139,10 @@ class Server:
     operations: int = 0
     #: Constrained assignments to decide again, by gateway: when (as the service does).
     retries: dict[str, int] = field(default_factory=dict)
+    #: When each gateway's lease is predicted spent (a retry due then is a dry push), and the
+    #: interval between its last two reports.
+    dry_at: dict[str, int] = field(default_factory=dict)
+    intervals: dict[str, int] = field(default_factory=dict)
 
     def report(self, name: str, gateway: Gateway, now_ms: int) -> None:
         window = now_ms - now_ms % self.budget.window_ms
@@ -145,6 +157,8 @@ class Server:
             _, holds = lease_owed(current, allowed, window, now_ms, report=True)
         elapsed = (now_ms - gateway.reported_ms) / 1000 if gateway.reported_ms else 0
         demand = (gateway.allowed + gateway.denied) / elapsed if elapsed else None
+        if elapsed:
+            self.intervals[name] = now_ms - gateway.reported_ms
         gateway.allowed = gateway.denied = 0.0
         gateway.reported_ms = now_ms
         others = [h for n, h in self.holders.items() if n != name]
@@ -158,6 +172,7 @@ class Server:
             self.ttl_ms,
             current=current,
             holds=holds,
+            next_report_ms=now_ms + self.intervals[name] if name in self.intervals else None,
         )
         self.holders[name] = holder
         self.operations += OPS_PER_REPORT
@@ -168,13 +183,20 @@ class Server:
         self, name: str, assignment: Assignment, now_ms: int, retried: bool = False
     ) -> None:
         """A constrained assignment is decided again soon (once per report); a lease that ends
-        with its window, as the window turns (as the service does)."""
+        with its window, as the window turns; one predicted spent before the next report, then
+        (as the service does)."""
+        self.dry_at.pop(name, None)
         if assignment.constrained and not retried:
             self.retries[name] = now_ms + RETRY_MS
         elif assignment.turns:
             self.retries[name] = now_ms + assignment.ttl_ms
+        elif assignment.spent:  # the next window's, as it begins
+            self.retries[name] = now_ms + assignment.ttl_ms - WINDOW_GRACE_MS
         else:
             self.retries.pop(name, None)
+        if assignment.dry_ms is not None:
+            self.dry_at[name] = now_ms + assignment.dry_ms
+            self.retries[name] = min(self.retries.get(name, self.dry_at[name]), self.dry_at[name])
 
     def retry(self, now_ms: int, fleet: Sequence[Gateway]) -> None:
         """Decide again the assignments due by `now_ms` (without a report): constrained ones, and
@@ -200,6 +222,10 @@ class Server:
                     else lease_owed(current, 0, window, now_ms, report=False)[0]
                 ),
                 current=current,
+                next_report_ms=(
+                    current.reported_ms + self.intervals[name] if name in self.intervals else None
+                ),
+                dry=self.dry_at.get(name, now_ms + 1) <= now_ms,
             )
             self.operations += OPS_PER_REPORT
             fleet[int(name)].receive(assignment, now_ms)
@@ -221,6 +247,8 @@ class Result:
     name: str
     worst_overshoot: float
     mean_use: float
+    #: The least-used window's use of the limit.
+    worst_use: float
     mean_jain: float
     worst_jain: float
     converge_s: float | None
@@ -248,8 +276,10 @@ def simulate(
     ttl_ms: int,
     shift_ms: int | None,
     seed: int = 1,
+    settle: int = 1,
 ) -> Result:
-    """Run one scenario; `demands(t_ms)` gives every gateway's demand from `t_ms` on."""
+    """Run one scenario; `demands(t_ms)` gives every gateway's demand from `t_ms` on; the first
+    `settle` windows are left out of the result."""
     rng = random.Random(seed)
     began = time.perf_counter()
     start = 1_700_000_040_000 - 1_700_000_040_000 % budget.window_ms
@@ -286,12 +316,12 @@ def simulate(
             last = slices[-(1000 // STEP_MS) :]
             if min(last) >= 0.95 and (step * STEP_MS - shift_ms) >= 1000:
                 converged = (step * STEP_MS - shift_ms) / 1000 - 1
-    # Whole windows, past the first (where every gateway is new).
+    # Whole windows, past the first `settle` (where every gateway is new).
     end = start + seconds * 1000
     windows = [
         w
         for w in sorted({w for g in fleet for w in g.windows})
-        if start < w <= end - budget.window_ms
+        if start + (settle - 1) * budget.window_ms < w <= end - budget.window_ms
     ]
     overshoot, use, fairness = [], [], []
     assert budget.limit is not None
@@ -312,6 +342,7 @@ def simulate(
         name,
         max(overshoot, default=0.0),
         sum(use) / max(1, len(use)),
+        min(use, default=1.0),
         sum(fairness) / max(1, len(fairness)),
         min(fairness, default=1.0),
         converged,
@@ -379,7 +410,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"TTL {args.ttl:g} s, {args.seconds} s each, {'paced' if args.pace else 'leased'}"
     )
     print(
-        f"{'scenario':<10} {'overshoot':>9} {'use':>6} {'jain':>6} {'worst':>6} "
+        f"{'scenario':<10} {'overshoot':>9} {'use':>6} {'least':>6} {'jain':>6} {'worst':>6} "
         f"{'converge':>9} {'ops/req':>8} {'RLS ops/req':>11} {'took':>6}"
     )
     only = {n for n in args.only.split(",") if n}
@@ -404,6 +435,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         print(
             f"{name:<10} {result.worst_overshoot:>8.2%} {result.mean_use:>6.1%} "
+            f"{result.worst_use:>6.1%} "
             f"{result.mean_jain:>6.3f} {result.worst_jain:>6.3f} {converge:>9} "
             f"{result.operations_per_request:>8.4f} {1:>11} {result.seconds:>5.0f}s"
         )

@@ -234,8 +234,20 @@ async def stream(app: App) -> AsyncIterator[Stream]:
         yield Stream(channel)
 
 
+def effective(response: RateLimitQuotaResponse) -> list[Any]:
+    """Each bucket's action as Envoy ends up with it: a new lease block comes as a DENY_ALL and
+    the block for the same bucket (a reset, see `convert.assignment_actions`), the last wins."""
+    actions: list[Any] = []
+    for action in response.bucket_action:
+        if actions and actions[-1].bucket_id == action.bucket_id:
+            actions[-1] = action
+        else:
+            actions.append(action)
+    return actions
+
+
 def strategy(response: RateLimitQuotaResponse, index: int = 0) -> Any:
-    action = response.bucket_action[index]
+    action = effective(response)[index]
     assert action.HasField("quota_assignment_action"), action
     return action.quota_assignment_action.rate_limit_strategy
 
@@ -253,11 +265,15 @@ async def quota_app(tmp_path: Path, backend_url: str, **options: Any) -> AsyncIt
 async def test_a_new_bucket_leases_what_is_left(tmp_path: Path, backend_url: str) -> None:
     """The first report of a limited bucket, its Envoy alone, is answered with a lease of what
     the window has left: 600 a minute, 1 reported, a token bucket of 599 that does not refill
-    (a token every 10**8 s), living to the end of its TTL. Reported spent, the bucket is
-    DENY_ALL to the window's end."""
+    (a token every 10**8 s), living to the end of its TTL, sent as a reset (a DENY_ALL, then
+    the block: Envoy starts it full). Reported spent, the bucket is DENY_ALL to the window's
+    end."""
     async with quota_app(tmp_path, backend_url) as app, stream(app) as envoy:
         response = await envoy.report(({"tenant": "acme"}, 1, 0))
-        action = response.bucket_action[0]
+        kinds = [a.quota_assignment_action.rate_limit_strategy for a in response.bucket_action]
+        assert [k.WhichOneof("strategy") for k in kinds] == ["blanket_rule", "token_bucket"]
+        assert kinds[0].blanket_rule == RateLimitStrategy.DENY_ALL
+        action = effective(response)[0]
         assert action.quota_assignment_action.assignment_time_to_live.ToMilliseconds() == 6_000
         bucket = strategy(response).token_bucket
         assert bucket.max_tokens == 599
@@ -295,7 +311,7 @@ async def test_blanket_rules(tmp_path: Path, backend_url: str) -> None:
         kinds = [strategy(response, i).blanket_rule for i in range(4)]
         allow, deny = RateLimitStrategy.ALLOW_ALL, RateLimitStrategy.DENY_ALL
         assert kinds == [allow, allow, deny, allow]
-        deny_ttl = response.bucket_action[2].quota_assignment_action.assignment_time_to_live
+        deny_ttl = effective(response)[2].quota_assignment_action.assignment_time_to_live
         assert deny_ttl.ToMilliseconds() == 30_000 + 1_000  # to the minute's end, and a second
         metrics = app.registry.get_sample_value
         assert metrics("ratelimit_sidecar_quota_shadow", {"strategy": "deny_all"}) == 1

@@ -100,6 +100,19 @@ def assignment_action(bucket: tuple[tuple[str, str], ...], assignment: Assignmen
     return action
 
 
+def assignment_actions(bucket: tuple[tuple[str, str], ...], assignment: Assignment) -> list[Any]:
+    """The actions that give `bucket` its assignment. A `reset` one (a new lease block) comes
+    after a DENY_ALL for the same bucket in the same response: Envoy 1.40 starts a changed token
+    bucket as full as the one it replaces (a bucket that had spent half its tokens gets half of
+    the new `max_tokens`; an empty one, none), and a token bucket that replaces a blanket rule
+    full. Envoy applies a response's actions in order, before its workers see any of them, so
+    the DENY_ALL is never enforced."""
+    if not assignment.reset:
+        return [assignment_action(bucket, assignment)]
+    deny = Assignment(Blanket.DENY_ALL, assignment.ttl_ms)
+    return [assignment_action(bucket, deny), assignment_action(bucket, assignment)]
+
+
 def abandon_action(bucket: tuple[tuple[str, str], ...]) -> Any:
     """The action that tells Envoy to forget `bucket` (its rule was removed)."""
     action = BucketAction(bucket_id=bucket_id(bucket))

@@ -6,11 +6,14 @@ Each bucket is matched against the rules (`buckets.resolve`); for a limited buck
 allowed requests go to the shared store, and `allocator.allocate` decides the Envoy's next
 assignment from the window's total and every Envoy's holder, which the store then keeps (read
 again and allocated again, at most `ATTEMPTS` times, when another sidecar wrote in between).
-Every report is answered with one action per bucket it lists.
+Every report is answered with one action per bucket it lists (a new lease block: two, a reset;
+see `convert.assignment_actions`).
 
 Between reports the stream pushes what Envoy would otherwise miss: a refresh `REFRESH_MARGIN_MS`
 before an assignment expires (counting what the Envoy may have admitted since its report), a
-second decision `RETRY_MS` after a constrained one (once per report), the
+second decision `RETRY_MS` after a constrained one (once per report), a new block to an Envoy
+whose lease its demand spends before its next report (`Assignment.dry_ms`: as it runs out, or
+after another Envoy's report that may give budget back), the
 next window's assignment as a spent window's DENY_ALL ends or as a lease ends with its window,
 and an `abandon_action` for a bucket
 whose rule was removed. A bucket no rule limits gets ALLOW_ALL (as ShouldRateLimit answers OK),
@@ -121,6 +124,17 @@ class _Held:
     refresh_ms: int | None = None
     #: Whether a constrained assignment was decided again since the last report.
     retried: bool = False
+    #: The interval between its last two reports (Envoy's reporting interval), ms.
+    interval_ms: int | None = None
+    #: When its lease is predicted spent before its next report (`Assignment.dry_ms`): the
+    #: refresh due then is a dry push.
+    dry_at: int | None = None
+
+    def next_report_ms(self) -> int | None:
+        """When its next report is due, if it reported twice."""
+        if self.reported_ms is None or self.interval_ms is None:
+            return None
+        return self.reported_ms + self.interval_ms
 
 
 class QuotaService:
@@ -192,7 +206,8 @@ class QuotaService:
         report: bool = True,
     ) -> Assignment | None:
         """The next assignment of a limited bucket, or None when the store failed. `report`:
-        answering Envoy's report (else a refresh pushed between reports)."""
+        answering Envoy's report (else a refresh pushed between reports: a dry push when its
+        lease was predicted spent)."""
         bucket = held.bucket
         assert bucket is not None
         budget = bucket.budget
@@ -223,6 +238,8 @@ class QuotaService:
                     owed=owed,
                     current=held.holder,
                     holds=holds,
+                    next_report_ms=held.next_report_ms(),
+                    dry=not report and held.dry_at is not None and held.dry_at <= now_ms,
                 )
                 # Holders whose assignments ended before this window commit nothing any more.
                 # (A lease ends with its window: kept a TTL more, its Envoy shares the next.)
@@ -292,11 +309,10 @@ class _Session:
                 demand = None
                 if held.reported_ms is not None and now > held.reported_ms:
                     demand = (line.allowed + line.denied) * 1000 / (now - held.reported_ms)
+                    held.interval_ms = now - held.reported_ms
                 held.reported_ms = now
                 held.retried = False
-                action = await self._action(line.bucket, held, line.allowed, demand, now)
-                if action is not None:
-                    actions.append(action)
+                actions += await self._action(line.bucket, held, line.allowed, demand, now)
             await self._send(actions)
 
     async def refresh_forever(self) -> None:
@@ -316,9 +332,7 @@ class _Session:
                 now = self.service.now_ms()
                 for bucket_id, held in list(self.buckets.items()):
                     if held.refresh_ms is not None and held.refresh_ms <= now:
-                        action = await self._action(bucket_id, held, 0, None, now, report=False)
-                        if action is not None:
-                            actions.append(action)
+                        actions += await self._action(bucket_id, held, 0, None, now, report=False)
                 await self._send(actions)
 
     def _rematch(self) -> Iterator[Any]:
@@ -345,7 +359,8 @@ class _Session:
         demand: float | None,
         now_ms: int,
         report: bool = True,
-    ) -> Any | None:
+    ) -> list[Any]:
+        """The actions that answer or refresh one bucket (none when the store failed)."""
         service = self.service
         if held.bucket is None:
             assignment: Assignment | None = Assignment(Blanket.ALLOW_ALL, service.ttl_ms)
@@ -354,7 +369,7 @@ class _Session:
         if assignment is None:
             # Try again at the next report, or in a second if the assignment runs out first.
             held.refresh_ms = now_ms + TICK_MS
-            return None
+            return []
         service.stats.count(assignment)
         log.debug(
             "rlqs_assignment",
@@ -368,11 +383,17 @@ class _Session:
             demand=held.holder.demand if held.holder is not None else None,
         )
         held.refresh_ms = _refresh_at(assignment, now_ms)
+        held.dry_at = None
+        if assignment.dry_ms is not None:
+            # Its lease runs out before its next report: a new block is pushed then.
+            held.dry_at = now_ms + assignment.dry_ms
+            held.refresh_ms = min(held.refresh_ms, held.dry_at)
+            self.wake.set()
         if assignment.constrained and not held.retried:
             held.retried = True
             held.refresh_ms = min(held.refresh_ms, now_ms + RETRY_MS)
             self.wake.set()  # sooner than the refresher may be sleeping
-        return convert.assignment_action(bucket_id, assignment)
+        return convert.assignment_actions(bucket_id, assignment)
 
     async def _send(self, actions: list[Any]) -> None:
         if actions:
