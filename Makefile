@@ -72,8 +72,7 @@ test-source: venv test-deps
 	$(BIN)/pytest $(PYTEST_ARGS)
 
 ## The whole suite on the compiled build: tests/support/builds.py puts it ahead of the sources, in
-## the tests' process and in every process they start. Tests marked build_independent (they check
-## nothing the build changes; tests/support/build_independent.py holds them to it) run only above.
+## the tests' process and in every process they start.
 test-compiled: venv compiled test-deps
 	SIDECAR_BUILD=$(COMPILED) $(BIN)/pytest $(PYTEST_ARGS)
 

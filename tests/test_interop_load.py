@@ -52,7 +52,8 @@ TIMER_SLACK = 0.01
 #: The sidecar's deadline for one Redis call: longer than Envoy's, so a frozen Redis makes the
 #: sidecar answer after Envoy gave up.
 REDIS_TIMEOUT = 10.0
-#: Seconds each load generator runs.
+#: Seconds each load generator runs; wrk's run is ended sooner (`Wrk.finish`) once what it
+#: loaded has happened, except where h2load beside it runs on for as long.
 LOAD_SECONDS = 4.0
 #: The limit of an app that is not under load, per hour and client address.
 LIMIT = 10
@@ -302,7 +303,7 @@ def test_a_call_slower_than_envoys_timeout_is_reset_and_its_late_answer_dropped(
             frozen = [rig.get(unique("frozen")) for _ in range(2)]
         finally:
             rig.redis.resume()
-        report = load.report()
+        report = load.finish()
     finally:
         load.kill()
     after = settled(rig)
@@ -430,7 +431,7 @@ def test_a_sidecar_killed_and_restarted_under_load_fails_open_then_counts_exactl
         )
         new = rig.sidecar = rig.start_sidecar("restarted")
         wait_until(lambda: new.calls() > 100, "load at the restarted sidecar")
-        report = load.report()
+        report = load.finish()
     finally:
         load.kill()
     after = settled(rig)
@@ -476,7 +477,7 @@ def test_redis_restarted_under_load_is_denied_meanwhile_and_the_sidecar_recovers
             rig.redis.start()
         back = rig.envoy.stat(FILTER + "ok")
         wait_until(lambda: rig.envoy.stat(FILTER + "ok") > back + 100, "answers from Redis again")
-        report = load.report()
+        report = load.finish()
     finally:
         load.kill()
     after = settled(rig)

@@ -9,6 +9,7 @@ was started with.
 from __future__ import annotations
 
 import re
+import signal
 import subprocess
 from collections import Counter
 from dataclasses import dataclass
@@ -92,7 +93,17 @@ class Wrk:
 
     def report(self) -> WrkReport:
         """Wait for the run to end and parse its summary."""
-        output, _ = self._popen.communicate(timeout=self.seconds + OVERRUN)
+        return self._parse(self._popen.communicate(timeout=self.seconds + OVERRUN)[0])
+
+    def finish(self) -> WrkReport:
+        """End the run now, once what it had to load has happened, and parse its summary: on
+        SIGINT wrk stops its threads and reports as at the end of its duration (requests still
+        unanswered left unread, as then), instead of loading on for the rest of `seconds`."""
+        if self._popen.poll() is None:
+            self._popen.send_signal(signal.SIGINT)
+        return self.report()
+
+    def _parse(self, output: str) -> WrkReport:
         if self._popen.returncode != 0:
             raise AssertionError(f"wrk exited with {self._popen.returncode}:\n{output}")
         statuses: Counter[int] = Counter()
