@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import yaml
-from support.envoys import HOST, Envoy, Sidecar, free_port, get, start_together
+from support.envoys import HOST, POLL, Envoy, Sidecar, free_port, get, start_together
 from test_gateway_e2e import unique
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "envoy" / "concurrency.yaml"
@@ -63,7 +63,10 @@ class HeldUpstream:
         self.server = http.server.ThreadingHTTPServer((HOST, 0), Handler)
         self.server.daemon_threads = True
         self.port: int = self.server.server_address[1]
-        self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        # Checks for `shutdown` every POLL, not the default 0.5 s each test would wait at its end.
+        self._thread = threading.Thread(
+            target=self.server.serve_forever, kwargs={"poll_interval": POLL}, daemon=True
+        )
         self._thread.start()
 
     def hold(self) -> None:
