@@ -190,12 +190,13 @@ async def test_a_batch_of_50_ads_with_mixed_caps_is_decided_in_one_backend_call(
     assert await sidecar.check("u1", *candidates) == expected
 
 
-async def test_the_caps_kept_between_checks_are_bounded_and_forget_the_least_recently_used(
+async def test_the_caps_kept_between_checks_are_bounded_and_forget_what_was_not_used_lately(
     make_sidecar: Callable[..., Sidecar],
 ) -> None:
-    """A sidecar keeps the caps of at most `plan_cache_size` descriptors between checks: past
-    it, the one least recently checked is forgotten, and answers stay the same."""
-    sidecar = make_sidecar(plan_cache_size=3)
+    """A sidecar keeps the caps of at most `plan_cache_size` descriptors between checks, in two
+    generations of half of it: a descriptor checked again since the last turn is kept, one not
+    checked since is forgotten at the next, and answers stay the same."""
+    sidecar = make_sidecar(plan_cache_size=4)
     await sidecar.record(*impressions("u1", "a1", 2))
     before = await sidecar.check("u1", Candidate("a1"), Candidate("a2", "c1"))
     assert sidecar.caps.cached() == [
@@ -212,7 +213,7 @@ async def test_the_caps_kept_between_checks_are_bounded_and_forget_the_least_rec
     ]
     assert await sidecar.check("u1", Candidate("a1"), Candidate("a2", "c1")) == before
     assert [verdict.remaining for verdict in before] == [1, 3]
-    assert len(sidecar.caps.cached()) == 3
+    assert len(sidecar.caps.cached()) <= 4
 
 
 async def test_new_rules_apply_from_the_next_check_on_ads_already_checked(

@@ -46,7 +46,6 @@ its cap plans, hit templates and id rules; the docstring above is the feature's 
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -87,11 +86,13 @@ DEDUPE_MARGIN = 60
 #: check names (about 400 bytes each: 40 MB at most), and events it knows per domain.
 PLAN_CACHE_SIZE = 100_000
 
-#: A descriptor's caps below one first-level rule node: the id of their limit (in
+#: A descriptor's caps below one first-level rule node: the number of their limit (its place in
 #: `FrequencyCaps._limits`), whether its tree groups counters, and the counters' head.
-Template = tuple[int, bool, str]
+Template = tuple[int, bool, bytes]
 #: A descriptor's caps below each first-level rule node a check names (None: no cap there).
 Plan = tuple[Template | None, ...]
+#: What a plan is kept by: the ids of the rule nodes, the descriptor's key and value, the event.
+PlanKey = tuple[tuple[int, ...], str, str, str]
 
 #: (kind, value) pairs naming who a call is about.
 Identifiers = Sequence[tuple[str, str]]
@@ -151,23 +152,26 @@ class FrequencyCaps:
     ) -> None:
         if dedupe_horizon < 1:
             raise ValueError(f"dedupe horizon must be at least 1 second, not {dedupe_horizon}")
-        if plan_cache_size < 1:
-            raise ValueError(f"plan cache size must be at least 1, not {plan_cache_size}")
+        if plan_cache_size < 2:
+            raise ValueError(f"plan cache size must be at least 2, not {plan_cache_size}")
         self.rules = rules
         self.backend = backend
         self.dedupe_horizon = dedupe_horizon
         self.plan_cache_size = plan_cache_size
         self._clock = clock
-        # (ids of first-level rule nodes, key, value, event) -> the caps below each (`_plan`);
-        # the rules (and so the nodes and limits) live as long as this object, or until
-        # `set_rules` empties it. Plain tuples of numbers and text, see `_plan` (20,006 objects
-        # in such a cache were a 3 ms pause with 10,000 ads).
-        self._plans: OrderedDict[tuple[tuple[int, ...], str, str, str], Plan] = OrderedDict()
-        self._limits: dict[int, Limit] = {}
-        # The Shapes of checks in `_second` (Unix seconds), by (limit id, grouped): one per limit
-        # of the rules at most, made again each second.
+        # (ids of first-level rule nodes, key, value, event) -> the caps below each (`_plan`),
+        # those used lately and those used before; the rules (and so the nodes and limits) live
+        # as long as this object, or until `set_rules` empties them. Plain tuples of numbers and
+        # text, see `_plan` (20,006 objects in such a cache were a 3 ms pause with 10,000 ads).
+        self._plans: dict[PlanKey, Plan] = {}
+        self._older: dict[PlanKey, Plan] = {}
+        # The limits templates name, by number; and the number of each, by its id.
+        self._limits: list[Limit] = []
+        self._numbers: dict[int, int] = {}
+        # The Shapes of checks in `_second` (Unix seconds), by limit number and grouping
+        # (`Check.add`): two per limit of the rules at most, made again each second.
         self._second = -1
-        self._shapes: dict[tuple[int, bool], Shape] = {}
+        self._shapes: dict[int, Shape] = {}
         # (domain, event) -> whether the domain's rules declare the event.
         self._events: dict[tuple[str, str], bool] = {}
         # Domain -> its identifier kinds (None: it has no caps).
@@ -176,8 +180,10 @@ class FrequencyCaps:
     def set_rules(self, rules: Rules) -> None:
         """Serve new rules from the next call on (a config reload)."""
         self.rules = rules
-        self._plans = OrderedDict()
-        self._limits = {}
+        self._plans = {}
+        self._older = {}
+        self._limits = []
+        self._numbers = {}
         self._shapes = {}
         self._events = {}
         self._layouts = {}
@@ -268,10 +274,12 @@ class FrequencyCaps:
         each under its `members`; their positions in the check."""
         plan = self._plan(nodes, whose, descriptor, event)
         found = []
-        for template, summed in zip(plan, members, strict=True):
+        for index in range(len(plan)):
+            template = plan[index]
             if template is not None:
-                limit, grouped, head = template
-                found.append(check.add(self._limits[limit], grouped, head, summed))
+                number, grouped, head = template
+                limit = self._limits[number]
+                found.append(check.add(limit, number, grouped, head, members[index]))
         return tuple(found)
 
     def _plan(
@@ -279,28 +287,38 @@ class FrequencyCaps:
     ) -> Plan:
         """The caps of `descriptor` (`(ad, A)` or `(campaign, C)`, and `(event, E)` after it
         for an event but an impression) below each first-level rule of `nodes`, as `_template`
-        finds them. Kept across checks (ads come back again and again) in a cache that forgets
-        the least recently used past `plan_cache_size`; its entries hold the limits by their id in
-        `_limits` (plain tuples of numbers and text: the collector stops tracking them, so its
-        full collections do not walk a cache that holds an entry per ad of the catalog)."""
+        finds them. Kept across checks (ads come back again and again), in bounded memory; its
+        entries name the limits by number (plain tuples of numbers and text: the collector
+        stops tracking them, so its full collections do not walk a cache that holds an entry
+        per ad of the catalog).
+
+        The cache forgets what was not used lately, in two generations of plain dicts (a hit
+        is one dict look-up; an ordered dict's costs a method call): plans go to the recent
+        generation, which becomes the older one once it holds half of `plan_cache_size`; a plan
+        found in the older one moves back to the recent one, and whatever the older one still
+        holds at the next turn is forgotten. So at most `plan_cache_size` plans are kept, and
+        one used within the last half of them made is never forgotten."""
         known = (whose, descriptor[0], descriptor[1], event)
         plans = self._plans
         plan = plans.get(known)
         if plan is not None:
-            plans.move_to_end(known)
             return plan
-        # (Made from a list: the templates exist before the tuple holding them, so one pass of
-        # the collector finds them untracked and stops tracking the plan too.)
-        plan = tuple([self._template(node, descriptor[0], descriptor[1], event) for node in nodes])
-        if len(plans) >= self.plan_cache_size:
-            plans.popitem(last=False)
+        plan = self._older.pop(known, None)
+        if plan is None:
+            # (Made from a list: the templates exist before the tuple holding them, so one pass
+            # of the collector finds them untracked and stops tracking the plan too.)
+            found = [self._template(node, descriptor[0], descriptor[1], event) for node in nodes]
+            plan = tuple(found)
+        if len(plans) >= self.plan_cache_size // 2:
+            self._older, self._plans = plans, {}
+            plans = self._plans
         plans[known] = plan
         return plan
 
     def cached(self) -> list[tuple[str, str, str]]:
         """The descriptors whose caps are kept between checks, as (key, value, event), the
-        least recently used first: at most `plan_cache_size`, none after `set_rules`."""
-        return [(key, value, event) for _, key, value, event in self._plans]
+        older generation first: at most `plan_cache_size`, none after `set_rules`."""
+        return [(key, value, event) for _, key, value, event in [*self._older, *self._plans]]
 
     def _template(self, node: Node, key: str, value: str, event: str) -> Template | None:
         """The caps of `[(first, *), (key, value)]` (and `(event, E)` after it for an event but
@@ -321,8 +339,11 @@ class FrequencyCaps:
         head = field_head(parts)
         if node.identifiers:
             head = f"%{escape(node.key)}|{head}"
-        self._limits[id(leaf.limit)] = leaf.limit
-        return id(leaf.limit), node.group_counters, head
+        number = self._numbers.get(id(leaf.limit))
+        if number is None:
+            number = self._numbers[id(leaf.limit)] = len(self._limits)
+            self._limits.append(leaf.limit)
+        return number, node.group_counters, head.encode()
 
     async def record(self, domain: str, impressions: Sequence[Impression]) -> list[Recorded]:
         """Count each impression unless its id was recorded within the horizon; results in
@@ -382,9 +403,10 @@ class FrequencyCaps:
                             node = scope.node
                             plan = self._plan([node], (id(node),), (key, value), event)
                             if plan[0] is not None:
-                                limit, grouped, head = plan[0]
+                                number, grouped, head = plan[0]
+                                limit = self._limits[number]
                                 hits += _scope_hits(
-                                    rules, first, self._limits[limit], grouped, head, group, now_ms
+                                    rules, first, limit, grouped, head.decode(), group, now_ms
                                 )
                 if len(hits) > before or named[index][0] == first:
                     kept.append(index)

@@ -30,6 +30,9 @@ from sidecar.core.keys import descriptor_prefix
 from sidecar.decision.limiter import most_restrictive
 from sidecar.model import UNLIMITED_REMAINING, Hit, Limit, Outcome, Role, Slot, Window
 
+#: Read on every verdict: compiled, an enum member read through its class is a Python call.
+_BLOCKING, _SHADOW = Role.BLOCKING, Role.SHADOW
+
 
 class Judged:
     """A window (or a cap, by its most restrictive window) as a check finds it: over (one more
@@ -98,9 +101,10 @@ class Check:
     descriptor's limit under the identifiers it counts across), read `addresses`, `judge` the
     values, then ask each ad's `verdict` from its caps."""
 
-    def __init__(self, domain: str, now_ms: int, shapes: dict[tuple[int, bool], Shape]) -> None:
-        """`shapes`: the Shapes of this second so far, by (limit id, grouped), which `add`
-        completes; the caller keeps them for the other checks of the second."""
+    def __init__(self, domain: str, now_ms: int, shapes: dict[int, Shape]) -> None:
+        """`shapes`: the Shapes of this second so far, by limit number and grouping (see
+        `add`), which `add` completes; the caller keeps them for the other checks of the
+        second."""
         self.domain = domain
         self.now_ms = now_ms
         # The ms since the start of the second, which Shapes count resets from.
@@ -125,14 +129,17 @@ class Check:
         self._heads.append((head, head.encode()))
         return len(self._heads) - 1
 
-    def add(self, limit: Limit, grouped: bool, head: str, members: Sequence[int]) -> int:
-        """The cap of `limit` on the descriptor whose counters `head` names, summed over the
-        identifiers `members`; its position, by which `verdict` names it."""
-        shape = self._shapes.get((id(limit), grouped))
+    def add(
+        self, limit: Limit, number: int, grouped: bool, name: bytes, members: Sequence[int]
+    ) -> int:
+        """The cap of `limit` (the caller's `number` for it, the same for every check) on the
+        descriptor whose counters `name` names, grouped or not, summed over the identifiers
+        `members`; its position, by which `verdict` names it."""
+        known = number * 2 + grouped
+        shape = self._shapes.get(known)
         if shape is None:
-            shape = self._shapes[(id(limit), grouped)] = Shape(limit, grouped, self.now_ms // 1000)
+            shape = self._shapes[known] = Shape(limit, grouped, self.now_ms // 1000)
         addresses = self.addresses
-        name = head.encode()
         bases = []
         for member in members:
             prefix, key = self._heads[member]
@@ -148,6 +155,7 @@ class Check:
         if shape.others:
             first_hit = len(self._hits)
             prefix, key = self._heads[members[0]]
+            head = name.decode()
             for window in shape.others:
                 if grouped:
                     hit = field_hit(key, head, window, 0, 0, limit.role, self.now_ms)
@@ -197,14 +205,14 @@ class Check:
         judge a request carrying all their descriptors: remaining and reset from the most
         restrictive window that can block (4294967295 and 0 when none can)."""
         judged, roles = self._judged, self._roles
-        if len(caps) == 1 and roles[caps[0]] is Role.BLOCKING:
+        if len(caps) == 1 and roles[caps[0]] is _BLOCKING:
             # The common case, said shortly: one blocking cap blocks when it is over.
             best = judged[caps[0]]
             return not best.over, best.remaining, -((self._into - best.reset_ms) // 1000)
         allowed = not request_is_over(
             [judged[cap].over for cap in caps], [roles[cap] for cap in caps]
         )
-        chosen = [judged[cap] for cap in caps if roles[cap] is not Role.SHADOW]
+        chosen = [judged[cap] for cap in caps if roles[cap] is not _SHADOW]
         if not chosen:
             return allowed, UNLIMITED_REMAINING, 0
         best = _chosen(chosen)
