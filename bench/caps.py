@@ -30,6 +30,10 @@ Everything goes through a real sidecar process and its gRPC port, on a fresh `re
 
     .venv/bin/python -m bench.caps [--users N] [--reference-users N] [--seconds S]
                                    [--packed-counters N,N] [--check-rate N]
+                                   [--build build/compiled] [--zipf-only]
+
+`--zipf-only` loads the largest packed layout and measures the Zipf row alone (at each rate of
+`--check-rate`, comma-separated); `--build` runs the sidecars from the compiled build.
 
 The clients run on the same CPUs as the sidecar and Redis, so their share is in every number.
 Exit status: 0 when measured (targets met or not), 1 when something failed.
@@ -61,6 +65,7 @@ from bench.load import run as run_load
 from bench.probe import grpc_frame
 from bench.processes import CLOCK_TICKS_PER_SECOND, BenchError, Process, free_port, start
 from bench.services import Service, start_redis
+from sidecar import build as sidecar_build
 from sidecar.algorithms import packing
 from sidecar.core import config
 from sidecar.core.counters import grouped_hits
@@ -575,7 +580,36 @@ def noop_latency(workdir: Path, load: Load) -> LoadResult:
         server.stop()
 
 
+async def run_zipf(args: argparse.Namespace, workdir: Path) -> str:
+    """The Zipf row alone, at each rate asked, on the largest packed layout loaded once."""
+    service = start_redis(workdir)
+    try:
+        port = int(service.placeholders["redis_url"].rsplit(":", 1)[1])
+        client = redis.Redis(host="127.0.0.1", port=port, protocol=2)
+        for name, value in LISTPACK.items():
+            client.config_set(name, value)
+        counters = max(args.packed_counters)
+        _progress(f"memory, packed layout in bulk: {counters:,} counters")
+        bulk = await measure_bulk(workdir, service, client, "packed", PACKED_RULES, counters, True)
+        lines = []
+        for number, rate in enumerate(args.check_rate):
+            _progress(f"CheckAds on Zipf users, {rate}/s, on the counters loaded")
+            rundir = workdir / f"zipf-{number}"
+            rundir.mkdir()
+            distinct = await measure_distinct(rundir, service, rate, args.seconds)
+            lines += distinct.lines() + distinct.targets()
+        client.close()
+    finally:
+        service.stop()
+    return "\n".join(
+        [f"  packed {bulk.counters:,} counters: {bulk.per_counter:.1f} B/counter", *lines]
+    )
+
+
 async def run(args: argparse.Namespace, workdir: Path) -> str:
+    if args.zipf_only:
+        return await run_zipf(args, workdir)
+    rate = args.check_rate[0]
     service = start_redis(workdir)
     try:
         port = int(service.placeholders["redis_url"].rsplit(":", 1)[1])
@@ -592,8 +626,8 @@ async def run(args: argparse.Namespace, workdir: Path) -> str:
                 bulks.append(
                     await measure_bulk(workdir, service, client, layout, rules, counters, keep)
                 )
-        _progress(f"CheckAds on Zipf users, {args.check_rate}/s, on the counters loaded")
-        distinct = await measure_distinct(workdir, service, args.check_rate, args.seconds)
+        _progress(f"CheckAds on Zipf users, {rate}/s, on the counters loaded")
+        distinct = await measure_distinct(workdir, service, rate, args.seconds)
         client.flushall()
         _progress(f"memory, grouped layout: {args.users:,} users x 20 ads x (day + month)")
         grouped = await measure_memory(workdir, service, client, "grouped", RULES, args.users)
@@ -694,8 +728,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--seconds", type=float, default=15.0, help="CheckAds load duration")
     parser.add_argument(
-        "--check-rate", type=int, default=CHECK_RATE, help="CheckAds/s of the Zipf row"
+        "--check-rate",
+        type=lambda text: [int(n) for n in text.split(",") if n],
+        default=[CHECK_RATE],
+        help="CheckAds/s of the Zipf row (comma-separated with --zipf-only: one run each)",
     )
+    parser.add_argument(
+        "--zipf-only", action="store_true", help="measure the Zipf CheckAds row alone"
+    )
+    parser.add_argument(
+        "--build", type=Path,
+        help="run the sidecars from the compiled build in this directory (make compiled)",
+    )  # fmt: skip
     parser.add_argument(
         "--packed-counters",
         type=lambda text: [int(n) for n in text.split(",") if n],
@@ -703,10 +747,18 @@ def main(argv: list[str] | None = None) -> int:
         help="counters of the bulk loads (comma-separated; empty: none)",
     )
     args = parser.parse_args(argv)
+    if args.build is not None:
+        try:
+            root = Path(__file__).resolve().parent.parent
+            os.environ.update(sidecar_build.environ(args.build, also=[root]))
+        except ValueError as exc:
+            print(f"bench.caps: {exc}", file=sys.stderr)
+            return 2
     signal.signal(signal.SIGTERM, _interrupt)
     try:
         with tempfile.TemporaryDirectory(prefix="bench-caps-") as workdir:
             print(asyncio.run(run(args, Path(workdir))))
+            print(f"build: compiled ({args.build})" if args.build is not None else "build: sources")
     except BenchError as exc:
         print(f"bench.caps FAILED: {exc}", file=sys.stderr)
         return 1

@@ -3,7 +3,8 @@ them are compiled in this process.
 
 The compiled build (`RATELIMIT_SIDECAR_COMPILE=1`, see setup.py and README) compiles the modules
 every ShouldRateLimit call runs through with mypyc, from the same source: the fast transport's
-HTTP/2 state machine, the service, the limiter and the Redis backend with its script contract and its pipelined client.
+HTTP/2 state machine, the service, the limiter and the Redis backend with its script contract and its pipelined client, and
+what a frequency-cap check (CheckAds) runs through.
 The rest (configuration, the admin endpoints, the injector, grpcio) stays interpreted: it is off
 the hot path, and it talks to libraries whose stubs mypyc's runtime checks would hold it to.
 
@@ -37,6 +38,8 @@ HOT_PATH = (
     "sidecar.core.counters",
     "sidecar.core.keys",
     "sidecar.algorithms.windows",
+    "sidecar.algorithms.fixed_window",
+    "sidecar.algorithms.packing",
     "sidecar.decision.limiter",
     "sidecar.decision.stats",
     "sidecar.decision.over_limit_cache",
@@ -45,6 +48,10 @@ HOT_PATH = (
     "sidecar.storage.failures",
     "sidecar.storage.scripts",
     "sidecar.storage.redis",
+    # A frequency-cap check (CheckAds): about two hundred caps named and judged a call.
+    "sidecar.frequency.identities",
+    "sidecar.frequency.checks",
+    "sidecar.frequency.caps",
 )
 
 

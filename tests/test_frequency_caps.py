@@ -127,12 +127,18 @@ async def make_sidecar(backend_url: str, clock: Clock) -> AsyncIterator[Callable
     """Sidecars on the backend under test: ``make(rules=RULES, dedupe_horizon=...)``."""
     opened: list[Backend] = []
 
-    def make(rules: str = RULES, dedupe_horizon: int = DAY) -> Sidecar:
+    def make(rules: str = RULES, dedupe_horizon: int = DAY, plan_cache_size: int = 100) -> Sidecar:
         domain = config.parse(rules, "rules.yaml")
         loaded = Rules({domain.name: domain})
         backend = CountingBackend(open_backend(backend_url, timeout_ms=2_000))
         opened.append(backend)
-        caps = FrequencyCaps(loaded, backend, clock=clock, dedupe_horizon=dedupe_horizon)
+        caps = FrequencyCaps(
+            loaded,
+            backend,
+            clock=clock,
+            dedupe_horizon=dedupe_horizon,
+            plan_cache_size=plan_cache_size,
+        )
         return Sidecar(caps, Limiter(loaded, backend, clock=clock), backend)
 
     yield make
@@ -182,6 +188,48 @@ async def test_a_batch_of_50_ads_with_mixed_caps_is_decided_in_one_backend_call(
     assert verdicts == expected
     assert sidecar.backend.reads == 1
     assert await sidecar.check("u1", *candidates) == expected
+
+
+async def test_the_caps_kept_between_checks_are_bounded_and_forget_what_was_not_used_lately(
+    make_sidecar: Callable[..., Sidecar],
+) -> None:
+    """A sidecar keeps the caps of at most `plan_cache_size` descriptors between checks, in two
+    generations of half of it: a descriptor checked again since the last turn is kept, one not
+    checked since is forgotten at the next, and answers stay the same."""
+    sidecar = make_sidecar(plan_cache_size=4)
+    await sidecar.record(*impressions("u1", "a1", 2))
+    before = await sidecar.check("u1", Candidate("a1"), Candidate("a2", "c1"))
+    assert sidecar.caps.cached() == [
+        ("ad", "a1", "impression"),
+        ("ad", "a2", "impression"),
+        ("campaign", "c1", "impression"),
+    ]
+    await sidecar.check("u2", Candidate("a1"))
+    await sidecar.check("u2", Candidate("a3"))
+    assert sidecar.caps.cached() == [
+        ("campaign", "c1", "impression"),
+        ("ad", "a1", "impression"),
+        ("ad", "a3", "impression"),
+    ]
+    assert await sidecar.check("u1", Candidate("a1"), Candidate("a2", "c1")) == before
+    assert [verdict.remaining for verdict in before] == [1, 3]
+    assert len(sidecar.caps.cached()) <= 4
+
+
+async def test_new_rules_apply_from_the_next_check_on_ads_already_checked(
+    make_sidecar: Callable[..., Sidecar], clock: Clock
+) -> None:
+    """A rules reload forgets the caps kept between checks: an ad checked under the old rules
+    is judged by the new ones from the next check, within the same second."""
+    sidecar = make_sidecar()
+    clock.now = at(2026, 6, 15, 10, 0, 0)
+    await sidecar.record(*impressions("u1", "a1", 3))
+    assert (await sidecar.check("u1", Candidate("a1")))[0].allowed is False
+    domain = config.parse(RULES.replace("requests_per_unit: 3,", "requests_per_unit: 5,"), "r.yaml")
+    sidecar.caps.set_rules(Rules({domain.name: domain}))
+    assert sidecar.caps.cached() == []
+    verdict = (await sidecar.check("u1", Candidate("a1")))[0]
+    assert (verdict.allowed, verdict.remaining) == (True, 1)  # the month's 4 still hold
 
 
 async def test_an_ad_with_no_cap_is_allowed_with_unlimited_remaining(

@@ -40,7 +40,7 @@ Limits: at most 100 ads per check and 1,000 impressions per record, 8 identifier
 are 1 to 128 bytes of printable text. `replaces` between caps is not applied here.
 
 One module past the usual size because `FrequencyCaps` is one class whose check and record share
-its cap sets, hit templates and id rules; the docstring above is the feature's semantics.
+its cap plans, hit templates and id rules; the docstring above is the feature's semantics.
 """
 
 from __future__ import annotations
@@ -50,14 +50,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from sidecar.algorithms.decide import State
 from sidecar.core.counters import grouped_hits, window_hit
 from sidecar.core.keys import dedupe_key, descriptor_prefix, escape, field_head
 from sidecar.core.matching import counter_value, lookup, match
 from sidecar.core.rules import Domain, Node, Rules
 from sidecar.decision.plan import descriptor_hits
 from sidecar.errors import InvalidRequest, UnknownDomain
-from sidecar.frequency.checks import Cap, Check, Sum, Template, verdict, verdict_of
+from sidecar.frequency.checks import Check, Shape
 from sidecar.frequency.identities import (
     AD_KEY,
     CAMPAIGN_KEY,
@@ -83,8 +82,17 @@ MAX_ID_BYTES = 128
 DEDUPE_HORIZON = 86_400
 #: Seconds an id bucket outlives its use, for sidecars whose clocks run a little ahead.
 DEDUPE_MARGIN = 60
-#: Ads (and campaigns) whose caps a sidecar remembers between checks.
-TEMPLATE_CACHE_SIZE = 100_000
+#: Ads (and campaigns) whose caps a sidecar remembers between checks, per set of rule nodes a
+#: check names (about 400 bytes each: 40 MB at most), and events it knows per domain.
+PLAN_CACHE_SIZE = 100_000
+
+#: A descriptor's caps below one first-level rule node: the number of their limit (its place in
+#: `FrequencyCaps._limits`), whether its tree groups counters, and the counters' head.
+Template = tuple[int, bool, bytes]
+#: A descriptor's caps below each first-level rule node a check names (None: no cap there).
+Plan = tuple[Template | None, ...]
+#: What a plan is kept by: the ids of the rule nodes, the descriptor's key and value, the event.
+PlanKey = tuple[tuple[int, ...], str, str, str]
 
 #: (kind, value) pairs naming who a call is about.
 Identifiers = Sequence[tuple[str, str]]
@@ -140,20 +148,30 @@ class FrequencyCaps:
         *,
         clock: Callable[[], float] = time.time,
         dedupe_horizon: int = DEDUPE_HORIZON,
+        plan_cache_size: int = PLAN_CACHE_SIZE,
     ) -> None:
         if dedupe_horizon < 1:
             raise ValueError(f"dedupe horizon must be at least 1 second, not {dedupe_horizon}")
+        if plan_cache_size < 2:
+            raise ValueError(f"plan cache size must be at least 2, not {plan_cache_size}")
         self.rules = rules
         self.backend = backend
         self.dedupe_horizon = dedupe_horizon
+        self.plan_cache_size = plan_cache_size
         self._clock = clock
-        # (id of a first-level rule node, key, value, event) -> the caps below it, as (the id of
-        # their limit in `_limits`, grouped, head), or None; the rules (and so the nodes and
-        # limits) live as long as this object. Plain tuples of numbers and text: the collector
-        # stops tracking them, so its full collections do not walk a cache that holds an entry
-        # per ad of the catalog (20,006 Templates were a 3 ms pause with 10,000 ads).
-        self._templates: dict[tuple[int, str, str, str], tuple[int, bool, str] | None] = {}
-        self._limits: dict[int, Limit] = {}
+        # (ids of first-level rule nodes, key, value, event) -> the caps below each (`_plan`),
+        # those used lately and those used before; the rules (and so the nodes and limits) live
+        # as long as this object, or until `set_rules` empties them. Plain tuples of numbers and
+        # text, see `_plan` (20,006 objects in such a cache were a 3 ms pause with 10,000 ads).
+        self._plans: dict[PlanKey, Plan] = {}
+        self._older: dict[PlanKey, Plan] = {}
+        # The limits templates name, by number; and the number of each, by its id.
+        self._limits: list[Limit] = []
+        self._numbers: dict[int, int] = {}
+        # The Shapes of checks in `_second` (Unix seconds), by limit number and grouping
+        # (`Check.add`): two per limit of the rules at most, made again each second.
+        self._second = -1
+        self._shapes: dict[int, Shape] = {}
         # (domain, event) -> whether the domain's rules declare the event.
         self._events: dict[tuple[str, str], bool] = {}
         # Domain -> its identifier kinds (None: it has no caps).
@@ -162,8 +180,11 @@ class FrequencyCaps:
     def set_rules(self, rules: Rules) -> None:
         """Serve new rules from the next call on (a config reload)."""
         self.rules = rules
-        self._templates = {}
-        self._limits = {}
+        self._plans = {}
+        self._older = {}
+        self._limits = []
+        self._numbers = {}
+        self._shapes = {}
         self._events = {}
         self._layouts = {}
 
@@ -171,138 +192,140 @@ class FrequencyCaps:
         self,
         domain: str,
         user: str,
-        ads: Sequence[Candidate],
+        ads: Sequence[tuple[str, str | None]],
         event: str = IMPRESSION,
         identities: Identifiers = (),
     ) -> list[Verdict]:
-        """A verdict per candidate, in order, for `event` and the identifiers named (`user`
-        and `identities`); raises InvalidRequest, UnknownDomain or StorageError."""
+        """A verdict per candidate (a `Candidate`, or an (ad, campaign) pair), in order, for
+        `event` and the identifiers named (`user` and `identities`); raises InvalidRequest,
+        UnknownDomain or StorageError.
+
+        Each identifier's own caps, and each scope's summed under the identifiers it names; one
+        read for all of them (a round trip per hash slot)."""
         rules, kinds = self._domain(domain)
         named = kinds.named(user, identities, "")
         self._check_event(rules, kinds, "event", event)
         if len(ads) > MAX_ADS:
             raise InvalidRequest(f"too many ads: {len(ads)} (at most {MAX_ADS} per check)")
-        for index, candidate in enumerate(ads):
-            check_value(f"ads[{index}].ad", candidate.ad)
-            if candidate.campaign is not None:
-                check_value(f"ads[{index}].campaign", candidate.campaign)
-        if len(named) == 1 and not kinds.scopes:
-            return await self._check_one(rules, named[0], ads, event)
-        return await self._check_across(rules, kinds, named, ads, event)
-
-    async def _check_one(
-        self, rules: Domain, first: tuple[str, str], ads: Sequence[Candidate], event: str
-    ) -> list[Verdict]:
-        """The usual check: one identifier, whose own caps are all there is."""
+        for index, (ad, campaign) in enumerate(ads):
+            check_value(f"ads[{index}].ad", ad)
+            if campaign is not None:
+                check_value(f"ads[{index}].campaign", campaign)
         now_ms = int(self._clock() * 1000)
-        first_entry = Entry(*first)
-        node = lookup(rules.root, first_entry)
-        if node is None:
-            return [Verdict(c.ad, True, UNLIMITED_REMAINING, 0) for c in ads]
-        check = Check(rules.name, (first[0], counter_value(node, first_entry)), now_ms)
-        caps: dict[tuple[str, str], Cap | None] = {}
-        template = self._template
-
-        def cap(key: str, value: str | None) -> Cap | None:
-            """One descriptor's windows, named once however many ads share it."""
-            if value is None:
-                return None
-            known = (key, value)
-            if known not in caps:
-                found = template(node, key, value, event)
-                caps[known] = None if found is None else check.add(found)
-            return caps[known]
-
-        pairs = [(cap(AD_KEY, c.ad), cap(CAMPAIGN_KEY, c.campaign)) for c in ads]
-        if check.addresses:
-            check.judge(await self.backend.read(check.addresses, now_ms))
-        return [Verdict(c.ad, *verdict(*pair)) for c, pair in zip(ads, pairs, strict=True)]
-
-    async def _check_across(
-        self,
-        rules: Domain,
-        kinds: Layout,
-        named: Identifiers,
-        ads: Sequence[Candidate],
-        event: str,
-    ) -> list[Verdict]:
-        """A check naming several identifiers, or on a domain counting caps across them: each
-        identifier's own caps, and each scope's summed under the identifiers it names; one
-        read for all of them (a round trip per hash slot)."""
-        now_ms = int(self._clock() * 1000)
-        checks: list[Check] = []
-        slots: dict[str, int] = {}  # kind -> its Check's position
-        own: list[tuple[int, Node]] = []
+        if now_ms // 1000 != self._second:
+            self._second, self._shapes = now_ms // 1000, {}
+        check = Check(rules.name, now_ms, self._shapes)
+        # Whose caps the check holds, in the order an ad's caps are judged: each identifier's
+        # own (its first-level rule node, which its value may choose), then each scope's.
+        nodes: list[Node] = []
+        members: list[tuple[int, ...]] = []
+        positions: dict[str, int] = {}
         for kind, value in named:
             entry = Entry(kind, value)
             node = lookup(rules.root, entry) if kind in kinds.trees else None
-            slot_value = value if node is None else counter_value(node, entry)
-            slots[kind] = len(checks)
-            checks.append(Check(rules.name, (kind, slot_value), now_ms))
+            position = check.identifier(
+                (kind, value if node is None else counter_value(node, entry))
+            )
+            positions[kind] = position
             if node is not None:
-                own.append((slots[kind], node))
-        scopes = [
-            (scope.node, [slots[kind] for kind in scope.identifiers if kind in slots])
-            for scope in kinds.scopes
-        ]
-        scopes = [(node, members) for node, members in scopes if members]
-        found: dict[tuple[int, str, str], Cap | Sum | None] = {}
+                nodes.append(node)
+                members.append((position,))
+        for scope in kinds.scopes:
+            summed = tuple(positions[kind] for kind in scope.identifiers if kind in positions)
+            if summed:
+                nodes.append(scope.node)
+                members.append(summed)
+        if not nodes:
+            return [Verdict(ad, True, UNLIMITED_REMAINING, 0) for ad, _ in ads]
+        whose = tuple(id(node) for node in nodes)
+        # Per descriptor of this check: its caps, named once however many ads share it.
+        caps: dict[tuple[str, str], tuple[int, ...]] = {}
+        held: list[tuple[int, ...]] = []
+        for ad, campaign in ads:
+            known = (AD_KEY, ad)
+            mine = caps.get(known)
+            if mine is None:
+                mine = caps[known] = self._add(check, nodes, whose, members, known, event)
+            if campaign is not None:
+                known = (CAMPAIGN_KEY, campaign)
+                theirs = caps.get(known)
+                if theirs is None:
+                    theirs = caps[known] = self._add(check, nodes, whose, members, known, event)
+                mine += theirs
+            held.append(mine)
+        if check.addresses:
+            check.judge(await self.backend.read(check.addresses, now_ms))
+        verdicts = []
+        for (ad, _), mine in zip(ads, held, strict=True):
+            allowed, remaining, reset_seconds = check.verdict(mine)
+            verdicts.append(Verdict(ad, allowed, remaining, reset_seconds))
+        return verdicts
 
-        def cap(position: int, node: Node, key: str, value: str) -> Cap | None:
-            """The caps of `[(first, *), (key, value)]` below `node`, under one identifier."""
-            template = self._template(node, key, value, event)
-            return None if template is None else checks[position].add(template)
+    def _add(
+        self,
+        check: Check,
+        nodes: list[Node],
+        whose: tuple[int, ...],
+        members: list[tuple[int, ...]],
+        descriptor: tuple[str, str],
+        event: str,
+    ) -> tuple[int, ...]:
+        """Add the caps of `descriptor` below each of `nodes` (their ids `whose`) to `check`,
+        each under its `members`; their positions in the check."""
+        plan = self._plan(nodes, whose, descriptor, event)
+        found = []
+        for index in range(len(plan)):
+            template = plan[index]
+            if template is not None:
+                number, grouped, head = template
+                limit = self._limits[number]
+                found.append(check.add(limit, number, grouped, head, members[index]))
+        return tuple(found)
 
-        def summed(node: Node, members: list[int], key: str, value: str) -> Sum | None:
-            """A scope's caps, under each identifier it names."""
-            parts = [(member, cap(member, node, key, value)) for member in members]
-            first = parts[0][1]
-            if first is None:
-                return None
-            return Sum(first.role, [(member, part) for member, part in parts if part is not None])
+    def _plan(
+        self, nodes: Sequence[Node], whose: tuple[int, ...], descriptor: tuple[str, str], event: str
+    ) -> Plan:
+        """The caps of `descriptor` (`(ad, A)` or `(campaign, C)`, and `(event, E)` after it
+        for an event but an impression) below each first-level rule of `nodes`, as `_template`
+        finds them. Kept across checks (ads come back again and again), in bounded memory; its
+        entries name the limits by number (plain tuples of numbers and text: the collector
+        stops tracking them, so its full collections do not walk a cache that holds an entry
+        per ad of the catalog).
 
-        def caps_of(candidate: Candidate) -> list[Cap | Sum]:
-            """Every cap of the candidate, each named once however many ads share it."""
-            held: list[Cap | Sum | None] = []
-            for key, value in ((AD_KEY, candidate.ad), (CAMPAIGN_KEY, candidate.campaign)):
-                if value is None:
-                    continue
-                for position, node in own:
-                    known = (position, key, value)
-                    if known not in found:
-                        found[known] = cap(position, node, key, value)
-                    held.append(found[known])
-                for number, (node, members) in enumerate(scopes):
-                    known = (-1 - number, key, value)
-                    if known not in found:
-                        found[known] = summed(node, members, key, value)
-                    held.append(found[known])
-            return [each for each in held if each is not None]
+        The cache forgets what was not used lately, in two generations of plain dicts (a hit
+        is one dict look-up; an ordered dict's costs a method call): plans go to the recent
+        generation, which becomes the older one once it holds half of `plan_cache_size`; a plan
+        found in the older one moves back to the recent one, and whatever the older one still
+        holds at the next turn is forgotten. So at most `plan_cache_size` plans are kept, and
+        one used within the last half of them made is never forgotten."""
+        known = (whose, descriptor[0], descriptor[1], event)
+        plans = self._plans
+        plan = plans.get(known)
+        if plan is not None:
+            return plan
+        plan = self._older.pop(known, None)
+        if plan is None:
+            # (Made from a list: the templates exist before the tuple holding them, so one pass
+            # of the collector finds them untracked and stops tracking the plan too.)
+            found = [self._template(node, descriptor[0], descriptor[1], event) for node in nodes]
+            plan = tuple(found)
+        if len(plans) >= self.plan_cache_size // 2:
+            self._older, self._plans = plans, {}
+            plans = self._plans
+        plans[known] = plan
+        return plan
 
-        held = [caps_of(candidate) for candidate in ads]
-        addresses = [where for check in checks for where in check.addresses]
-        values = await self.backend.read(addresses, now_ms) if addresses else []
-        split: list[Sequence[State | None]] = []
-        for check in checks:
-            mine = values[: len(check.addresses)]
-            values = values[len(check.addresses) :]
-            # (With the counts of packed windows after the values read: a Sum reads them.)
-            split.append(check.judge(mine) if check.addresses else mine)
-        for each in found.values():
-            if isinstance(each, Sum):
-                each.judge(split)
-        return [Verdict(c.ad, *verdict_of(caps)) for c, caps in zip(ads, held, strict=True)]
+    def cached(self) -> list[tuple[str, str, str]]:
+        """The descriptors whose caps are kept between checks, as (key, value, event), the
+        older generation first: at most `plan_cache_size`, none after `set_rules`."""
+        return [(key, value, event) for _, key, value, event in [*self._older, *self._plans]]
 
     def _template(self, node: Node, key: str, value: str, event: str) -> Template | None:
         """The caps of `[(first, *), (key, value)]` (and `(event, E)` after it for an event but
         an impression) under the first-level rule `node`: the rule `match` finds for that
-        descriptor, and its entries after the first, as counters name them (behind ``%`` and
-        the scope's key for a scope, `sidecar.frequency.identities`). Kept across checks (ads
-        come back again and again), in bounded memory."""
-        known = (id(node), key, value, event)
-        if known in self._templates:
-            kept = self._templates[known]
-            return None if kept is None else Template(self._limits[kept[0]], kept[1], kept[2])
+        descriptor (the id of its limit in `_limits`), whether its tree groups counters, and its
+        entries after the first as counter names carry them (behind ``%`` and the scope's key
+        for a scope, `sidecar.frequency.identities`)."""
         entry = Entry(key, value)
         leaf = lookup(node.children, entry)
         parts = [(USER_KEY, ""), (key, "" if leaf is None else counter_value(leaf, entry))]
@@ -311,20 +334,16 @@ class FrequencyCaps:
             leaf = lookup(leaf.children, happened)
             if leaf is not None:
                 parts.append((EVENT_KEY, counter_value(leaf, happened)))
-        template = None
-        if leaf is not None and leaf.limit is not None and not leaf.limit.unlimited:
-            head = field_head(parts)
-            if node.identifiers:
-                head = f"%{escape(node.key)}|{head}"
-            template = Template(leaf.limit, node.group_counters, head)
-        if len(self._templates) >= TEMPLATE_CACHE_SIZE:
-            self._templates.clear()
-        if template is None:
-            self._templates[known] = None
-        else:
-            self._limits[id(template.limit)] = template.limit
-            self._templates[known] = (id(template.limit), template.grouped, template.head)
-        return template
+        if leaf is None or leaf.limit is None or leaf.limit.unlimited:
+            return None
+        head = field_head(parts)
+        if node.identifiers:
+            head = f"%{escape(node.key)}|{head}"
+        number = self._numbers.get(id(leaf.limit))
+        if number is None:
+            number = self._numbers[id(leaf.limit)] = len(self._limits)
+            self._limits.append(leaf.limit)
+        return number, node.group_counters, head.encode()
 
     async def record(self, domain: str, impressions: Sequence[Impression]) -> list[Recorded]:
         """Count each impression unless its id was recorded within the horizon; results in
@@ -381,9 +400,14 @@ class FrequencyCaps:
                             hits += descriptor_hits(domain, found, 1, group, now_ms)
                     if kinds.scopes:
                         for scope in _primary_of(kinds, kind, named[index]):
-                            template = self._template(scope.node, key, value, event)
-                            if template is not None:
-                                hits += _template_hits(rules, first, template, group, now_ms)
+                            node = scope.node
+                            plan = self._plan([node], (id(node),), (key, value), event)
+                            if plan[0] is not None:
+                                number, grouped, head = plan[0]
+                                limit = self._limits[number]
+                                hits += _scope_hits(
+                                    rules, first, limit, grouped, head.decode(), group, now_ms
+                                )
                 if len(hits) > before or named[index][0] == first:
                     kept.append(index)
             if kept:
@@ -444,7 +468,7 @@ class FrequencyCaps:
                 for node in first.children.nodes()
                 if node.key in (AD_KEY, CAMPAIGN_KEY)
             )
-            if len(self._events) >= TEMPLATE_CACHE_SIZE:
+            if len(self._events) >= PLAN_CACHE_SIZE:
                 self._events.clear()
             self._events[known] = declared
         if not declared:
@@ -480,17 +504,22 @@ def _primary_of(kinds: Layout, kind: str, named: Identifiers) -> list[Scope]:
     ]
 
 
-def _template_hits(
-    rules: Domain, first: tuple[str, str], template: Template, group: int, now_ms: int
+def _scope_hits(
+    rules: Domain,
+    first: tuple[str, str],
+    limit: Limit,
+    grouped: bool,
+    head: str,
+    group: int,
+    now_ms: int,
 ) -> list[Hit]:
-    """The hits adding one to every window of a scope's caps under identifier `first`."""
+    """The hits adding one to every window of a scope's caps (`limit`, on the counters `head`
+    names) under identifier `first`."""
     prefix = descriptor_prefix(rules.name, [first])
-    limit = template.limit
-    if template.grouped:
-        key = prefix.encode()
-        return grouped_hits(key, template.head, limit, 1, group, limit.role, now_ms)
+    if grouped:
+        return grouped_hits(prefix.encode(), head, limit, 1, group, limit.role, now_ms)
     return [
-        window_hit(f"{prefix}|{template.head}", window, 1, group, limit.role, now_ms)
+        window_hit(f"{prefix}|{head}", window, 1, group, limit.role, now_ms)
         for window in limit.windows
     ]
 

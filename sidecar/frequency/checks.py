@@ -1,20 +1,26 @@
-"""How a frequency-cap check names, reads and judges one user's counters, fast.
+"""How a frequency-cap check names, reads and judges a user's counters, in one pass.
 
-A check of 50 ads names about a hundred counters and must answer within an auction's budget, so
-it does not build a Hit per window nor run the script: it reads every counter in one backend
-call (`Backend.read`) and judges them in Python, exactly as the script's read-only mode would.
-Plain fixed windows, nearly every cap, are named once per window kind (`plain_suffix`) and judged
-by `fixed_window.judge` straight from their count; any other window becomes a Hit judged by
-`decide`. What a descriptor below the user needs, whoever the user is, is a `Template`, which
-callers keep from one check to the next. A check naming several identifiers makes a Check per
-identifier, and a cap counted across them is a `Sum` of that cap in each.
+A check of 50 ads naming three identifiers holds about two hundred caps and must answer within an
+auction's budget, so it builds no Hit per window and runs no script: it reads every counter in
+one backend call (`Backend.read`: one HMGET per identifier's hash, all sent at once) and judges
+them here, exactly as the script's read-only mode would.
+
+What a cap's windows need at one instant is the same for every descriptor of its rule: a
+`Shape` (per limit, worked out once a second and kept by the caller for every check in that
+second) holds each window's field suffix, packed slot, limit and reset. So adding a cap is
+concatenating its head with those suffixes, and a cap is a few entries in the `Check`'s
+parallel lists (its shape, where its counters start under each identifier it sums, its role,
+then its verdict), not an object with lists of its own. A cap with nothing counted yet (most
+ads of a check) takes its Shape's verdict, judged once. Plain and packed windows are judged
+from their counts, summed over the identifiers a cap counts across
+(`sidecar.frequency.identities`); any other window (token bucket, sliding, borrowing, anchored)
+becomes a Hit judged by `decide`, under one identifier only (loading the rules refuses it in a
+cap counted across identifiers).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import NamedTuple
 
 from sidecar.algorithms import fixed_window, packing
 from sidecar.algorithms.decide import Address, State, address, decide
@@ -24,235 +30,204 @@ from sidecar.core.keys import descriptor_prefix
 from sidecar.decision.limiter import most_restrictive
 from sidecar.model import UNLIMITED_REMAINING, Hit, Limit, Outcome, Role, Slot, Window
 
-
-@dataclass(frozen=True, slots=True)
-class Template:
-    """A descriptor's caps below its first entry, whoever the user: the rule's limit, whether
-    its tree groups counters, and the entries after the first as counter names carry them."""
-
-    limit: Limit
-    grouped: bool
-    head: str
+#: Read on every verdict: compiled, an enum member read through its class is a Python call.
+_BLOCKING, _SHADOW = Role.BLOCKING, Role.SHADOW
 
 
-class Judged(NamedTuple):
-    """A window as a check finds it: over (one more hit would not be admitted), what it still
-    admits, and the ms until it resets."""
+class Judged:
+    """A window (or a cap, by its most restrictive window) as a check finds it: over (one more
+    hit would not be admitted), what it still admits, and the ms until it resets counted from
+    the start of the check's second (as a `Shape` knows it).
 
-    over: bool
-    remaining: int
-    reset_ms: int
+    (A class, not a named tuple: compiled, it is made without a Python call.)"""
+
+    __slots__ = ("over", "remaining", "reset_ms")
+
+    def __init__(self, over: bool, remaining: int, reset_ms: int) -> None:
+        self.over = over
+        self.remaining = remaining
+        self.reset_ms = reset_ms
 
 
-_NO_CAP = Judged(False, UNLIMITED_REMAINING, 0)
+class Shape:
+    """What every cap of one limit needs in one second (`now`, Unix seconds): the suffixes of
+    the counters it reads (a packed field's once), and per window in the limit's order (address
+    offset, packed slot or None, limit, ms from `now` to its reset), the offset ``-1 - k`` for
+    the k-th window judged by `decide`."""
 
+    __slots__ = ("fresh", "others", "suffixes", "windows")
 
-class Cap:
-    """One descriptor's caps in a check, shared by every ad naming it: where each window is
-    judged from, then whether any is over and which is the most restrictive."""
-
-    __slots__ = ("chosen", "counters", "kind", "over", "role", "windows")
-
-    def __init__(self, role: Role, kind: int) -> None:
-        self.role = role
-        # Which windows these are (caps of one rule are alike), for judging alike caps once.
-        self.kind = kind
-        # Per window, in the limit's order: (address index, limit, reset ms) when plain, else
-        # the index of its Hit.
-        self.windows: list[tuple[int, int, int] | int] = []
-        # The address indexes of plain windows' counts, when every window is plain.
-        self.counters: list[int] | None = []
-        self.over = False
-        self.chosen = _NO_CAP
+    def __init__(self, limit: Limit, grouped: bool, now: int) -> None:
+        self.suffixes: list[bytes] = []
+        self.windows: list[tuple[int, Slot | None, int, int]] = []
+        # The windows judged by `decide`, from a Hit per cap.
+        self.others: list[Window] = []
+        slots: dict[int, Slot] = {}
+        name = b""
+        field = -1
+        packed = limit.packing if grouped else None
+        if packed is not None:
+            windows = tuple(limit.windows[index] for index in packed.windows)
+            name, _, found = packed_field("", packed, windows, now)
+            slots = dict(zip(packed.windows, found, strict=True))
+        for position, window in enumerate(limit.windows):
+            slot = slots.get(position)
+            if slot is not None:
+                # A window of the packed field: its count is unpacked from the field's value.
+                if field < 0:
+                    field = len(self.suffixes)
+                    self.suffixes.append(b"|" + name)
+                reset_ms = (window.seconds - now % window.seconds) * 1000
+                self.windows.append((field, slot, window.requests_per_unit, reset_ms))
+            elif window.plain:
+                suffix, _, end = plain_suffix(window, now, grouped)
+                self.windows.append(
+                    (len(self.suffixes), None, window.requests_per_unit, (end - now) * 1000)
+                )
+                self.suffixes.append(suffix.encode())
+            else:
+                self.windows.append((-1 - len(self.others), None, 0, 0))
+                self.others.append(window)
+        # The verdict when nothing is counted yet (most ads of a check), judged once.
+        fresh = []
+        for _, _, allowed, reset_ms in self.windows:
+            over, left, _ = fixed_window.judge(0, 0, 0, allowed, 0)
+            fresh.append(Judged(over, left, reset_ms))
+        self.fresh = _chosen(fresh)
 
 
 class Check:
-    """The counters of one user's check: `add` each descriptor's template, read `addresses`,
-    `judge` the values, then ask each ad's `verdict`."""
+    """The counters of one check: name each `identifier` it reads, `add` each cap (a
+    descriptor's limit under the identifiers it counts across), read `addresses`, `judge` the
+    values, then ask each ad's `verdict` from its caps."""
 
-    def __init__(self, domain: str, first: tuple[str, str], now_ms: int) -> None:
+    def __init__(self, domain: str, now_ms: int, shapes: dict[int, Shape]) -> None:
+        """`shapes`: the Shapes of this second so far, by limit number and grouping (see
+        `add`), which `add` completes; the caller keeps them for the other checks of the
+        second."""
+        self.domain = domain
         self.now_ms = now_ms
+        # The ms since the start of the second, which Shapes count resets from.
+        self._into = now_ms % 1000
         self.addresses: list[Address] = []
-        # Where the user's counters live: its hash (grouped), or the head of its keys.
-        self._user = descriptor_prefix(domain, [first])
-        self._hash = self._user.encode()
-        self._caps: list[Cap] = []
+        # Per identifier: the head of its keys, and its hash (for grouped counters).
+        self._heads: list[tuple[str, bytes]] = []
+        self._shapes = shapes
+        # Per cap: its shape, where its counters start under each identifier it sums, the
+        # position of its first Hit (-1: none), its role; and once judged, its verdict.
+        self._shape: list[Shape] = []
+        self._bases: list[tuple[int, ...]] = []
+        self._first_hit: list[int] = []
+        self._roles: list[Role] = []
+        self._judged: list[Judged] = []
         self._hits: list[Hit] = []
-        # Per (limit, grouped): each window's name suffix, limit and reset, None if not plain.
-        self._specs: dict[tuple[int, bool], list[tuple[str, int, int] | None]] = {}
-        # Per packed limit: its field's suffix, and each packed window's Slot, reset and limit.
-        self._packed: dict[int, tuple[str, dict[int, tuple[Slot, int, int]]]] = {}
-        # The windows read from packed fields: (address index, slot), judged from the counts
-        # `judge` appends to the values, last first (window k's count at index -1 - k).
-        self._unpack: list[tuple[int, Slot]] = []
 
-    def add(self, template: Template) -> Cap:
-        limit, grouped = template.limit, template.grouped
-        specs = self._specs.get((id(limit), grouped))
-        if specs is None:
-            specs = self._specs[(id(limit), grouped)] = [
-                self._spec(window, grouped) for window in limit.windows
-            ]
-        head = template.head if grouped else f"{self._user}|{template.head}"
-        cap = Cap(limit.role, id(specs))
-        addresses, windows, counters = self.addresses, cap.windows, cap.counters
-        packed = self._packed_specs(limit) if grouped and limit.packing is not None else None
-        field_index = -1
-        for position, (window, spec) in enumerate(zip(limit.windows, specs, strict=True)):
-            if packed is not None and position in packed[1]:
-                # A window of the packed field: its count is unpacked from the field's value.
-                if field_index < 0:
-                    field_index = len(addresses)
-                    addresses.append((self._hash, (head + packed[0]).encode()))
-                slot, reset_ms, allowed = packed[1][position]
-                virtual = -1 - len(self._unpack)
-                self._unpack.append((field_index, slot))
-                if counters is not None:
-                    counters.append(virtual)
-                windows.append((virtual, allowed, reset_ms))
-                continue
-            if spec is not None:
-                suffix, reset_ms, allowed = spec
-                if counters is not None:
-                    counters.append(len(addresses))
-                windows.append((len(addresses), allowed, reset_ms))
-                name = (head + suffix).encode()
-                addresses.append((self._hash, name) if grouped else name)
-                continue
-            cap.counters = counters = None
+    def identifier(self, first: tuple[str, str]) -> int:
+        """Read counters of the identifier `first` (its kind and its counters' value); its
+        position, by which `add` names it."""
+        head = descriptor_prefix(self.domain, [first])
+        self._heads.append((head, head.encode()))
+        return len(self._heads) - 1
+
+    def add(
+        self, limit: Limit, number: int, grouped: bool, name: bytes, members: Sequence[int]
+    ) -> int:
+        """The cap of `limit` (the caller's `number` for it, the same for every check) on the
+        descriptor whose counters `name` names, grouped or not, summed over the identifiers
+        `members`; its position, by which `verdict` names it."""
+        known = number * 2 + grouped
+        shape = self._shapes.get(known)
+        if shape is None:
+            shape = self._shapes[known] = Shape(limit, grouped, self.now_ms // 1000)
+        addresses = self.addresses
+        bases = []
+        for member in members:
+            prefix, key = self._heads[member]
+            bases.append(len(addresses))
             if grouped:
-                hit = field_hit(self._hash, head, window, 0, 0, cap.role, self.now_ms)
+                for suffix in shape.suffixes:
+                    addresses.append((key, name + suffix))
             else:
-                hit = window_hit(head, window, 0, 0, cap.role, self.now_ms)
-            windows.append(len(self._hits))
-            self._hits.append(hit)
-            addresses += (address(hit.key, hit.field), address(hit.previous, hit.previous_field))
-        self._caps.append(cap)
-        return cap
+                start = key + b"|" + name
+                for suffix in shape.suffixes:
+                    addresses.append(start + suffix)
+        first_hit = -1
+        if shape.others:
+            first_hit = len(self._hits)
+            prefix, key = self._heads[members[0]]
+            head = name.decode()
+            for window in shape.others:
+                if grouped:
+                    hit = field_hit(key, head, window, 0, 0, limit.role, self.now_ms)
+                else:
+                    hit = window_hit(f"{prefix}|{head}", window, 0, 0, limit.role, self.now_ms)
+                self._hits.append(hit)
+                addresses.append(address(hit.key, hit.field))
+                addresses.append(address(hit.previous, hit.previous_field))
+        self._shape.append(shape)
+        self._bases.append((bases[0],) if len(bases) == 1 else tuple(bases))
+        self._first_hit.append(first_hit)
+        self._roles.append(limit.role)
+        return len(self._shape) - 1
 
-    def _packed_specs(self, limit: Limit) -> tuple[str, dict[int, tuple[Slot, int, int]]]:
-        """A packed limit's field suffix and, per packed window (by its place in the limit),
-        its Slot, reset and limit, the same for every descriptor."""
-        known = self._packed.get(id(limit))
-        if known is not None:
-            return known
-        packing = limit.packing
-        assert packing is not None
-        windows = tuple(limit.windows[index] for index in packing.windows)
-        field, _, slots = packed_field("", packing, windows, self.now_ms // 1000)
-        now = self.now_ms // 1000
-        places = {
-            index: (
-                slot,
-                (now - now % window.seconds + window.seconds) * 1000 - self.now_ms,
-                window.requests_per_unit,
-            )
-            for index, window, slot in zip(packing.windows, windows, slots, strict=True)
-        }
-        known = self._packed[id(limit)] = ("|" + field.decode(), places)
-        return known
-
-    def _spec(self, window: Window, grouped: bool) -> tuple[str, int, int] | None:
-        """A plain window's name suffix, reset and limit, the same for every descriptor."""
-        if not window.plain:
-            return None
-        suffix, _, end = plain_suffix(window, self.now_ms // 1000, grouped)
-        return suffix, end * 1000 - self.now_ms, window.requests_per_unit
-
-    def judge(self, values: Sequence[State | None]) -> Sequence[State | None]:
-        """Judge every cap added from the values read at `addresses`; the values, with the
-        counts of packed windows after them (as a `Sum` reads them)."""
-        if self._unpack:
-            unpack = packing.count
-            unpacked = [
-                unpack(slot, value if isinstance(value := values[index], int) else 0)
-                for index, slot in self._unpack
-            ]
-            values = [*values, *reversed(unpacked)]
+    def judge(self, values: Sequence[State | None]) -> None:
+        """Judge every cap added from the values read at `addresses`."""
         outcomes: list[Outcome] = []
         if self._hits:
-            stored = dict(zip(self.addresses, values[: len(self.addresses)], strict=True))
+            stored = dict(zip(self.addresses, values, strict=True))
             outcomes, _ = decide(stored.get, self._hits, self.now_ms, False, read_only=True)
+        count = packing.count
         judge = fixed_window.judge
-        # Caps of one rule with the same counts are judged alike: most ads of a check are at 0.
-        alike: dict[tuple[object, ...], Cap] = {}
-        for cap in self._caps:
-            counters = cap.counters
-            if counters is not None:
-                known = (cap.kind, *[values[index] for index in counters])
-                twin = alike.get(known)
-                if twin is not None:
-                    cap.over, cap.chosen = twin.over, twin.chosen
-                    continue
-                alike[known] = cap
+        judged, into = self._judged, self._into
+        for shape, bases, first_hit in zip(self._shape, self._bases, self._first_hit, strict=True):
+            if first_hit < 0 and not _stored(values, bases, len(shape.suffixes)):
+                # Nothing counted on this cap yet (most ads of a check): judged once a second.
+                judged.append(shape.fresh)
+                continue
             states = []
-            for slot in cap.windows:
-                if isinstance(slot, int):
-                    outcome = outcomes[slot]
-                    states.append(Judged(outcome.over, outcome.remaining, outcome.reset_ms))
+            for offset, slot, allowed, reset_ms in shape.windows:
+                if offset < 0:
+                    outcome = outcomes[first_hit - 1 - offset]
+                    states.append(Judged(outcome.over, outcome.remaining, outcome.reset_ms + into))
                     continue
-                index, allowed, reset_ms = slot
-                count = values[index]
-                over, left, _ = judge(0, count if isinstance(count, int) else 0, 0, allowed, 0)
+                total = 0
+                for base in bases:
+                    value = values[base + offset]
+                    if isinstance(value, int) and value:
+                        total += value if slot is None else count(slot, value)
+                over, left, _ = judge(0, total, 0, allowed, 0)
                 states.append(Judged(over, left, reset_ms))
-            cap.over = any(state.over for state in states)
-            # The most restrictive of an ad's windows is the most restrictive of its caps'.
-            cap.chosen = states[0] if len(states) == 1 else states[most_restrictive(states)]
-        return values
+            judged.append(_chosen(states))
+
+    def verdict(self, caps: Sequence[int]) -> tuple[bool, int, int]:
+        """(allowed, remaining, reset seconds) of an ad with these caps (its own and its
+        campaign's under each identifier, and those counted across identifiers), as Envoy would
+        judge a request carrying all their descriptors: remaining and reset from the most
+        restrictive window that can block (4294967295 and 0 when none can)."""
+        judged, roles = self._judged, self._roles
+        if len(caps) == 1 and roles[caps[0]] is _BLOCKING:
+            # The common case, said shortly: one blocking cap blocks when it is over.
+            best = judged[caps[0]]
+            return not best.over, best.remaining, -((self._into - best.reset_ms) // 1000)
+        allowed = not request_is_over(
+            [judged[cap].over for cap in caps], [roles[cap] for cap in caps]
+        )
+        chosen = [judged[cap] for cap in caps if roles[cap] is not _SHADOW]
+        if not chosen:
+            return allowed, UNLIMITED_REMAINING, 0
+        best = _chosen(chosen)
+        return allowed, best.remaining, -((self._into - best.reset_ms) // 1000)
 
 
-class Sum:
-    """A cap counted across a person's identifiers (`sidecar.frequency.identities`): each of
-    its windows (plain, as the rules require) judged on the sum of its counters under every
-    identifier a check names. `parts` are the same cap added to each identifier's Check, by the
-    Check's position in the call."""
-
-    __slots__ = ("chosen", "over", "parts", "role")
-
-    def __init__(self, role: Role, parts: Sequence[tuple[int, Cap]]) -> None:
-        self.role = role
-        self.parts = parts
-        self.over = False
-        self.chosen = _NO_CAP
-
-    def judge(self, values: Sequence[Sequence[State | None]]) -> None:
-        """Judge from each Check's values, in the Checks' order."""
-        judge = fixed_window.judge
-        states = []
-        first = self.parts[0][1]
-        for position, window in enumerate(first.windows):
-            assert isinstance(window, tuple)  # plain: loading the rules made sure
-            _, allowed, reset_ms = window
-            total = 0
-            for check, cap in self.parts:
-                slot = cap.windows[position]
-                assert isinstance(slot, tuple)
-                count = values[check][slot[0]]
-                total += count if isinstance(count, int) else 0
-            over, left, _ = judge(0, total, 0, allowed, 0)
-            states.append(Judged(over, left, reset_ms))
-        self.over = any(state.over for state in states)
-        self.chosen = states[most_restrictive(states)]
+def _stored(values: Sequence[State | None], bases: tuple[int, ...], width: int) -> bool:
+    """Whether any of the `width` values from each of `bases` holds a count."""
+    for base in bases:
+        for index in range(base, base + width):
+            if values[index]:
+                return True
+    return False
 
 
-def verdict(ad_cap: Cap | None, campaign_cap: Cap | None) -> tuple[bool, int, int]:
-    """(allowed, remaining, reset seconds) of an ad with these caps, as Envoy would judge a
-    request carrying both descriptors; remaining and reset from the most restrictive window
-    that can block (4294967295 and 0 when none can)."""
-    if campaign_cap is None and ad_cap is not None and ad_cap.role is Role.BLOCKING:
-        # The common case, said shortly: one blocking descriptor blocks when it is over.
-        best = ad_cap.chosen
-        return not ad_cap.over, best.remaining, -(-best.reset_ms // 1000)
-    return verdict_of([cap for cap in (ad_cap, campaign_cap) if cap is not None])
-
-
-def verdict_of(caps: Sequence[Cap | Sum]) -> tuple[bool, int, int]:
-    """(allowed, remaining, reset seconds) of an ad with these caps (any number: its own and
-    its campaign's under each identifier, and those counted across identifiers), as Envoy
-    would judge a request carrying all their descriptors."""
-    allowed = not request_is_over([cap.over for cap in caps], [cap.role for cap in caps])
-    chosen = [cap.chosen for cap in caps if cap.role is not Role.SHADOW]
-    if not chosen:
-        return allowed, UNLIMITED_REMAINING, 0
-    best = chosen[0] if len(chosen) == 1 else chosen[most_restrictive(chosen)]
-    return allowed, best.remaining, -(-best.reset_ms // 1000)
+def _chosen(states: list[Judged]) -> Judged:
+    """The most restrictive of `states` (a cap's windows, or an ad's caps)."""
+    return states[0] if len(states) == 1 else states[most_restrictive(states)]
