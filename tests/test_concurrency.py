@@ -1,7 +1,8 @@
 """Concurrency limits (`algorithm: concurrency`): requests in flight, counted when they start and
 closed by their refunds, each forgotten a lease after it started. On memory, Redis and Redis
 Cluster (real servers, started by the fixtures), through the limiter; and the pure decision,
-memory, Redis and Redis Cluster agree hit for hit on generated sequences."""
+memory, Redis and Redis Cluster agree hit for hit on generated sequences (of named and unnamed
+starts and refunds: `request_id`, see test_concurrency_ids.py)."""
 
 from __future__ import annotations
 
@@ -235,7 +236,11 @@ _steps = st.lists(
     st.tuples(
         st.integers(0, 40_000),  # ms since the previous request
         st.lists(
-            st.tuples(st.integers(0, 1), st.sampled_from([0, 1, 1, 1, 2, 3, -1, -1, -2, -9])),
+            st.tuples(
+                st.integers(0, 1),  # which descriptor
+                st.sampled_from([0, 1, 1, 1, 2, 3, -1, -1, -1, -2, -9]),  # its cost
+                st.sampled_from(["", "", "a", "b", "c"]),  # its request id (a place's only)
+            ),
             min_size=1,
             max_size=3,
         ),
@@ -250,7 +255,7 @@ _examples = iter(range(1_000_000))
 async def agree(
     limits: tuple[Window, Window],
     roles: tuple[Role, Role],
-    steps: list[tuple[int, list[tuple[int, int]], bool]],
+    steps: list[tuple[int, list[tuple[int, int, str]], bool]],
     stores: dict[str, Backend],
 ) -> None:
     """Every store answers every request as the pure decision over a dict does."""
@@ -260,10 +265,10 @@ async def agree(
     model = Model()
     for after_ms, charges, all_or_nothing in steps:
         now_ms += after_ms
-        hits = [
-            counters.window_hit(prefixes[d], limits[d], cost, group, roles[d], int(now_ms))
-            for group, (d, cost) in enumerate(charges)
-        ]
+        hits = []
+        for group, (d, cost, request_id) in enumerate(charges):
+            hit = counters.window_hit(prefixes[d], limits[d], cost, group, roles[d], int(now_ms))
+            hits.append(counters.in_flight_hit(hit, request_id) if abs(cost) == 1 else hit)
         expected = await apply(model, hits, all_or_nothing, int(now_ms))
         for name, store in stores.items():
             got = await apply(store, hits, all_or_nothing, int(now_ms))
@@ -293,7 +298,7 @@ async def cluster_backend(cluster_url: str) -> AsyncIterator[Backend]:
 async def test_memory_matches_the_model(
     limits: tuple[Window, Window],
     roles: tuple[Role, Role],
-    steps: list[tuple[int, list[tuple[int, int]], bool]],
+    steps: list[tuple[int, list[tuple[int, int, str]], bool]],
 ) -> None:
     """The memory backend, which evicts ended states, answers as the model that keeps them."""
     await agree(limits, roles, steps, {"memory": MemoryBackend()})
@@ -305,7 +310,7 @@ async def test_memory_matches_the_model(
 async def test_redis_matches_the_model(
     limits: tuple[Window, Window],
     roles: tuple[Role, Role],
-    steps: list[tuple[int, list[tuple[int, int]], bool]],
+    steps: list[tuple[int, list[tuple[int, int, str]], bool]],
     redis_backend: Backend,
 ) -> None:
     """decide.lua's sorted sets on Redis answer every request as the Python decision does."""
@@ -318,7 +323,7 @@ async def test_redis_matches_the_model(
 async def test_cluster_matches_the_model(
     limits: tuple[Window, Window],
     roles: tuple[Role, Role],
-    steps: list[tuple[int, list[tuple[int, int]], bool]],
+    steps: list[tuple[int, list[tuple[int, int, str]], bool]],
     cluster_backend: Backend,
 ) -> None:
     """Redis Cluster answers as the model (one request's limits share a slot here)."""

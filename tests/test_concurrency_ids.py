@@ -1,31 +1,23 @@
 """Concurrency limits whose starts name their request (`request_id`): a refund closes its own
 request's start, so a lost refund's place comes back within its lease however busy the limit
 stays. On memory, Redis and Redis Cluster (real servers, started by the fixtures), through the
-limiter; and the pure decision, memory, Redis and Redis Cluster agree hit for hit on generated
-sequences of named and unnamed starts and refunds."""
+limiter. That the pure decision and the stores agree on named starts is test_concurrency.py's
+generated sequences, which name some starts."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 
 import pytest
 from conftest import BACKENDS
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-from support.callbacks import apply, should_rate_limit
+from support.callbacks import should_rate_limit
 from support.clock import Clock
-from support.model_store import Model
 from support.servers import RedisServer
 
 from sidecar.algorithms.concurrency import MAX_REQUEST_ID
-from sidecar.core import counters
-from sidecar.core.keys import descriptor_prefix
 from sidecar.decision.limiter import Limiter
 from sidecar.errors import InvalidRequest
-from sidecar.model import Algorithm, Code, Decision, Descriptor, Entry, Request, Role, Unit, Window
-from sidecar.storage import Backend
-from sidecar.storage.backends import open_backend
-from sidecar.storage.memory import MemoryBackend
+from sidecar.model import Code, Decision, Descriptor, Entry, Request
 
 every_backend = pytest.mark.parametrize("backend_url", BACKENDS, indirect=True)
 
@@ -240,111 +232,3 @@ async def test_on_redis_a_named_start_is_a_member_named_by_its_id(
         await ask(limiter, end("y"))
         assert client.zrange(key, 0, -1) == [b"!x"]
         assert client.keys("rl{inflight|client|a}*") == [key.encode()]
-
-
-# --- The renderings agree ---------------------------------------------------------------------
-
-LIMITS = (
-    Window(2, Unit.SECOND, Algorithm.CONCURRENCY, unit_multiplier=30, request_id="request"),
-    Window(3, Unit.SECOND, Algorithm.CONCURRENCY, unit_multiplier=60, request_id="request"),
-)
-_settings = settings(
-    deadline=None,
-    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
-)
-_steps = st.lists(
-    st.tuples(
-        st.integers(0, 40_000),  # ms since the previous request
-        st.lists(
-            st.tuples(
-                st.integers(0, 1),  # which descriptor
-                st.sampled_from([0, 1, 1, 1, 2, -1, -1, -1, -2]),  # its cost
-                st.sampled_from(["", "a", "b", "c"]),  # its id (a cost of one place only)
-            ),
-            min_size=1,
-            max_size=3,
-        ),
-        st.booleans(),  # all or nothing
-    ),
-    min_size=1,
-    max_size=30,
-)
-_examples = iter(range(1_000_000))
-
-
-async def agree(
-    limits: tuple[Window, Window],
-    roles: tuple[Role, Role],
-    steps: list[tuple[int, list[tuple[int, int, str]], bool]],
-    stores: dict[str, Backend],
-) -> None:
-    """Every store answers every request as the pure decision over a dict does."""
-    domain = f"inflight-ids{next(_examples)}"
-    prefixes = [descriptor_prefix(domain, [("tenant", "t"), ("d", str(i))]) for i in range(2)]
-    now_ms = Clock().now * 1000
-    model = Model()
-    for after_ms, charges, all_or_nothing in steps:
-        now_ms += after_ms
-        hits = []
-        for group, (d, cost, request_id) in enumerate(charges):
-            hit = counters.window_hit(prefixes[d], limits[d], cost, group, roles[d], int(now_ms))
-            hits.append(counters.in_flight_hit(hit, request_id) if abs(cost) == 1 else hit)
-        expected = await apply(model, hits, all_or_nothing, int(now_ms))
-        for name, store in stores.items():
-            got = await apply(store, hits, all_or_nothing, int(now_ms))
-            assert got == expected, f"{name} differs from the model: {charges}"
-
-
-_limits = st.tuples(st.sampled_from(LIMITS), st.sampled_from(LIMITS))
-_roles = st.tuples(*[st.sampled_from([Role.BLOCKING, Role.SHADOW, Role.QUOTA])] * 2)
-
-
-@pytest.fixture
-async def redis_backend(redis_url: str) -> AsyncIterator[Backend]:
-    backend = open_backend(redis_url, timeout_ms=2_000)
-    yield backend
-    await backend.close()
-
-
-@pytest.fixture
-async def cluster_backend(cluster_url: str) -> AsyncIterator[Backend]:
-    backend = open_backend(cluster_url, timeout_ms=2_000)
-    yield backend
-    await backend.close()
-
-
-@_settings
-@given(limits=_limits, roles=_roles, steps=_steps)
-async def test_memory_matches_the_model(
-    limits: tuple[Window, Window],
-    roles: tuple[Role, Role],
-    steps: list[tuple[int, list[tuple[int, int, str]], bool]],
-) -> None:
-    """The memory backend, which evicts ended states, answers as the model that keeps them."""
-    await agree(limits, roles, steps, {"memory": MemoryBackend()})
-
-
-@pytest.mark.redis
-@settings(_settings, max_examples=100)
-@given(limits=_limits, roles=_roles, steps=_steps)
-async def test_redis_matches_the_model(
-    limits: tuple[Window, Window],
-    roles: tuple[Role, Role],
-    steps: list[tuple[int, list[tuple[int, int, str]], bool]],
-    redis_backend: Backend,
-) -> None:
-    """decide.lua's named members on Redis answer every request as the Python decision does."""
-    await agree(limits, roles, steps, {"redis": redis_backend})
-
-
-@pytest.mark.cluster
-@settings(_settings, max_examples=50)
-@given(limits=_limits, roles=_roles, steps=_steps)
-async def test_cluster_matches_the_model(
-    limits: tuple[Window, Window],
-    roles: tuple[Role, Role],
-    steps: list[tuple[int, list[tuple[int, int, str]], bool]],
-    cluster_backend: Backend,
-) -> None:
-    """Redis Cluster answers as the model (one request's limits share a slot here)."""
-    await agree(limits, roles, steps, {"cluster": cluster_backend})
