@@ -2,7 +2,9 @@
 counts a request when it starts and gives it back when its stream ends, and the sidecar's
 `algorithm: concurrency` rule admits at most N in flight. Requests are held in flight by an
 upstream in this process that answers only when the test lets it; nothing here waits on a
-clock except for a condition, with a generous deadline."""
+clock except for a condition, with a generous deadline. With `request_id`, the starts and
+refunds carry the request's `x-request-id`, so a lost refund's place comes back within its
+lease while traffic continues."""
 
 from __future__ import annotations
 
@@ -190,6 +192,15 @@ def gateway(tmp_path: Path, upstream: HeldUpstream, envoy_binary: str) -> Iterat
 
 
 @pytest.fixture
+def named_gateway(tmp_path: Path, upstream: HeldUpstream, envoy_binary: str) -> Iterator[Gateway]:
+    """The gateway whose starts and refunds carry the request's `x-request-id`, which the rule
+    names (`request_id`)."""
+    started = Gateway(tmp_path, upstream, envoy_binary, request_id=True)
+    yield started
+    started.stop()
+
+
+@pytest.fixture
 def pool() -> Iterator[ThreadPoolExecutor]:
     with ThreadPoolExecutor(max_workers=8) as executor:
         yield executor
@@ -295,3 +306,50 @@ def test_starts_of_an_envoy_killed_mid_stream_come_back_within_the_lease(
     # Refused while the lost starts last; a machine this slow may have let the lease run out.
     assert first == 429 or time.monotonic() - started >= 2
     until(lambda: status(survivor, client) == 200, "a request admitted after the lease")
+
+
+def test_a_lost_refunds_place_comes_back_within_its_lease_while_traffic_continues(
+    named_gateway: Gateway, upstream: HeldUpstream, pool: ThreadPoolExecutor
+) -> None:
+    """On a limit of 2 with a 2 s lease: a request in flight through an Envoy then killed
+    (SIGKILL, by its PID) never sends its refund. Through a second Envoy, requests keep coming
+    one after another (each admitted and refunded); between them, two held in flight at once
+    are tried. While the lost start lasts the second of the two is refused; once its lease has
+    run out, both are admitted, the traffic still going. (Closing the oldest start instead, each
+    refund would pass the lost place on to a newer start, and two would never fit again.)"""
+    sidecar, doomed = named_gateway.start([], lease="2s")
+    survivor = named_gateway.envoy(sidecar, "survivor")
+    survivor.start()
+    named_gateway.processes.append(survivor)
+    client = unique("client")
+    upstream.hold()
+    lost = sending(pool, doomed, client)
+    upstream.wait_arrived(1)
+    doomed.kill()
+    started = time.monotonic()
+    upstream.release()
+    with pytest.raises(OSError):
+        lost.result(timeout=DEADLINE)
+
+    rounds: list[tuple[int, int]] = []
+
+    def two_fit() -> bool:
+        """Traffic, then two requests held in flight at once: True when both were admitted."""
+        for _ in range(3):
+            assert status(survivor, client) == 200  # each refunded before the next starts
+        upstream.hold()
+        arrived = upstream.arrived
+        first = sending(pool, survivor, client)
+        upstream.wait_arrived(arrived + 1)
+        second = sending(pool, survivor, client)
+        until(lambda: second.done() or upstream.arrived >= arrived + 2, "the second's answer")
+        upstream.release()
+        rounds.append((first.result(timeout=DEADLINE), second.result(timeout=DEADLINE)))
+        return rounds[-1] == (200, 200)
+
+    until(two_fit, "two requests in flight admitted once the lost start's lease ended")
+    # Refused while the lost start lasted; a machine this slow may have let the lease run out.
+    assert rounds[0] == (200, 429) or time.monotonic() - started >= 2
+    assert all(pair in ((200, 429), (200, 200)) for pair in rounds)
+    labels = '{domain="inflight",key1="client"}'
+    assert sidecar.metrics()[f"ratelimit_service_rate_limit_total_negative_hits{labels}"] > 0
