@@ -580,14 +580,22 @@ def noop_latency(workdir: Path, load: Load) -> LoadResult:
         server.stop()
 
 
+def listpack_client(service: Service) -> redis.Redis:
+    """A client of `service` with Redis's default listpack settings made sure of: the layouts'
+    bytes rest on each user's hash staying a listpack, so a redis.conf cannot change what is
+    measured (README: for operators)."""
+    port = int(service.placeholders["redis_url"].rsplit(":", 1)[1])
+    client = redis.Redis(host="127.0.0.1", port=port, protocol=2)
+    for name, value in LISTPACK.items():
+        client.config_set(name, value)
+    return client
+
+
 async def run_zipf(args: argparse.Namespace, workdir: Path) -> str:
     """The Zipf row alone, at each rate asked, on the largest packed layout loaded once."""
     service = start_redis(workdir)
     try:
-        port = int(service.placeholders["redis_url"].rsplit(":", 1)[1])
-        client = redis.Redis(host="127.0.0.1", port=port, protocol=2)
-        for name, value in LISTPACK.items():
-            client.config_set(name, value)
+        client = listpack_client(service)
         counters = max(args.packed_counters)
         _progress(f"memory, packed layout in bulk: {counters:,} counters")
         bulk = await measure_bulk(workdir, service, client, "packed", PACKED_RULES, counters, True)
@@ -612,12 +620,7 @@ async def run(args: argparse.Namespace, workdir: Path) -> str:
     rate = args.check_rate[0]
     service = start_redis(workdir)
     try:
-        port = int(service.placeholders["redis_url"].rsplit(":", 1)[1])
-        client = redis.Redis(host="127.0.0.1", port=port, protocol=2)
-        # The layouts' bytes rest on each user's hash staying a listpack: Redis's defaults,
-        # set here so a redis.conf cannot change what is measured (README: for operators).
-        for name, value in LISTPACK.items():
-            client.config_set(name, value)
+        client = listpack_client(service)
         bulks = []
         for counters in args.packed_counters:
             for layout, rules in (("grouped", RULES), ("packed", PACKED_RULES)):
